@@ -1,0 +1,255 @@
+"""Tensor-parallel collectives as autograd functions, in conjugate pairs.
+
+Megatron's two operators, for a group of t ranks:
+
+- ``copy_to_tp``     (f)  forward identity,    backward all-reduce
+- ``reduce_from_tp`` (g)  forward all-reduce,  backward identity
+- ``gather_from_tp``      forward all-gather,  backward take the local slice
+- ``scatter_to_tp``       forward take the local slice, backward all-gather
+
+plus the vocabulary-parallel embedding and cross-entropy. Each short-circuits
+when the group has one rank. They take the group as an explicit argument (a
+``TPGroup``), which the rewritten graphs receive as their first placeholder
+``tp``: ``print(program.code(rank=1))`` shows every collective by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "TPGroup",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "gather_from_tp",
+    "scatter_to_tp",
+    "vocab_parallel_embedding",
+    "vocab_parallel_cross_entropy",
+    "local_slice",
+]
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """A tensor-parallel group: this rank's index, the size, and the process group.
+
+    ``pg`` is None for a group of one rank (or an inspection-only program).
+    """
+
+    rank: int = 0
+    size: int = 1
+    pg: object | None = None
+
+    def __repr__(self) -> str:
+        return f"TPGroup(rank={self.rank}, size={self.size})"
+
+
+def _all_reduce(x: torch.Tensor, group: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    x = x.contiguous().clone()
+    if group.pg is not None:  # None: an inspection group (shapes only, no communication)
+        dist.all_reduce(x, op=op, group=group.pg)
+    return x
+
+
+def _segments_local(size_local: int, segments: tuple[int, ...] | None, t: int) -> list[int]:
+    return [size_local] if segments is None else [s // t for s in segments]
+
+
+def _all_gather(x: torch.Tensor, group: TPGroup, dim: int, segments: tuple[int, ...] | None) -> torch.Tensor:
+    """Concatenate every rank's piece along ``dim``, segment by segment."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    if group.pg is None:  # inspection group: shapes only
+        parts = [x for _ in range(group.size)]
+    else:
+        dist.all_gather(parts, x, group=group.pg)
+    sizes = _segments_local(x.shape[dim], segments, group.size)
+    pieces = [p.split(sizes, dim=dim) for p in parts]  # [rank][segment]
+    return torch.cat([pieces[r][s] for s in range(len(sizes)) for r in range(group.size)], dim=dim)
+
+
+def local_slice(x: torch.Tensor, rank: int, t: int, dim: int, segments: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Rank ``rank``'s piece of a global tensor along ``dim``: every segment's rank-th 1/t."""
+    segs = list(segments) if segments is not None else [x.shape[dim]]
+    if sum(segs) != x.shape[dim]:  # padded dimension: pad the global tensor with zeros first
+        pad = list(x.shape)
+        pad[dim] = sum(segs) - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    out, start = [], 0
+    for s in segs:
+        n = s // t
+        out.append(x.narrow(dim, start + rank * n, n))
+        start += s
+    return out[0] if len(out) == 1 else torch.cat(out, dim=dim)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, segments):
+        ctx.args = (group, dim, segments)
+        return _all_gather(x, group, dim, segments)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, dim, segments = ctx.args
+        return local_slice(grad, group.rank, group.size, dim, segments).contiguous(), None, None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, segments):
+        ctx.args = (group, dim, segments, x.shape[dim])
+        return local_slice(x, group.rank, group.size, dim, segments).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, dim, segments, size = ctx.args
+        full = _all_gather(grad, group, dim, segments)
+        return full.narrow(dim, 0, size), None, None, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """f: identity forward; all-reduce of the gradient backward."""
+    if tp.size == 1 or not x.requires_grad:
+        return x
+    return _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """g: all-reduce (sum of partial results) forward; identity backward."""
+    if tp.size == 1:
+        return x
+    return _ReduceFromTP.apply(x, tp)
+
+
+def gather_from_tp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, ...] | None = None,
+                   size: int | None = None) -> torch.Tensor:
+    """All-gather a sharded tensor to its full (unpadded ``size``) form; backward keeps the local slice."""
+    if tp.size == 1:
+        full = x
+    else:
+        full = _GatherFromTP.apply(x, tp, dim, segments)
+    if size is not None and full.shape[dim] != size:
+        full = full.narrow(dim, 0, size)
+    return full
+
+
+def scatter_to_tp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Keep this rank's slice of a replicated tensor; backward all-gathers the gradient."""
+    if tp.size == 1:
+        return x
+    return _ScatterToTP.apply(x, tp, dim, segments)
+
+
+def vocab_parallel_embedding(weight_local: torch.Tensor, ids: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Embedding with the vocabulary split by rows.
+
+    Rank i holds rows [i*V/t, (i+1)*V/t). Ids outside that range are looked up
+    as row 0 and zeroed, then g all-reduces: every id finds its row on exactly
+    one rank. The backward is autograd's: only local rows get gradient.
+    """
+    if tp.size == 1:
+        return torch.nn.functional.embedding(ids, weight_local)
+    rows = weight_local.shape[0]
+    start = tp.rank * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    out = torch.nn.functional.embedding(local_ids, weight_local)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_tp(out, tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split by vocabulary, never gathering them.
+
+    loss_n = log(sum_j exp(z_nj)) - z_n,y_n, computed with three all-reduces of
+    (N,)-sized tensors: the max of the logits, the target logit (found on one
+    rank), and the sum of exponentials. Columns at or beyond ``vocab_size``
+    (padding) are -inf: they never win the softmax and get zero gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_size, ignore_index, reduction):
+        t, rank = group.size, group.rank
+        n_local = logits.shape[-1]
+        start = rank * n_local
+        z = logits.float()
+        if start + n_local > vocab_size:  # padded columns on this rank
+            col = torch.arange(start, start + n_local, device=z.device)
+            z = z.masked_fill(col >= vocab_size, float("-inf"))
+        zmax = z.max(dim=-1).values
+        if t > 1 and group.pg is not None:
+            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group.pg)
+        z = z - zmax.unsqueeze(-1)
+        valid = target != ignore_index
+        outside = (target < start) | (target >= start + n_local) | ~valid
+        local_t = (target - start).masked_fill(outside, 0)
+        z_target = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = z.exp()
+        sum_exp = exp.sum(dim=-1)
+        if t > 1 and group.pg is not None:
+            both = torch.stack([z_target, sum_exp])
+            dist.all_reduce(both, group=group.pg)
+            z_target, sum_exp = both[0], both[1]
+        loss = (sum_exp.log() - z_target).masked_fill(~valid, 0.0)  # (N,)
+        count = valid.sum()
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local_t, outside, valid, count)
+        ctx.reduction = reduction
+        ctx.dtype = logits.dtype
+        if reduction == 1:  # mean over non-ignored targets
+            return loss.sum() / count
+        if reduction == 2:
+            return loss.sum()
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        softmax, local_t, outside, valid, count = ctx.saved_tensors
+        grad = softmax.clone()
+        hit = (~outside).float()
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.unsqueeze(-1))
+        grad = grad * valid.unsqueeze(-1)
+        if ctx.reduction == 1:
+            grad = grad * (grad_out / count)
+        elif ctx.reduction == 2:
+            grad = grad * grad_out
+        else:
+            grad = grad * grad_out.unsqueeze(-1)
+        return grad.to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor,
+    target: torch.Tensor,
+    tp: TPGroup,
+    vocab_size: int,
+    ignore_index: int = -100,
+    reduction: int = 1,
+) -> torch.Tensor:
+    """Cross-entropy of (N, V/t) local logits against (N,) targets; reduction 0 none, 1 mean, 2 sum."""
+    return _VocabParallelCrossEntropy.apply(logits_local, target, tp, vocab_size, ignore_index, reduction)

@@ -1,0 +1,127 @@
+"""Start local ranks: one process each, a real process group (gloo on CPU, NCCL on GPU).
+
+``spawn(fn, nprocs, args)`` runs ``fn(*args)`` on every rank with the default
+process group initialised on 127.0.0.1 and returns the ranks' results in rank
+order. A rank that raises makes ``spawn`` raise ``RankError`` with that rank's
+traceback after stopping the others; a rank that hangs is stopped after
+``timeout_s``. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) nothing is
+spawned: ``fn`` runs in this process on the existing group.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["spawn", "RankError", "init_from_env", "free_port"]
+
+
+class RankError(RuntimeError):
+    """A rank failed; the message holds its rank and traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment; returns (rank, world)."""
+    if not dist.is_initialized():
+        backend = backend or default_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeout_s: float,
+            fn: Callable, args: tuple, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        out = fn(*args)
+        buf = io.BytesIO()  # plain bytes: tensors must outlive this process
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with the traceback
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - peers may be gone already
+                pass
+
+
+def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None,
+          timeout_s: float = 600.0, threads_per_rank: int = 1) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks; return their results in rank order."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        init_from_env(backend)
+        return [fn(*args)]
+    backend = backend or default_backend()
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, nprocs, port, backend, threads_per_rank, timeout_s, fn, args, results),
+                    daemon=True)
+        for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    failure: tuple[int, str] | None = None
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < nprocs and failure is None:
+            if not results.empty():
+                rank, ok, value = results.get()
+                if ok:
+                    out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                else:
+                    failure = (rank, value)
+                continue
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and r not in out]
+            if dead and results.empty():
+                time.sleep(0.2)
+                if results.empty():
+                    failure = (dead[0], f"process exited with code {procs[dead[0]].exitcode}")
+                continue
+            if time.monotonic() > deadline:
+                missing = [r for r in range(nprocs) if r not in out]
+                failure = (missing[0], f"ranks {missing} did not finish within {timeout_s:.0f}s")
+                continue
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            p.join(timeout=0 if failure else 10)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+    if failure is not None:
+        rank, text = failure
+        raise RankError(f"rank {rank} of {nprocs} failed: {text}")
+    return [out[r] for r in range(nprocs)]

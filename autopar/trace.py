@@ -1,0 +1,250 @@
+"""Trace ``(inputs, targets) -> loss`` of a model and its loss into an fx graph.
+
+The traced function is the model followed by the user's loss function, so the
+loss (and its vocabulary-parallel rewrite) is part of the graph. We use
+``torch.export.export(strict=False)``: it works on unmodified HuggingFace models
+where ``torch.fx.symbolic_trace`` does not, and every node comes with
+
+- ``meta["val"]``             a FakeTensor: global shape and dtype,
+- ``meta["nn_module_stack"]`` the module path (``h.3.attn.c_attn``),
+- ``meta["stack_trace"]``     the user's source line.
+
+Parameters are lifted to placeholders; ``TracedModel.param_of`` maps each one
+to the parameter's name in the user's model. Shapes are static: the example
+microbatch fixes batch size and sequence length, as in Megatron.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export.graph_signature import InputKind, OutputKind
+
+__all__ = ["TracedModel", "TraceError", "trace", "default_logits", "module_path", "source_line"]
+
+_WRAPPER_PREFIX = "model."
+
+
+class TraceError(RuntimeError):
+    """The model (with its loss) could not be traced; the message says where and what to try."""
+
+
+def default_logits(output: Any) -> torch.Tensor:
+    """Pick the logits out of a model's output.
+
+    A tensor is the logits; an object or dict with ``logits`` (HuggingFace
+    outputs) gives that; otherwise the first tensor of a tuple/list/dict.
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, dict):
+        if isinstance(output.get("logits"), torch.Tensor):
+            return output["logits"]
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            if isinstance(item, torch.Tensor):
+                return item
+    raise TraceError(
+        f"cannot find the logits in the model's output of type {type(output).__name__}; "
+        "pass output_fn=lambda out: <the logits tensor> to parallelize()"
+    )
+
+
+class _LossWrapper(nn.Module):
+    """``(*inputs, *targets) -> loss_fn(output_fn(model(*inputs)), *targets)``."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, output_fn: Callable, n_inputs: int):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.output_fn = output_fn
+        self.n_inputs = n_inputs
+
+    def forward(self, *args):
+        inputs, targets = args[: self.n_inputs], args[self.n_inputs :]
+        logits = self.output_fn(self.model(*inputs))
+        return self.loss_fn(logits, *targets)
+
+
+@dataclass
+class TracedModel:
+    """The traced graph and how its placeholders relate to the user's model."""
+
+    gm: fx.GraphModule
+    """ATen training-IR graph; placeholders: parameters, buffers, constants, inputs, targets."""
+    param_of: dict[str, str]
+    """Placeholder name -> parameter name in the user's model (canonical, first name)."""
+    buffer_of: dict[str, str]
+    """Placeholder name -> buffer name in the user's model."""
+    constant_of: dict[str, str]
+    """Placeholder name -> lifted constant name (in ``constants``)."""
+    input_names: list[str]
+    """Placeholders fed by the model inputs, in order."""
+    target_names: list[str]
+    """Placeholders fed by the loss targets, in order."""
+    constants: dict[str, torch.Tensor]
+    """Lifted tensor constants (values)."""
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+    """Canonical parameter name -> every name it has in the model (tied weights)."""
+    model_name: str = "model"
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def param_nodes(self) -> dict[str, fx.Node]:
+        """Parameter name -> placeholder node."""
+        return {self.param_of[n.name]: n for n in self.placeholders() if n.name in self.param_of}
+
+
+def _strip(name: str) -> str:
+    return name[len(_WRAPPER_PREFIX) :] if name.startswith(_WRAPPER_PREFIX) else name
+
+
+def _to_tuple(x: Any) -> tuple:
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Any,
+    example_targets: Any,
+    loss_fn: Callable,
+    output_fn: Callable | None = None,
+) -> TracedModel:
+    """Trace ``loss_fn(output_fn(model(*example_inputs)), *example_targets)``.
+
+    Works with parameters on the ``meta`` device (the example tensors are then
+    moved to meta too), so large models can be compiled without memory.
+    """
+    inputs, targets = _to_tuple(example_inputs), _to_tuple(example_targets)
+    for i, x in enumerate(inputs + targets):
+        if not isinstance(x, torch.Tensor):
+            raise TraceError(
+                f"example input/target #{i} is a {type(x).__name__}, not a tensor; "
+                "pass tensors (use a lambda in loss_fn/output_fn for other arguments)"
+            )
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta:
+        inputs = tuple(x.to("meta") for x in inputs)
+        targets = tuple(x.to("meta") for x in targets)
+    wrapper = _LossWrapper(model, loss_fn, output_fn or default_logits, len(inputs))
+    was_training = model.training
+    model.train()
+    try:
+        ep = torch.export.export(wrapper, inputs + targets, strict=False)
+    except Exception as e:  # noqa: BLE001 - re-raised with the user's line
+        raise TraceError(_explain_trace_failure(model, e)) from e
+    finally:
+        model.train(was_training)
+
+    sig = ep.graph_signature
+    param_of, buffer_of, constant_of, user = {}, {}, {}, []
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            param_of[name] = _strip(spec.target)
+        elif spec.kind == InputKind.BUFFER:
+            buffer_of[name] = _strip(spec.target)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            constant_of[name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            user.append(name)
+        else:
+            raise TraceError(f"unsupported graph input {name} of kind {spec.kind.name}")
+    for spec in sig.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise TraceError(
+                f"the model mutates state during the forward ({spec.kind.name} of {spec.target}); "
+                "autopar needs a functional forward: remove in-place updates of buffers "
+                "(e.g. BatchNorm running statistics) or put the model in a form without them"
+            )
+    out = [n for n in ep.graph_module.graph.nodes if n.op == "output"][0]
+    if len(out.args[0]) != 1 or tuple(out.args[0][0].meta["val"].shape) != ():
+        shapes = [tuple(a.meta["val"].shape) for a in out.args[0]]
+        raise TraceError(
+            f"loss_fn must return one scalar loss; it returned {len(shapes)} value(s) of shapes {shapes}"
+        )
+
+    aliases: dict[str, list[str]] = {}
+    by_id = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    for name, p in model.named_parameters():
+        aliases[name] = by_id[id(p)]
+
+    # Tied weights: every placeholder is named by the parameter's first name in the
+    # model; a placeholder left without users by the tie is dropped.
+    canonical = {alias: names[0] for names in aliases.values() for alias in names}
+    gm = ep.graph_module
+    for node in list(gm.graph.nodes):
+        if node.name in param_of:
+            param_of[node.name] = canonical.get(param_of[node.name], param_of[node.name])
+            if not node.users:
+                del param_of[node.name]
+                gm.graph.erase_node(node)
+    gm.recompile()
+
+    constants = {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
+    return TracedModel(
+        gm=gm,
+        param_of=param_of,
+        buffer_of=buffer_of,
+        constant_of=constant_of,
+        input_names=user[: len(inputs)],
+        target_names=user[len(inputs) :],
+        constants=constants,
+        aliases=aliases,
+        model_name=type(model).__name__,
+    )
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost module a node was traced in (``h.0.attn.c_attn``), '' for the top."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return _strip(path) if path != "model" else ""
+
+
+def source_line(node: fx.Node) -> str:
+    """The user's source line for a node (``models.py:93 q = self.q(x)...``), or ''."""
+    trace_text = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)', trace_text)
+    frames = [f for f in frames if "autopar/trace.py" not in f[0]]
+    if not frames:
+        return ""
+    file, line, code = frames[-1]
+    return f"{file.rsplit('/', 1)[-1]}:{line} {code.strip()}"
+
+
+def _explain_trace_failure(model: nn.Module, err: Exception) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    user = [f for f in frames if "/torch/" not in f.filename and "autopar/trace.py" not in f.filename]
+    where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "(no user frame)"
+    text = str(err).strip().splitlines()
+    first = text[0] if text else type(err).__name__
+    hint = (
+        "control flow that depends on tensor values (if x.sum() > 0, .item(), .tolist(), "
+        "data-dependent shapes) cannot be traced: compute it with torch.where / masks, or "
+        "move it out of forward; a model that needs extra non-tensor arguments can be "
+        "wrapped in a small nn.Module whose forward takes only tensors"
+    )
+    return (
+        f"could not trace {type(model).__name__} with its loss: {type(err).__name__}: {first}\n"
+        f"  at {where}\n  try: {hint}"
+    )

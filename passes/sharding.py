@@ -1,0 +1,277 @@
+"""Sharding analysis: a tensor-parallel placement for every value of the graph.
+
+Every value starts replicated. A linear whose input is replicated is a
+*candidate*: we try it column-parallel (output ``Shard(last)``) and propagate
+placements forward through per-op rules (``passes/sharding_rules.py``). The
+candidate is kept when its sharded output reaches a consumer that ends the
+sharded region by itself: a linear contracting over the sharded dim (which
+becomes row-parallel: output partial, reduced by g) or a cross-entropy over a
+sharded vocabulary. This finds Megatron's pattern without knowing any model:
+
+    x (R) -f-> linear_A (column) -> gelu -> linear_B (row) -g-> (R)
+    x (R) -f-> q, k, v (column, by heads) -> view/transpose/rope -> sdpa -> o (row) -g->
+
+The analysis only decides; ``passes/tensor_parallel.py`` rewrites.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autopar.placement import Partial, Replicate, Shard
+from autopar.trace import TracedModel, module_path, source_line
+from passes.sharding_rules import (
+    Ctx,
+    Decision,
+    NeedSegments,
+    decide,
+    linear_parts,
+    weight_of,
+)
+
+__all__ = ["ShardingPlan", "ShardingError", "Rejected", "analyze_sharding"]
+
+
+class ShardingError(ValueError):
+    """The model cannot be split t ways as asked; the message names the place, numbers and fix."""
+
+
+@dataclass(frozen=True)
+class Rejected:
+    node: str
+    module: str
+    reason: str
+
+
+@dataclass
+class ShardingPlan:
+    """Result of the analysis: what each node does and how each parameter is split."""
+
+    tp: int
+    decisions: dict[str, Decision]
+    """Node name -> decision (its output placement, the collectives around it)."""
+    param_specs: dict[str, Replicate | Shard]
+    """Parameter placeholder name -> placement of the parameter (Shard may be padded)."""
+    column: dict[str, Shard]
+    """Column-parallel linear node -> placement of its output."""
+    rejected: list[Rejected] = field(default_factory=list)
+    """Linears left replicated, and why."""
+
+    def nodes_of_kind(self, kind: str) -> list[str]:
+        return [n for n, d in self.decisions.items() if d.kind == kind]
+
+    @property
+    def fallbacks(self) -> list[str]:
+        return self.nodes_of_kind("fallback")
+
+    def placement(self, name: str):
+        return self.decisions[name].out
+
+
+class _State:
+    """Placements of all nodes, updated incrementally when a candidate is tried."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: Ctx):
+        self.ctx = ctx
+        self.nodes = list(gm.graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.dec: dict[fx.Node, Decision] = {}
+
+    def placement_of(self, n: fx.Node):
+        d = self.dec.get(n)
+        return d.out if d is not None else Replicate()
+
+    def run_all(self) -> None:
+        for n in self.nodes:
+            self.dec[n] = decide(self.ctx, n, self.placement_of)
+
+    def propagate_from(self, start: fx.Node) -> dict[fx.Node, Decision]:
+        """Recompute ``start`` and everything downstream whose inputs changed.
+
+        Returns the previous decisions of the touched nodes (to undo).
+        """
+        old: dict[fx.Node, Decision] = {}
+        heap = [(self.index[start], start.name)]
+        byname = {start.name: start}
+        seen = set()
+        while heap:
+            _, name = heapq.heappop(heap)
+            if name in seen:
+                continue
+            seen.add(name)
+            n = byname[name]
+            new = decide(self.ctx, n, self.placement_of)
+            prev = self.dec.get(n)
+            old.setdefault(n, prev)
+            self.dec[n] = new
+            if prev is None or prev.out != new.out or _shard_meta(prev.out) != _shard_meta(new.out):
+                for u in n.users:
+                    byname[u.name] = u
+                    heapq.heappush(heap, (self.index[u], u.name))
+        return old
+
+    def undo(self, old: dict[fx.Node, Decision]) -> None:
+        for n, d in old.items():
+            if d is None:
+                self.dec.pop(n, None)
+            else:
+                self.dec[n] = d
+
+
+def _shard_meta(p):
+    if isinstance(p, Shard):
+        return (p.dim, p.segments, p.origin)
+    if isinstance(p, tuple):
+        return tuple(_shard_meta(x) for x in p)
+    return p
+
+
+def _param_conflicts(state: _State, ctx: Ctx) -> list[str]:
+    demands: dict[str, dict] = {}
+    for n, d in state.dec.items():
+        for pname, pl in d.param_demand.items():
+            demands.setdefault(pname, {})[n.name] = pl
+    msgs = []
+    for pname, by_node in demands.items():
+        kinds = set(by_node.values())
+        if len(kinds) > 1:
+            msgs.append(f"{ctx.param_of.get(pname, pname)}: " + ", ".join(f"{k}={v}" for k, v in by_node.items()))
+    return msgs
+
+
+def _describe(ctx: Ctx, node: fx.Node) -> str:
+    where = source_line(node)
+    mod = module_path(node)
+    return f"node {node.name} ({node.target}) in module '{mod}'" + (f" at {where}" if where else "")
+
+
+def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
+    """Decide the tensor-parallel placement of every value and parameter for ``tp`` ranks."""
+    gm = traced.gm
+    ctx = Ctx.build(traced, tp)
+    state = _State(gm, ctx)
+    state.run_all()
+    if tp == 1:
+        return _finish(traced, ctx, state, [])
+
+    rejected: list[Rejected] = []
+    for node in list(gm.graph.nodes):
+        parts = linear_parts(ctx, node)
+        if parts is None or not isinstance(state.placement_of(_operand(node, parts[0])), Replicate):
+            continue
+        ok, reason, errors = _try_column(state, ctx, node)
+        if errors and not ok:
+            raise ShardingError(errors[0])
+        if not ok:
+            rejected.append(Rejected(node.name, module_path(node), reason))
+    # A vocabulary-parallel embedding whose (tied) table stayed whole elsewhere
+    # cannot be split: run it replicated and say so.
+    while conflicts := _param_conflicts(state, ctx):
+        tables = {n.args[0].name for n in gm.graph.nodes if n.name in ctx.vocab_embeddings}
+        bad = [n for n in gm.graph.nodes if n.name in ctx.vocab_embeddings and any(
+            c.startswith(ctx.param_of[n.args[0].name] + ":") for c in conflicts)]
+        if not bad:
+            raise ShardingError("inconsistent parameter sharding: " + "; ".join(conflicts))
+        for n in bad:
+            ctx.vocab_embeddings.discard(n.name)
+            rejected.append(Rejected(n.name, module_path(n), "its table is also read whole by another op, so the "
+                                     "vocabulary stays unsplit"))
+        del tables
+        state.run_all()
+    return _finish(traced, ctx, state, rejected)
+
+
+def _operand(node: fx.Node, path: tuple) -> fx.Node:
+    if path[0] == "k":
+        return node.kwargs[path[1]]
+    a = node.args[path[1]]
+    return a[path[2]] if len(path) == 3 else a
+
+
+def _try_column(state: _State, ctx: Ctx, node: fx.Node) -> tuple[bool, str, list[str]]:
+    out_features = ctx.shape(weight_of(ctx, node))[ctx.out_dim_of_weight(node)]
+    segments: tuple[int, ...] | None = None
+    padded = out_features % ctx.tp != 0
+    if padded:
+        segments = (-(-out_features // ctx.tp) * ctx.tp,)
+    for _attempt in range(3):
+        ctx.column[node] = segments
+        before = {n: d.kind for n, d in state.dec.items()}
+        conflicts_before = set(_param_conflicts(state, ctx))
+        try:
+            old = state.propagate_from(node)
+        except NeedSegments as need:
+            ctx.column.pop(node)
+            if segments is None and need.origin == node.name and all(s % ctx.tp == 0 for s in need.sizes):
+                segments = tuple(need.sizes)
+                continue
+            return False, f"its output is split into {list(need.sizes)} which does not divide by tp={ctx.tp}", []
+        touched = [n for n in old]
+        # joining a region that is already sharded (K and V after Q) removes its scatters
+        merged = any(old[n] is not None and len(old[n].scatter_in) > len(state.dec[n].scatter_in) for n in touched)
+        sinks = [n for n in touched if state.dec[n].kind in ("row", "vocab_cross_entropy") and before.get(n) != state.dec[n].kind]
+        errors = [state.dec[n].error for n in touched if state.dec[n].error]
+        new_fallbacks = [n for n in touched if state.dec[n].kind == "fallback" and before.get(n) != "fallback"]
+        out_node = state.nodes[-1]
+        out_ok = all(isinstance(p, Replicate) for p in _flat(state.placement_of(out_node.args[0][0])))
+        conflicts = [c for c in _param_conflicts(state, ctx) if c not in conflicts_before]
+        padded_bad = padded and any(state.dec[n].kind != "vocab_cross_entropy" for n in sinks)
+        if (sinks or merged) and out_ok and not conflicts and not errors and not padded_bad:
+            return True, "", []
+        state.undo(old)
+        ctx.column.pop(node)
+        if errors:
+            return False, errors[0], errors
+        if padded and sinks:
+            dim = out_features
+            return False, "", [
+                f"{_describe(ctx, node)} has {dim} output features, not divisible by tp={ctx.tp}; "
+                f"only a vocabulary (consumed by the cross-entropy) can be padded. "
+                f"Use a tp that divides {dim} ({_divisors(dim)})"
+            ]
+        if conflicts:
+            return False, "its weight is also used unsharded elsewhere: " + "; ".join(conflicts), []
+        if new_fallbacks:
+            fb = new_fallbacks[0]
+            return False, f"its output reaches {_describe(ctx, fb)}, which has no sharding rule", []
+        if not out_ok:
+            return False, "its sharded output would reach the loss", []
+        return False, "its output never reaches a row-parallel consumer", []
+    return False, "segment search did not converge", []
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, min(n, 64) + 1) if n % d == 0)
+
+
+def _flat(p):
+    if isinstance(p, tuple):
+        out = []
+        for x in p:
+            out.extend(_flat(x))
+        return out
+    return [p]
+
+
+def _finish(traced: TracedModel, ctx: Ctx, state: _State, rejected: list[Rejected]) -> ShardingPlan:
+    conflicts = _param_conflicts(state, ctx)
+    if conflicts:  # internal invariant: candidates with conflicts are never accepted
+        raise ShardingError("inconsistent parameter sharding: " + "; ".join(conflicts))
+    specs: dict[str, Replicate | Shard] = {}
+    for n, d in state.dec.items():
+        specs.update(d.param_demand)
+    for name in traced.param_of:
+        specs.setdefault(name, Replicate())
+    column = {n.name: state.dec[n].out for n in ctx.column}
+    return ShardingPlan(
+        tp=ctx.tp,
+        decisions={n.name: d for n, d in state.dec.items()},
+        param_specs=specs,
+        column=column,
+        rejected=rejected,
+    )
+

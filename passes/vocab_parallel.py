@@ -1,0 +1,46 @@
+"""Vocabulary-parallel embedding and cross-entropy rewrites.
+
+The embedding table E (V, h) is split by rows: rank i holds
+E[i*V/t : (i+1)*V/t]. A tied LM head uses the same shard, so its logits are
+split by vocabulary, and the cross-entropy is computed from the split logits
+with three all-reduces of (N,)-sized tensors: the full (N, V) logits never
+exist on any rank. A vocabulary not divisible by t is padded to the next
+multiple of t; padded rows are zero, never looked up, and masked to -inf in
+the loss (see ``autopar.comm``).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopar import comm
+
+__all__ = ["rewrite_embedding", "rewrite_cross_entropy"]
+
+
+def _meta(new: fx.Node, like: fx.Node) -> fx.Node:
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]
+    return new
+
+
+def rewrite_embedding(graph: fx.Graph, node: fx.Node, tp: fx.Node) -> fx.Node:
+    """embedding(E, ids) -> vocab_parallel_embedding(E_local, ids, tp)."""
+    weight, ids = node.args[0], node.args[1]
+    with graph.inserting_after(node):
+        new = _meta(graph.call_function(comm.vocab_parallel_embedding, (weight, ids, tp)), node)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
+
+
+def rewrite_cross_entropy(graph: fx.Graph, node: fx.Node, tp: fx.Node, extra: dict) -> fx.Node:
+    """cross_entropy_loss(z, y) -> vocab_parallel_cross_entropy(z_local, y, tp, V, ignore, reduction)."""
+    logits, target = node.args[0], node.args[1]
+    args = (logits, target, tp, extra["vocab_size"], extra["ignore_index"], extra["reduction"])
+    with graph.inserting_after(node):
+        new = _meta(graph.call_function(comm.vocab_parallel_cross_entropy, args), node)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
