@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -27,7 +28,7 @@ _DIRECTION = {
 
 
 def render_summary(program: "ParallelProgram", width: int = 120) -> str:
-    console = Console(record=True, width=width, force_terminal=False, color_system=None)
+    console = Console(record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None)
     t = program.tp
     total = sum(math.prod(program.full_shape(n)) for n in program.param_names)
     local = program.local_numel()
