@@ -125,6 +125,34 @@ class ParallelProgram:
             return int(head) if head.isdigit() else None
         return None
 
+    def local_shapes(self, rank: int = 0) -> dict[str, tuple[int, ...]]:
+        """Shape of every value of the rank program on one rank, by fake-tensor propagation.
+
+        Runs without memory or communication (collectives of an inspection
+        ``TPGroup`` only produce the right shapes), so it works for a
+        meta-device model of any size.
+        """
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        args = [TPGroup(rank, self.tp, None)]
+        feeds = {**{ph: self.traced.param_of[ph] for ph in self.traced.param_of}}
+        for node in list(self.rank_module.graph.nodes)[1:]:
+            if node.op != "placeholder":
+                break
+            val = node.meta["val"]
+            shape = self.local_shape(feeds[node.name]) if node.name in feeds else tuple(val.shape)
+            with mode:
+                args.append(torch.empty(shape, dtype=val.dtype, device="meta" if val.device.type == "meta" else "cpu"))
+        FakeTensorProp(self.rank_module, mode).propagate(*args)
+        out = {}
+        for node in self.rank_module.graph.nodes:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                out[node.name] = tuple(val.shape)
+        return out
+
     def fallbacks(self) -> list[tuple[str, str, str]]:
         """(node, reason, source line) of every op run replicated for want of a rule."""
         nodes = {n.name: n for n in self.traced.gm.graph.nodes}
@@ -165,6 +193,7 @@ class ParallelProgram:
         world, which must then have exactly ``tp`` ranks). ``state_dict``: full
         weights to use instead of the model's (needed for a meta-device model).
         """
+        full = self._full_weights(state_dict)
         if self.tp == 1 and tp_group is None:
             group = TPGroup(0, 1, None)
         else:
@@ -177,7 +206,6 @@ class ParallelProgram:
                 raise ValueError(f"the tensor-parallel group has {size} ranks but the program was compiled for "
                                  f"tp={self.tp}; pass tp_group= with {self.tp} ranks or compile with tp={size}")
             group = TPGroup(dist.get_rank(pg), size, pg)
-        full = self._full_weights(state_dict)
         local = {}
         for name in self.param_names:
             spec = self.param_spec(name)

@@ -500,7 +500,15 @@ def _linear(ctx: Ctx, node, pl, parts) -> Decision:
         nd = _ndim(x)
         if px.dim == nd - 1:
             if px.segments is not None and sum(px.segments) != Ctx.shape(x)[-1]:
-                return _fallback(node, [(xpath, px)], "row-parallel linear over a padded dim")
+                n = Ctx.shape(x)[-1]
+                where = source_line(node)
+                err = (f"tensor parallelism tp={ctx.tp} cannot split the linear pair {px.origin} -> {node.name} "
+                       f"(module '{module_path(node)}'): {px.origin} has {n} output features, not divisible by "
+                       f"tp={ctx.tp}; only a vocabulary (consumed by the cross-entropy) can be padded"
+                       + (f" [{where}]" if where else "")
+                       + f". Fix: use a tp that divides {n} (one of {[k for k in range(1, min(n, 64) + 1) if n % k == 0]}), "
+                       f"or make the FFN/hidden size a multiple of tp.")
+                return _fallback(node, [(xpath, px)], "row-parallel linear over a padded dim", error=err)
             demand[w.name] = Shard(w_in, px.segments)
             return Decision(R, kind="row", reduce_out=True, param_demand=demand)
         copy = tuple(p for p, n in ((("w",), w), (("b",), b)) if isinstance(n, fx.Node) and n.name in ctx.requires_grad)

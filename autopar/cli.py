@@ -1,0 +1,292 @@
+"""The ``autopar`` command line.
+
+    autopar plan --model gpt-39b --gpus 512 --batch 1536 --hardware dgx-a100-80gb
+    autopar plan --layers 48 --hidden 8192 --heads 64 --gpus 512 --batch 1536 --tp 8 --pp 2 --vp 4 --micro-batch 4
+    autopar plan ... --json          # the same results as JSON
+    autopar plan ... --explain       # the paper's formulas, symbolic and with values
+    autopar simulate --model gpt-76b --gpus 1024 --batch 1792 --tp 8 --pp 4 --vp 3 --micro-batch 2 --svg step.svg
+    autopar simulate --pp 4 --vp 2 --microbatches 8         # unit costs (F = 1, B = 2)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import sympy as sp
+from rich.console import Console
+from rich.table import Table
+
+from autopar.cost import (
+    FORMULAS,
+    Cluster,
+    Estimate,
+    Layout,
+    ModelSpec,
+    estimate,
+    explain,
+    get_model,
+    layer_ops,
+    op_time,
+)
+from autopar.hardware import PROFILES, get_hardware
+from autopar.planner import Plan, SearchSpace, search
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -> None:
+    g = ap.add_argument_group("model (a preset, or dimensions)")
+    g.add_argument("--model", help="preset: gpt-1.7b, gpt-3.6b, gpt-7.5b, gpt-18b, gpt-39b, gpt-76b, "
+                                   "gpt-145b, gpt-310b, gpt-530b, gpt-1t")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--hidden", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--seq-len", type=int, default=None)
+    g.add_argument("--vocab", type=int, default=None)
+    g.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 * hidden)")
+    g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: heads)")
+    g.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (three projections)")
+    c = ap.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, required=required_cluster)
+    c.add_argument("--batch", type=int, required=required_cluster, help="global batch (sequences)")
+    c.add_argument("--hardware", default="dgx-a100-80gb", choices=sorted(PROFILES))
+    lay = ap.add_argument_group("layout (fix any of these to restrict the search)")
+    lay.add_argument("--tp", type=int, help="tensor-parallel degree t")
+    lay.add_argument("--pp", type=int, help="pipeline stages p")
+    lay.add_argument("--vp", type=int, help="model chunks per stage v (interleaved when > 1)")
+    lay.add_argument("--micro-batch", type=int, help="micro-batch size b")
+    lay.add_argument("--schedule", choices=("1f1b", "interleaved", "gpipe"))
+    lay.add_argument("--recompute", choices=("full", "none", "any"), default="any",
+                     help="activation recomputation (default: try both)")
+    lay.add_argument("--dp-overlap", action="store_true",
+                     help="overlap the gradient all-reduce with the backward (PyTorch DDP)")
+    lay.add_argument("--no-scatter-gather", action="store_true")
+    lay.add_argument("--uneven-layers", action="store_true", help="allow layers not divisible by p*v")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="autopar", description="3D-parallel training planner and tools.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="rank layouts (t, p, d, v, micro-batch, schedule, recompute)")
+    _add_model_args(plan)
+    plan.add_argument("--top", type=int, default=10, help="rows to show")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan.add_argument("--explain", action="store_true", help="print the formulas and their values")
+    sim = sub.add_parser("simulate", help="simulate a pipeline step and draw its timeline")
+    _add_model_args(sim, required_cluster=False)
+    sim.add_argument("--microbatches", type=int, help="m, for unit-cost simulation without a model")
+    sim.add_argument("--svg", default="autopar-timeline.svg", help="SVG output path ('' for none)")
+    sim.add_argument("--width", type=int, default=0, help="terminal columns for the timeline")
+    return ap
+
+
+def _spec(args: argparse.Namespace) -> ModelSpec | None:
+    if args.model:
+        spec = get_model(args.model)
+        over = {k: getattr(args, a) for k, a in (("seq_len", "seq_len"), ("vocab", "vocab"))
+                if getattr(args, a) is not None}
+        if over:
+            from dataclasses import replace
+
+            spec = replace(spec, **over)
+        return spec
+    dims = (args.layers, args.hidden, args.heads)
+    if all(x is None for x in dims):
+        return None
+    if any(x is None for x in dims):
+        raise SystemExit("autopar: give --model, or all of --layers --hidden --heads")
+    return ModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                     seq_len=args.seq_len or 2048, vocab=args.vocab or 51200, ffn=args.ffn,
+                     kv_heads=args.kv_heads, gated_mlp=args.gated_mlp)
+
+
+def _space(args: argparse.Namespace) -> SearchSpace:
+    one = (lambda x: None if x is None else (x,))
+    scheds = ("1f1b", "interleaved") if args.schedule is None else (args.schedule,)
+    if args.schedule is None and args.vp is not None:
+        scheds = ("interleaved",) if args.vp > 1 else ("1f1b",)
+    return SearchSpace(
+        t=one(args.tp), p=one(args.pp), v=one(args.vp), b=one(args.micro_batch), schedules=scheds,
+        recompute=("full", "none") if args.recompute == "any" else (args.recompute,),
+        dp_overlap=args.dp_overlap, scatter_gather=not args.no_scatter_gather,
+        divisible_layers=not args.uneven_layers,
+    )
+
+
+GiB = 2**30
+
+
+def _row(e: Estimate) -> list[str]:
+    lay = e.layout
+    sched = {"1f1b": "1F1B", "interleaved": "interleaved", "gpipe": "GPipe"}[lay.schedule] if lay.p > 1 else "-"
+    return [str(lay.t), str(lay.p), str(lay.d), str(lay.v), str(lay.b), str(e.m),
+            sched + ("*" if e.simulated else ""), lay.recompute,
+            f"{e.t_iter:.3f}", f"{e.tflops_per_gpu:.1f}", f"{e.frac_peak:.1%}", f"{e.memory.total / GiB:.1f}",
+            f"{e.bubble:.1%}", f"{e.comm_time:.3f}"]
+
+
+def _plan_table(plan: Plan, top: int) -> Table:
+    hw = plan.cluster.hardware
+    tb = Table(title=f"{plan.spec.label} on {plan.cluster.gpus} x {hw.gpu} ({hw.name}), global batch "
+                     f"{plan.cluster.global_batch}: {plan.evaluated} layouts in {plan.seconds:.2f} s",
+               caption="ranked by predicted iteration time; TFLOP/s count the FLOPs executed (recomputation "
+                       "included, as the paper counts); * = schedule simulated; comm = exposed "
+                       "tensor-parallel, pipeline and data-parallel communication")
+    for col in ("#", "t", "p", "d", "v", "b", "m", "schedule", "recompute", "iter (s)", "TFLOP/s/GPU",
+                "% peak", "GiB/GPU", "bubble", "comm (s)"):
+        tb.add_column(col, justify="left" if col in ("schedule", "recompute") else "right")
+    rows = list(plan.ranked[:top])
+    for k, e in enumerate(rows, 1):
+        tb.add_row(str(k), *_row(e))
+    ref = plan.reference
+    if ref is not None:
+        tb.add_row("paper", *_row(ref), style="yellow")
+    return tb
+
+
+def _breakdown_table(e: Estimate) -> Table:
+    tb = Table(title=f"where the time goes: {e.layout.short}")
+    tb.add_column("part")
+    tb.add_column("seconds", justify="right")
+    tb.add_column("share", justify="right")
+    for k, v in e.breakdown.items():
+        tb.add_row(k, f"{v:.3f}", f"{v / e.t_iter:.1%}")
+    tb.add_row("iteration", f"{e.t_iter:.3f}", "100%", style="bold")
+    return tb
+
+
+def _ops_table(e: Estimate) -> Table:
+    hw, lay = e.cluster.hardware, e.layout
+    ops = layer_ops(e.spec, lay.b, lay.t)
+    tb = Table(title=f"one layer, forward, on one GPU (b={lay.b}, t={lay.t})")
+    for col in ("op", "kind", "GEMM (batch, M, N, K)", "GFLOP", "MB", "time (us)"):
+        tb.add_column(col, justify="left" if col in ("op", "kind", "GEMM (batch, M, N, K)") else "right")
+    for op in ops.forward:
+        tb.add_row(op.name, op.kind, str(op.gemm) if op.gemm else "", f"{op.flops / 1e9:.2f}",
+                   f"{op.bytes / 1e6:.1f}", f"{op_time(op, hw, lay.t) * 1e6:.0f}")
+    return tb
+
+
+def _explain_lines(e: Estimate) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for x in explain(e):
+        val = f"{x.value:.4g}" + (f" {x.unit}" if x.unit else "")
+        rows.append((x.key, x.description, sp.sstr(x.expr), val))
+    return rows
+
+
+def _explain_table(e: Estimate) -> Table:
+    tb = Table(title=f"the paper's formulas for {e.layout.short}")
+    tb.add_column("name")
+    tb.add_column("what")
+    tb.add_column("formula")
+    tb.add_column("value", justify="right")
+    for row in _explain_lines(e):
+        tb.add_row(*row)
+    return tb
+
+
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    spec = _spec(args)
+    if spec is None:
+        raise SystemExit("autopar plan: give --model, or --layers --hidden --heads")
+    cluster = Cluster(args.gpus, get_hardware(args.hardware), args.batch)
+    plan = search(spec, cluster, _space(args), top=args.top)
+    if args.json:
+        out = {
+            "model": {"name": spec.label, "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads,
+                      "seq_len": spec.seq_len, "vocab": spec.vocab, "ffn": spec.ffn_size, "kv_heads": spec.kv},
+            "cluster": {"gpus": cluster.gpus, "hardware": cluster.hardware.name, "global_batch": args.batch},
+            "evaluated": plan.evaluated, "seconds": plan.seconds, "rejected": plan.rejected,
+            "ranked": [e.as_dict() for e in plan.ranked[:args.top]],
+            "reference": plan.reference.as_dict() if plan.reference else None,
+            "why": plan.why(),
+        }
+        if not plan.ranked:
+            out["error"] = plan.no_fit_message()
+        if args.explain and plan.ranked:
+            out["explain"] = [dict(zip(("name", "what", "formula", "value"), r)) for r in _explain_lines(plan.best)]
+        print(json.dumps(out, indent=2))
+        return 0 if plan.ranked else 1
+    if not plan.ranked:
+        console.print(f"[red]{plan.no_fit_message()}[/red]")
+        return 1
+    console.print(_plan_table(plan, args.top))
+    if plan.rejected:
+        console.print("rejected: " + ", ".join(f"{n} x {rule}" for rule, n in plan.rejected.items()))
+    if plan.reference is not None:
+        console.print("[bold]compared with the paper's layout[/bold]")
+        for line in plan.why():
+            console.print(line, highlight=False)
+    if args.explain:
+        best = plan.best
+        console.print(_explain_table(best))
+        console.print(_breakdown_table(best))
+        console.print(_ops_table(best))
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
+    from autopar.schedules import generate
+    from autopar.simulate import simulate
+    from autopar.viz import timeline_text, write_svg
+
+    spec = _spec(args)
+    width = args.width or max(40, console.width - 10)
+    if spec is None:
+        if args.pp is None or args.microbatches is None:
+            raise SystemExit("autopar simulate: give a model and cluster, or --pp and --microbatches (unit costs)")
+        v = args.vp or 1
+        name = args.schedule or ("interleaved" if v > 1 else "1f1b")
+        sim = simulate(generate(name, args.pp, v, args.microbatches), 1.0, 2.0)
+        title = f"{name} p={args.pp} v={v} m={args.microbatches}, unit costs (F = 1, B = 2)"
+        unit = "units"
+    else:
+        if args.gpus is None or args.batch is None:
+            raise SystemExit("autopar simulate: a model needs --gpus and --batch")
+        cluster = Cluster(args.gpus, get_hardware(args.hardware), args.batch)
+        space = _space(args)
+        if all(x is not None for x in (args.tp, args.pp, args.micro_batch)):
+            d = args.gpus // (args.tp * args.pp)
+            v = args.vp or 1
+            lay = Layout(t=args.tp, p=args.pp, d=d, b=args.micro_batch, v=v,
+                         schedule=args.schedule or "", recompute="none" if args.recompute == "none" else "full",
+                         scatter_gather=not args.no_scatter_gather, dp_overlap=args.dp_overlap)
+        else:
+            lay = search(spec, cluster, space, top=1).best.layout
+        if lay.p == 1:
+            console.print(f"[yellow]{lay.short} has no pipeline (p = 1): the timeline is one rank.[/yellow]")
+        from autopar.simulate import simulate_estimate
+
+        est, sim = simulate_estimate(spec, cluster, lay)
+        title = (f"{spec.label}, {lay.short}, {cluster.gpus} GPUs, batch {cluster.global_batch}: "
+                 f"{est.tflops_per_gpu:.1f} TFLOP/s/GPU predicted")
+        unit = "s"
+    console.print(title, style="bold", highlight=False)
+    console.print(timeline_text(sim, width=width, unit=unit))
+    if args.svg:
+        write_svg(sim, args.svg, title=title, unit=unit)
+        console.print(f"wrote {args.svg}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=150)
+    try:
+        if args.command == "plan":
+            return _cmd_plan(args, console)
+        if args.command == "simulate":
+            return _cmd_simulate(args, console)
+    except ValueError as e:
+        console.print(f"[red]autopar {args.command}: {e}[/red]", highlight=False)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

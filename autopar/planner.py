@@ -1,0 +1,297 @@
+"""Search over 3D-parallel layouts for a model on a cluster, ranked by the
+performance model (``autopar.cost``).
+
+The space is (t, p, d, v, micro-batch b, schedule, recomputation):
+
+- t divides the GPUs of a node (tensor parallelism stays on NVLink) and the
+  head count, key/value head count and MLP width;
+- p divides n / t and p * v chunks fit the layers (divide them, by default,
+  as Megatron requires);
+- d = n / (t p); b divides B / d, so m = B / (d b) microbatches;
+- 1F1B needs m >= p; interleaved needs v > 1 and m a multiple of p;
+- the layout's memory on its fullest stage fits in the GPU.
+
+Every candidate is scored with the closed-form pipeline time (the bubble
+(p-1)/(v m)); the best ``simulate_top`` are then re-scored by running their real
+schedule through the event simulator (``autopar.simulate``) and re-ranked.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from autopar.cost import (
+    PAPER_RUNS,
+    Cluster,
+    Estimate,
+    Layout,
+    ModelSpec,
+    PaperRun,
+    estimate,
+    layout_errors,
+    params_per_stage,
+)
+
+__all__ = ["SearchSpace", "Plan", "search", "candidate_layouts", "why_differs", "paper_run_for"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the planner may choose; a field set to a tuple restricts it."""
+
+    t: tuple[int, ...] | None = None
+    """Tensor-parallel degrees to try (None: every valid one)."""
+    p: tuple[int, ...] | None = None
+    """Pipeline degrees to try (None: every valid one)."""
+    v: tuple[int, ...] | None = None
+    """Chunks per stage to try (None: every valid one)."""
+    b: tuple[int, ...] | None = None
+    """Micro-batch sizes to try (None: every divisor of B/d up to ``max_micro_batch``)."""
+    schedules: tuple[str, ...] = ("1f1b", "interleaved")
+    """Pipeline schedules to consider ('gpipe' too if asked: same time as 1F1B, more memory)."""
+    recompute: tuple[str, ...] = ("full", "none")
+    """Activation recomputation choices."""
+    dp_overlap: bool = False
+    """Whether the framework overlaps the gradient all-reduce with the backward
+    (PyTorch DDP does; Megatron's 2021 local DDP did not)."""
+    scatter_gather: bool = True
+    """Scatter/gather pipeline sends (always at least as fast)."""
+    divisible_layers: bool = True
+    """Require layers % (p v) == 0 (Megatron's rule); False allows layers >= p v."""
+    max_micro_batch: int = 64
+    """Largest micro-batch tried."""
+
+
+@dataclass
+class Plan:
+    """The outcome of a search."""
+
+    spec: ModelSpec
+    cluster: Cluster
+    space: SearchSpace
+    ranked: list[Estimate]
+    """Layouts that fit, fastest first (the head of the list simulated)."""
+    too_big: list[Estimate]
+    """The fastest few layouts that do not fit in memory (for the explanation)."""
+    rejected: dict[str, int] = field(default_factory=dict)
+    """Why candidates were dropped: rule -> count."""
+    evaluated: int = 0
+    """Layouts scored."""
+    seconds: float = 0.0
+    """Wall time of the search."""
+    reference: Estimate | None = None
+    """The paper's (or the user's) layout, evaluated the same way, if any."""
+
+    @property
+    def best(self) -> Estimate:
+        if not self.ranked:
+            raise ValueError(self.no_fit_message())
+        return self.ranked[0]
+
+    def no_fit_message(self) -> str:
+        lines = [f"no layout of {self.spec.label} fits on {self.cluster.gpus} x "
+                 f"{self.cluster.hardware.gpu} with batch {self.cluster.global_batch}"]
+        for e in self.too_big[:3]:
+            lines.append(f"  {e.layout.short}: needs {e.memory.total / 2**30:.1f} GiB "
+                         f"> {self.cluster.hardware.usable_bytes / 2**30:.1f} GiB usable")
+        for rule, n in self.rejected.items():
+            lines.append(f"  {n} candidates rejected: {rule}")
+        return "\n".join(lines)
+
+    def why(self) -> list[str]:
+        """How the best layout compares with the reference, in words and numbers."""
+        if self.reference is None or not self.ranked:
+            return []
+        return why_differs(self.best, self.reference)
+
+
+def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace(),
+                      rejected: dict[str, int] | None = None):
+    """Yield every layout of ``space`` that passes the divisibility rules; count the others."""
+    n, B, G = cluster.gpus, cluster.global_batch, cluster.hardware.gpus_per_node
+    rej = rejected if rejected is not None else {}
+
+    def reject(errs: list[str]) -> None:
+        key = _rule_of(errs[0])
+        rej[key] = rej.get(key, 0) + 1
+
+    ts = space.t or tuple(t for t in _divisors(G) if n % t == 0)
+    for t in ts:
+        if n % t:
+            reject([f"t={t} does not divide n"])
+            continue
+        ps = space.p or tuple(p for p in _divisors(n // t) if p <= spec.layers)
+        for p in ps:
+            if (n // t) % p:
+                reject([f"t*p does not divide n"])
+                continue
+            d = n // (t * p)
+            if B % d:
+                reject([f"global batch {B} is not divisible by d*b"])
+                continue
+            bs = space.b or tuple(b for b in _divisors(B // d) if b <= space.max_micro_batch)
+            if p == 1:
+                vs: tuple[int, ...] = (1,)
+            elif space.v:
+                vs = space.v
+            elif space.divisible_layers:
+                vs = tuple(_divisors(spec.layers // p)) if spec.layers % p == 0 else (1,)
+            else:
+                vs = tuple(range(1, spec.layers // p + 1))
+            for b in bs:
+                for v in vs:
+                    scheds = [s for s in space.schedules if (s == "interleaved") == (v > 1) or s == "gpipe"]
+                    if p == 1:
+                        scheds = ["1f1b"]
+                    for sched in scheds:
+                        for rc in space.recompute:
+                            lay = Layout(t=t, p=p, d=d, b=b, v=v, schedule=sched, recompute=rc,
+                                         scatter_gather=space.scatter_gather, dp_overlap=space.dp_overlap)
+                            errs = layout_errors(spec, cluster, lay, space.divisible_layers)
+                            if errs:
+                                reject(errs)
+                            else:
+                                yield lay
+
+
+_RULES = (
+    ("must divide the", "t must divide the GPUs of a node"),
+    ("heads", "heads % t != 0"),
+    ("ffn", "ffn % t != 0"),
+    ("cannot fill", "layers < p*v"),
+    ("must be divisible by p*v", "layers % (p*v) != 0"),
+    ("not divisible by d*b", "batch % (d*b) != 0"),
+    ("multiple of p", "interleaved: m % p != 0"),
+    ("at least one microbatch", "1F1B: m < p"),
+    ("needs a pipeline", "v > 1 without a pipeline"),
+)
+
+
+def _rule_of(message: str) -> str:
+    for needle, rule in _RULES:
+        if needle in message:
+            return rule
+    return message
+
+
+def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace(), top: int = 10,
+           simulate_top: int = 8, reference: Layout | None = None) -> Plan:
+    """Rank every valid layout by predicted iteration time.
+
+    All candidates get the closed-form estimate; the ``simulate_top`` fastest
+    that fit are re-estimated with the event simulator running their real
+    schedule, then re-ranked. ``reference`` (default: the paper's layout when
+    the model, GPU count and batch are one of the paper's runs) is evaluated
+    the same way, for ``Plan.why``.
+    """
+    t0 = time.perf_counter()
+    rejected: dict[str, int] = {}
+    fits: list[Estimate] = []
+    too_big: list[Estimate] = []
+    n_eval = 0
+    for lay in candidate_layouts(spec, cluster, space, rejected):
+        est = estimate(spec, cluster, lay, divisible_layers=space.divisible_layers)
+        n_eval += 1
+        (fits if est.fits else too_big).append(est)
+    if too_big:
+        rejected["does not fit in memory"] = len(too_big)
+    fits.sort(key=lambda e: e.t_iter)
+    too_big.sort(key=lambda e: e.t_iter)
+    head = [_simulated(spec, cluster, e.layout, space) for e in fits[:simulate_top]]
+    head = [e for e in head if e.fits]  # the real schedule can hold more than the closed form
+    ranked = sorted(head, key=lambda e: e.t_iter) + fits[simulate_top:top]
+    ranked = ranked[:max(top, 1)]
+
+    if reference is None:
+        run = paper_run_for(spec, cluster)
+        if run is not None:
+            reference = replace(run.layout(), dp_overlap=space.dp_overlap)
+    ref_est = _simulated(spec, cluster, reference, space) if reference is not None else None
+    return Plan(spec, cluster, space, ranked, too_big[:5], rejected, n_eval, time.perf_counter() - t0, ref_est)
+
+
+def _simulated(spec: ModelSpec, cluster: Cluster, lay: Layout, space: SearchSpace) -> Estimate:
+    return estimate(spec, cluster, lay, simulate=True, divisible_layers=space.divisible_layers)
+
+
+def paper_run_for(spec: ModelSpec, cluster: Cluster) -> PaperRun | None:
+    """The paper's calibration row for this model, GPU count and batch, if there is one."""
+    for run in PAPER_RUNS:
+        rs = run.spec
+        if ((rs.layers, rs.hidden, rs.heads, rs.seq_len, rs.vocab) ==
+                (spec.layers, spec.hidden, spec.heads, spec.seq_len, spec.vocab)
+                and spec.is_paper_gpt and run.gpus == cluster.gpus and run.batch == cluster.global_batch):
+            return run
+    return None
+
+
+_PARTS = {
+    "gemm": "GEMMs",
+    "memory": "memory-bound kernels",
+    "tp_comm": "tensor-parallel all-reduces",
+    "p2p": "pipeline sends",
+    "bubble": "pipeline bubble",
+    "dp": "data-parallel all-reduce",
+    "optimizer": "optimizer step",
+}
+
+
+def _reason(part: str, a: Estimate, b: Estimate) -> str:
+    """Why component ``part`` differs between a (best) and b (reference)."""
+    la, lb = a.layout, b.layout
+    if part in ("gemm", "memory"):
+        why = []
+        if la.recompute != lb.recompute:
+            why.append("no recomputation saves one forward per layer (a quarter of the FLOPs)"
+                       if la.recompute == "none" else "recomputation adds one forward per layer")
+        if la.t != lb.t:
+            why.append(f"t={la.t} vs {lb.t}: GEMMs split t ways, LayerNorm/dropout/residual are not"
+                       if part == "memory" else f"t={la.t} vs {lb.t} changes the GEMM shapes (N = h/t)")
+        if la.b != lb.b:
+            why.append(f"micro-batch {la.b} vs {lb.b} changes the GEMM shapes (M = b s) and wave fill")
+        if la.p != lb.p:
+            why.append(f"p={la.p} vs {lb.p}: the LM head sits on one of {la.p} vs {lb.p} stages")
+        return "; ".join(why)
+    if part == "tp_comm":
+        return (f"2 all-reduces of b s h per layer in forward and backward (and recompute), "
+                f"t={la.t} b={la.b} vs t={lb.t} b={lb.b}")
+    if part == "bubble":
+        return (f"(p-1)/(v m) = {la.p - 1}/({la.v}*{a.m}) = {(la.p - 1) / (la.v * a.m):.1%} vs "
+                f"{lb.p - 1}/({lb.v}*{b.m}) = {(lb.p - 1) / (lb.v * b.m):.1%}")
+    if part == "p2p":
+        return f"{2 * a.m * la.v} vs {2 * b.m * lb.v} blocking sends per stage of b s h/t"
+    if part == "dp":
+        pa = max(params_per_stage(a.spec, la.t, la.p)) / 1e9
+        pb = max(params_per_stage(b.spec, lb.t, lb.p)) / 1e9
+        return f"{pa:.2f}B vs {pb:.2f}B gradients per GPU over d={la.d} vs {lb.d}"
+    if part == "optimizer":
+        return "optimizer step is memory-bound in the local parameter count"
+    return ""
+
+
+def why_differs(best: Estimate, ref: Estimate) -> list[str]:
+    """Lines explaining how ``best`` compares with ``ref``, largest causes first."""
+    if best.layout == ref.layout:
+        return [f"the best layout is the reference layout ({ref.layout.short})"]
+    gain = ref.t_iter / best.t_iter - 1
+    lines = [f"best {best.layout.short} is predicted {gain:+.1%} faster than the reference "
+             f"{ref.layout.short}: {best.t_iter:.2f} s vs {ref.t_iter:.2f} s per iteration, "
+             f"{best.tflops_per_gpu:.1f} vs {ref.tflops_per_gpu:.1f} TFLOP/s per GPU"]
+    if best.layout.recompute != ref.layout.recompute:
+        lines.append("  (TFLOP/s count the FLOPs each layout executes: without recomputation "
+                     "there are a quarter fewer, so compare iteration times)")
+    deltas = {k: ref.breakdown[k] - best.breakdown[k] for k in best.breakdown}
+    for k, dl in sorted(deltas.items(), key=lambda kv: -abs(kv[1])):
+        if abs(dl) < 0.003 * ref.t_iter:
+            continue
+        reason = _reason(k, best, ref)
+        lines.append(f"  {_PARTS[k]}: {best.breakdown[k]:.3f} s vs {ref.breakdown[k]:.3f} s "
+                     f"({-dl / ref.t_iter:+.1%} of the reference iteration)" + (f"; {reason}" if reason else ""))
+    gib = 2**30
+    lines.append(f"  memory per GPU: {best.memory.total / gib:.1f} GiB vs {ref.memory.total / gib:.1f} GiB")
+    return lines
