@@ -67,7 +67,7 @@ _COLLECTIVES = {
     comm.gather_from_tp: ("gather_from_tp", "forward all-gather"),
     comm.scatter_to_tp: ("scatter_to_tp", "backward all-gather"),
     comm.vocab_parallel_embedding: ("vocab_parallel_embedding", "forward all-reduce"),
-    comm.vocab_parallel_cross_entropy: ("vocab_parallel_cross_entropy", "3 forward all-reduces"),
+    comm.vocab_parallel_cross_entropy: ("vocab_parallel_cross_entropy", "2 forward all-reduces of (N,) tensors"),
 }
 
 

@@ -23,7 +23,7 @@ _DIRECTION = {
     "gather_from_tp": "fwd all-gather (fallback)",
     "scatter_to_tp": "bwd all-gather",
     "vocab_parallel_embedding": "fwd all-reduce",
-    "vocab_parallel_cross_entropy": "3 fwd all-reduces of (N,)",
+    "vocab_parallel_cross_entropy": "fwd all-reduces: max, then (target logit, sum exp)",
 }
 
 
