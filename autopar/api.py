@@ -28,10 +28,13 @@ import torch.nn.functional as F
 
 from autopar import comm
 from autopar.comm import TPGroup, local_slice
+from autopar.mesh import Mesh, MeshShape
 from autopar.placement import Replicate, Shard, local_size
 from autopar.runtime.engine import RankEngine
+from autopar.schedules import SCHEDULE_NAMES, Schedule, generate, lower, validate
 from autopar.trace import TracedModel, module_path, source_line, trace
 from passes.layers import LayerInfo, find_layers, layer_of_param
+from passes.pipeline_split import PipelineError, PipelineSplit, split_pipeline
 from passes.sharding import ShardingError, ShardingPlan, analyze_sharding
 from passes.tensor_parallel import apply_tensor_parallel
 
@@ -47,18 +50,60 @@ def lm_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree t: each layer's matrices are split t ways."""
+    pp: int = 1
+    """Pipeline stages p."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline stage v (interleaved schedule when > 1)."""
+    microbatches: int = 1
+    """Microbatches m per step and data-parallel replica."""
+    schedule: str = "1f1b"
+    """'gpipe', '1f1b' or 'interleaved'."""
+    dp: int | None = None
+    """Data-parallel replicas d; None: world size / (tp * pp) when the world is known, else 1."""
     world_size: int | None = None
-    """Ranks that will run the program (checked against tp when known)."""
+    """Ranks that will run the program (checked against tp * pp * dp when known)."""
 
     def __post_init__(self):
-        if self.tp < 1:
-            raise ValueError(f"tp must be >= 1, got tp={self.tp}")
-        if self.world_size is not None and (self.tp > self.world_size or self.world_size % self.tp):
-            raise ValueError(
-                f"tp={self.tp} does not fit a world of {self.world_size} ranks: tensor parallelism needs "
-                f"tp <= world size and world size divisible by tp. Use tp in "
-                f"{[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]} or start more ranks."
-            )
+        for name in ("tp", "pp", "virtual_stages", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(SCHEDULE_NAMES)}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved" and self.schedule != "gpipe":
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (or 'gpipe'), "
+                             f"got schedule={self.schedule!r}")
+        p, m = self.pp, self.microbatches
+        if self.schedule in ("1f1b", "interleaved") and p > 1 and m < p:
+            raise ValueError(f"schedule {self.schedule!r} with pp={p} needs at least {p} microbatches, got "
+                             f"microbatches={m}: the pipeline would never fill. Fix: microbatches >= {p} "
+                             f"(more microbatches also shrink the bubble (p-1)/m), or schedule='gpipe'")
+        if self.schedule == "interleaved" and m % p:
+            raise ValueError(f"the interleaved schedule needs microbatches to be a multiple of pp: "
+                             f"microbatches={m}, pp={p}. Fix: microbatches={-(-m // p) * p}")
+        if self.world_size is not None:
+            w = self.world_size
+            if self.tp > w or w % self.tp:
+                raise ValueError(
+                    f"tp={self.tp} does not fit a world of {w} ranks: tensor parallelism needs "
+                    f"tp <= world size and world size divisible by tp. Use tp in "
+                    f"{[d for d in range(1, w + 1) if w % d == 0]} or start more ranks."
+                )
+            dp = self.dp if self.dp is not None else w // (self.tp * self.pp)
+            if self.tp * self.pp * dp != w:
+                raise ValueError(f"tp({self.tp}) * pp({self.pp}) * dp({dp}) = {self.tp * self.pp * dp}, "
+                                 f"but the world size is {w}. Fix: choose tp * pp * dp = {w}")
+
+    @property
+    def data_parallel(self) -> int:
+        if self.dp is not None:
+            return self.dp
+        if self.world_size is not None:
+            return self.world_size // (self.tp * self.pp)
+        return 1
+
+    @property
+    def mesh(self) -> MeshShape:
+        return MeshShape(self.tp, self.pp, self.data_parallel)
 
 
 _COLLECTIVES = {
@@ -81,7 +126,23 @@ class ParallelProgram:
     layers: LayerInfo
     plan: ShardingPlan
     rank_module: fx.GraphModule
+    split: PipelineSplit | None = None
+    """The chunk graphs (p*v of them; one when pp == 1)."""
+    schedule: Schedule | None = None
+    """The lowered, validated schedule every rank interprets."""
     param_names: list[str] = field(default_factory=list)
+    param_stages: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Parameter -> the pipeline stages whose chunks read it."""
+    tied_params: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Parameters read on more than one stage -> those stages."""
+
+    @property
+    def pp(self) -> int:
+        return self.config.pp
+
+    @property
+    def microbatches(self) -> int:
+        return self.config.microbatches
 
     # ------------------------------------------------------------ introspection
     @property
@@ -159,12 +220,25 @@ class ParallelProgram:
         return [(name, self.plan.decisions[name].reason, source_line(nodes[name]))
                 for name in self.plan.fallbacks]
 
-    def code(self, rank: int = 0) -> str:
-        """The generated program of one rank, with its shard ranges as a header."""
-        if not 0 <= rank < self.tp:
-            raise ValueError(f"rank {rank} is outside tp={self.tp} (ranks 0..{self.tp - 1})")
-        lines = [f"# autopar rank program: tp rank {rank} of {self.tp}"]
+    def code(self, rank: int = 0, chunk: int | None = None) -> str:
+        """The generated program of one rank (its chunks, or one of them), shard ranges as a header."""
+        shape = self.config.mesh
+        if not 0 <= rank < shape.world:
+            raise ValueError(f"rank {rank} is outside the mesh of {shape.world} ranks (tp={shape.tp}, "
+                             f"pp={shape.pp}, dp={shape.dp})")
+        stage, dp_rank, tp_rank = shape.coords(rank)
+        chunks = [c for c in self.split.chunks if c.index % shape.pp == stage]
+        if chunk is not None:
+            if chunk % shape.pp != stage:
+                raise ValueError(f"chunk {chunk} lives on stage {chunk % shape.pp}, not on rank {rank}'s stage {stage}")
+            chunks = [c for c in chunks if c.index == chunk]
+        lines = [f"# autopar rank program: rank {rank} = (pp {stage}, dp {dp_rank}, tp {tp_rank}); "
+                 f"chunks {[c.index for c in chunks]}"]
+        rank = tp_rank
+        used = {self.traced.param_of[p] for c in chunks for p in c.params}
         for name in self.param_names:
+            if name not in used:
+                continue
             spec = self.param_spec(name)
             if isinstance(spec, Shard):
                 full = self.full_shape(name)
@@ -177,7 +251,11 @@ class ParallelProgram:
                 lines.append(f"#   {name}: dim {spec.dim} rows {' + '.join(ranges)} of {full[spec.dim]}"
                              f"{' (padded to ' + str(sum(segs)) + ')' if sum(segs) != full[spec.dim] else ''}"
                              f" -> local {list(self.local_shape(name))}")
-        return "\n".join(lines) + "\n" + self.rank_module.code
+        body = []
+        for c in chunks:
+            layers = f"layers {c.layers[0]}-{c.layers[-1]}" if c.layers else "no layers"
+            body.append(f"# ---- chunk {c.index} ({layers}) ----{c.gm.code}")
+        return "\n".join(lines) + "\n" + "\n".join(body)
 
     def summary(self) -> str:
         """Human-readable plan: layout, sharded parameters, collectives, fallbacks."""
@@ -186,35 +264,33 @@ class ParallelProgram:
         return render_summary(self)
 
     # ------------------------------------------------------------ materialize
-    def materialize(self, tp_group: Any = None, state_dict: dict[str, torch.Tensor] | None = None) -> RankEngine:
-        """Build this rank's engine with its local shards, inside a process group.
+    def materialize(self, state_dict: dict[str, torch.Tensor] | None = None) -> RankEngine:
+        """Build this rank's engine: its mesh groups and the local shards of its chunks' parameters.
 
-        ``tp_group``: the tensor-parallel process group (default: the whole
-        world, which must then have exactly ``tp`` ranks). ``state_dict``: full
-        weights to use instead of the model's (needed for a meta-device model).
+        Collective: every rank of the world calls it (the groups are created
+        here). ``state_dict``: full weights to use instead of the model's
+        (needed for a meta-device model).
         """
         full = self._full_weights(state_dict)
-        if self.tp == 1 and tp_group is None:
-            group = TPGroup(0, 1, None)
-        else:
-            if not dist.is_initialized():
-                raise RuntimeError(f"materialize() for tp={self.tp} needs an initialised process group; "
-                                   "start ranks with autopar.launch.spawn(...) or torchrun")
-            pg = tp_group or dist.group.WORLD
-            size = dist.get_world_size(pg)
-            if size != self.tp:
-                raise ValueError(f"the tensor-parallel group has {size} ranks but the program was compiled for "
-                                 f"tp={self.tp}; pass tp_group= with {self.tp} ranks or compile with tp={size}")
-            group = TPGroup(dist.get_rank(pg), size, pg)
+        shape = self.config.mesh
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != shape.world:
+            hint = "start ranks with autopar.spawn(...) or torchrun" if not dist.is_initialized() else \
+                f"compile with tp * pp * dp = {world}"
+            raise ValueError(f"the program needs tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world} "
+                             f"ranks, but the world has {world}: {hint}")
+        mesh = Mesh.create(shape, sorted(set(self.tied_params.values())))
+        tp_rank, stage = mesh.tp_rank, mesh.pp_rank
         local = {}
         for name in self.param_names:
+            if stage not in self.param_stages[name]:
+                continue
             spec = self.param_spec(name)
             w = full[name].detach()
             if isinstance(spec, Shard):
-                w = local_slice(w, group.rank, self.tp, spec.dim, spec.segments)
+                w = local_slice(w, tp_rank, self.tp, spec.dim, spec.segments)
             local[name] = w.clone().contiguous()
-        buffers = self._replicated_inputs(state_dict)
-        return RankEngine(self, group, local, buffers)
+        return RankEngine(self, mesh, local, self._replicated_inputs(state_dict))
 
     def _full_weights(self, state_dict) -> dict[str, torch.Tensor]:
         if state_dict is not None:
@@ -256,27 +332,54 @@ def parallelize(
     example_targets: Any = None,
     loss_fn: Callable | None = None,
     output_fn: Callable | None = None,
+    pp: int = 1,
+    virtual_stages: int = 1,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    dp: int | None = None,
     world_size: int | None = None,
 ) -> ParallelProgram:
-    """Compile ``model`` (with ``loss_fn``) into a ``tp``-way tensor-parallel program.
+    """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
-    ``loss_fn(logits, *targets) -> scalar``. ``F.cross_entropy`` (the default)
-    is applied language-model style: logits (..., V) and targets (...) are
-    flattened. ``output_fn`` picks the logits from the model's output (default:
-    a tensor, ``.logits``, or the first tensor of a tuple/dict).
+    ``example_inputs``/``example_targets``: one microbatch (it fixes the
+    shapes). ``loss_fn(logits, *targets) -> scalar``; ``F.cross_entropy`` (the
+    default) is applied language-model style: logits (..., V) and targets (...)
+    are flattened. ``output_fn`` picks the logits from the model's output
+    (default: a tensor, ``.logits``, or the first tensor of a tuple/dict).
+    ``microbatches`` defaults to pp; ``schedule`` to 'interleaved' when
+    ``virtual_stages`` > 1, else '1f1b'. Nothing runs and no process starts:
+    bad input fails here.
     """
     if example_inputs is None:
         raise ValueError("parallelize() needs example_inputs: one microbatch with the real shapes")
     if world_size is None and dist.is_initialized():
         world_size = dist.get_world_size()
-    config = ParallelConfig(tp=tp, world_size=world_size)
+    config = ParallelConfig(
+        tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches or pp,
+        schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     traced = trace(model, example_inputs, example_targets, loss_fn, output_fn)
     layers = find_layers(traced.gm)
     plan = analyze_sharding(traced, config.tp)
     rank_module = apply_tensor_parallel(traced, plan)
-    return ParallelProgram(model, config, traced, layers, plan, rank_module)
+    program = ParallelProgram(model, config, traced, layers, plan, rank_module)
+    program.local_shapes()  # rank-local shapes on every node (boundary buffers, costs)
+    n_chunks = config.pp * config.virtual_stages
+    global_shapes = {n.name: tuple(n.meta["val"].shape) for n in traced.gm.graph.nodes
+                     if isinstance(n.meta.get("val"), torch.Tensor)}
+    program.split = split_pipeline(rank_module, n_chunks, traced.param_of, traced.input_names,
+                                   traced.target_names, global_shapes)
+    sched = lower(generate(config.schedule, config.pp, config.virtual_stages, config.microbatches))
+    validate(sched)
+    program.schedule = sched
+    stages: dict[str, set[int]] = {}
+    for c in program.split.chunks:
+        for ph in c.params:
+            stages.setdefault(traced.param_of[ph], set()).add(c.index % config.pp)
+    program.param_stages = {n: tuple(sorted(stages.get(n, {0}))) for n in program.param_names}
+    program.tied_params = {n: s for n, s in program.param_stages.items() if len(s) > 1}
+    return program
 
 
-__all__ += ["ShardingError"]
+__all__ += ["ShardingError", "PipelineError"]

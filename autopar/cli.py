@@ -19,12 +19,10 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.cost import (
-    FORMULAS,
     Cluster,
     Estimate,
     Layout,
     ModelSpec,
-    estimate,
     explain,
     get_model,
     layer_ops,

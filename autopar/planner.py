@@ -128,7 +128,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
         ps = space.p or tuple(p for p in _divisors(n // t) if p <= spec.layers)
         for p in ps:
             if (n // t) % p:
-                reject([f"t*p does not divide n"])
+                reject(["t*p does not divide n"])
                 continue
             d = n // (t * p)
             if B % d:
@@ -268,7 +268,11 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
     if part == "dp":
         pa = max(params_per_stage(a.spec, la.t, la.p)) / 1e9
         pb = max(params_per_stage(b.spec, lb.t, lb.p)) / 1e9
-        return f"{pa:.2f}B vs {pb:.2f}B gradients per GPU over d={la.d} vs {lb.d}"
+        G = a.cluster.hardware.gpus_per_node
+        ka, kb = min(la.d, max(1, G // la.t)), min(lb.d, max(1, G // lb.t))
+        over = "" if la.dp_overlap == lb.dp_overlap else f"; overlapped: {la.dp_overlap} vs {lb.dp_overlap}"
+        return (f"{pa:.2f}B vs {pb:.2f}B gradients per GPU over d={la.d} vs {lb.d}, "
+                f"a DP group has {ka} vs {kb} GPUs (NICs) per node{over}")
     if part == "optimizer":
         return "optimizer step is memory-bound in the local parameter count"
     return ""

@@ -136,6 +136,9 @@ def trace(
                 f"example input/target #{i} is a {type(x).__name__}, not a tensor; "
                 "pass tensors (use a lambda in loss_fn/output_fn for other arguments)"
             )
+    # the same tensor passed twice would become one graph input: keep them apart
+    ids = {id(x) for x in inputs}
+    targets = tuple(t.clone() if id(t) in ids else t for t in targets)
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta:
         inputs = tuple(x.to("meta") for x in inputs)

@@ -30,7 +30,7 @@ def _colour(e: Event, p: int) -> str:
 
 
 def _label(e: Event) -> str:
-    return f"{e.kind}{e.chunk}.{e.microbatch}" if e.kind in ("F", "B") else ""
+    return e.label if e.kind in ("F", "B") else ""
 
 
 def timeline_text(sim: SimResult, width: int = 100, unit: str = "s") -> Text:

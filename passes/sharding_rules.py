@@ -100,7 +100,7 @@ class Ctx:
             if n.op == "call_function" and n.target == aten.embedding.default:
                 w, ids = n.args[0], n.args[1]
                 padding_idx = n.args[2] if len(n.args) > 2 else -1
-                if w.name in traced.param_of and ids.name in inp and padding_idx == -1:
+                if tp > 1 and w.name in traced.param_of and ids.name in inp and padding_idx == -1:
                     vocab.add(n.name)
         return Ctx(tp, dict(traced.param_of), rg, inp, vocab)
 

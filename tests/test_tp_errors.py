@@ -78,7 +78,7 @@ def test_batch_shape_differs_from_example():
     model = build("gpt", ModelConfig(vocab_size=256))
     x, y = _xy()
     engine = autopar.parallelize(model, tp=1, example_inputs=x, example_targets=y).materialize()
-    with pytest.raises(ValueError, match=r"shape \(4, 16\).*compiled for \(2, 16\)"):
+    with pytest.raises(ValueError, match=r"shape \(4, 16\).*expects \(2, 16\).*1 microbatch"):
         engine.train_step(torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long))
 
 

@@ -1,108 +1,318 @@
-"""One rank's training engine: local parameter shards and the rank program.
+"""One rank's training engine: its chunks' parameter shards and the schedule interpreter.
 
-``train_step(*inputs, *targets)`` runs the rank's graph forward and backward,
-accumulating gradients into the local shards (call your optimizer's
-``step()`` and ``zero_grad()`` around it, as with ``loss.backward()``).
-``full_state_dict()`` and ``full_grads()`` all-gather shards back to the
-original names and shapes (vocabulary padding removed).
+``train_step(*inputs, *targets)`` takes the whole batch (the same on every
+rank), keeps this data-parallel replica's slice, cuts it into microbatches and
+runs this stage's actions from the lowered schedule (``autopar/schedules.py``):
+
+- ``F c.i``  forward of chunk c on microbatch i; inputs that arrived from the
+             previous stage become leaves that require grad; the context is
+             kept until ``B c.i`` (the last chunk scales its loss by 1/m);
+- ``B c.i``  backward of the kept outputs with the received output gradients;
+             the gradients of the inputs are what the previous stage needs;
+- ``SF/RF/SB/RB``  point-to-point; a run of consecutive ones is posted as one
+             ``batch_isend_irecv`` so no ordering of pairs can deadlock.
+
+With tensor parallelism, a boundary tensor that is identical on the t ranks of
+a stage is sent as 1/t slices (rank j of stage s to rank j of stage s+1) and
+all-gathered on arrival (scatter/gather). After the last backward, gradients
+of parameters that several stages hold (a tied embedding and LM head) are
+summed across those stages. Gradients accumulate into ``.grad`` as with
+``loss.backward()``: call ``optimizer.step()`` and ``zero_grad()`` around.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import defaultdict
 from typing import TYPE_CHECKING
 
 import torch
-import torch.fx as fx
+import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.comm import TPGroup, _all_gather
+from autopar.mesh import Mesh
 from autopar.placement import Shard
+from autopar.schedules import Action, Kind
 
 if TYPE_CHECKING:
     from autopar.api import ParallelProgram
+    from passes.pipeline_split import Boundary, Chunk
 
 __all__ = ["RankEngine"]
 
 
 class RankEngine(nn.Module):
-    """Holds this rank's parameter shards and runs its program."""
+    """Holds this rank's parameter shards and interprets its schedule."""
 
-    def __init__(self, program: "ParallelProgram", tp: TPGroup, local_params: dict[str, torch.Tensor],
-                 buffers: dict[str, torch.Tensor]):
+    def __init__(self, program: "ParallelProgram", mesh: Mesh, local_params: dict[str, torch.Tensor],
+                 feeds: dict[str, torch.Tensor]):
         super().__init__()
         self.program = program
-        self.tp = tp
-        self.module: fx.GraphModule = program.rank_module
+        self.mesh = mesh
+        self.tp = TPGroup(mesh.tp_rank, mesh.shape.tp, mesh.groups.get("tp"))
+        self.stage = mesh.pp_rank
+        p = mesh.shape.pp
+        self.chunks: dict[int, "Chunk"] = {c.index: c for c in program.split.chunks if c.index % p == self.stage}
         self.shards = nn.ParameterDict({_key(n): nn.Parameter(t) for n, t in local_params.items()})
-        self._buffers_by_placeholder = buffers
-        self._order = [n for n in self.module.graph.nodes if n.op == "placeholder"][1:]  # after ``tp``
+        self._feeds = feeds
+        self.schedule = program.schedule
+        self.stats: dict = {}
 
-    # ----------------------------------------------------------------- running
-    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
-        traced = self.program.traced
-        n_expected = len(traced.input_names) + len(traced.target_names)
-        if len(batch) != n_expected:
-            raise TypeError(f"expected {len(traced.input_names)} input(s) and {len(traced.target_names)} "
-                            f"target(s), got {len(batch)} tensors")
-        feed = dict(zip(traced.input_names + traced.target_names, batch))
-        args = []
-        for node in self._order:
-            name = node.name
-            if name in traced.param_of:
-                args.append(self.shards[_key(traced.param_of[name])])
-            elif name in feed:
-                args.append(feed[name])
-            else:
-                args.append(self._buffers_by_placeholder[name])
-        return self.module(self.tp, *args)[0]
+    # ------------------------------------------------------------------ stepping
+    def forward(self, *batch: torch.Tensor) -> float:
+        return self.train_step(*batch)
 
     def train_step(self, *batch: torch.Tensor) -> float:
-        """Forward and backward of one batch; returns the loss (the same on every rank)."""
-        self._check_shapes(batch)
-        loss = self(*batch)
-        loss.backward()
-        return float(loss.detach())
+        """Forward and backward of one global batch; returns the mean loss (same on every rank)."""
+        micro = self._microbatches(batch)
+        m = self.program.microbatches
+        self._ctx: dict[tuple[int, int], tuple] = {}
+        self._fwd_in: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._grad_out: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self._grad_in: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._saved: dict[tuple[int, int], int] = {}
+        self._param_ptrs = {p.data_ptr() for p in self.shards.values()}
+        self.stats = {"bytes_sent": defaultdict(int), "peak_in_flight": 0, "peak_activation_bytes": 0}
+        tied_before = self._tied_grads_before()
 
-    def _check_shapes(self, batch) -> None:
+        actions = self.schedule.actions[self.stage]
+        i = 0
+        while i < len(actions):
+            a = actions[i]
+            if a.is_comm:
+                j = i
+                while j < len(actions) and actions[j].is_comm:
+                    j += 1
+                self._communicate(actions[i:j])
+                i = j
+                continue
+            if a.kind is Kind.F:
+                self._forward(a, micro, m)
+            else:
+                self._backward(a, m)
+            i += 1
+
+        self._sync_tied(tied_before)
+        return self._reduce_loss(m)
+
+    def _microbatches(self, batch) -> list[list[torch.Tensor]]:
         traced = self.program.traced
+        names = traced.input_names + traced.target_names
+        if len(batch) != len(names):
+            raise TypeError(f"expected {len(traced.input_names)} input(s) and {len(traced.target_names)} "
+                            f"target(s), got {len(batch)} tensors")
         phs = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
-        for name, x in zip(traced.input_names + traced.target_names, batch):
+        m, d = self.program.microbatches, self.mesh.shape.dp
+        out = [[] for _ in range(m)]
+        for name, x in zip(names, batch):
             want = tuple(phs[name].meta["val"].shape)
-            if tuple(x.shape) != want:
-                raise ValueError(f"batch tensor '{name}' has shape {tuple(x.shape)}, but the program was "
-                                 f"compiled for {want} (shapes are fixed by example_inputs/example_targets)")
+            full = (want[0] * m * d,) + want[1:]
+            if tuple(x.shape) != full:
+                raise ValueError(
+                    f"batch tensor '{name}' has shape {tuple(x.shape)}, but the program expects {full}: "
+                    f"{d} data-parallel replica(s) x {m} microbatch(es) of {want} (the example microbatch's shape)")
+            mine = x.narrow(0, self.mesh.dp_rank * want[0] * m, want[0] * m)
+            for i, piece in enumerate(mine.split(want[0], dim=0)):
+                out[i].append(piece)
+        return out
+
+    def _chunk_args(self, chunk: "Chunk", micro_i: list[torch.Tensor], inputs: list[torch.Tensor]) -> list:
+        traced = self.program.traced
+        batch = dict(zip(traced.input_names + traced.target_names, micro_i))
+        args = [self.tp]
+        for name in chunk.params:
+            args.append(self.shards[_key(traced.param_of[name])])
+        for name in chunk.feeds:
+            args.append(batch[name] if name in batch else self._feeds[name])
+        return args + inputs
+
+    def _forward(self, a: Action, micro, m: int) -> None:
+        chunk = self.chunks[a.chunk]
+        key = (a.chunk, a.microbatch)
+        if a.chunk == 0:
+            inputs = []
+        else:
+            received = self._fwd_in.pop(key)
+            inputs = [t.detach().requires_grad_(b.requires_grad) for t, b in zip(received, chunk.inputs)]
+        saved = [0]
+
+        def pack(t: torch.Tensor):
+            if t.data_ptr() not in self._param_ptrs:  # weights are not activations
+                saved[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            outs = chunk.gm(*self._chunk_args(chunk, micro[a.microbatch], inputs))
+        self._saved[key] = saved[0]
+        if a.chunk == self.program.split.n - 1:
+            loss = outs[0]
+            self._loss_sum += loss.detach().double()
+            self._ctx[key] = (inputs, [loss / m])
+        else:
+            self._ctx[key] = (inputs, list(outs))
+            nxt = (a.chunk + 1, a.microbatch)
+            if (a.chunk + 1) in self.chunks:  # next chunk on this stage: hand over directly
+                self._fwd_in[nxt] = [o.detach() for o in outs]
+        self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(self._ctx))
+        held = sum(self._saved.values())  # bytes autograd keeps for the pending backwards
+        self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], held)
+
+    def _backward(self, a: Action, m: int) -> None:
+        key = (a.chunk, a.microbatch)
+        inputs, outs = self._ctx.pop(key)
+        self._saved.pop(key, None)
+        chunk = self.chunks[a.chunk]
+        if a.chunk == self.program.split.n - 1:
+            tensors, grads = outs, [None]
+        else:
+            got = self._grad_out.pop(key)
+            pairs = [(o, g) for o, g, b in zip(outs, got, chunk.outputs) if b.requires_grad and o.requires_grad]
+            tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        in_grads = [x.grad if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
+        if a.chunk > 0 and (a.chunk - 1) in self.chunks:
+            self._grad_out[(a.chunk - 1, a.microbatch)] = in_grads
+        elif a.chunk > 0:
+            self._grad_in[key] = in_grads
+
+    # ------------------------------------------------------------ point-to-point
+    def _communicate(self, comm_actions: list[Action]) -> None:
+        ops, after = [], []
+        for a in comm_actions:
+            chunk = self.chunks[a.chunk]
+            peer = self.mesh.peer(a.peer)
+            if a.kind is Kind.SEND_F:
+                _, outs = self._ctx[(a.chunk, a.microbatch)]
+                for idx, (t, b) in enumerate(zip(outs, chunk.outputs)):
+                    ops.append(self._send(t.detach(), b, peer, _tag(a, idx), a))
+            elif a.kind is Kind.SEND_B:
+                grads = self._grad_in.pop((a.chunk, a.microbatch))
+                for idx, (g, b) in enumerate(zip(grads, chunk.inputs)):
+                    if b.requires_grad:
+                        g = g if g is not None else torch.zeros(b.shape, dtype=b.dtype)
+                        ops.append(self._send(g, b, peer, _tag(a, idx), a))
+            elif a.kind is Kind.RECV_F:
+                bufs = []
+                for idx, b in enumerate(chunk.inputs):
+                    op, finish = self._recv(b, peer, _tag(a, idx))
+                    ops.append(op)
+                    bufs.append(finish)
+                after.append((self._fwd_in, (a.chunk, a.microbatch), bufs, None))
+            else:  # RECV_B: gradients of this chunk's outputs
+                bufs = []
+                for idx, b in enumerate(chunk.outputs):
+                    if b.requires_grad:
+                        op, finish = self._recv(b, peer, _tag(a, idx))
+                        ops.append(op)
+                        bufs.append(finish)
+                    else:
+                        bufs.append(None)
+                after.append((self._grad_out, (a.chunk, a.microbatch), bufs, None))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for store, key, finishes, _ in after:
+            store[key] = [f() if f is not None else None for f in finishes]
+
+    def _scatter_gather(self, b: "Boundary") -> bool:
+        return self.tp.size > 1 and b.replicated and b.numel % self.tp.size == 0
+
+    def _send(self, t: torch.Tensor, b: "Boundary", peer: int, tag: int, a: Action):
+        t = t.contiguous()
+        if self._scatter_gather(b):
+            t = t.reshape(self.tp.size, -1)[self.tp.rank].contiguous()
+        self.stats["bytes_sent"][(self.stage, a.peer)] += t.numel() * t.element_size()
+        return dist.P2POp(dist.isend, t, peer, tag=tag)
+
+    def _recv(self, b: "Boundary", peer: int, tag: int):
+        if self._scatter_gather(b):
+            buf = torch.empty(b.numel // self.tp.size, dtype=b.dtype)
+
+            def finish(buf=buf, b=b):
+                return _all_gather(buf, self.tp, 0, None).reshape(b.shape)
+        else:
+            buf = torch.empty(b.shape, dtype=b.dtype)
+
+            def finish(buf=buf):
+                return buf
+        return dist.P2POp(dist.irecv, buf, peer, tag=tag), finish
+
+    # ------------------------------------------------------------- after a step
+    def _tied_grads_before(self) -> dict[str, torch.Tensor | None]:
+        out = {}
+        for name in self.program.tied_params:
+            if _key(name) in self.shards:
+                g = self.shards[_key(name)].grad
+                out[name] = None if g is None else g.clone()
+        return out
+
+    def _sync_tied(self, before: dict[str, torch.Tensor | None]) -> None:
+        """Sum this step's gradient of each parameter held by several stages across them."""
+        for name, stages in self.program.tied_params.items():
+            if _key(name) not in self.shards:
+                continue
+            p = self.shards[_key(name)]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            delta = p.grad - before[name] if before[name] is not None else p.grad.clone()
+            dist.all_reduce(delta, group=self.mesh.tied[stages])
+            p.grad.copy_(delta if before[name] is None else before[name] + delta)
+
+    def _reduce_loss(self, m: int) -> float:
+        loss = (self._loss_sum / m).float().reshape(1)
+        p = self.mesh.shape.pp
+        if p > 1:
+            last = self.mesh.peer(p - 1)
+            dist.broadcast(loss, src=last, group=self.mesh.groups["pp"])
+        return float(loss)
 
     # ---------------------------------------------------------------- parameters
-    def named_local_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(original name, local shard) for every parameter."""
+    def named_local_parameters(self):
+        """(original name, local shard) of every parameter this rank holds."""
         for name in self.program.param_names:
-            yield name, self.shards[_key(name)]
+            if _key(name) in self.shards:
+                yield name, self.shards[_key(name)]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters (and buffers) under every original name, on every rank."""
-        return self._gather(lambda p: p.detach())
+        """Full parameters under every original name (gathered over tp, then over pp), on every rank."""
+        return self._gather(lambda p: p.detach(), buffers=True)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """Full gradients under every original parameter name (zeros where none)."""
+        """Full gradients under every original parameter name, on every rank."""
         return self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p), buffers=False)
 
-    def _gather(self, get, buffers: bool = True) -> dict[str, torch.Tensor]:
+    def _gather(self, get, buffers: bool) -> dict[str, torch.Tensor]:
+        program = self.program
         out = {}
-        for name, p in self.named_local_parameters():
-            spec = self.program.param_spec(name)
-            value = get(p)
-            if isinstance(spec, Shard) and self.tp.size > 1:
-                full = _all_gather(value, self.tp, spec.dim, spec.segments)
-                value = full.narrow(spec.dim, 0, self.program.full_shape(name)[spec.dim])
-            elif isinstance(spec, Shard):
-                value = value.narrow(spec.dim, 0, self.program.full_shape(name)[spec.dim])
-            for alias in self.program.traced.aliases.get(name, [name]):
+        for name in program.param_names:
+            local = self.shards[_key(name)] if _key(name) in self.shards else None
+            value = get(local) if local is not None else None
+            spec = program.param_spec(name)
+            if value is not None and isinstance(spec, Shard):
+                if self.tp.size > 1:
+                    value = _all_gather(value, self.tp, spec.dim, spec.segments)
+                value = value.narrow(spec.dim, 0, program.full_shape(name)[spec.dim])
+            if self.mesh.shape.pp > 1:
+                owner = program.param_stages[name][0]
+                buf = value.contiguous() if self.stage == owner else torch.empty(program.full_shape(name))
+                dist.broadcast(buf, src=self.mesh.peer(owner), group=self.mesh.groups["pp"])
+                value = buf
+            for alias in program.traced.aliases.get(name, [name]):
                 out[alias] = value.clone()
         if buffers:
-            for pname, bname in self.program.traced.buffer_of.items():
-                out[bname] = self._buffers_by_placeholder[pname].clone()
+            for pname, bname in program.traced.buffer_of.items():
+                if pname in self._feeds:
+                    out[bname] = self._feeds[pname].clone()
         return out
+
+
+def _tag(a: Action, idx: int) -> int:
+    """A tag unique per (direction, chunk, microbatch, tensor) so gloo never mismatches messages."""
+    direction = 0 if a.kind in (Kind.SEND_F, Kind.RECV_F) else 1
+    chunk = a.chunk if a.kind in (Kind.SEND_F, Kind.SEND_B) else (a.chunk - 1 if direction == 0 else a.chunk + 1)
+    return ((a.microbatch * 1024 + chunk) * 2 + direction) * 64 + idx
 
 
 def _key(name: str) -> str:

@@ -1,0 +1,129 @@
+"""The 3D mesh: rank <-> (pp, dp, tp) coordinates and the process groups.
+
+Megatron's order: tp varies fastest, then dp, then pp,
+
+    rank = tp_rank + dp_rank * t + pp_rank * t * d
+
+so a tensor-parallel group is t consecutive ranks (inside one node) and a
+pipeline group strides by t*d. With t=2, p=4 on 16 GPUs (d=2): TP groups
+[0,1],[2,3],...; PP groups [0,4,8,12],[1,5,9,13],...
+
+``MeshShape`` is pure arithmetic (no process group); ``Mesh.create`` makes
+every group once (all ranks must call it, in the same order) and keeps this
+rank's. Nothing is global: the mesh is passed to whoever needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["MeshShape", "Mesh"]
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    tp: int = 1
+    """Tensor-parallel degree t."""
+    pp: int = 1
+    """Pipeline stages p."""
+    dp: int = 1
+    """Data-parallel replicas d."""
+
+    def __post_init__(self):
+        for axis in ("tp", "pp", "dp"):
+            if getattr(self, axis) < 1:
+                raise ValueError(f"{axis} must be >= 1, got {axis}={getattr(self, axis)}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @staticmethod
+    def infer(world: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> "MeshShape":
+        """Complete the shape for ``world`` ranks; dp is inferred when None."""
+        if dp is None:
+            if world % (tp * pp):
+                raise ValueError(f"tp({tp}) * pp({pp}) = {tp * pp} does not divide the world size {world}: "
+                                 f"cannot infer dp. Use {world} = tp * pp * dp.")
+            dp = world // (tp * pp)
+        shape = MeshShape(tp, pp, dp)
+        if shape.world != world:
+            raise ValueError(f"tp({tp}) * pp({pp}) * dp({dp}) = {shape.world}, but the world size is {world}")
+        return shape
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp, dp, tp) of a rank."""
+        return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        return tp + dp * self.tp + pp * self.tp * self.dp
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank(s, d, j) for j in range(self.tp)] for s in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank(s, d, j) for d in range(self.dp)] for s in range(self.pp) for j in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank(s, d, j) for s in range(self.pp)] for d in range(self.dp) for j in range(self.tp)]
+
+    def stage_groups(self, stages: tuple[int, ...]) -> list[list[int]]:
+        """For each (dp, tp) position, the ranks of the given pipeline stages (tied parameters)."""
+        return [[self.rank(s, d, j) for s in stages] for d in range(self.dp) for j in range(self.tp)]
+
+
+@dataclass
+class Mesh:
+    """This rank's place in the mesh and its process groups."""
+
+    shape: MeshShape
+    rank: int
+    groups: dict[str, Any] = field(default_factory=dict)
+    """'tp', 'dp', 'pp' -> this rank's process group (None when the axis has size 1)."""
+    tied: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    """Stages sharing a parameter -> this rank's group over them (None if not a member)."""
+
+    @property
+    def pp_rank(self) -> int:
+        return self.shape.coords(self.rank)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.shape.coords(self.rank)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.shape.coords(self.rank)[2]
+
+    def peer(self, stage: int) -> int:
+        """The global rank at pipeline stage ``stage`` with this rank's dp and tp coordinates."""
+        return self.shape.rank(stage, self.dp_rank, self.tp_rank)
+
+    @staticmethod
+    def create(shape: MeshShape, tied_stage_sets: list[tuple[int, ...]] = ()) -> "Mesh":
+        """Create all groups (collective: every rank calls this with the same arguments)."""
+        if not dist.is_initialized():
+            if shape.world != 1:
+                raise RuntimeError(f"a mesh of {shape.world} ranks needs an initialised process group")
+            return Mesh(shape, 0, {"tp": None, "dp": None, "pp": None})
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != shape.world:
+            raise ValueError(f"tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world}, "
+                             f"but the world size is {world}")
+        mesh = Mesh(shape, rank)
+        for axis, groups in (("tp", shape.tp_groups()), ("dp", shape.dp_groups()), ("pp", shape.pp_groups())):
+            mesh.groups[axis] = None
+            for ranks in groups:
+                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    mesh.groups[axis] = g
+        for stages in tied_stage_sets:
+            mesh.tied[stages] = None
+            for ranks in shape.stage_groups(stages):
+                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    mesh.tied[stages] = g
+        return mesh

@@ -1,0 +1,53 @@
+"""Cost of one graph node from its (local) shapes: FLOPs and bytes.
+
+Used to balance pipeline chunks. Matrix products count 2*M*N*K FLOPs,
+attention 4*B*H*Tq*Tk*d (scores and weighted sum), everything else one FLOP
+per output element; bytes are the output's plus any parameter read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from autopar.cost import attention_flops, matmul_flops
+
+__all__ = ["node_flops", "node_bytes"]
+
+aten = torch.ops.aten
+
+
+def _shape(n) -> tuple[int, ...]:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def node_flops(node: fx.Node) -> float:
+    """Forward FLOPs of a node (backward is about twice this)."""
+    if node.op != "call_function":
+        return 0.0
+    t = node.target
+    out = _shape(node)
+    if t in (aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default):
+        a = node.args[1] if t == aten.addmm.default else node.args[0]
+        k = _shape(a)[-1] if _shape(a) else 0
+        rows = math.prod(out[:-1]) if out else 0
+        return float(matmul_flops(1, rows, out[-1] if out else 0, k))
+    if t == aten.scaled_dot_product_attention.default:
+        q, kk = _shape(node.args[0]), _shape(node.args[1])
+        if len(q) == 4 and len(kk) == 4:
+            return float(attention_flops(q[0], q[1], q[2], kk[2], q[3]))
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return float(val.numel())
+    return 0.0
+
+
+def node_bytes(node: fx.Node) -> float:
+    """Bytes a node writes (its output)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return float(val.numel() * val.element_size())
+    return 0.0

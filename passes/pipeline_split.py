@@ -1,0 +1,286 @@
+"""Cut a rank graph into p*v contiguous chunks of balanced cost.
+
+1. Each layer's cost is the FLOPs of its nodes (``passes/node_cost.py``); the
+   nodes before the first layer (embedding) count with the first layer, those
+   after the last (final norm, head, loss) with the last.
+2. A min-max linear partition of the layer sequence into p*v non-empty runs:
+   the most expensive chunk is as cheap as it can be. Layers are never
+   dropped or duplicated; uneven counts are balanced by cost.
+3. Every node goes to its layer's chunk; a node outside the layers goes to
+   the latest chunk among its inputs (so the embedding lands in chunk 0 and
+   the head and loss in the last). Nodes that do not depend on parameters
+   (position ids, masks, rotary tables, reshaped targets) are recomputed in
+   every chunk that needs them from the model inputs, which every rank has,
+   instead of being sent.
+4. A value produced in chunk a and used in chunk b > a+1 is relayed: it is an
+   output of a and an input and output of every chunk in between.
+
+Chunk c's graph: placeholders ``tp``, then the parameters, model inputs,
+targets and buffers it reads, then the boundary values from chunk c-1;
+output: the boundary values for chunk c+1, or the loss for the last chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autopar import comm
+from passes.layers import find_layers
+from passes.node_cost import node_flops
+
+__all__ = ["Boundary", "Chunk", "PipelineSplit", "PipelineError", "balance", "split_pipeline"]
+
+
+class PipelineError(ValueError):
+    """The model cannot be cut as asked; the message has the numbers and the fix."""
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One value sent from chunk c to chunk c+1."""
+
+    name: str
+    shape: tuple[int, ...]
+    """Local shape on one tensor-parallel rank, one microbatch."""
+    dtype: torch.dtype
+    requires_grad: bool
+    """A gradient flows back for it."""
+    replicated: bool
+    """Identical on every tensor-parallel rank (eligible for scatter/gather)."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class Chunk:
+    index: int
+    gm: fx.GraphModule
+    params: list[str] = field(default_factory=list)
+    """Placeholder names of the parameters the chunk reads."""
+    feeds: list[str] = field(default_factory=list)
+    """Placeholder names of model inputs, targets, buffers and constants it reads."""
+    inputs: list[Boundary] = field(default_factory=list)
+    """Boundary values received from chunk index-1."""
+    outputs: list[Boundary] = field(default_factory=list)
+    """Boundary values sent to chunk index+1 (empty for the last chunk: it returns the loss)."""
+    layers: list[int] = field(default_factory=list)
+    cost: float = 0.0
+
+
+@dataclass
+class PipelineSplit:
+    chunks: list[Chunk]
+    layer_of_chunk: list[list[int]]
+    costs: list[float]
+
+    @property
+    def n(self) -> int:
+        return len(self.chunks)
+
+
+def balance(costs: list[float], k: int) -> list[int]:
+    """Min-max partition of ``costs`` into ``k`` contiguous non-empty runs; returns run start indices."""
+    n = len(costs)
+    if k > n:
+        raise ValueError(f"cannot cut {n} items into {k} non-empty runs")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[j][i]: min over partitions of the first i items into j runs of the max run cost
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            for s in range(j - 1, i):
+                v = max(best[j - 1][s], prefix[i] - prefix[s])
+                if v < best[j][i] - 1e-12 * max(1.0, v):
+                    best[j][i], cut[j][i] = v, s
+    starts, i = [], n
+    for j in range(k, 0, -1):
+        s = cut[j][i]
+        starts.append(s)
+        i = s
+    return starts[::-1]
+
+
+def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, str],
+                   input_names: list[str], target_names: list[str], global_shapes: dict[str, tuple],
+                   ) -> PipelineSplit:
+    """Cut the (tensor-parallel) rank graph into ``n_chunks`` chunk graphs."""
+    graph = rank_gm.graph
+    nodes = list(graph.nodes)
+    layers = find_layers(rank_gm)
+    if layers.count < n_chunks:
+        raise PipelineError(
+            f"the model has {layers.count} layers (under '{layers.prefix}') but pp * virtual_stages = "
+            f"{n_chunks} chunks need at least one layer each. Fix: use pp * virtual_stages <= {layers.count}"
+            + (f" (e.g. pp={layers.count}, virtual_stages=1)" if layers.count > 0 else "")
+        )
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    tp_node = placeholders[0]
+    param_phs = {n.name for n in placeholders if n.name in param_of}
+    user_phs = set(input_names) | set(target_names)
+
+    # nodes that depend on parameters are placed once; the rest (position ids, masks,
+    # rotary tables, flattened targets) is recomputed in each chunk that needs it
+    # from the model inputs, which every rank has
+    anchored: set[str] = set(param_phs)
+    for n in nodes:
+        if n.op == "call_function" and any(a.name in anchored for a in n.all_input_nodes):
+            anchored.add(n.name)
+    free = {n.name for n in nodes if n.op == "call_function" and n.name not in anchored}
+
+    # layer costs and chunk boundaries
+    layer_cost = [0.0] * layers.count
+    pre = post = 0.0
+    seen_layer = False
+    for n in nodes:
+        if n.op != "call_function" or n.name in free:
+            continue
+        c = node_flops(n)
+        if n.name in layers.node_layer:
+            layer_cost[layers.node_layer[n.name]] += c
+            seen_layer = True
+        elif seen_layer:
+            post += c
+        else:
+            pre += c
+    unit = list(layer_cost)
+    unit[0] += pre
+    unit[-1] += post
+    starts = balance(unit, n_chunks)
+    chunk_of_layer = {}
+    for c, s in enumerate(starts):
+        end = starts[c + 1] if c + 1 < n_chunks else layers.count
+        for layer in range(s, end):
+            chunk_of_layer[layer] = c
+
+    chunk_of: dict[str, int] = {}
+    for n in nodes:
+        if n.op != "call_function" or n.name in free:
+            continue
+        if n.name in layers.node_layer:
+            chunk_of[n.name] = chunk_of_layer[layers.node_layer[n.name]]
+        else:
+            chunk_of[n.name] = max([chunk_of.get(a.name, 0) for a in n.all_input_nodes], default=0)
+        for a in n.all_input_nodes:
+            if chunk_of.get(a.name, 0) > chunk_of[n.name]:
+                raise PipelineError(f"node {n.name} in chunk {chunk_of[n.name]} uses {a.name} from a later chunk "
+                                    f"{chunk_of[a.name]}: the layers are not a sequence")
+    out_node = nodes[-1]
+    loss = out_node.args[0][0]
+    if chunk_of.get(loss.name) != n_chunks - 1:
+        raise PipelineError("the loss is not computed after the last layer")
+
+    # live values across each boundary: produced before chunk k, used at or after k
+    last_use: dict[str, int] = {}
+    for n in nodes:
+        if n.name not in chunk_of:
+            continue
+        for a in n.all_input_nodes:
+            if a.name in chunk_of:
+                last_use[a.name] = max(last_use.get(a.name, -1), chunk_of[n.name])
+    order = {n.name: i for i, n in enumerate(nodes)}
+    live = []  # live[k]: values crossing from chunk k-1 into chunk k
+    for k in range(n_chunks):
+        names = [nm for nm, c in chunk_of.items() if c < k and last_use.get(nm, -1) >= k]
+        live.append(sorted(names, key=order.get))
+
+    requires_grad = _requires_grad(nodes, param_phs)
+    by_name = {n.name: n for n in nodes}
+    chunks = []
+    for k in range(n_chunks):
+        gm, params, feeds = _build_chunk(rank_gm, nodes, by_name, k, chunk_of, free, live, tp_node, param_phs,
+                                         loss if k == n_chunks - 1 else None)
+        ins = [_boundary(by_name[nm], requires_grad, global_shapes) for nm in live[k]]
+        outs = [_boundary(by_name[nm], requires_grad, global_shapes) for nm in live[k + 1]] if k + 1 < n_chunks else []
+        chunk_layers = sorted(layer for layer, c in chunk_of_layer.items() if c == k)
+        cost = sum(unit[layer] for layer in chunk_layers)
+        chunks.append(Chunk(k, gm, params, feeds, ins, outs, chunk_layers, cost))
+    return PipelineSplit(chunks, [c.layers for c in chunks], [c.cost for c in chunks])
+
+
+def _requires_grad(nodes: list[fx.Node], param_phs: set[str]) -> set[str]:
+    rg = set(param_phs)
+    for n in nodes:
+        if n.op == "call_function" and any(a.name in rg for a in n.all_input_nodes):
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+                rg.add(n.name)
+    return rg
+
+
+def _boundary(node: fx.Node, requires_grad: set[str], global_shapes: dict[str, tuple]) -> Boundary:
+    val = node.meta["val"]
+    if not isinstance(val, torch.Tensor):
+        raise PipelineError(f"value {node.name} crossing a pipeline boundary is not a tensor ({type(val).__name__})")
+    shape = tuple(int(s) for s in val.shape)
+    if node.target is comm.scatter_to_tp:
+        replicated = False
+    elif node.name in global_shapes:
+        replicated = tuple(global_shapes[node.name]) == shape
+    else:  # inserted by the tensor-parallel rewrite: g, its bias add, gathers: all replicated
+        replicated = True
+    return Boundary(node.name, shape, val.dtype, node.name in requires_grad, replicated)
+
+
+def _build_chunk(rank_gm, nodes, by_name, k, chunk_of, free, live, tp_node, param_phs, loss):
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    tp = g.placeholder("tp")
+    tp.meta.update(tp_node.meta)
+    env[tp_node.name] = tp
+    own = [n for n in nodes if chunk_of.get(n.name) == k]
+    # what this chunk reads: its own nodes' inputs, and what it relays onwards
+    wanted: set[str] = set()
+    stack = [a for n in own for a in n.all_input_nodes]
+    outputs = live[k + 1] if k + 1 < len(live) else []
+    stack += [by_name[nm] for nm in outputs]
+    needed_free: set[str] = set()
+    while stack:
+        a = stack.pop()
+        if a.name in wanted:
+            continue
+        wanted.add(a.name)
+        if a.name in free:
+            needed_free.add(a.name)
+            stack.extend(a.all_input_nodes)
+    params, feeds = [], []
+    for n in nodes:
+        if n.op == "placeholder" and n is not tp_node and n.name in wanted:
+            p = g.placeholder(n.name)
+            p.meta.update(n.meta)
+            env[n.name] = p
+            (params if n.name in param_phs else feeds).append(n.name)
+    for nm in live[k]:
+        p = g.placeholder(nm)
+        p.meta.update(by_name[nm].meta)
+        env[nm] = p
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        if chunk_of.get(n.name) == k or n.name in needed_free:
+            new = g.node_copy(n, lambda a: env[a.name])
+            env[n.name] = new
+    if loss is not None:
+        g.output((env[loss.name],))
+    else:
+        g.output(tuple(env[nm] for nm in outputs))
+    g.eliminate_dead_code()
+    g.lint()
+    gm = fx.GraphModule(rank_gm, g)
+    return gm, params, feeds

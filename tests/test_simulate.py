@@ -1,0 +1,104 @@
+"""Tier (a): the event simulator against the closed forms and schedules.dry_run."""
+
+from __future__ import annotations
+
+import random
+import xml.etree.ElementTree as ET
+from fractions import Fraction
+
+import pytest
+
+from autopar.cost import PAPER_RUNS, inflight_units
+from autopar.schedules import dry_run, generate, peak_in_flight
+from autopar.simulate import simulate, simulate_estimate, simulate_layout_costs
+from autopar.viz import timeline_svg, timeline_text
+
+GRID = [
+    ("gpipe", 4, 1, 4), ("gpipe", 3, 1, 7), ("1f1b", 2, 1, 2), ("1f1b", 4, 1, 8), ("1f1b", 8, 1, 11),
+    ("interleaved", 2, 2, 4), ("interleaved", 4, 2, 8), ("interleaved", 4, 3, 12), ("interleaved", 3, 4, 6),
+    ("interleaved", 8, 2, 16),
+]
+
+
+@pytest.mark.parametrize("name,p,v,m", GRID)
+def test_uniform_bubble_is_p_minus_1_over_v_m(name, p, v, m):
+    # integer costs: the simulated times are exact in floating point
+    sim = simulate(generate(name, p, v, m), 1.0, 2.0)
+    assert sim.bubble == pytest.approx((p - 1) / (v * m), abs=1e-12)
+    assert sim.step_time == pytest.approx((v * m + p - 1) * 3.0)
+    assert all(b == pytest.approx((p - 1) / (v * m)) for b in sim.bubble_per_stage.values())
+
+
+@pytest.mark.parametrize("name,p,v,m", GRID)
+def test_matches_schedules_dry_run_without_communication(name, p, v, m):
+    rng = random.Random(p * 100 + v * 10 + m)  # fixed seed per case
+    cf = {c: Fraction(rng.randint(1, 9), 4) for c in range(p * v)}
+    cb = {c: Fraction(rng.randint(4, 19), 4) for c in range(p * v)}
+    sched = generate(name, p, v, m)
+    ours = simulate(sched, lambda a: float(cf[a.chunk]), lambda a: float(cb[a.chunk]))
+    ref = dry_run(sched, lambda a: cf[a.chunk], lambda a: cb[a.chunk])
+    assert ours.step_time == pytest.approx(float(ref.makespan), rel=1e-12)
+    assert ours.busy == {s: pytest.approx(float(b)) for s, b in ref.busy.items()}
+
+
+@pytest.mark.parametrize("name,p,v,m", GRID)
+def test_peak_in_flight_matches_schedule_and_closed_form(name, p, v, m):
+    sim = simulate(generate(name, p, v, m), 1.0, 2.0)
+    assert sim.peak_in_flight == peak_in_flight(sim.schedule)
+    assert [sim.peak_in_flight[r] for r in range(p)] == [inflight_units(name, p, v, m, r) for r in range(p)]
+
+
+def test_communication_is_on_the_critical_path():
+    p, m, c = 4, 8, 0.25
+    base = simulate(generate("1f1b", p, 1, m), 1.0, 2.0)
+    sim = simulate(generate("1f1b", p, 1, m), 1.0, 2.0, comm=c)
+    # microbatch 0 crosses p-1 links forward and p-1 back; the steady state pays
+    # one blocking send after every forward and every backward of a middle stage
+    assert sim.step_time >= base.step_time + 2 * (p - 1) * c
+    assert sim.step_time <= (m + p - 1) * (3.0 + 2 * c) + 1e-9
+    sends = [e for e in sim.events[1] if e.kind == "comm"]
+    assert len(sends) == 2 * m and all(e.end - e.start == pytest.approx(c) for e in sends)
+    assert sim.comm[1] == pytest.approx(2 * m * c)
+    assert sim.comm[0] == pytest.approx(m * c)  # stage 0 only sends forward
+
+
+def test_lm_head_on_the_last_stage_unbalances_the_pipeline():
+    even = simulate_layout_costs("1f1b", 4, 1, 8, 1.0, 2.0, 0.0)
+    heavy = simulate_layout_costs("1f1b", 4, 1, 8, 1.0, 2.0, 0.0, last_extra=(0.5, 1.0))
+    # the last stage is the bottleneck: every microbatch pays its extra 1.5
+    assert heavy.step_time == pytest.approx(even.step_time + 8 * 1.5)
+    assert heavy.bubble_per_stage[0] > heavy.bubble_per_stage[3]
+
+
+@pytest.mark.parametrize("run", [r for r in PAPER_RUNS if r.p > 1], ids=lambda r: r.model)
+def test_simulated_estimate_close_to_closed_form(run):
+    closed = run.predict(simulate=False)
+    est, sim = simulate_estimate(run.spec, run.cluster(), run.layout())
+    assert est.simulated and sim.schedule.v == run.v and sim.schedule.m == closed.m
+    assert est.t_pipeline == pytest.approx(sim.step_time)
+    assert est.t_iter == pytest.approx(closed.t_iter, rel=0.01)
+    assert est.memory.total == pytest.approx(closed.memory.total, rel=1e-9)
+
+
+def test_timeline_pictures():
+    sim = simulate(generate("interleaved", 2, 2, 4), 1.0, 2.0, comm=0.1)
+    text = timeline_text(sim, width=80).plain
+    rows = [line for line in text.splitlines() if line.startswith("rank ")]
+    assert len(rows) == 2 and all(len(r) == len("rank 1 ") + 80 for r in rows)
+    assert "·" in rows[1]  # the bubble is visible
+    svg = timeline_svg(sim, title="t")
+    root = ET.fromstring(svg)  # well-formed
+    titles = [el.text for el in root.iter("{http://www.w3.org/2000/svg}title")]
+    assert sum(1 for t in titles if t.startswith(("F", "B"))) == 2 * 2 * 2 * 4  # F and B of 4 chunks x 4 mb
+    assert sum(1 for t in titles if t.startswith("bubble")) == 2
+    assert "F3.2" in svg and "rank 1" in svg
+
+
+def test_cli_simulate_writes_svg(tmp_path, capsys):
+    from autopar.cli import main
+
+    path = tmp_path / "step.svg"
+    assert main(["simulate", "--pp", "4", "--vp", "2", "--microbatches", "8", "--svg", str(path), "--width", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble 18.8%" in out  # 3 / (2 * 8)
+    ET.parse(path)
