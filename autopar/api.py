@@ -62,6 +62,8 @@ class ParallelConfig:
     """Data-parallel replicas d; None: world size / (tp * pp) when the world is known, else 1."""
     world_size: int | None = None
     """Ranks that will run the program (checked against tp * pp * dp when known)."""
+    scatter_gather: bool = True
+    """Send stage boundaries as 1/tp slices and all-gather them on arrival."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "virtual_stages", "microbatches"):
@@ -338,6 +340,7 @@ def parallelize(
     schedule: str | None = None,
     dp: int | None = None,
     world_size: int | None = None,
+    scatter_gather: bool = True,
 ) -> ParallelProgram:
     """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
@@ -356,7 +359,8 @@ def parallelize(
         world_size = dist.get_world_size()
     config = ParallelConfig(
         tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches or pp,
-        schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size)
+        schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,
+        scatter_gather=scatter_gather)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     traced = trace(model, example_inputs, example_targets, loss_fn, output_fn)

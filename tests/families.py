@@ -11,19 +11,19 @@ from autopar.models import MLP, Block, GPT, ModelConfig, build
 BATCH, SEQ = 2, 16
 
 
-def _hf_gpt2(vocab: int) -> nn.Module:
+def _hf_gpt2(vocab: int, layers: int = 2) -> nn.Module:
     import transformers
 
-    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=64, n_layer=layers, n_head=4,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                   bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def _hf_llama(vocab: int) -> nn.Module:
+def _hf_llama(vocab: int, layers: int = 2) -> nn.Module:
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ,
                                    bos_token_id=0, eos_token_id=0, pad_token_id=None)
     return transformers.LlamaForCausalLM(cfg)
@@ -47,27 +47,29 @@ class GPTWithFallback(GPT):
 # name -> (factory(vocab) -> model, vocabulary size). Vocabularies differ from
 # every hidden/FFN size so a full-vocabulary dim is recognisable; 257 is prime.
 FAMILIES = {
-    "nanogpt": (lambda v: build("gpt", vocab_size=v, seq_len=SEQ, n_layer=2, n_head=4, d_model=64), 320),
-    "gpt2-fused": (lambda v: build("gpt2-fused", vocab_size=v, seq_len=SEQ, n_layer=2, n_head=4, d_model=64), 257),
-    "llama": (lambda v: build("llama", vocab_size=v, seq_len=SEQ, n_layer=2, n_head=8, n_kv_head=4, d_model=64,
-                              d_ff=96), 320),
+    "nanogpt": (lambda v, n=2: build("gpt", vocab_size=v, seq_len=SEQ, n_layer=n, n_head=4, d_model=64), 320),
+    "gpt2-fused": (lambda v, n=2: build("gpt2-fused", vocab_size=v, seq_len=SEQ, n_layer=n, n_head=4, d_model=64),
+                   257),
+    "llama": (lambda v, n=2: build("llama", vocab_size=v, seq_len=SEQ, n_layer=n, n_head=8, n_kv_head=4,
+                                   d_model=64, d_ff=96), 320),
     "hf-gpt2": (_hf_gpt2, 257),
     "hf-llama": (_hf_llama, 320),
 }
 
 
-def make(family: str, seed: int = 0) -> tuple[nn.Module, int]:
+def make(family: str, seed: int = 0, layers: int = 2) -> tuple[nn.Module, int]:
     factory, vocab = FAMILIES[family]
     torch.manual_seed(seed)
-    return factory(vocab), vocab
+    return factory(vocab, layers), vocab
 
 
-def batches(vocab: int, steps: int = 3, seed: int = 1):
+def batches(vocab: int, steps: int = 3, seed: int = 1, rows: int = BATCH):
+    """``steps`` batches of ``rows`` sequences: (inputs, targets) each."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        x = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
-        y = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+        x = torch.randint(0, vocab, (rows, SEQ), generator=g)
+        y = torch.randint(0, vocab, (rows, SEQ), generator=g)
         out.append(((x,), (y,)))
     return out
 

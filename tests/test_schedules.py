@@ -32,17 +32,18 @@ from autopar.schedules import (
     validate,
 )
 
-# m up to 32: every m <= 9 (where the edge cases live: m < p, m == p, m % p != 0),
-# then a few larger ones, including all multiples of p for the interleaved schedule.
-_MS = [*range(1, 10), 12, 15, 16, 21, 24, 31, 32]
+# m up to 32: every m <= 9 (where the edge cases live: m < p, m == p, m % p != 0) and two
+# large ones; for interleaved, the first four multiples of p and the largest one <= 32.
+_MS = [*range(1, 10), 16, 32]
 
 
 def _grid() -> list[tuple[str, int, int, int]]:
     cases = []
     for p in range(1, 9):
+        interleaved_ms = sorted({p, 2 * p, 3 * p, 4 * p, 32 // p * p} & set(range(1, 33)))
         for v in range(1, 5):
             cases += [("gpipe", p, v, m) for m in _MS]
-            cases += [("interleaved", p, v, m) for m in range(p, 33, p) if m in _MS or m <= 4 * p]
+            cases += [("interleaved", p, v, m) for m in interleaved_ms]
         cases += [("1f1b", p, 1, m) for m in _MS if m >= p]
     return cases
 
@@ -184,9 +185,7 @@ def test_grid_with_marks_parses_and_clipped_grid_does_not() -> None:
 
 @pytest.mark.parametrize(("name", "p", "v", "m"), CASES, ids=IDS)
 def test_generated_and_lowered_schedules(name: str, p: int, v: int, m: int) -> None:
-    schedule, lowered = _schedules(name, p, v, m)
-    validate(schedule)
-    validate(lowered)
+    schedule, lowered = _schedules(name, p, v, m)  # both validated (test_validate_is_called)
 
     # Same compute order; one send and one receive per cross-stage edge (none when p == 1).
     assert {s: [a for a in acts if a.is_compute] for s, acts in lowered.actions.items()} == schedule.actions
@@ -228,6 +227,19 @@ def test_bubble_is_exact(name: str, p: int, v: int, m: int) -> None:
         assert slow.bubble_fraction >= expected
     else:
         assert set(slow.bubble.values()) == {expected}
+
+
+def test_validate_is_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generators validate what they return and lower() validates its result (so the grid needs no second run)."""
+    import autopar.schedules as schedules
+
+    seen: list[tuple[str, bool]] = []
+    real = schedules.validate
+    monkeypatch.setattr(schedules, "validate", lambda s: (seen.append((s.name, s.is_lowered)), real(s))[1])
+    for name in SCHEDULE_NAMES:
+        lower(generate(name, 2, 1, 4))
+    assert seen == [("gpipe", False), ("gpipe", True), ("1f1b", False), ("1f1b", True),
+                    ("interleaved", False), ("interleaved", True)]
 
 
 def test_paper_bubble_numbers() -> None:

@@ -217,7 +217,8 @@ class RankEngine(nn.Module):
             store[key] = [f() if f is not None else None for f in finishes]
 
     def _scatter_gather(self, b: "Boundary") -> bool:
-        return self.tp.size > 1 and b.replicated and b.numel % self.tp.size == 0
+        return (self.program.config.scatter_gather and self.tp.size > 1 and b.replicated
+                and b.numel % self.tp.size == 0)
 
     def _send(self, t: torch.Tensor, b: "Boundary", peer: int, tag: int, a: Action):
         t = t.contiguous()
