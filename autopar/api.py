@@ -46,6 +46,10 @@ def lm_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
+RECOMPUTE = ("none", "layer", "chunk")
+PRECISIONS = ("fp32", "bf16")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tp: int = 1
@@ -64,8 +68,16 @@ class ParallelConfig:
     """Ranks that will run the program (checked against tp * pp * dp when known)."""
     scatter_gather: bool = True
     """Send stage boundaries as 1/tp slices and all-gather them on arrival."""
+    recompute: str = "none"
+    """Activation recomputation: 'none', 'layer' (keep each layer's input) or 'chunk' (each chunk's input)."""
+    precision: str = "fp32"
+    """'fp32', or 'bf16': bf16 autocast with fp32 parameters, gradients and gradient reduction."""
 
     def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         for name in ("tp", "pp", "virtual_stages", "microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}")
@@ -145,6 +157,74 @@ class ParallelProgram:
     @property
     def microbatches(self) -> int:
         return self.config.microbatches
+
+    @property
+    def recompute(self) -> str:
+        return self.config.recompute
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    def param_dtype_bytes(self, name: str) -> int:
+        return self._phs[self._placeholder_of[name]].meta["val"].element_size()
+
+    def chunk_activation_bytes(self, chunk) -> float:
+        """Bytes one microbatch's forward of ``chunk`` keeps for the backward (estimate).
+
+        Without recomputation: every value the chunk computes; with it: the
+        chunk's inputs, plus one layer's values while it is recomputed.
+        """
+        from passes.node_cost import node_bytes
+
+        inputs = sum(b.nbytes for b in chunk.inputs)
+        values = [n for n in chunk.gm.graph.nodes if n.op == "call_function"]
+        total = sum(node_bytes(n) for n in values)
+        if self.recompute == "none":
+            return inputs + total
+        if self.recompute == "chunk":
+            return inputs + total  # one chunk re-run at a time: its inputs of all microbatches are the rest
+        return inputs + total / max(len(chunk.layers), 1)
+
+    def collective_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes each tensor-parallel collective moves per microbatch, by (layers|outside, name)."""
+        if self.tp == 1:
+            return {}
+        out: dict[tuple[str, str], int] = {}
+        for node in self.rank_module.graph.nodes:
+            if node.op != "call_function" or node.target not in _COLLECTIVES:
+                continue
+            val = node.meta.get("val")
+            if node.target is comm.vocab_parallel_cross_entropy:
+                rows = node.args[0].meta["val"].shape[0]
+                nbytes = 3 * rows * 4
+            elif node.target is comm.copy_to_tp:
+                nbytes = val.numel() * val.element_size()
+            else:
+                nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+            where = "layers" if self._layer_of_node(node) is not None else "outside"
+            out[(where, node.target.__name__)] = out.get((where, node.target.__name__), 0) + nbytes
+        return out
+
+    def p2p_and_dp_bytes(self) -> dict[tuple[str, str, str], float]:
+        """Bytes per step of pipeline point-to-point (per boundary) and data-parallel gradient reduction."""
+        out: dict[tuple[str, str, str], float] = {}
+        t, m = self.tp, self.microbatches
+        sg = self.config.scatter_gather and t > 1
+        for c in self.split.chunks[1:]:
+            fwd = sum(b.nbytes / (t if sg and b.replicated and b.numel % t == 0 else 1) for b in c.inputs)
+            bwd = sum(b.nbytes / (t if sg and b.replicated and b.numel % t == 0 else 1)
+                      for b in c.inputs if b.requires_grad)
+            if self.pp > 1:
+                label = f"chunk {c.index - 1} -> {c.index}"
+                out[(label, "p2p send", "activation fwd, gradient bwd" + (", 1/t each" if sg else ""))] = (fwd + bwd) * m
+        if self.config.data_parallel > 1:
+            d = self.config.data_parallel
+            stage_bytes = max(sum(math.prod(self.local_shape(n)) * 4 for n in self.param_names
+                                  if s in self.param_stages.get(n, ())) for s in range(self.pp))
+            out[("dp", "all-reduce grads", f"ring: 2(d-1)/d of {stage_bytes / 2**20:.1f} MiB")] = \
+                2 * (d - 1) / d * stage_bytes
+        return out
 
     # ------------------------------------------------------------ introspection
     @property
@@ -341,6 +421,8 @@ def parallelize(
     dp: int | None = None,
     world_size: int | None = None,
     scatter_gather: bool = True,
+    recompute: str = "none",
+    precision: str = "fp32",
 ) -> ParallelProgram:
     """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
@@ -360,7 +442,7 @@ def parallelize(
     config = ParallelConfig(
         tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches or pp,
         schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,
-        scatter_gather=scatter_gather)
+        scatter_gather=scatter_gather, recompute=recompute, precision=precision)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     traced = trace(model, example_inputs, example_targets, loss_fn, output_fn)

@@ -1,4 +1,9 @@
-"""``program.summary()``: the plan as rich tables rendered to text."""
+"""``program.summary()``: the plan as rich tables rendered to text.
+
+The mesh, which layers and parameters each stage holds, memory per rank
+(weights, gradients, optimizer state, activations at peak), collectives per
+step with their bytes, the pipeline schedule's bubble, and every fallback.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,12 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.placement import Shard
+from autopar.schedules import dry_run
 
 if TYPE_CHECKING:
     from autopar.api import ParallelProgram
 
-__all__ = ["render_summary"]
+__all__ = ["render_summary", "memory_per_rank", "predicted_bubble"]
 
 _DIRECTION = {
     "copy_to_tp": "bwd all-reduce",
@@ -26,56 +32,129 @@ _DIRECTION = {
     "vocab_parallel_cross_entropy": "fwd all-reduces: max, then (target logit, sum exp)",
 }
 
+# AdamW keeps two fp32 moments per parameter
+OPTIMIZER_BYTES_PER_PARAM = 8
+
+
+def _gib(n: float) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def memory_per_rank(program: "ParallelProgram") -> list[dict[str, float]]:
+    """Per pipeline stage: bytes of weights, gradients, optimizer state and activations at peak.
+
+    Activations: the bytes a chunk keeps for its backward per microbatch
+    (outputs of its nodes; only its input with recomputation) times the most
+    microbatches the schedule keeps in flight on that stage.
+    """
+    p = program.pp
+    out = []
+    for stage in range(p):
+        weights = 0.0
+        for name in program.param_names:
+            if stage in program.param_stages.get(name, ()):
+                weights += math.prod(program.local_shape(name)) * program.param_dtype_bytes(name)
+        chunks = [c for c in program.split.chunks if c.index % p == stage]
+        per_chunk = max((program.chunk_activation_bytes(c) for c in chunks), default=0.0)
+        in_flight = program.schedule.in_flight_bound(stage)
+        act = per_chunk * in_flight
+        params = weights / 4 if weights else 0.0
+        out.append({"weights": weights, "grads": weights, "optimizer": params * OPTIMIZER_BYTES_PER_PARAM,
+                    "activations": act, "in_flight": in_flight})
+    return out
+
+
+def predicted_bubble(program: "ParallelProgram") -> float:
+    """Bubble fraction of the schedule with the chunks' estimated costs (backward = 2x forward)."""
+    costs = {c.index: max(c.cost, 1.0) for c in program.split.chunks}
+    run = dry_run(program.schedule, cost_f=lambda a: costs[a.chunk], cost_b=lambda a: 2 * costs[a.chunk])
+    return float(run.bubble_fraction)
+
 
 def render_summary(program: "ParallelProgram", width: int = 120) -> str:
     console = Console(record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None)
-    t = program.tp
+    cfg = program.config
+    mesh = cfg.mesh
     total = sum(math.prod(program.full_shape(n)) for n in program.param_names)
-    local = program.local_numel()
     layers = program.layers
-    console.print(f"[bold]autopar program[/bold]: {program.traced.model_name}, tensor parallel tp={t}; "
-                  f"{layers.count} layers under '{layers.prefix}'; parameters {total:,} total, {local:,} per rank "
-                  f"({local / max(total, 1):.1%})")
+    console.print(
+        f"[bold]autopar program[/bold]: {program.traced.model_name}, {total:,} parameters, "
+        f"{layers.count} layers under '{layers.prefix}'\n"
+        f"mesh: tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} = {mesh.world} ranks "
+        f"(rank = tp + dp*{mesh.tp} + pp*{mesh.tp * mesh.dp}); schedule {cfg.schedule}, "
+        f"virtual stages {cfg.virtual_stages}, {cfg.microbatches} microbatches per replica; "
+        f"recompute {program.recompute}; precision {program.precision}"
+    )
 
-    sharded = Table(title="Parameters", show_lines=False)
+    # ---- stages and memory
+    stages = Table(title="Pipeline stages: layers per chunk, memory per rank")
+    for col in ("stage", "ranks", "chunks: layers", "params/rank", "weights", "grads", "optimizer",
+                "activations (peak)", "total"):
+        stages.add_column(col)
+    mem = memory_per_rank(program)
+    for s in range(mesh.pp):
+        chunks = [c for c in program.split.chunks if c.index % mesh.pp == s]
+        desc = "; ".join(f"{c.index}: {_span(c.layers)}" for c in chunks)
+        ranks = [mesh.rank(s, d, j) for d in range(mesh.dp) for j in range(mesh.tp)]
+        n_params = sum(math.prod(program.local_shape(n)) for n in program.param_names
+                       if s in program.param_stages.get(n, ()))
+        m = mem[s]
+        stages.add_row(str(s), _ranks(ranks), desc, f"{n_params:,}", _gib(m["weights"]), _gib(m["grads"]),
+                       _gib(m["optimizer"]), f"{_gib(m['activations'])} ({m['in_flight']} in flight)",
+                       _gib(m["weights"] + m["grads"] + m["optimizer"] + m["activations"]))
+    console.print(stages)
+    if mesh.pp > 1:
+        console.print(f"layers per chunk: {[len(c.layers) for c in program.split.chunks]}; "
+                      f"predicted bubble {predicted_bubble(program):.1%} "
+                      f"(uniform costs: (p-1)/(v*m) = {(mesh.pp - 1) / (cfg.virtual_stages * cfg.microbatches):.1%})")
+    else:
+        console.print(f"layers per chunk: {[len(c.layers) for c in program.split.chunks]}")
+    if program.tied_params:
+        console.print("held by several stages (gradients summed across them): "
+                      + ", ".join(f"{n} on stages {list(s)}" for n, s in program.tied_params.items()))
+
+    # ---- parameters (layer 0 stands for every layer)
+    params = Table(title="Parameters (tensor-parallel split; layers 1.. as layer 0)")
     for col in ("parameter", "full shape", "placement", "local shape", "role"):
-        sharded.add_column(col)
+        params.add_column(col)
     roles = _roles(program)
-    shown = Counter()
     for name in program.param_names:
         layer = program.layer_params(name)
-        key = (layer is not None and layer > 0, _strip_layer(name, layers.prefix))
         if layer is not None and layer > 0:
-            shown[key] += 1
-            continue  # layers repeat: show layer 0 only
-        spec = program.param_spec(name)
-        sharded.add_row(name, str(list(program.full_shape(name))), repr(spec), str(list(program.local_shape(name))),
-                        roles.get(name, ""))
-    if layers.count > 1:
-        sharded.caption = f"layers 1..{layers.count - 1} are split like layer 0"
-    console.print(sharded)
+            continue
+        params.add_row(name, str(list(program.full_shape(name))), repr(program.param_spec(name)),
+                       str(list(program.local_shape(name))), roles.get(name, ""))
+    console.print(params)
 
-    coll = Table(title="Collectives per step (one microbatch)")
-    for col in ("where", "collective", "direction", "count"):
+    # ---- collectives
+    coll = Table(title="Collectives per step")
+    for col in ("where", "collective", "direction", "count / microbatch", "bytes / step / rank (all layers)"):
         coll.add_column(col)
     by_layer = program.collectives(by_layer=True)
-    per_layer = Counter()
+    nbytes = program.collective_bytes()
+    per_layer, outside = Counter(), Counter()
     for (layer, name), n in by_layer.items():
-        if layer is not None:
-            per_layer[name] += n
+        (per_layer if layer is not None else outside)[name] += n
+    m = cfg.microbatches
     for name, n in sorted(per_layer.items()):
-        coll.add_row("per layer", name, _DIRECTION[name], f"{n // max(layers.count, 1)}")
-    for (layer, name), n in sorted(by_layer.items(), key=lambda kv: str(kv[0])):
-        if layer is None:
-            coll.add_row("outside layers", name, _DIRECTION[name], str(n))
+        coll.add_row("per layer", name, _DIRECTION[name], str(n // max(layers.count, 1)),
+                     _gib(nbytes.get(("layers", name), 0) * m))
+    for name, n in sorted(outside.items()):
+        coll.add_row("outside layers", name, _DIRECTION[name], str(n), _gib(nbytes.get(("outside", name), 0) * m))
+    for label, value in program.p2p_and_dp_bytes().items():
+        coll.add_row(label[0], label[1], label[2], "", _gib(value))
     console.print(coll)
 
-    pads = [(n, program.full_shape(n), program.param_spec(n)) for n in program.param_names
-            if isinstance(program.param_spec(n), Shard) and program.param_spec(n).segments
-            and sum(program.param_spec(n).segments) != program.full_shape(n)[program.param_spec(n).dim]]
-    for name, shape, spec in pads:
-        console.print(f"vocabulary padding: {name} dim {spec.dim} {shape[spec.dim]} -> {sum(spec.segments)} "
-                      f"(padded rows are never looked up and never win the softmax)")
+    for name in program.param_names:
+        spec = program.param_spec(name)
+        full = program.full_shape(name)
+        if isinstance(spec, Shard) and spec.segments and sum(spec.segments) != full[spec.dim]:
+            console.print(f"vocabulary padding: {name} dim {spec.dim} {full[spec.dim]} -> {sum(spec.segments)} "
+                          f"(padded rows are never looked up and never win the softmax)")
 
     fallbacks = program.fallbacks()
     if fallbacks:
@@ -97,23 +176,28 @@ def render_summary(program: "ParallelProgram", width: int = 120) -> str:
     return console.export_text()
 
 
-def _strip_layer(name: str, prefix: str) -> str:
-    if prefix and name.startswith(prefix + "."):
-        rest = name[len(prefix) + 1 :]
-        return rest.split(".", 1)[1] if "." in rest else rest
-    return name
+def _span(layers: list[int]) -> str:
+    if not layers:
+        return "-"
+    return f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]},{ranks[1]},...,{ranks[-1]}"
 
 
 def _roles(program: "ParallelProgram") -> dict[str, str]:
     plan, traced = program.plan, program.traced
     nodes = {n.name: n for n in traced.gm.graph.nodes}
-    roles = {}
+    roles: dict[str, str] = {}
     for name, dec in plan.decisions.items():
-        kind = {"column": "column-parallel", "row": "row-parallel", "vocab_embedding": "vocab-parallel embedding"}.get(dec.kind)
+        kind = {"column": "column-parallel", "row": "row-parallel",
+                "vocab_embedding": "vocab-parallel embedding"}.get(dec.kind)
         if not kind:
             continue
         for a in nodes[name].all_input_nodes:
             if a.name in traced.param_of:
                 pname = traced.param_of[a.name]
-                roles[pname] = roles[pname] + ", " + kind if pname in roles and kind not in roles[pname] else kind
+                if kind not in roles.get(pname, ""):
+                    roles[pname] = f"{roles[pname]}, {kind}" if pname in roles else kind
     return roles

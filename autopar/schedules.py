@@ -120,11 +120,15 @@ class Action:
         if type(self.kind) is not Kind:
             object.__setattr__(self, "kind", Kind(self.kind))
         if self.chunk < 0 or self.microbatch < 0:
-            raise ValueError(f"negative chunk or microbatch in {self.kind.value}{self.chunk}.{self.microbatch}")
+            raise ValueError(
+                f"negative chunk or microbatch in {self.kind.value}{self.chunk}.{self.microbatch}"
+            )
         compute = self.kind is Kind.F or self.kind is Kind.B
         if compute != (self.peer is None):
             what = "must not have" if compute else "needs"
-            raise ValueError(f"a {self.kind.name} action {what} a peer stage (got peer={self.peer})")
+            raise ValueError(
+                f"a {self.kind.name} action {what} a peer stage (got peer={self.peer})"
+            )
 
     @property
     def is_compute(self) -> bool:
@@ -238,7 +242,9 @@ class Schedule:
             return total
         return min(num_warmup(self.name, self.p, self.v, self.m, stage) + 1, total)
 
-    def format_grid(self, marks: Iterable[_Loc] = (), columns: tuple[int, int] | None = None) -> str:
+    def format_grid(
+        self, marks: Iterable[_Loc] = (), columns: tuple[int, int] | None = None
+    ) -> str:
         """Rank x time grid: one row per stage, column t = the stage's t-th action.
 
         Marked actions print as ``[F2.0]``. ``columns=(lo, hi)`` clips the
@@ -249,21 +255,23 @@ class Schedule:
         steps = max((len(acts) for acts in self.actions.values()), default=0)
         lo, hi = columns if columns is not None else (0, steps)
         lo, hi = max(0, lo), min(steps, hi)
-        cells = {
-            s: [
-                (f"[{a}]" if (s, t) in marked else str(a)) if t < len(acts) else ""
-                for t, a in enumerate(acts[lo:hi], start=lo)
-            ]
-            + [""] * (hi - lo - len(acts[lo:hi]))
-            for s, acts in self.actions.items()
-        }
-        widths = [max([len(str(lo + j))] + [len(cells[s][j]) for s in cells]) for j in range(hi - lo)]
+
+        def cell(s: int, t: int) -> str:
+            acts = self.actions[s]
+            if t >= len(acts):
+                return ""
+            return f"[{acts[t]}]" if (s, t) in marked else str(acts[t])
+
+        cells = {s: [cell(s, t) for t in range(lo, hi)] for s in range(self.p)}
+        widths = [
+            max([len(str(lo + j))] + [len(cells[s][j]) for s in cells]) for j in range(hi - lo)
+        ]
         label_width = len(f"stage {self.p - 1}:")
         head = "... " if lo > 0 else ""
         tail = " ..." if hi < steps else ""
 
         def row(label: str, items: list[str]) -> str:
-            body = " ".join(item.ljust(w) for item, w in zip(items, widths))
+            body = " ".join(item.ljust(w) for item, w in zip(items, widths, strict=True))
             return f"{label.ljust(label_width)} {head}{body}{tail}".rstrip()
 
         lines = [f"{self.name} p={self.p} v={self.v} m={self.m}"]
@@ -293,7 +301,9 @@ def parse_grid(text: str) -> Schedule:
             raise ValueError(f"cannot parse grid line {line!r}: expected 'stage <r>: <actions>'")
         tokens = row.group(2).split()
         if "..." in tokens:
-            raise ValueError("cannot parse a clipped grid (it shows '...'); format it without columns=")
+            raise ValueError(
+                "cannot parse a clipped grid (it shows '...'); format it without columns="
+            )
         actions[int(row.group(1))] = [Action.parse(tok.strip("[]")) for tok in tokens]
     return Schedule(name, p, v, m, actions)
 
@@ -304,7 +314,9 @@ def parse_grid(text: str) -> Schedule:
 def _check_positive(**sizes: int) -> None:
     for key, value in sizes.items():
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key} must be a positive integer, got {key}={value!r}; use {key} >= 1")
+            raise ValueError(
+                f"{key} must be a positive integer, got {key}={value!r}; use {key} >= 1"
+            )
 
 
 def _check_enough_microbatches(name: str, p: int, m: int) -> None:
@@ -425,7 +437,9 @@ def interleaved_1f1b(p: int, v: int, m: int) -> Schedule:
     _check_multiple_of_p(p, m)
     actions = {}
     for r in range(p):
-        steps = [(_megatron_chunk(k, p, v, True), _megatron_chunk(k, p, v, False)) for k in range(v * m)]
+        steps = [
+            (_megatron_chunk(k, p, v, True), _megatron_chunk(k, p, v, False)) for k in range(v * m)
+        ]
         forwards = [Action(Kind.F, local * p + r, i) for (local, i), _ in steps]
         backwards = [Action(Kind.B, local * p + r, i) for _, (local, i) in steps]
         actions[r] = _interleave(forwards, backwards, num_warmup("interleaved", p, v, m, r))
@@ -438,7 +452,9 @@ def generate(name: str, p: int, v: int, m: int) -> Schedule:
         return gpipe(p, m, v)
     if name == "1f1b":
         if v != 1:
-            raise ValueError(f"1f1b runs one chunk per stage, got v={v}; use v=1, or 'interleaved' for v > 1")
+            raise ValueError(
+                f"1f1b runs one chunk per stage, got v={v}; use v=1, or 'interleaved' for v > 1"
+            )
         return one_f_one_b(p, m)
     if name == "interleaved":
         return interleaved_1f1b(p, v, m)
@@ -460,28 +476,33 @@ def lower(
 ) -> Schedule:
     """Add the sends and receives that carry every cross-stage dependency.
 
-    Each F or B is followed by its send (``SF c.i > s(c+1)`` after ``F(c, i)``,
-    ``SB c.i > s(c-1)`` after ``B(c, i)``). A neighbour on the same stage (only
-    when ``p == 1``) needs no message.
+    Sends: right after the compute that produced the tensor (``SF c.i >
+    s(c+1)`` after ``F(c, i)``, ``SB c.i > s(c-1)`` after ``B(c, i)``).
+    A neighbour on the same stage (only when ``p == 1``) needs no message.
 
-    The runtime posts a run of consecutive sends/receives as one batched
-    exchange and waits for all of it, so a send blocks until its receive is
-    posted. Each receive therefore goes into the exchange its stage is in when
-    the producer finishes, in a dry run of the compute-only schedule with the
-    given costs: the first gap between two compute actions that ends at or
-    after the producer's end time ``T`` (``start(j) >= T``). That gap is never
-    later than the one just before the consumer. For GPipe and 1F1B it mostly
-    is that one; in interleaved 1F1B it is often earlier and the tensor waits
-    in a buffer, as in Megatron-LM's lock-step exchanges. With ``t_f = t_b``
-    (the default costs) every producer finishes at a gap of its receiver, so
-    the lowered schedules of all three generators time exactly like their
-    compute-only form. When the receiver is busy at ``T`` the sender waits for
-    it: with ``t_b = 2 t_f`` that costs interleaved 1F1B real bubble (e.g.
-    p=2, v=2, m=4: 7/24 instead of 1/8), a price of waiting on sends at once;
-    GPipe and 1F1B keep their compute-only timing. The result is validated.
+    Receives: the runtime posts a run of consecutive sends/receives as one
+    batched exchange and waits for all of it, so a send blocks until its
+    receive is posted. A receive therefore goes into the gap (between two
+    compute actions) its stage is in when the producer finishes, in a dry run
+    of the compute-only schedule with the given costs: the first gap ``j``
+    with ``start(j) >= T``, ``T`` the producer's end. That is never after the
+    gap just before the consumer (where it lands in most cases); when it is
+    earlier, the tensor waits in a buffer, as in Megatron-LM's lock-step
+    exchanges (interleaved 1F1B, GPipe with ``m > p`` chunks).
+
+    With ``t_f = t_b`` (the default costs) every producer of the three
+    generators finishes on a gap of its receiver, and the lowered schedule
+    times exactly like the compute-only one. Where the receiver is busy at
+    ``T`` the sender waits: with ``t_b = 2 t_f`` GPipe and 1F1B still keep
+    their timing, but interleaved 1F1B loses bubble (p=2, v=2, m=4: 7/24
+    instead of 1/8), the price of waiting on each exchange at once.
+
+    The result is validated.
     """
     if schedule.is_lowered:
-        raise ValueError(f"schedule {schedule.name!r} is already lowered (it has sends and receives)")
+        raise ValueError(
+            f"schedule {schedule.name!r} is already lowered (it has sends and receives)"
+        )
     run = dry_run(schedule, cost_f, cost_b)
     where = _index(schedule)
     slots = {s: [[] for _ in range(len(acts) + 1)] for s, acts in schedule.actions.items()}
@@ -506,7 +527,9 @@ def _sends(schedule: Schedule, stage: int, action: Action) -> list[Action]:
     return [Action(kind, action.chunk, action.microbatch, schedule.stage_of(target))]
 
 
-def _receives(schedule: Schedule, stage: int, action: Action, where: dict[_Key, _Loc]) -> list[tuple[Action, _Loc]]:
+def _receives(
+    schedule: Schedule, stage: int, action: Action, where: dict[_Key, _Loc]
+) -> list[tuple[Action, _Loc]]:
     """The receive ``action`` needs from another stage, if any, with its producer's location."""
     kind = Kind.RECV_F if action.kind is Kind.F else Kind.RECV_B
     return [
@@ -519,7 +542,7 @@ def _receives(schedule: Schedule, stage: int, action: Action, where: dict[_Key, 
 def _interleave_slots(slots: list[list[Action]], compute: list[Action]) -> list[Action]:
     """``slots[0], compute[0], slots[1], compute[1], .., slots[n]`` flattened."""
     out = list(slots[0])
-    for a, gap in zip(compute, slots[1:]):
+    for a, gap in zip(compute, slots[1:], strict=True):
         out += [a, *gap]
     return out
 
@@ -565,7 +588,11 @@ def _index(schedule: Schedule) -> dict[_Key, _Loc]:
         for t, a in enumerate(acts):
             if a.key in where:
                 first = where[a.key]
-                raise _fail(schedule, f"{a.kind.value}{a.chunk}.{a.microbatch} appears twice", [first, (s, t)])
+                raise _fail(
+                    schedule,
+                    f"{a.kind.value}{a.chunk}.{a.microbatch} appears twice",
+                    [first, (s, t)],
+                )
             where[a.key] = (s, t)
     return where
 
@@ -577,11 +604,17 @@ def _check_placement(schedule: Schedule) -> None:
         for t, a in enumerate(acts):
             if a.chunk > last or a.microbatch >= schedule.m:
                 raise _fail(
-                    schedule, f"{a} is out of range: chunks are 0..{last}, microbatches 0..{schedule.m - 1}", [(s, t)]
+                    schedule,
+                    f"{a} is out of range: chunks are 0..{last}, microbatches 0..{schedule.m - 1}",
+                    [(s, t)],
                 )
             if schedule.stage_of(a.chunk) != s:
-                raise _fail(schedule, f"{a} is on stage {s}, but chunk {a.chunk} lives on stage "
-                            f"{schedule.stage_of(a.chunk)} (c % p)", [(s, t)])
+                home = schedule.stage_of(a.chunk)
+                raise _fail(
+                    schedule,
+                    f"{a} is on stage {s}, but chunk {a.chunk} lives on stage {home}",
+                    [(s, t)],
+                )
             if a.is_comm:
                 _check_peer(schedule, a, (s, t))
 
@@ -591,9 +624,15 @@ def _check_peer(schedule: Schedule, action: Action, loc: _Loc) -> None:
     if not 0 <= chunk < schedule.num_chunks:
         raise _fail(schedule, f"{action} has no neighbour chunk {chunk} to talk to", [loc])
     if stage == loc[0]:
-        raise _fail(schedule, f"{action} is not needed: chunk {chunk} lives on the same stage", [loc])
+        raise _fail(
+            schedule, f"{action} is not needed: chunk {chunk} lives on the same stage", [loc]
+        )
     if action.peer != stage:
-        raise _fail(schedule, f"{action} names peer {action.peer}, but chunk {chunk} lives on stage {stage}", [loc])
+        raise _fail(
+            schedule,
+            f"{action} names peer {action.peer}, but chunk {chunk} lives on stage {stage}",
+            [loc],
+        )
 
 
 def _check_coverage(schedule: Schedule, where: dict[_Key, _Loc]) -> None:
@@ -603,7 +642,9 @@ def _check_coverage(schedule: Schedule, where: dict[_Key, _Loc]) -> None:
             for i in range(schedule.m):
                 if (kind, c, i) not in where:
                     raise _fail(
-                        schedule, f"missing {kind.value}{c}.{i} (on stage {schedule.stage_of(c)})", []
+                        schedule,
+                        f"missing {kind.value}{c}.{i} (on stage {schedule.stage_of(c)})",
+                        [],
                     )
 
 
@@ -617,8 +658,8 @@ def _check_matching(schedule: Schedule, where: dict[_Key, _Loc]) -> None:
             if key not in where:
                 other = "receive" if a.is_send else "send"
                 expected = Action(key[0], key[1], key[2], s)
-                raise _fail(schedule, f"{a} on stage {s} has no matching {other} {expected} on stage {stage}",
-                            [(s, t)])
+                message = f"{a} on stage {s} has no matching {other} {expected} on stage {stage}"
+                raise _fail(schedule, message, [(s, t)])
 
 
 def _check_order(schedule: Schedule, where: dict[_Key, _Loc]) -> None:
@@ -635,10 +676,17 @@ def _check_order(schedule: Schedule, where: dict[_Key, _Loc]) -> None:
                 loc = where.get(need)
                 needed = f"{need[0].value}{need[1]}.{need[2]}"
                 if loc is None:
-                    raise _fail(schedule, f"{a} on stage {s} needs {needed} before it, and there is none", [(s, t)])
+                    raise _fail(
+                        schedule,
+                        f"{a} on stage {s} needs {needed} before it, and there is none",
+                        [(s, t)],
+                    )
                 if loc[1] > t:
-                    raise _fail(schedule, f"{a} on stage {s} runs before {needed}, which it needs",
-                                [(s, t), loc])
+                    raise _fail(
+                        schedule,
+                        f"{a} on stage {s} runs before {needed}, which it needs",
+                        [(s, t), loc],
+                    )
 
 
 def _local_needs(schedule: Schedule, action: Action, stage: int, lowered: bool) -> list[_Key]:
@@ -667,7 +715,10 @@ def _in_flight_counts(actions: list[Action]) -> list[int]:
     """Number of activations held after each action."""
     held, counts = 0, []
     for a in actions:
-        held += {Kind.F: 1, Kind.B: -1}.get(a.kind, 0)
+        if a.kind is Kind.F:
+            held += 1
+        elif a.kind is Kind.B:
+            held -= 1
         counts.append(held)
     return counts
 
@@ -679,7 +730,8 @@ def _check_in_flight(schedule: Schedule) -> None:
             if held > bound:
                 raise _fail(
                     schedule,
-                    f"stage {s} holds {held} activations after {acts[t]}, above the {schedule.name} bound of {bound}",
+                    f"stage {s} holds {held} activations after {acts[t]}, "
+                    f"above the {schedule.name} bound of {bound}",
                     [(s, t)],
                 )
 
@@ -769,13 +821,22 @@ class _Simulator:
     (a work list), so a run costs time linear in the schedule's length.
     """
 
-    def __init__(self, schedule: Schedule, cost: Callable[[Action], Time], where: dict[_Key, _Loc]) -> None:
+    def __init__(
+        self, schedule: Schedule, cost: Callable[[Action], Time], where: dict[_Key, _Loc]
+    ) -> None:
         self.schedule, self.cost = schedule, cost
         self.units = {s: _units(acts) for s, acts in schedule.actions.items()}
-        unit_of = {(s, t): u for s, us in self.units.items() for u, (a, b) in enumerate(us) for t in range(a, b)}
+        unit_of = {
+            (s, t): u
+            for s, us in self.units.items()
+            for u, (a, b) in enumerate(us)
+            for t in range(a, b)
+        }
         # needs[s][u]: (stage, pc, where) triples; unit u of stage s may run once pc[stage] >= pc.
         # A producer must be done (pc past its unit), a partner only posted (pc at its unit).
-        self.needs = {s: [self._needs(s, a, b, where, unit_of) for a, b in us] for s, us in self.units.items()}
+        self.needs = {
+            s: [self._needs(s, a, b, where, unit_of) for a, b in us] for s, us in self.units.items()
+        }
         self.pc = dict.fromkeys(schedule.actions, 0)
         self.free: dict[int, Time] = dict.fromkeys(schedule.actions, 0)
         self.unit_start: dict[int, list[Time]] = {s: [0] * len(us) for s, us in self.units.items()}
@@ -830,7 +891,10 @@ class _Simulator:
         return self._per_action(self.unit_start), self._per_action(self.unit_end)
 
     def _per_action(self, per_unit: dict[int, list[Time]]) -> dict[int, list[Time]]:
-        return {s: [per_unit[s][u] for u, (a, b) in enumerate(us) for _ in range(a, b)] for s, us in self.units.items()}
+        return {
+            s: [per_unit[s][u] for u, (a, b) in enumerate(us) for _ in range(a, b)]
+            for s, us in self.units.items()
+        }
 
     def deadlock(self, stuck: list[int]) -> ScheduleError:
         """Explain what each blocked stage waits for."""
@@ -839,12 +903,20 @@ class _Simulator:
             a, b = self.units[s][self.pc[s]]
             marks += [(s, t) for t in range(a, b)]
             acts = self.schedule.actions[s]
-            waits = ", ".join(f"{self.schedule.actions[ws][wt]} (stage {ws} step {wt})" for ws, wt in self.blockers(s))
+            waits = ", ".join(
+                f"{self.schedule.actions[ws][wt]} (stage {ws} step {wt})"
+                for ws, wt in self.blockers(s)
+            )
             if acts[a].is_compute:
                 lines.append(f"  stage {s} waits at {acts[a]} for {waits} to finish")
             else:
-                lines.append(f"  stage {s} waits in exchange [{' '.join(map(str, acts[a:b]))}] for {waits} to be posted")
-        return _fail(self.schedule, "deadlock: no stage can make progress\n" + "\n".join(lines), marks)
+                lines.append(
+                    f"  stage {s} waits in exchange [{' '.join(map(str, acts[a:b]))}] "
+                    f"for {waits} to be posted"
+                )
+        return _fail(
+            self.schedule, "deadlock: no stage can make progress\n" + "\n".join(lines), marks
+        )
 
 
 def _as_cost(cost: Time | Callable[[Action], Time]) -> Callable[[Action], Time]:
@@ -869,9 +941,12 @@ def dry_run(
 
     The bubble of a stage is its idle time over its compute time,
     ``(makespan - busy) / busy`` (the paper's bubble time over ideal time).
-    Raises :class:`ScheduleError` if the schedule misses actions, has an
-    unmatched send or receive, or deadlocks; :func:`validate` checks the rest.
+    Raises :class:`ScheduleError` if the schedule misplaces or misses actions,
+    has an unmatched send or receive, or deadlocks (an action placed before
+    what it needs on its own stage shows as a deadlock); :func:`validate`
+    checks the rest.
     """
+    _check_placement(schedule)
     where = _index(schedule)
     _check_coverage(schedule, where)
     _check_matching(schedule, where)

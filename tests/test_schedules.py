@@ -1,7 +1,7 @@
 """Pipeline schedules as data (tier a: no process group).
 
 Every generated schedule over a grid of (p, v, m) is validated as generated
-and as lowered; bubbles are checked exactly (Fraction costs, so no tolerance),
+and as lowered; bubbles are checked exactly (integer costs give Fractions),
 in-flight peaks and warm-up counts against the paper's formulas, grids round
 trip through text, bad input names the numbers, and validate catches
 hand-broken schedules.
@@ -14,6 +14,7 @@ from functools import cache
 
 import pytest
 
+import autopar.schedules as schedules_module
 from autopar.schedules import (
     SCHEDULE_NAMES,
     Action,
@@ -137,7 +138,7 @@ def test_one_f_one_b_golden_order() -> None:
 
 
 def test_lowered_golden() -> None:
-    """Sends follow their compute; each receive sits in the gap its stage is in when the producer ends.
+    """Sends follow their compute; a receive sits in the gap its stage is in when the producer ends.
 
     With unit costs stage 0 sends F0.1's output at t=2, when stage 1 has just
     finished F1.0, so RF1.1 goes before B1.0 and its tensor waits in a buffer.
@@ -188,7 +189,9 @@ def test_generated_and_lowered_schedules(name: str, p: int, v: int, m: int) -> N
     schedule, lowered = _schedules(name, p, v, m)  # both validated (test_validate_is_called)
 
     # Same compute order; one send and one receive per cross-stage edge (none when p == 1).
-    assert {s: [a for a in acts if a.is_compute] for s, acts in lowered.actions.items()} == schedule.actions
+    assert {
+        s: [a for a in acts if a.is_compute] for s, acts in lowered.actions.items()
+    } == schedule.actions
     comm = [a for acts in lowered.actions.values() for a in acts if a.is_comm]
     edges = 2 * m * (p * v - 1) if p > 1 else 0  # F and B edges between consecutive chunks
     assert sum(a.is_send for a in comm) == sum(a.is_recv for a in comm) == edges
@@ -221,7 +224,7 @@ def test_bubble_is_exact(name: str, p: int, v: int, m: int) -> None:
     # Lowered with the unit costs it was placed for, it times exactly as the compute-only form.
     unit = dry_run(lowered, 1, 1)
     assert set(unit.bubble.values()) == {expected}
-    # With t_b = 2 t_f blocking exchanges cost nothing for GPipe and 1F1B; interleaved can only lose.
+    # With t_b = 2 t_f blocking exchanges cost GPipe and 1F1B nothing; interleaved can only lose.
     slow = dry_run(lowered, 1, 2)
     if name == "interleaved":
         assert slow.bubble_fraction >= expected
@@ -230,16 +233,18 @@ def test_bubble_is_exact(name: str, p: int, v: int, m: int) -> None:
 
 
 def test_validate_is_called(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Generators validate what they return and lower() validates its result (so the grid needs no second run)."""
-    import autopar.schedules as schedules
-
+    """Generators validate what they return and lower() its result: the grid needs no second run."""
     seen: list[tuple[str, bool]] = []
-    real = schedules.validate
-    monkeypatch.setattr(schedules, "validate", lambda s: (seen.append((s.name, s.is_lowered)), real(s))[1])
+    real = schedules_module.validate
+
+    def spy(schedule: Schedule) -> None:
+        seen.append((schedule.name, schedule.is_lowered))
+        real(schedule)
+
+    monkeypatch.setattr(schedules_module, "validate", spy)
     for name in SCHEDULE_NAMES:
         lower(generate(name, 2, 1, 4))
-    assert seen == [("gpipe", False), ("gpipe", True), ("1f1b", False), ("1f1b", True),
-                    ("interleaved", False), ("interleaved", True)]
+    assert seen == [(name, lowered) for name in SCHEDULE_NAMES for lowered in (False, True)]
 
 
 def test_paper_bubble_numbers() -> None:
@@ -252,7 +257,9 @@ def test_interleaved_blocking_exchange_cost() -> None:
     """Documented in lower(): with t_b = 2 t_f the lowered interleaved schedule loses bubble."""
     lowered = lower(interleaved_1f1b(2, 2, 4))
     assert dry_run(lowered, 1, 2).bubble_fraction == Fraction(7, 24)
-    assert dry_run(interleaved_1f1b(2, 2, 4), Fraction(1), Fraction(2)).bubble_fraction == Fraction(1, 8)
+    assert dry_run(interleaved_1f1b(2, 2, 4), Fraction(1), Fraction(2)).bubble_fraction == Fraction(
+        1, 8
+    )
 
 
 def test_one_f_one_b_holds_at_most_p() -> None:
@@ -313,7 +320,10 @@ def test_single_stage_has_no_bubble_and_no_messages() -> None:
     [
         (lambda: one_f_one_b(4, 2), r"m=2 < p=4\. Use m >= 4"),
         (lambda: interleaved_1f1b(4, 2, 2), r"m=2 < p=4\. Use m >= 4"),
-        (lambda: interleaved_1f1b(4, 2, 6), r"multiple of p .*m=6, p=4, m % p = 2\. Use m=4 or m=8"),
+        (
+            lambda: interleaved_1f1b(4, 2, 6),
+            r"multiple of p .*m=6, p=4, m % p = 2\. Use m=4 or m=8",
+        ),
         (lambda: interleaved_1f1b(4, 2, 10), r"m=10, p=4.*Use m=8 or m=12"),
         (lambda: gpipe(4, 8, v=0), r"v must be a positive integer, got v=0; use v >= 1"),
         (lambda: gpipe(0, 8), r"p must be a positive integer, got p=0; use p >= 1"),
@@ -321,7 +331,10 @@ def test_single_stage_has_no_bubble_and_no_messages() -> None:
         (lambda: one_f_one_b(-1, 4), r"got p=-1"),
         (lambda: gpipe(2, 0), r"got m=0"),
         (lambda: generate("1f1b", 4, 2, 8), r"got v=2; use v=1, or 'interleaved'"),
-        (lambda: generate("zb", 4, 1, 8), r"unknown schedule 'zb'; known: gpipe, 1f1b, interleaved"),
+        (
+            lambda: generate("zb", 4, 1, 8),
+            r"unknown schedule 'zb'; known: gpipe, 1f1b, interleaved",
+        ),
         (lambda: Schedule("gpipe", 2, 1, 1, {0: []}), r"stages 0\.\.1, got stages \[0\]"),
         (lambda: Schedule("two words", 1, 1, 1, {0: []}), r"one non-empty word"),
         (lambda: lower(lower(gpipe(2, 2))), r"already lowered"),
@@ -338,7 +351,7 @@ def test_schedule_names() -> None:
         assert generate(name, 2, 1, 4).name == name
 
 
-# --------------------------------------------------------------------------- validate catches broken schedules
+# --------------------------------------------------------------------------- broken schedules
 
 
 def _broken(text: str, match: str) -> ScheduleError:
@@ -376,7 +389,9 @@ def test_validate_catches_unmatched_send() -> None:
 
 
 def test_validate_catches_missing_and_duplicate_actions() -> None:
-    _broken("gpipe p=2 v=1 m=2\nstage 0: F0.0 F0.1 B0.0 B0.1\nstage 1: F1.0 F1.1 B1.0", "missing B1.1")
+    _broken(
+        "gpipe p=2 v=1 m=2\nstage 0: F0.0 F0.1 B0.0 B0.1\nstage 1: F1.0 F1.1 B1.0", "missing B1.1"
+    )
     _broken("gpipe p=2 v=1 m=1\nstage 0: F0.0 B0.0 F0.0\nstage 1: F1.0 B1.0", "F0.0 appears twice")
     _broken("gpipe p=2 v=1 m=1\nstage 0: F0.0 B0.0 F1.0\nstage 1: B1.0", "chunk 1 lives on stage 1")
     _broken("gpipe p=2 v=1 m=1\nstage 0: F0.0 B0.0 F0.1\nstage 1: F1.0 B1.0", "out of range")
@@ -429,7 +444,7 @@ def test_validate_catches_compute_deadlock() -> None:
 
 
 def test_validate_catches_exchange_deadlock() -> None:
-    """Stage 1 posts its receive for microbatch 1 first; stage 0's send of microbatch 0 waits forever.
+    """Stage 1 posts its receive for microbatch 1 first; stage 0's send of microbatch 0 never ends.
 
     Sends block until matched, so stage 0 never reaches SF0.1 and stage 1 never gets RF1.1.
     """
@@ -442,7 +457,9 @@ def test_validate_catches_exchange_deadlock() -> None:
         "deadlock",
     )
     assert error.marks == ((0, 1), (1, 0))
-    assert "stage 0 waits in exchange [SF0.0>1] for RF1.0<0 (stage 1 step 4) to be posted" in str(error)
+    assert "stage 0 waits in exchange [SF0.0>1] for RF1.0<0 (stage 1 step 4) to be posted" in str(
+        error
+    )
 
 
 def test_batched_exchange_both_ways_is_not_a_deadlock() -> None:

@@ -1,0 +1,106 @@
+"""The pipeline cut, without any process group: balance, relays, placement, errors."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar.models import ModelConfig, build
+from passes.pipeline_split import PipelineError, balance
+from families import BATCH, SEQ, make
+
+
+def _program(model, vocab=320, **kw):
+    x = torch.randint(0, vocab, (BATCH, SEQ))
+    return autopar.parallelize(model, example_inputs=(x,), example_targets=x.clone(), **kw)
+
+
+def test_balance_is_min_max():
+    assert balance([1, 1, 1, 1], 2) == [0, 2]
+    assert balance([3, 1, 1, 1], 2) == [0, 1]
+    assert balance([1, 1, 1, 1, 1], 2) in ([0, 2], [0, 3])
+    # the most expensive run is as cheap as possible: 10 | 4 4 | 4 4 rather than 10 4 | 4 | 4 4
+    starts = balance([10, 4, 4, 4, 4], 3)
+    runs = [sum([10, 4, 4, 4, 4][s:e]) for s, e in zip(starts, starts[1:] + [5])]
+    assert max(runs) == 10
+
+
+@pytest.mark.parametrize("layers,chunks", [(5, 2), (7, 4), (8, 8), (6, 4)])
+def test_uneven_layer_counts_are_balanced_never_dropped(layers, chunks):
+    model, vocab = make("nanogpt", layers=layers)
+    program = _program(model, pp=chunks, microbatches=chunks)
+    got = [c.layers for c in program.split.chunks]
+    assert sorted(sum(got, [])) == list(range(layers))  # every layer once, in order
+    assert all(got) and all(a[-1] + 1 == b[0] for a, b in zip(got, got[1:]))
+    costs = program.split.costs
+    # the embedding sits in chunk 0 and head + loss in the last chunk, counted in their costs
+    assert max(costs) <= 2.2 * min(costs), costs
+
+
+def test_embedding_first_loss_last_targets_fed_not_sent():
+    model, vocab = make("nanogpt", layers=4)
+    program = _program(model, pp=2, virtual_stages=2, microbatches=2)
+    first, last = program.split.chunks[0], program.split.chunks[-1]
+    assert "vocab_parallel_embedding" not in first.gm.code  # tp=1: a plain embedding
+    assert "embedding" in first.gm.code and "cross_entropy" in last.gm.code
+    # each boundary carries only the residual stream (B, T, h): targets are fed to the last chunk directly
+    for chunk in program.split.chunks[1:]:
+        assert [b.shape for b in chunk.inputs] == [(BATCH, SEQ, 64)]
+    assert program.tied_params == {"wte.weight": (0, 1)}  # embedding on stage 0, head on stage 1
+
+
+class Skip(nn.Module):
+    """Layer 0's output is added again after the last layer: relayed through every chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(4)])
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, x):
+        h = self.layers[0](self.emb(x))
+        skip = h
+        for layer in self.layers[1:]:
+            h = layer(h)
+        return self.head(h + skip)
+
+
+def test_value_needed_later_is_relayed():
+    program = _program(Skip(), vocab=64, pp=4, microbatches=4)
+    names = [[b.name for b in c.inputs] for c in program.split.chunks]
+    skip = names[1][0]
+    assert all(skip in n for n in names[1:])  # relayed through chunks 1, 2 and into 3
+    assert [len(c.outputs) for c in program.split.chunks] == [1, 2, 2, 0]
+
+
+def test_schedule_is_shown_and_validated():
+    model, _ = make("nanogpt", layers=4)
+    program = _program(model, pp=2, virtual_stages=2, microbatches=4)
+    grid = str(program.schedule)
+    assert grid.startswith("interleaved p=2 v=2 m=4") and "stage 1:" in grid
+    assert "layers per chunk" in program.summary()
+
+
+def test_fewer_layers_than_chunks():
+    model, _ = make("nanogpt", layers=2)
+    with pytest.raises(PipelineError, match=r"2 layers .* pp \* virtual_stages = 4 chunks.*<= 2"):
+        _program(model, pp=2, virtual_stages=2, microbatches=2)
+
+
+def test_interleaved_needs_m_multiple_of_p():
+    model, _ = make("nanogpt", layers=8)
+    with pytest.raises(ValueError, match=r"multiple of pp: microbatches=6, pp=4. Fix: microbatches=8"):
+        _program(model, pp=4, virtual_stages=2, microbatches=6)
+
+
+def test_fewer_microbatches_than_stages():
+    model, _ = make("nanogpt", layers=8)
+    with pytest.raises(ValueError, match=r"pp=4 needs at least 4 microbatches, got microbatches=2"):
+        _program(model, pp=4, microbatches=2)
+
+
+def test_world_size_must_match_the_mesh():
+    model, _ = make("nanogpt", layers=4)
+    with pytest.raises(ValueError, match=r"tp\(2\) \* pp\(2\) \* dp\(3\) = 12, but the world size is 8"):
+        _program(model, tp=2, pp=2, dp=3, microbatches=2, world_size=8)
