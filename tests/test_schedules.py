@@ -255,11 +255,9 @@ def test_paper_bubble_numbers() -> None:
 
 def test_interleaved_blocking_exchange_cost() -> None:
     """Documented in lower(): with t_b = 2 t_f the lowered interleaved schedule loses bubble."""
-    lowered = lower(interleaved_1f1b(2, 2, 4))
-    assert dry_run(lowered, 1, 2).bubble_fraction == Fraction(7, 24)
-    assert dry_run(interleaved_1f1b(2, 2, 4), Fraction(1), Fraction(2)).bubble_fraction == Fraction(
-        1, 8
-    )
+    schedule = interleaved_1f1b(2, 2, 4)
+    assert dry_run(schedule, 1, 2).bubble_fraction == Fraction(1, 8)  # (p-1)/(v m)
+    assert dry_run(lower(schedule), 1, 2).bubble_fraction == Fraction(7, 24)
 
 
 def test_one_f_one_b_holds_at_most_p() -> None:

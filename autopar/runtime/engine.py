@@ -22,6 +22,8 @@ summed across those stages. Gradients accumulate into ``.grad`` as with
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -33,6 +35,7 @@ from autopar.comm import TPGroup, _all_gather
 from autopar.mesh import Mesh
 from autopar.placement import Shard
 from autopar.schedules import Action, Kind
+from passes.recompute import with_recompute
 
 if TYPE_CHECKING:
     from autopar.api import ParallelProgram
@@ -45,7 +48,7 @@ class RankEngine(nn.Module):
     """Holds this rank's parameter shards and interprets its schedule."""
 
     def __init__(self, program: "ParallelProgram", mesh: Mesh, local_params: dict[str, torch.Tensor],
-                 feeds: dict[str, torch.Tensor]):
+                 feeds: dict[str, torch.Tensor], bucket_bytes: int = 25 * 2**20):
         super().__init__()
         self.program = program
         self.mesh = mesh
@@ -57,6 +60,27 @@ class RankEngine(nn.Module):
         self._feeds = feeds
         self.schedule = program.schedule
         self.stats: dict = {}
+        cfg = program.config
+        self._kept = [0]
+        self.runnables = {c: with_recompute(ch.gm, cfg.recompute, program.layers.prefix, self._keep)
+                          for c, ch in self.chunks.items()}
+        for c, r in self.runnables.items():
+            self.add_module(f"chunk{c}", r) if r is not self.chunks[c].gm else None
+        self.device_type = "cuda" if any(t.is_cuda for t in local_params.values()) else "cpu"
+        self.bucket_bytes = bucket_bytes
+        # a parameter's gradient is final after the last backward of the last local chunk that reads
+        # it: its data-parallel reduction starts right then, overlapping the remaining backwards
+        order = [a.chunk for a in self.schedule.actions[self.stage] if a.kind is Kind.B]
+        last_b = {c: i for i, c in enumerate(order)}
+        self._ready_after: dict[int, list[str]] = defaultdict(list)
+        for name in program.param_names:
+            if name in local_params and name not in program.tied_params:
+                users = [c for c, ch in self.chunks.items()
+                         if any(program.traced.param_of[ph] == name for ph in ch.params)]
+                self._ready_after[max(users, key=last_b.__getitem__)].append(name)
+
+    def _keep(self, nbytes: int) -> None:
+        self._kept[0] += nbytes
 
     # ------------------------------------------------------------------ stepping
     def forward(self, *batch: torch.Tensor) -> float:
@@ -75,6 +99,9 @@ class RankEngine(nn.Module):
         self._param_ptrs = {p.data_ptr() for p in self.shards.values()}
         self.stats = {"bytes_sent": defaultdict(int), "peak_in_flight": 0, "peak_activation_bytes": 0}
         tied_before = self._tied_grads_before()
+        self._b_done: dict[int, int] = defaultdict(int)
+        self._dp_works: list = []
+        self._pending_sends: list = []
 
         actions = self.schedule.actions[self.stage]
         i = 0
@@ -93,6 +120,10 @@ class RankEngine(nn.Module):
                 self._backward(a, m)
             i += 1
 
+        for work, _ in self._pending_sends:
+            work.wait()
+        self._pending_sends = []
+        self._finish_dp()
         self._sync_tied(tied_before)
         return self._reduce_loss(m)
 
@@ -142,9 +173,10 @@ class RankEngine(nn.Module):
                 saved[0] += t.numel() * t.element_size()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            outs = chunk.gm(*self._chunk_args(chunk, micro[a.microbatch], inputs))
-        self._saved[key] = saved[0]
+        self._kept[0] = 0
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self._autocast():
+            outs = self.runnables[a.chunk](*self._chunk_args(chunk, micro[a.microbatch], inputs))
+        self._saved[key] = saved[0] + self._kept[0]
         if a.chunk == self.program.split.n - 1:
             loss = outs[0]
             self._loss_sum += loss.detach().double()
@@ -153,7 +185,7 @@ class RankEngine(nn.Module):
             self._ctx[key] = (inputs, list(outs))
             nxt = (a.chunk + 1, a.microbatch)
             if (a.chunk + 1) in self.chunks:  # next chunk on this stage: hand over directly
-                self._fwd_in[nxt] = [o.detach() for o in outs]
+                self._fwd_in[nxt] = [o.detach().to(b.dtype) for o, b in zip(outs, chunk.outputs)]
         self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(self._ctx))
         held = sum(self._saved.values())  # bytes autograd keeps for the pending backwards
         self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], held)
@@ -171,6 +203,9 @@ class RankEngine(nn.Module):
             tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
         if tensors:
             torch.autograd.backward(tensors, grads)
+        self._b_done[a.chunk] += 1
+        if self._b_done[a.chunk] == m:
+            self._start_dp(self._ready_after.get(a.chunk, []))
         in_grads = [x.grad if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
         if a.chunk > 0 and (a.chunk - 1) in self.chunks:
             self._grad_out[(a.chunk - 1, a.microbatch)] = in_grads
@@ -211,8 +246,16 @@ class RankEngine(nn.Module):
                         bufs.append(None)
                 after.append((self._grad_out, (a.chunk, a.microbatch), bufs, None))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            works = dist.batch_isend_irecv(ops)
+            if len(works) != len(ops):  # NCCL coalesces a batch into one work
+                for work in works:
+                    work.wait()
+                works = []
+            for op, work in zip(ops, works):
+                if op.op is dist.isend:  # a send completes in the background; waited for at the end
+                    self._pending_sends.append((work, op.tensor))
+                else:
+                    work.wait()
         for store, key, finishes, _ in after:
             store[key] = [f() if f is not None else None for f in finishes]
 
@@ -221,7 +264,7 @@ class RankEngine(nn.Module):
                 and b.numel % self.tp.size == 0)
 
     def _send(self, t: torch.Tensor, b: "Boundary", peer: int, tag: int, a: Action):
-        t = t.contiguous()
+        t = t.to(b.dtype).contiguous()  # under autocast a boundary may be bf16: send its declared dtype
         if self._scatter_gather(b):
             t = t.reshape(self.tp.size, -1)[self.tp.rank].contiguous()
         self.stats["bytes_sent"][(self.stage, a.peer)] += t.numel() * t.element_size()
@@ -239,6 +282,77 @@ class RankEngine(nn.Module):
             def finish(buf=buf):
                 return buf
         return dist.P2POp(dist.irecv, buf, peer, tag=tag), finish
+
+    # ------------------------------------------------------------- data parallel
+    def _autocast(self):
+        if self.program.config.precision == "bf16":
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _start_dp(self, names: list[str]) -> None:
+        """Launch the averaging all-reduce of these parameters' gradients, in buckets, asynchronously."""
+        group = self.mesh.groups.get("dp")
+        if self.mesh.shape.dp == 1 or not names:
+            return
+        bucket: list[nn.Parameter] = []
+        size = 0
+        for name in names:
+            p = self.shards[_key(name)]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            bucket.append(p)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= self.bucket_bytes:
+                self._launch(bucket, group)
+                bucket, size = [], 0
+        if bucket:
+            self._launch(bucket, group)
+
+    def _launch(self, params: list[nn.Parameter], group) -> None:
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        self._dp_works.append((work, flat, params))
+        self.stats.setdefault("dp_buckets", 0)
+        self.stats["dp_buckets"] += 1
+
+    def _finish_dp(self) -> None:
+        d = self.mesh.shape.dp
+        for work, flat, params in self._dp_works:
+            work.wait()
+            flat /= d
+            offset = 0
+            for p in params:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+        self._dp_works = []
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip all gradients by their global 2-norm over every rank; returns the norm before clipping.
+
+        Each parameter counts once: a shard on every tensor-parallel rank, a
+        replicated parameter on tp rank 0, a parameter held by several stages
+        on the first of them; data-parallel replicas hold equal gradients.
+        """
+        sq = torch.zeros((), dtype=torch.float64)
+        for name, p in self.named_local_parameters():
+            if p.grad is None:
+                continue
+            if not isinstance(self.program.param_spec(name), Shard) and self.tp.rank != 0:
+                continue
+            if self.program.param_stages[name][0] != self.stage:
+                continue
+            sq += p.grad.detach().double().pow(2).sum()
+        for axis in ("tp", "pp"):
+            if self.mesh.groups.get(axis) is not None:
+                dist.all_reduce(sq, group=self.mesh.groups[axis])
+        norm = math.sqrt(float(sq))
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            for _, p in self.named_local_parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
 
     # ------------------------------------------------------------- after a step
     def _tied_grads_before(self) -> dict[str, torch.Tensor | None]:
@@ -259,6 +373,9 @@ class RankEngine(nn.Module):
                 p.grad = torch.zeros_like(p)
             delta = p.grad - before[name] if before[name] is not None else p.grad.clone()
             dist.all_reduce(delta, group=self.mesh.tied[stages])
+            if self.mesh.shape.dp > 1:
+                dist.all_reduce(delta, group=self.mesh.groups["dp"])
+                delta /= self.mesh.shape.dp
             p.grad.copy_(delta if before[name] is None else before[name] + delta)
 
     def _reduce_loss(self, m: int) -> float:
@@ -267,6 +384,9 @@ class RankEngine(nn.Module):
         if p > 1:
             last = self.mesh.peer(p - 1)
             dist.broadcast(loss, src=last, group=self.mesh.groups["pp"])
+        if self.mesh.shape.dp > 1:
+            dist.all_reduce(loss, group=self.mesh.groups["dp"])
+            loss /= self.mesh.shape.dp
         return float(loss)
 
     # ---------------------------------------------------------------- parameters
