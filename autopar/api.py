@@ -15,6 +15,7 @@ Nothing here needs a process group except ``materialize``.
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,6 +121,13 @@ class ParallelConfig:
         return MeshShape(self.tp, self.pp, self.data_parallel)
 
 
+_aten = torch.ops.aten
+# ops whose output shares its input's storage: not counted as activation memory
+_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.transpose.int, _aten.permute.default,
+          _aten.expand.default, _aten.t.default, _aten.unsqueeze.default, _aten.alias.default,
+          _aten.squeeze.dim, _aten.reshape.default, _aten.split.Tensor, _aten.slice.Tensor, _aten.select.int,
+          operator.getitem}
+
 _COLLECTIVES = {
     comm.copy_to_tp: ("f (copy_to_tp)", "backward all-reduce"),
     comm.reduce_from_tp: ("g (reduce_from_tp)", "forward all-reduce"),
@@ -169,22 +177,28 @@ class ParallelProgram:
     def param_dtype_bytes(self, name: str) -> int:
         return self._phs[self._placeholder_of[name]].meta["val"].element_size()
 
-    def chunk_activation_bytes(self, chunk) -> float:
-        """Bytes one microbatch's forward of ``chunk`` keeps for the backward (estimate).
+    def chunk_activation_bytes(self, chunk) -> tuple[float, float]:
+        """(kept per microbatch, working set) in bytes for one forward of ``chunk`` (an estimate).
 
-        Without recomputation: every value the chunk computes; with it: the
-        chunk's inputs, plus one layer's values while it is recomputed.
+        Kept between a microbatch's forward and its backward: every value the
+        chunk computes (views excluded) without recomputation; its input with
+        'chunk'; each layer's input with 'layer'. The working set is what one
+        recomputation materialises at a time (the chunk, or one layer). Float
+        values count 2 bytes per element under bf16 autocast.
         """
         from passes.node_cost import node_bytes
 
+        scale = 0.5 if self.precision == "bf16" else 1.0
+        values = [n for n in chunk.gm.graph.nodes if n.op == "call_function" and n.target not in _VIEWS]
+        total = scale * sum(node_bytes(n) for n in values)
         inputs = sum(b.nbytes for b in chunk.inputs)
-        values = [n for n in chunk.gm.graph.nodes if n.op == "call_function"]
-        total = sum(node_bytes(n) for n in values)
+        layer_input = max([b.nbytes for b in chunk.inputs + chunk.outputs], default=0) * scale
+        n_layers = max(len(chunk.layers), 1)
         if self.recompute == "none":
-            return inputs + total
+            return inputs + total, 0.0
         if self.recompute == "chunk":
-            return inputs + total  # one chunk re-run at a time: its inputs of all microbatches are the rest
-        return inputs + total / max(len(chunk.layers), 1)
+            return inputs, total
+        return inputs + layer_input * (n_layers - 1), total / n_layers
 
     def collective_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes each tensor-parallel collective moves per microbatch, by (layers|outside, name)."""
@@ -315,12 +329,14 @@ class ParallelProgram:
                 raise ValueError(f"chunk {chunk} lives on stage {chunk % shape.pp}, not on rank {rank}'s stage {stage}")
             chunks = [c for c in chunks if c.index == chunk]
         lines = [f"# autopar rank program: rank {rank} = (pp {stage}, dp {dp_rank}, tp {tp_rank}); "
-                 f"chunks {[c.index for c in chunks]}"]
+                 f"chunks {[c.index for c in chunks]}; shards (each chunk's later layers alike):"]
         rank = tp_rank
         used = {self.traced.param_of[p] for c in chunks for p in c.params}
+        first_layers = {c.layers[0] for c in chunks if c.layers}
         for name in self.param_names:
-            if name not in used:
-                continue
+            layer = self.layer_params(name)
+            if name not in used or (layer is not None and layer not in first_layers):
+                continue  # later layers of a chunk are split like its first
             spec = self.param_spec(name)
             if isinstance(spec, Shard):
                 full = self.full_shape(name)

@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--microbatches", type=int, help="m, for unit-cost simulation without a model")
     sim.add_argument("--svg", default="autopar-timeline.svg", help="SVG output path ('' for none)")
     sim.add_argument("--width", type=int, default=0, help="terminal columns for the timeline")
+    run = sub.add_parser("run", help="start N local ranks of a training script (torchrun-style)")
+    run.add_argument("--nproc", type=int, required=True, help="number of ranks")
+    run.add_argument("--timeout", type=float, default=None, help="stop all ranks after this many seconds")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
     return ap
 
 
@@ -280,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_plan(args, console)
         if args.command == "simulate":
             return _cmd_simulate(args, console)
+        if args.command == "run":
+            from autopar.launch import run_script
+
+            return run_script(args.nproc, args.script, args.script_args, args.timeout)
     except ValueError as e:
         console.print(f"[red]autopar {args.command}: {e}[/red]", highlight=False)
         return 2

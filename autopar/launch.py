@@ -125,3 +125,49 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
         rank, text = failure
         raise RankError(f"rank {rank} of {nprocs} failed: {text}")
     return [out[r] for r in range(nprocs)]
+
+
+def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float | None = None) -> int:
+    """``autopar run --nproc N script.py ...``: start N ranks of a script, torchrun-style.
+
+    Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    (so ``autopar.spawn`` inside the script runs in place). When one rank
+    exits with an error, the others are stopped and its exit code returned.
+    """
+    import subprocess
+    import sys
+
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        procs.append(subprocess.Popen([sys.executable, script, *script_args], env=env))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failed: tuple[int, int] | None = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(c == 0 for c in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                failed = (next(r for r, c in enumerate(codes) if c is None), 124)
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    rank, code = failed
+    print(f"autopar run: rank {rank} of {nproc} exited with code {code}; stopped the others", file=sys.stderr)
+    return code

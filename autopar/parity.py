@@ -29,15 +29,20 @@ def single_device_run(
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     output_fn: Callable | None = None,
     clip_grad_norm: float | None = None,
+    precision: str = "fp32",
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """Train a deep copy of ``model`` on ``batches``; return the losses and each step's gradients."""
+    """Train a deep copy of ``model`` on ``batches``; return the losses and each step's gradients.
+
+    ``precision='bf16'`` runs the forward under bf16 autocast (fp32 parameters and gradients), as the engine does.
+    """
     model = copy.deepcopy(model)
     model.train()
     output_fn = output_fn or default_logits
     opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-2)))(list(model.parameters()))
     losses, grads = [], []
     for inputs, targets in batches:
-        loss = loss_fn(output_fn(model(*inputs)), *targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn(output_fn(model(*inputs)), *targets)
         loss.backward()
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)

@@ -48,8 +48,9 @@ def memory_per_rank(program: "ParallelProgram") -> list[dict[str, float]]:
     """Per pipeline stage: bytes of weights, gradients, optimizer state and activations at peak.
 
     Activations: the bytes a chunk keeps for its backward per microbatch
-    (outputs of its nodes; only its input with recomputation) times the most
-    microbatches the schedule keeps in flight on that stage.
+    (``ParallelProgram.chunk_activation_bytes``) times the most microbatches
+    the schedule keeps in flight on that stage, plus one recomputation's
+    working set.
     """
     p = program.pp
     out = []
@@ -59,9 +60,9 @@ def memory_per_rank(program: "ParallelProgram") -> list[dict[str, float]]:
             if stage in program.param_stages.get(name, ()):
                 weights += math.prod(program.local_shape(name)) * program.param_dtype_bytes(name)
         chunks = [c for c in program.split.chunks if c.index % p == stage]
-        per_chunk = max((program.chunk_activation_bytes(c) for c in chunks), default=0.0)
+        kept = [program.chunk_activation_bytes(c) for c in chunks]
         in_flight = program.schedule.in_flight_bound(stage)
-        act = per_chunk * in_flight
+        act = max((k for k, _ in kept), default=0.0) * in_flight + max((w for _, w in kept), default=0.0)
         params = weights / 4 if weights else 0.0
         out.append({"weights": weights, "grads": weights, "optimizer": params * OPTIMIZER_BYTES_PER_PARAM,
                     "activations": act, "in_flight": in_flight})
