@@ -6,6 +6,7 @@
     autopar plan ... --explain       # the paper's formulas, symbolic and with values
     autopar simulate --model gpt-76b --gpus 1024 --batch 1792 --tp 8 --pp 4 --vp 3 --micro-batch 2 --svg step.svg
     autopar simulate --pp 4 --vp 2 --microbatches 8         # unit costs (F = 1, B = 2)
+    autopar simulate ... --eager     # draw the planner's eager-send model instead of the lowered schedule
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def _add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) 
     lay.add_argument("--recompute", choices=("full", "none", "any"), default="any",
                      help="activation recomputation (default: try both)")
     lay.add_argument("--dp-overlap", action="store_true",
-                     help="overlap the gradient all-reduce with the backward (PyTorch DDP)")
+                     help="overlap the gradient all-reduce with the backward (PyTorch DDP) in layouts without "
+                          "a pipeline (Megatron-LM 2021 could not with one)")
+    lay.add_argument("--dp-overlap-pipelined", action="store_true",
+                     help="overlap it in pipelined layouts too (autopar's runtime can)")
     lay.add_argument("--no-scatter-gather", action="store_true")
     lay.add_argument("--uneven-layers", action="store_true", help="allow layers not divisible by p*v")
 
@@ -77,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--microbatches", type=int, help="m, for unit-cost simulation without a model")
     sim.add_argument("--svg", default="autopar-timeline.svg", help="SVG output path ('' for none)")
     sim.add_argument("--width", type=int, default=0, help="terminal columns for the timeline")
+    sim.add_argument("--svg-width", type=int, default=0,
+                     help="SVG width in pixels (default: about 34 px per action of the busiest stage)")
+    sim.add_argument("--eager", action="store_true",
+                     help="draw the planner's model (compute-only schedule, eager blocking sends, as "
+                          "Megatron-LM) instead of the lowered schedule autopar's runtime runs")
     run = sub.add_parser("run", help="start N local ranks of a training script (torchrun-style)")
     run.add_argument("--nproc", type=int, required=True, help="number of ranks")
     run.add_argument("--timeout", type=float, default=None, help="stop all ranks after this many seconds")
@@ -113,7 +122,8 @@ def _space(args: argparse.Namespace) -> SearchSpace:
     return SearchSpace(
         t=one(args.tp), p=one(args.pp), v=one(args.vp), b=one(args.micro_batch), schedules=scheds,
         recompute=("full", "none") if args.recompute == "any" else (args.recompute,),
-        dp_overlap=args.dp_overlap, scatter_gather=not args.no_scatter_gather,
+        dp_overlap=args.dp_overlap, pipeline_dp_overlap=args.dp_overlap_pipelined,
+        scatter_gather=not args.no_scatter_gather,
         divisible_layers=not args.uneven_layers,
     )
 
@@ -233,7 +243,8 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     from autopar.schedules import generate
-    from autopar.simulate import simulate
+    from autopar.simulate import (runtime_schedule, simulate, simulate_estimate, simulate_layout_lowered,
+                                  simulate_lowered)
     from autopar.viz import timeline_text, write_svg
 
     spec = _spec(args)
@@ -243,9 +254,13 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
             raise SystemExit("autopar simulate: give a model and cluster, or --pp and --microbatches (unit costs)")
         v = args.vp or 1
         name = args.schedule or ("interleaved" if v > 1 else "1f1b")
-        sim = simulate(generate(name, args.pp, v, args.microbatches), 1.0, 2.0)
+        eager = simulate(generate(name, args.pp, v, args.microbatches), 1.0, 2.0)
+        lowered = simulate_lowered(runtime_schedule(name, args.pp, v, args.microbatches), 1.0, 2.0)
         title = f"{name} p={args.pp} v={v} m={args.microbatches}, unit costs (F = 1, B = 2)"
         unit = "units"
+        other = lowered if args.eager else eager
+        notes = [f"{'lowered schedule (autopar runtime)' if args.eager else 'eager sends (the planner model)'}: "
+                 f"step {other.step_time:.4g} units, bubble {other.bubble:.1%}"]
     else:
         if args.gpus is None or args.batch is None:
             raise SystemExit("autopar simulate: a model needs --gpus and --batch")
@@ -256,21 +271,32 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
             v = args.vp or 1
             lay = Layout(t=args.tp, p=args.pp, d=d, b=args.micro_batch, v=v,
                          schedule=args.schedule or "", recompute="none" if args.recompute == "none" else "full",
-                         scatter_gather=not args.no_scatter_gather, dp_overlap=args.dp_overlap)
+                         scatter_gather=not args.no_scatter_gather, dp_overlap=space.overlap_for(args.pp))
         else:
             lay = search(spec, cluster, space, top=1).best.layout
         if lay.p == 1:
             console.print(f"[yellow]{lay.short} has no pipeline (p = 1): the timeline is one rank.[/yellow]")
-        from autopar.simulate import simulate_estimate
-
-        est, sim = simulate_estimate(spec, cluster, lay)
-        title = (f"{spec.label}, {lay.short}, {cluster.gpus} GPUs, batch {cluster.global_batch}: "
-                 f"{est.tflops_per_gpu:.1f} TFLOP/s/GPU predicted")
+        est, eager = simulate_estimate(spec, cluster, lay)
+        lowered = simulate_layout_lowered(lay.schedule, lay.p, lay.v, est.m, est.t_chunk_f, est.t_chunk_b,
+                                          est.t_p2p, (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))
+        t_iter_low = est.t_iter - est.t_pipeline + lowered.step_time
+        tflops_low = est.flops / (t_iter_low * cluster.gpus) / 1e12
+        title = f"{spec.label}, {lay.short}, {cluster.gpus} GPUs, batch {cluster.global_batch}"
         unit = "s"
+        notes = [f"lowered schedule (autopar's runtime): pipeline {lowered.step_time:.4g} s, bubble "
+                 f"{lowered.bubble:.1%}, iteration {t_iter_low:.4g} s, {tflops_low:.1f} TFLOP/s/GPU",
+                 f"eager sends (the planner's model, Megatron-LM-like): pipeline {eager.step_time:.4g} s, bubble "
+                 f"{eager.bubble:.1%}, iteration {est.t_iter:.4g} s, {est.tflops_per_gpu:.1f} TFLOP/s/GPU",
+                 f"per chunk and microbatch: forward {est.t_chunk_f * 1e3:.3g} ms, backward (+recompute) "
+                 f"{est.t_chunk_b * 1e3:.3g} ms, one send {est.t_p2p * 1e3:.3g} ms; drawn: "
+                 + ("eager sends" if args.eager else "the lowered schedule")]
+    sim = eager if args.eager else lowered
     console.print(title, style="bold", highlight=False)
+    for note in notes:
+        console.print(note, highlight=False)
     console.print(timeline_text(sim, width=width, unit=unit))
     if args.svg:
-        write_svg(sim, args.svg, title=title, unit=unit)
+        write_svg(sim, args.svg, title=title, unit=unit, notes=tuple(notes), width=args.svg_width or None)
         console.print(f"wrote {args.svg}")
     return 0
 

@@ -42,7 +42,7 @@ __all__ = [
     "gemm_efficiency", "op_time", "allreduce_time", "allgather_time", "p2p_time",
     "PhaseOps", "layer_ops", "embedding_ops", "head_ops", "graph_flops", "paper_flops", "param_count",
     "SIMULATION_LIMIT", "Explained", "params_per_stage", "layout_errors", "estimate", "memory_per_gpu",
-    "activation_bytes_per_layer",
+    "activation_bytes_per_layer", "layer_backward_transient",
     "inflight_units", "FORMULAS", "explain",
 ]
 
@@ -628,10 +628,14 @@ class Layout:
 
     @property
     def short(self) -> str:
-        rc = "" if self.recompute == "full" else " no-rc"
-        sch = {"1f1b": "1F1B", "interleaved": "int", "gpipe": "GPipe"}[self.schedule]
-        v = f" v={self.v}" if self.v > 1 else ""
-        return f"t={self.t} p={self.p} d={self.d} b={self.b}{v} {sch if self.p > 1 else ''}{rc}".strip()
+        parts = [f"t={self.t}", f"p={self.p}", f"d={self.d}", f"b={self.b}"]
+        if self.v > 1:
+            parts.append(f"v={self.v}")
+        if self.p > 1:
+            parts.append({"1f1b": "1F1B", "interleaved": "int", "gpipe": "GPipe"}[self.schedule])
+        if self.recompute != "full":
+            parts.append("no-rc")
+        return " ".join(parts)
 
 
 def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_layers: bool = True) -> list[str]:
@@ -704,29 +708,65 @@ class Memory:
     optimizer: float
     """fp32 master weights + Adam m and v (12 bytes per parameter)."""
     activations: float
-    """Peak activations (stored checkpoints or full activations, working set, logits)."""
+    """Peak activations (stored checkpoints or full activations, working set, logits), or
+    the fp32 gradient copy of the optimizer step when that is larger."""
     stage: int
     """The stage these numbers are for (the one with the most memory)."""
+    buffers: float = 0.0
+    """PyTorch DDP's gradient buckets (a second fp16 copy of the gradients) when the
+    gradient all-reduce overlaps the backward; 0 with Megatron's local DDP."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.buffers + self.activations
+
+
+def layer_backward_transient(spec: ModelSpec, b: int, t: int) -> float:
+    """Bytes a layer's backward allocates on top of its stored activations, at its peak.
+
+    Two candidate moments (fp16, no sequence parallelism):
+      - fc2's backward makes the gradient of the GeLU output, ``2 b s f/t`` bytes,
+        while every stored activation of the layer is still alive;
+      - in attention, ``P V``'s backward makes the gradient of the dropped-out
+        probabilities, ``2 b (a/t) s^2`` bytes (the fused softmax backward then
+        works in place), while the MLP block's stored activations (fc1 input 2h,
+        GeLU input and fc2 input 2 x 2f/t, dropout mask h) and LN2's input (2h)
+        have already been released.
+    """
+    s, h, f = spec.seq_len, spec.hidden, spec.ffn_size
+    n_act = 3 if spec.gated_mlp else 2
+    mlp_grad = FP16 * b * s * (n_act - 1) * f / t
+    released = s * b * (5 * h + n_act * 2 * f / t)
+    attn_grad = FP16 * b * (spec.heads / t) * s * s
+    return max(mlp_grad, attn_grad - released, 0.0)
 
 
 def memory_per_gpu(spec: ModelSpec, lay: Layout, m: int, inflight: list[int] | None = None) -> Memory:
     """Peak memory of the fullest stage.
 
-    Per stage: 16 bytes per local parameter (fp16 weights and grads, fp32
-    master, Adam m and v: mixed-precision Adam) plus activations at peak:
-      - recompute=full: each in-flight chunk-microbatch keeps its layers'
-        inputs (2 b s h bytes each); one layer is re-materialised at a time
-        (``activation_bytes_per_layer``) with its gradients (2 x 2 b s h);
-      - recompute=none: every in-flight layer keeps all its activations;
-      - the last stage also holds the fp32 softmax of the vocabulary-parallel
-        cross-entropy (4 bytes per local logit) and the fp16 logits while it
-        is computed (2 bytes), the LM head's input (2 b s h) and the final LN's;
-    the fp32 gradient copy the optimizer step makes (4 bytes per parameter)
-    exists only after the activations are freed, so it competes with them.
+    Model state: 16 bytes per local parameter (fp16 weights and grads, fp32
+    master, Adam m and v: mixed-precision Adam), plus, when the gradient
+    all-reduce overlaps the backward (PyTorch DDP, ``lay.dp_overlap`` with
+    d > 1), DDP's bucket buffers: a second fp16 copy of the gradients (2 bytes).
+
+    Activations at their peak = what the in-flight microbatches keep + the
+    larger of two working sets that never coexist:
+      - stored: with ``recompute=full`` each in-flight chunk-microbatch keeps
+        its layers' inputs (2 b s h bytes each); with ``none`` every in-flight
+        layer keeps all its activations (``activation_bytes_per_layer``); in a
+        pipeline each in-flight chunk also keeps its output (2 b s h) until its
+        backward (Megatron-LM 2021 backpropagates from it; the last chunk's
+        output is the loss);
+      - a layer's backward: (recompute=full) the layer re-materialised,
+        plus ``layer_backward_transient``, plus the incoming and outgoing
+        gradients (2 x 2 b s h);
+      - the loss (last stage): the fp32 softmax of the vocabulary-parallel
+        cross-entropy and the fp16 logits / logit gradient (6 bytes per local
+        logit), the LM head's and final LayerNorm's inputs (2 x 2 b s h);
+      - stage 0 also keeps the embedding's output (2 b s h; its dropout mask).
+    The optimizer step makes an fp32 copy of the gradients (4 bytes per
+    parameter) only after the activations are freed, so it competes with them:
+    the activation entry is max(activations, 4 P).
     ``inflight`` overrides the closed-form count of in-flight units per stage.
     """
     t, p, v, b = lay.t, lay.p, lay.v, lay.b
@@ -735,23 +775,28 @@ def memory_per_gpu(spec: ModelSpec, lay: Layout, m: int, inflight: list[int] | N
     params = params_per_stage(spec, t, p)
     chunk_layers = math.ceil(spec.layers / (p * v))
     full_layer = activation_bytes_per_layer(spec, b, t)
+    transient = layer_backward_transient(spec, b, t)
     ckpt = FP16 * T * h
+    ddp = FP16 if (lay.dp_overlap and lay.d > 1) else 0.0
     best: Memory | None = None
     # in-flight counts fall with the stage index and only the ends hold embeddings,
     # so the first and last stage are the candidates unless counts are given
     for r in (range(p) if inflight is not None else sorted({0, p - 1})):
         units = inflight[r] if inflight is not None else inflight_units(lay.schedule, p, v, m, r)
         if lay.recompute == "full":
-            act = units * chunk_layers * ckpt + full_layer + 2 * ckpt
+            stored = units * chunk_layers * ckpt
+            working = full_layer + transient + 2 * ckpt
         else:
-            act = units * chunk_layers * full_layer
+            stored = units * chunk_layers * full_layer
+            working = transient + 2 * ckpt
+        if p > 1:  # each chunk's output, kept for its backward (the last chunk's is the loss)
+            stored += (units - (1 if r == p - 1 else 0)) * ckpt
         if r == p - 1:
-            act += T * math.ceil(spec.vocab / t) * (FP32 + FP16) + 2 * ckpt
-        if r == 0:
-            act += ckpt  # embedding output
+            working = max(working, T * math.ceil(spec.vocab / t) * (FP32 + FP16) + 2 * ckpt)
+        act = stored + working + (ckpt if r == 0 else 0.0)
         P = params[r]
         act = max(act, FP32 * P)
-        cand = Memory(FP16 * P, FP16 * P, 12.0 * P, act, r)
+        cand = Memory(FP16 * P, FP16 * P, 12.0 * P, act, r, buffers=ddp * P)
         if best is None or cand.total > best.total:
             best = cand
     return best
@@ -854,7 +899,7 @@ class Estimate:
             "bubble": self.bubble, "comm_s": self.comm_time, "memory_gib": self.memory.total / 2**30,
             "fits": self.fits, "breakdown_s": dict(self.breakdown), "simulated": self.simulated,
             "memory_breakdown_gib": {k: getattr(self.memory, k) / 2**30
-                                     for k in ("weights", "grads", "optimizer", "activations")},
+                                     for k in ("weights", "grads", "optimizer", "buffers", "activations")},
         }
 
 

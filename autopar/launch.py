@@ -77,8 +77,14 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
           timeout_s: float = 600.0, threads_per_rank: int = 1) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local ranks; return their results in rank order."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        init_from_env(backend)
-        return [fn(*args)]
+        init_from_env(backend, timeout_s)
+        torch.set_num_threads(threads_per_rank)
+        try:
+            out = fn(*args)
+            dist.barrier()  # leave together: a rank exiting early closes its peers' connections
+        finally:
+            dist.destroy_process_group()
+        return [out]
     backend = backend or default_backend()
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()

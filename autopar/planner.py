@@ -33,7 +33,7 @@ from autopar.cost import (
     params_per_stage,
 )
 
-__all__ = ["SearchSpace", "Plan", "search", "candidate_layouts", "why_differs", "paper_run_for"]
+__all__ = ["SearchSpace", "Plan", "search", "candidate_layouts", "why_differs", "paper_run_for", "memory_line"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -57,14 +57,22 @@ class SearchSpace:
     recompute: tuple[str, ...] = ("full", "none")
     """Activation recomputation choices."""
     dp_overlap: bool = False
-    """Whether the framework overlaps the gradient all-reduce with the backward
-    (PyTorch DDP does; Megatron's 2021 local DDP did not)."""
+    """Whether layouts without a pipeline (p = 1) overlap the gradient all-reduce
+    with the backward (PyTorch DDP does; Megatron's 2021 local DDP did not)."""
+    pipeline_dp_overlap: bool = False
+    """The same for pipelined layouts (p > 1). Megatron-LM 2021 could not: its
+    pipeline schedules had no ``no_sync`` for PyTorch DDP, so pipelined runs used
+    its local DDP and all-reduced after the flush. autopar's runtime can."""
     scatter_gather: bool = True
     """Scatter/gather pipeline sends (always at least as fast)."""
     divisible_layers: bool = True
     """Require layers % (p v) == 0 (Megatron's rule); False allows layers >= p v."""
     max_micro_batch: int = 64
     """Largest micro-batch tried."""
+
+    def overlap_for(self, p: int) -> bool:
+        """Whether a layout with ``p`` stages overlaps its gradient all-reduce."""
+        return self.dp_overlap if p == 1 else self.pipeline_dp_overlap
 
 
 @dataclass
@@ -104,10 +112,26 @@ class Plan:
         return "\n".join(lines)
 
     def why(self) -> list[str]:
-        """How the best layout compares with the reference, in words and numbers."""
+        """How the best layout compares with the reference, in words and numbers,
+        and which faster layouts were dropped because they do not fit."""
         if self.reference is None or not self.ranked:
             return []
-        return why_differs(self.best, self.reference)
+        return why_differs(self.best, self.reference) + self.too_big_lines()
+
+    def too_big_lines(self, limit: int = 1) -> list[str]:
+        """Near misses: layouts faster than the best that need at most 25% more memory than
+        there is (the nearest to fitting first), with their memory."""
+        if not self.ranked:
+            return []
+        best, usable = self.best, self.cluster.hardware.usable_bytes
+        out = []
+        faster = sorted((e for e in self.too_big if e.t_iter < best.t_iter and e.memory.total <= 1.25 * usable),
+                        key=lambda e: e.memory.total)
+        for e in faster[:limit]:
+            out.append(f"  faster but does not fit: {e.layout.short} would be {best.t_iter / e.t_iter - 1:+.1%} "
+                       f"faster than the best, but needs {memory_line(e)} "
+                       f"> {usable / 2**30:.1f} GiB usable")
+        return out
 
 
 def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace(),
@@ -151,7 +175,8 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
                     for sched in scheds:
                         for rc in space.recompute:
                             lay = Layout(t=t, p=p, d=d, b=b, v=v, schedule=sched, recompute=rc,
-                                         scatter_gather=space.scatter_gather, dp_overlap=space.dp_overlap)
+                                         scatter_gather=space.scatter_gather,
+                                         dp_overlap=space.overlap_for(p))
                             errs = layout_errors(spec, cluster, lay, space.divisible_layers)
                             if errs:
                                 reject(errs)
@@ -210,7 +235,7 @@ def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace()
     if reference is None:
         run = paper_run_for(spec, cluster)
         if run is not None:
-            reference = replace(run.layout(), dp_overlap=space.dp_overlap)
+            reference = replace(run.layout(), dp_overlap=space.overlap_for(run.p))
     ref_est = _simulated(spec, cluster, reference, space) if reference is not None else None
     return Plan(spec, cluster, space, ranked, too_big[:5], rejected, n_eval, time.perf_counter() - t0, ref_est)
 
@@ -270,7 +295,9 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
         pb = max(params_per_stage(b.spec, lb.t, lb.p)) / 1e9
         G = a.cluster.hardware.gpus_per_node
         ka, kb = min(la.d, max(1, G // la.t)), min(lb.d, max(1, G // lb.t))
-        over = "" if la.dp_overlap == lb.dp_overlap else f"; overlapped: {la.dp_overlap} vs {lb.dp_overlap}"
+        over = "" if la.dp_overlap == lb.dp_overlap else (
+            f"; overlapped with the backward: {la.dp_overlap} vs {lb.dp_overlap}"
+            + (" (Megatron-LM 2021 overlaps only without a pipeline)" if (la.p > 1) != (lb.p > 1) else ""))
         return (f"{pa:.2f}B vs {pb:.2f}B gradients per GPU over d={la.d} vs {lb.d}, "
                 f"a DP group has {ka} vs {kb} GPUs (NICs) per node{over}")
     if part == "optimizer":
@@ -297,5 +324,18 @@ def why_differs(best: Estimate, ref: Estimate) -> list[str]:
         lines.append(f"  {_PARTS[k]}: {best.breakdown[k]:.3f} s vs {ref.breakdown[k]:.3f} s "
                      f"({-dl / ref.t_iter:+.1%} of the reference iteration)" + (f"; {reason}" if reason else ""))
     gib = 2**30
-    lines.append(f"  memory per GPU: {best.memory.total / gib:.1f} GiB vs {ref.memory.total / gib:.1f} GiB")
+    usable = best.cluster.hardware.usable_bytes / gib
+    lines.append(f"  memory per GPU: {best.memory.total / gib:.1f} GiB vs {ref.memory.total / gib:.1f} GiB "
+                 f"({usable:.1f} GiB usable)")
     return lines
+
+
+def memory_line(e: Estimate) -> str:
+    """``73.0 GiB (weights 6.6 + grads 6.6 + optimizer 39.8 + DDP buckets 6.6 + ...)``."""
+    m, gib = e.memory, 2**30
+    parts = [("weights", m.weights), ("grads", m.grads), ("optimizer", m.optimizer),
+             ("DDP buckets", m.buffers)]
+    P = m.weights / 2
+    act = ("fp32 grad copy of the step" if P > 0 and m.activations == 4 * P else "activations", m.activations)
+    body = " + ".join(f"{k} {v / gib:.1f}" for k, v in parts + [act] if v > 0)
+    return f"{m.total / gib:.1f} GiB ({body})"

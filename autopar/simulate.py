@@ -1,8 +1,18 @@
 """Event simulation of a pipeline schedule with real per-action costs.
 
 ``autopar.schedules`` generates the schedule (plain data: per stage, the
-ordered F/B actions); this module runs it in time. Each stage executes its
-list in order, each action as early as its inputs allow:
+ordered F/B actions) and lowers it (adds the sends and receives autopar's
+runtime posts); this module runs either in time.
+
+``simulate_lowered`` runs a *lowered* schedule as the runtime does: a stage
+executes its list in order; a run of consecutive sends/receives is one batched
+exchange that the stage posts and then waits on until every partner has posted
+its side; each send/receive pair then takes the ``comm`` time of its message
+(pairs of one exchange in parallel). With ``comm = 0`` this is exactly
+``schedules.dry_run`` (tested). ``autopar simulate`` draws this one.
+
+``simulate`` runs the compute-only schedule with *eager* sends, the model the
+planner ranks layouts with (it reproduces the paper's Megatron-LM numbers):
 
 - F(c, i) needs F(c-1, i); B(c, i) needs F(c, i) and B(c+1, i). A compute
   action starts at ``max(stage free, input ready)`` and lasts ``cost_f`` /
@@ -24,12 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autopar.schedules import Action, Kind, Schedule, generate
+from autopar.schedules import Action, Kind, Schedule, generate, lower
 
 if TYPE_CHECKING:  # cost imports this module lazily; no import cycle at run time
     from autopar.cost import Cluster, Estimate, Layout, ModelSpec
 
-__all__ = ["Event", "SimResult", "simulate", "simulate_layout_costs", "simulate_estimate"]
+__all__ = ["Event", "SimResult", "simulate", "simulate_lowered", "simulate_layout_costs",
+           "simulate_layout_lowered", "simulate_estimate", "runtime_schedule"]
 
 Cost = float | Callable[[Action], float]
 
@@ -40,7 +51,8 @@ class Event:
 
     stage: int
     kind: str
-    """``F``, ``B`` or ``comm`` (the blocking send of the preceding F or B's result)."""
+    """``F``, ``B``, ``comm`` (a blocking send, or the transfers of an exchange) or
+    ``wait`` (an exchange posted, waiting for a partner to post its side)."""
     chunk: int
     microbatch: int
     start: float
@@ -49,10 +61,15 @@ class Event:
     """For ``comm``: ``F`` or ``B``, the kind of result sent."""
     peer: int = -1
     """For ``comm``: the stage it goes to."""
+    text: str = ""
+    """For an exchange of a lowered schedule: its actions, e.g. ``SF0.1>1 RB2.0<1``."""
 
     @property
     def label(self) -> str:
-        """``F2.0``, ``B2.0``, or ``SF2.0>3`` for a send of F2.0's output to stage 3."""
+        """``F2.0``, ``B2.0``, ``SF2.0>3`` for a send of F2.0's output to stage 3, or an
+        exchange's actions."""
+        if self.text:
+            return self.text
         if self.kind == "comm":
             return f"S{self.sends}{self.chunk}.{self.microbatch}>{self.peer}"
         return f"{self.kind}{self.chunk}.{self.microbatch}"
@@ -73,8 +90,13 @@ class SimResult:
     """Stage -> seconds of message transfer it was blocked on (not waiting for a peer)."""
 
     @property
+    def lowered(self) -> bool:
+        """True when the schedule ran with its explicit exchanges (``simulate_lowered``)."""
+        return self.schedule.is_lowered
+
+    @property
     def idle(self) -> dict[int, float]:
-        """Stage -> seconds neither computing nor transferring."""
+        """Stage -> seconds neither computing nor transferring (waiting on a partner included)."""
         return {s: self.step_time - self.busy[s] - self.comm[s] for s in self.busy}
 
     @property
@@ -172,13 +194,120 @@ def simulate(schedule: Schedule, cost_f: Cost = 1.0, cost_b: Cost = 2.0, comm: C
     return SimResult(schedule, events, makespan, busy, transfer)
 
 
-def simulate_layout_costs(name: str, p: int, v: int, m: int, t_f: float, t_b: float, comm: float,
-                          first_extra: tuple[float, float] = (0.0, 0.0),
-                          last_extra: tuple[float, float] = (0.0, 0.0)) -> SimResult:
-    """Simulate schedule ``name`` with uniform chunk costs (``t_f``, ``t_b``), the
-    embedding's (forward, backward) added to chunk 0 and the LM head's to the
-    last chunk, and ``comm`` seconds per stage-to-stage message."""
-    sched = generate(name, p, v, m)
+_PARTNER_OF = {  # kind -> (partner kind, chunk offset, compute action whose result travels)
+    Kind.SEND_F: (Kind.RECV_F, +1, (Kind.F, 0)),
+    Kind.RECV_F: (Kind.SEND_F, -1, (Kind.F, -1)),
+    Kind.SEND_B: (Kind.RECV_B, -1, (Kind.B, 0)),
+    Kind.RECV_B: (Kind.SEND_B, +1, (Kind.B, +1)),
+}
+
+
+def simulate_lowered(schedule: Schedule, cost_f: Cost = 1.0, cost_b: Cost = 2.0, comm: Cost = 0.0) -> SimResult:
+    """Run a lowered schedule (``schedules.lower``) as autopar's runtime does.
+
+    Each stage runs its units in order: a compute action lasts its cost; a
+    maximal run of sends/receives is one batched exchange, posted when the
+    stage reaches it. Each of its send/receive pairs completes ``comm(a)``
+    after both sides are posted (``a``: the F or B whose result travels); the
+    exchange ends when all its pairs have. The time between posting and the
+    last partner's post is a ``wait`` event, the rest a ``comm`` event. With
+    ``comm = 0`` the step equals ``schedules.dry_run``'s makespan. Raises
+    ``RuntimeError`` on a deadlock.
+    """
+    if not schedule.is_lowered and schedule.p > 1:
+        raise ValueError(f"schedule {schedule.name!r} has no sends/receives: lower it first, "
+                         "or use simulate() for eager sends")
+    f, b, cm = _as_cost(cost_f), _as_cost(cost_b), _as_cost(comm)
+    units: dict[int, list[tuple[int, int]]] = {}
+    for s_, acts in schedule.actions.items():
+        us, t = [], 0
+        while t < len(acts):
+            end = t + 1
+            if acts[t].is_comm:
+                while end < len(acts) and acts[end].is_comm:
+                    end += 1
+            us.append((t, end))
+            t = end
+        units[s_] = us
+    unit_of: dict[tuple[Kind, int, int], tuple[int, int]] = {}
+    for s_, us in units.items():
+        for u, (lo, hi) in enumerate(us):
+            for a in schedule.actions[s_][lo:hi]:
+                unit_of[a.key] = (s_, u)
+    # per comm unit: [(partner stage, partner unit, transfer seconds)]
+    pairs: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
+    for s_, us in units.items():
+        for u, (lo, hi) in enumerate(us):
+            acts = schedule.actions[s_][lo:hi]
+            if not acts[0].is_comm:
+                continue
+            lst = []
+            for a in acts:
+                pk, off, (ck, coff) = _PARTNER_OF[a.kind]
+                where = unit_of.get((pk, a.chunk + off, a.microbatch))
+                if where is None:
+                    raise RuntimeError(f"{a} on stage {s_} has no matching partner")
+                lst.append((where[0], where[1], cm(Action(ck, a.chunk + coff, a.microbatch))))
+            pairs[(s_, u)] = lst
+    pc = dict.fromkeys(units, 0)
+    posted: dict[int, dict[int, float]] = {s_: {} for s_ in units}
+    free = dict.fromkeys(units, 0.0)
+    busy = dict.fromkeys(units, 0.0)
+    transfer = dict.fromkeys(units, 0.0)
+    events: dict[int, list[Event]] = {s_: [] for s_ in units}
+
+    def step(s_: int) -> bool:
+        u = pc[s_]
+        lo, hi = units[s_][u]
+        a = schedule.actions[s_][lo]
+        t0 = free[s_]
+        if a.is_compute:
+            fwd = a.kind is Kind.F
+            dur = f(a) if fwd else b(a)
+            events[s_].append(Event(s_, "F" if fwd else "B", a.chunk, a.microbatch, t0, t0 + dur))
+            busy[s_] += dur
+            free[s_] = t0 + dur
+            pc[s_] = u + 1
+            return True
+        posted[s_].setdefault(u, t0)
+        lst = pairs[(s_, u)]
+        if any(pu not in posted[ps] for ps, pu, _ in lst):
+            return False
+        met = max([t0] + [posted[ps][pu] for ps, pu, _ in lst])
+        end = max(max(t0, posted[ps][pu]) + x for ps, pu, x in lst)
+        text = " ".join(str(x) for x in schedule.actions[s_][lo:hi])
+        if met > t0:
+            events[s_].append(Event(s_, "wait", a.chunk, a.microbatch, t0, met, text=text))
+        if end > met:
+            events[s_].append(Event(s_, "comm", a.chunk, a.microbatch, met, end, text=text))
+            transfer[s_] += end - met
+        free[s_] = end
+        pc[s_] = u + 1
+        return True
+
+    progress = True
+    while progress:
+        progress = False
+        for s_ in units:
+            while pc[s_] < len(units[s_]) and step(s_):
+                progress = True
+    stuck = [s_ for s_ in units if pc[s_] < len(units[s_])]
+    if stuck:
+        where = ", ".join(f"stage {s_} at {schedule.actions[s_][units[s_][pc[s_]][0]]}" for s_ in stuck)
+        raise RuntimeError(f"lowered schedule {schedule.name} p={schedule.p} v={schedule.v} m={schedule.m} "
+                           f"deadlocks: {where}")
+    makespan = max((free[s_] for s_ in units), default=0.0)
+    return SimResult(schedule, events, makespan, busy, transfer)
+
+
+def runtime_schedule(name: str, p: int, v: int, m: int) -> Schedule:
+    """The schedule autopar's runtime interprets: ``lower(generate(name, p, v, m))``
+    (lowered with its default, equal F and B costs, as ``autopar.parallelize`` does)."""
+    return lower(generate(name, p, v, m))
+
+
+def _chunk_costs(p: int, v: int, t_f: float, t_b: float, first_extra: tuple[float, float],
+                 last_extra: tuple[float, float]) -> tuple[Callable[[Action], float], Callable[[Action], float]]:
     last = p * v - 1
 
     def cf(a: Action) -> float:
@@ -187,13 +316,34 @@ def simulate_layout_costs(name: str, p: int, v: int, m: int, t_f: float, t_b: fl
     def cb(a: Action) -> float:
         return t_b + (first_extra[1] if a.chunk == 0 else 0.0) + (last_extra[1] if a.chunk == last else 0.0)
 
-    return simulate(sched, cf, cb, comm)
+    return cf, cb
+
+
+def simulate_layout_lowered(name: str, p: int, v: int, m: int, t_f: float, t_b: float, comm: float,
+                            first_extra: tuple[float, float] = (0.0, 0.0),
+                            last_extra: tuple[float, float] = (0.0, 0.0)) -> SimResult:
+    """Like ``simulate_layout_costs``, but running ``runtime_schedule(name, p, v, m)``
+    (the lowered schedule autopar's runtime executes) with ``simulate_lowered``."""
+    cf, cb = _chunk_costs(p, v, t_f, t_b, first_extra, last_extra)
+    return simulate_lowered(runtime_schedule(name, p, v, m), cf, cb, comm)
+
+
+def simulate_layout_costs(name: str, p: int, v: int, m: int, t_f: float, t_b: float, comm: float,
+                          first_extra: tuple[float, float] = (0.0, 0.0),
+                          last_extra: tuple[float, float] = (0.0, 0.0)) -> SimResult:
+    """Simulate schedule ``name`` with uniform chunk costs (``t_f``, ``t_b``), the
+    embedding's (forward, backward) added to chunk 0 and the LM head's to the
+    last chunk, and ``comm`` seconds per stage-to-stage message."""
+    cf, cb = _chunk_costs(p, v, t_f, t_b, first_extra, last_extra)
+    return simulate(generate(name, p, v, m), cf, cb, comm)
 
 
 def simulate_estimate(spec: ModelSpec, cluster: Cluster, layout: Layout) -> tuple[Estimate, SimResult]:
     """(Estimate with the simulated pipeline, its SimResult) for one layout.
 
-    For p = 1 there is no pipeline to simulate; the result is a one-stage run.
+    For p = 1 there is no pipeline to simulate; the result is a one-stage run. A
+    pipeline over ``cost.SIMULATION_LIMIT`` actions is simulated here all the same
+    (the Estimate keeps its closed-form pipeline time).
     """
     from autopar.cost import estimate  # noqa: PLC0415  (cost imports this module lazily)
 
@@ -201,6 +351,10 @@ def simulate_estimate(spec: ModelSpec, cluster: Cluster, layout: Layout) -> tupl
     if est.sim is not None:
         return est, est.sim
     lay = est.layout
-    sim = simulate_layout_costs(lay.schedule, 1, 1, est.m, est.t_chunk_f, est.t_chunk_b, 0.0,
+    if lay.p > 1:  # over SIMULATION_LIMIT for the planner, but asked for explicitly
+        sim = simulate_layout_costs(lay.schedule, lay.p, lay.v, est.m, est.t_chunk_f, est.t_chunk_b, est.t_p2p,
+                                    (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))
+        return est, sim
+    sim = simulate_layout_costs("1f1b", 1, 1, est.m, est.t_chunk_f, est.t_chunk_b, 0.0,
                                 (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))
     return est, sim

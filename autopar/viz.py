@@ -1,11 +1,17 @@
 """Pictures of a simulated pipeline step: a rich timeline for the terminal and
-an SVG file. Ranks (stages) are rows, time runs left to right; forwards are
-blue, backwards green (darker for later chunks), sends grey, and the empty
-space in between is the bubble, drawn in red so it can be seen.
+an SVG file.
+
+Pipeline stages are rows, time runs left to right. Forwards are blue,
+backwards green, one shade per model chunk of the stage (lighter = the
+stage's first chunk); each box is labelled ``F<chunk>.<microbatch>`` (or
+``<chunk>.<microbatch>`` when narrow; every box has a tooltip). Transfers are
+dark grey, an exchange posted and waiting for its partner is hatched grey,
+and the bubble (a stage with nothing to do) is pale red.
 """
 
 from __future__ import annotations
 
+import math
 from html import escape
 
 from rich.text import Text
@@ -14,10 +20,12 @@ from autopar.simulate import Event, SimResult
 
 __all__ = ["timeline_text", "timeline_svg", "write_svg"]
 
-_F_COLOURS = ("#4c78a8", "#2f5d8a", "#6b98c7", "#1d3f66")
-_B_COLOURS = ("#54a24b", "#3b7d34", "#7cc474", "#25591f")
-_COMM = "#9e9e9e"
-_IDLE = "#f6d2d2"
+# one shade per local chunk (chunk // p), lightest first
+_F_COLOURS = ("#6b9bd1", "#3f74b5", "#21508f", "#11335f")
+_B_COLOURS = ("#74c476", "#41a046", "#23782f", "#0f4d1c")
+_COMM = "#555555"
+_WAIT = "#c8c8c8"
+_IDLE = "#fadbd8"
 
 
 def _colour(e: Event, p: int) -> str:
@@ -26,40 +34,50 @@ def _colour(e: Event, p: int) -> str:
         return _F_COLOURS[local % len(_F_COLOURS)]
     if e.kind == "B":
         return _B_COLOURS[local % len(_B_COLOURS)]
+    if e.kind == "wait":
+        return _WAIT
     return _COMM
 
 
-def _label(e: Event) -> str:
-    return e.label if e.kind in ("F", "B") else ""
+def _summary(sim: SimResult, unit: str) -> str:
+    sched = sim.schedule
+    how = ("lowered: batched exchanges, as autopar's runtime runs it" if sim.lowered
+           else "eager sends (the planner's model)")
+    return (f"{sched.name} p={sched.p} v={sched.v} m={sched.m} ({how}): step {sim.step_time:.4g} {unit}, "
+            f"bubble {sim.bubble:.1%} (idle / compute, worst stage; (p-1)/(v m) = "
+            f"{(sched.p - 1) / (sched.v * sched.m):.1%})")
 
 
 def timeline_text(sim: SimResult, width: int = 100, unit: str = "s") -> Text:
-    """The step as rich Text, ``width`` cells of time per rank.
+    """The step as rich Text, ``width`` cells of time per stage.
 
     A cell shows what occupies its middle instant: forward (blue), backward
-    (green), send (grey) or nothing (red dots: the bubble). Wide enough
-    actions carry their ``chunk.microbatch`` label.
+    (green), transfer (dark grey), waiting on an exchange partner (``~``) or
+    nothing (red dots: the bubble). Wide enough actions carry their
+    ``chunk.microbatch`` label.
     """
     sched = sim.schedule
     span = sim.step_time or 1.0
     scale = span / width
     out = Text()
-    head = (f"{sched.name} p={sched.p} v={sched.v} m={sched.m}: step {sim.step_time:.4g} {unit}, "
-            f"bubble {sim.bubble:.1%} (idle / compute, worst stage)\n")
-    out.append(head, style="bold")
-    lab_w = len(f"rank {sched.p - 1} ")
+    out.append(_summary(sim, unit) + "\n", style="bold")
+    lab_w = len(f"stage {sched.p - 1} ")
     for s in range(sched.p):
         cells: list[tuple[str, str]] = [("·", "red")] * width
         for e in sim.events[s]:
             a = int(e.start / scale + 0.5)
             z = max(int(e.end / scale + 0.5), a + 1 if e.end > e.start else a)
             a, z = min(a, width), min(z, width)
+            if e.kind == "wait":
+                for k in range(a, z):
+                    cells[k] = ("~", "grey50")
+                continue
             style = f"white on {_colour(e, sched.p)}"
             text = f"{e.chunk}.{e.microbatch}" if e.kind in ("F", "B") else ""
             for k in range(a, z):
                 ch = text[k - a] if k - a < len(text) and (z - a) >= len(text) else " "
                 cells[k] = (ch, style)
-        out.append(f"rank {s}".ljust(lab_w), style="bold")
+        out.append(f"stage {s}".ljust(lab_w), style="bold")
         for ch, style in cells:
             out.append(ch, style=style)
         out.append("\n")
@@ -69,73 +87,129 @@ def timeline_text(sim: SimResult, width: int = 100, unit: str = "s") -> Text:
     out.append(" B ", style=f"white on {_B_COLOURS[0]}")
     out.append(" backward (+recompute)  ")
     out.append("   ", style=f"on {_COMM}")
-    out.append(" send  ")
+    out.append(" transfer  ")
+    out.append("~~~", style="grey50")
+    out.append(" waiting for the partner  ")
     out.append("···", style="red")
-    out.append(" bubble;  labels are chunk.microbatch, darker shades for later chunks")
+    out.append(" bubble;  labels are chunk.microbatch, darker shades for later chunks of a stage")
     return out
 
 
-def timeline_svg(sim: SimResult, title: str = "", width: int = 1200, row_h: int = 28, unit: str = "s") -> str:
-    """The step as an SVG document (a string)."""
+def _nice_step(span: float, target: int = 10) -> float:
+    raw = span / max(target, 1)
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    for k in (1, 2, 2.5, 5, 10):
+        if raw <= k * mag:
+            return k * mag
+    return 10 * mag
+
+
+def _auto_width(sim: SimResult, min_width: int = 1200, max_width: int = 16000, min_box: float = 30.0) -> int:
+    """A width at which the shortest compute box is about ``min_box`` px wide (clamped)."""
+    durs = [e.end - e.start for evs in sim.events.values() for e in evs if e.kind in ("F", "B") and e.end > e.start]
+    if not durs or not sim.step_time:
+        return min_width
+    return int(min(max(min_width, 102 + min_box * sim.step_time / min(durs)), max_width))
+
+
+def timeline_svg(sim: SimResult, title: str = "", width: int | None = None, row_h: int = 30, unit: str = "s",
+                 notes: tuple[str, ...] = ()) -> str:
+    """The step as an SVG document (a string).
+
+    ``width`` None picks one at which the shortest compute box is about 30 px
+    wide (1200 to 16000 px), so labels fit; ``notes`` are extra lines under the
+    title.
+    """
     sched = sim.schedule
-    left, top, right = 70, 46 if title else 26, 20
+    width = width or _auto_width(sim)
+    left, right = 78, 24
+    top = 30 + (22 if title else 0) + 16 * len(notes)
     plot_w = width - left - right
     span = sim.step_time or 1.0
     sx = plot_w / span
-    height = top + sched.p * (row_h + 6) + 60
+    gap = 8
+    height = top + sched.p * (row_h + gap) + 92
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'font-family="Helvetica, Arial, sans-serif" font-size="11">',
+        "<defs><pattern id=\"wait\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "
+        "patternTransform=\"rotate(45)\"><rect width=\"6\" height=\"6\" fill=\"#e4e4e4\"/>"
+        f"<line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#9a9a9a\" stroke-width=\"2\"/></pattern></defs>",
         '<rect width="100%" height="100%" fill="white"/>',
     ]
+    y = 20
     if title:
-        parts.append(f'<text x="{left}" y="20" font-size="14" font-weight="bold">{escape(title)}</text>')
-    sub = (f"{sched.name} p={sched.p} v={sched.v} m={sched.m} | step {sim.step_time:.4g} {unit} | "
-           f"bubble {sim.bubble:.1%}")
-    parts.append(f'<text x="{left}" y="{top - 8}" fill="#444">{escape(sub)}</text>')
+        parts.append(f'<text x="{left}" y="{y}" font-size="15" font-weight="bold">{escape(title)}</text>')
+        y += 20
+    parts.append(f'<text x="{left}" y="{y}" fill="#333">{escape(_summary(sim, unit))}</text>')
+    for note in notes:
+        y += 16
+        parts.append(f'<text x="{left}" y="{y}" fill="#333">{escape(note)}</text>')
+    # time grid
+    step = _nice_step(span)
+    ya = top + sched.p * (row_h + gap)
+    k = 0
+    while k * step <= span * (1 + 1e-9):
+        x = left + k * step * sx
+        parts.append(f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{ya}" stroke="#eeeeee"/>')
+        parts.append(f'<line x1="{x:.1f}" y1="{ya}" x2="{x:.1f}" y2="{ya + 5}" stroke="#333"/>')
+        parts.append(f'<text x="{x:.1f}" y="{ya + 17}" text-anchor="middle">{k * step:.4g}</text>')
+        k += 1
+    parts.append(f'<line x1="{left}" y1="{ya}" x2="{left + plot_w}" y2="{ya}" stroke="#333"/>')
+    parts.append(f'<text x="{left + plot_w}" y="{ya + 32}" text-anchor="end">time ({unit})</text>')
     for s in range(sched.p):
-        y = top + s * (row_h + 6)
-        parts.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 4}" text-anchor="end">rank {s}</text>')
+        y = top + s * (row_h + gap)
+        parts.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 4}" text-anchor="end" '
+                     f'font-weight="bold">stage {s}</text>')
         parts.append(f'<rect x="{left}" y="{y}" width="{plot_w:.1f}" height="{row_h}" fill="{_IDLE}">'
                      f'<title>bubble (idle)</title></rect>')
         for e in sim.events[s]:
-            x, w = left + e.start * sx, max((e.end - e.start) * sx, 0.5)
+            x, w = left + e.start * sx, max((e.end - e.start) * sx, 0.6)
             tip = f"{e.label}: {e.start:.4g}-{e.end:.4g} {unit}"
+            if e.kind == "wait":
+                tip = f"waiting for the partner of {e.label}: {e.start:.4g}-{e.end:.4g} {unit}"
+                parts.append(f'<rect x="{x:.2f}" y="{y + 4}" width="{w:.2f}" height="{row_h - 8}" '
+                             f'fill="url(#wait)"><title>{escape(tip)}</title></rect>')
+                continue
+            if e.kind == "comm":
+                parts.append(f'<rect x="{x:.2f}" y="{y + 4}" width="{w:.2f}" height="{row_h - 8}" '
+                             f'fill="{_COMM}"><title>{escape("transfer " + tip)}</title></rect>')
+                continue
             parts.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" '
-                         f'fill="{_colour(e, sched.p)}" stroke="white" stroke-width="0.5">'
+                         f'fill="{_colour(e, sched.p)}" stroke="white" stroke-width="0.7">'
                          f'<title>{escape(tip)}</title></rect>')
-            lab = _label(e)
-            if lab and w >= 7 * len(lab):
-                parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + 4}" fill="white" '
-                             f'text-anchor="middle">{escape(lab)}</text>')
-            elif lab and w >= 6 * (len(lab) - 1):
-                short = f"{e.chunk}.{e.microbatch}"
-                parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + 4}" fill="white" '
-                             f'font-size="9" text-anchor="middle">{escape(short)}</text>')
-    # time axis
-    ya = top + sched.p * (row_h + 6) + 4
-    parts.append(f'<line x1="{left}" y1="{ya}" x2="{left + plot_w}" y2="{ya}" stroke="#333"/>')
-    for k in range(11):
-        x = left + plot_w * k / 10
-        parts.append(f'<line x1="{x:.1f}" y1="{ya}" x2="{x:.1f}" y2="{ya + 4}" stroke="#333"/>')
-        parts.append(f'<text x="{x:.1f}" y="{ya + 16}" text-anchor="middle">{span * k / 10:.3g}</text>')
-    parts.append(f'<text x="{left + plot_w}" y="{ya + 30}" text-anchor="end">time ({unit})</text>')
+            full, short = e.label, f"{e.chunk}.{e.microbatch}"
+            for lab, size, cw in ((full, 11, 6.6), (short, 10, 6.0), (short, 8, 4.9)):
+                if w >= cw * len(lab) + 3:
+                    parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + size / 2 - 1:.1f}" '
+                                 f'fill="white" font-size="{size}" text-anchor="middle">{escape(lab)}</text>')
+                    break
     # legend
-    ly = ya + 30
-    items = [(_F_COLOURS[0], "forward"), (_B_COLOURS[0], "backward (+recompute)"), (_COMM, "send"),
-             (_IDLE, "bubble")]
+    ly = ya + 52
+    v = max(sched.v, 1)
     x = left
-    for colour, name in items:
-        parts.append(f'<rect x="{x}" y="{ly - 10}" width="14" height="12" fill="{colour}" stroke="#999"/>')
+    for kind, colours, name in (("F", _F_COLOURS, "forward"), ("B", _B_COLOURS, "backward (+recompute)")):
+        for k in range(min(v, len(colours))):
+            parts.append(f'<rect x="{x + 15 * k}" y="{ly - 11}" width="14" height="14" fill="{colours[k]}"/>')
+        x += 15 * min(v, len(colours)) + 4
+        parts.append(f'<text x="{x}" y="{ly}">{escape(name)}</text>')
+        x += 14 + 6.5 * len(name)
+    for fill, name in (("url(#wait)", "waiting for the partner's send/receive"), (_COMM, "transfer"),
+                       (_IDLE, "bubble (idle)")):
+        parts.append(f'<rect x="{x}" y="{ly - 11}" width="14" height="14" fill="{fill}" stroke="#999"/>')
         parts.append(f'<text x="{x + 18}" y="{ly}">{escape(name)}</text>')
-        x += 30 + 7 * len(name)
-    parts.append(f'<text x="{x}" y="{ly}" fill="#444">labels: F/B chunk.microbatch; darker = later chunk</text>')
+        x += 34 + 6.5 * len(name)
+    shades = (f"shades: the stage's model chunks 0..{v - 1} (chunk c = k p + stage), lightest first; "
+              if v > 1 else "")
+    parts.append(f'<text x="{left}" y="{ly + 20}" fill="#444">labels: F/B chunk.microbatch; {shades}'
+                 f'hover a box for its times</text>')
     parts.append("</svg>")
     return "\n".join(parts)
 
 
-def write_svg(sim: SimResult, path: str, title: str = "", unit: str = "s") -> str:
+def write_svg(sim: SimResult, path: str, title: str = "", unit: str = "s", notes: tuple[str, ...] = (),
+              width: int | None = None) -> str:
     """Write ``timeline_svg(sim)`` to ``path``; returns the path."""
     with open(path, "w", encoding="utf-8") as fh:
-        fh.write(timeline_svg(sim, title=title, unit=unit))
+        fh.write(timeline_svg(sim, title=title, unit=unit, notes=notes, width=width))
     return path

@@ -14,6 +14,7 @@ from autopar.cost import (
     Layout,
     ModelSpec,
     activation_bytes_per_layer,
+    layer_backward_transient,
     attention_flops,
     estimate,
     explain,
@@ -112,17 +113,51 @@ def test_memory_hand_computed_example():
     ckpt = 2 * T * h  # one layer input, fp16
     full_layer = 512 * 2 * (10 * h + 24 * h / 2 + 5 * 16 * 512 / 2)  # s b (10h + 24h/t + 5as/t)
     assert activation_bytes_per_layer(spec, 2, 2) == full_layer == 44_040_192
-    # stage 0 holds min(p, m) = 2 microbatches x 2 layers of checkpoints, one re-materialised layer,
-    # its gradients (2 ckpt) and the embedding output
-    act0 = 2 * 2 * ckpt + full_layer + 2 * ckpt + ckpt
+    # the backward of a layer allocates, on top of it, the larger of the gradient of the GeLU output
+    # (2 b s f/t) and the gradient of the attention probabilities (2 b a/t s^2) minus the MLP block's
+    # activations already released (s b (5h + 2*2f/t)); here the MLP one: 2 * 1024 * 2048
+    f_l = 4 * h // 2
+    assert layer_backward_transient(spec, 2, 2) == max(2 * T * f_l, 2 * 2 * 8 * 512**2 - T * (5 * h + 4 * f_l))
+    assert layer_backward_transient(spec, 2, 2) == 4_194_304
+    # stage 0 holds min(p, m) = 2 microbatches x (2 layers of checkpoints + the chunk's output kept
+    # for its backward), then one re-materialised layer + that transient + the incoming and
+    # outgoing gradients (2 ckpt), and the embedding output
+    act0 = 2 * (2 + 1) * ckpt + (full_layer + 4_194_304 + 2 * ckpt) + ckpt
     mem = memory_per_gpu(spec, Layout(t=2, p=2, d=1, b=2), m=4)
     assert mem.stage == 0
     assert mem.weights == 2 * stage0 and mem.grads == 2 * stage0 and mem.optimizer == 12 * stage0
-    assert mem.activations == act0
-    assert mem.total == 276_938_752
-    # without recomputation: 2 in flight x 2 layers x full activations (+ embedding output)
+    assert mem.buffers == 0 and mem.activations == act0
+    assert mem.total == 16 * stage0 + act0 == 285_327_360
+    # with a large vocabulary the last stage is the fullest: 1 microbatch in flight (2 layers of
+    # checkpoints; its output is the loss), and the loss's working set, 6 bytes per local logit +
+    # the LM head's and final LN's inputs, is larger than a layer's backward working set (they
+    # never coexist: the max)
+    big = ModelSpec(layers=4, hidden=1024, heads=16, seq_len=512, vocab=64000)
+    last = memory_per_gpu(big, Layout(t=2, p=2, d=1, b=2), m=4)
+    loss = 6 * T * 32000 + 2 * ckpt
+    assert loss > full_layer + 4_194_304 + 2 * ckpt
+    assert last.stage == 1 and last.activations == 1 * 2 * ckpt + loss
+    # without recomputation: 2 in flight x 2 layers x full activations, the transient and gradients,
+    # and the embedding output
     none = memory_per_gpu(spec, Layout(t=2, p=2, d=1, b=2, recompute="none"), m=4)
-    assert none.activations == 2 * 2 * full_layer + ckpt
+    assert none.activations == 2 * 2 * full_layer + 2 * ckpt + 4_194_304 + 2 * ckpt + ckpt
+
+
+def test_ddp_buckets_and_the_optimizer_step_peak():
+    # 3.6B at t=1 on 64 GPUs: 16 B/param of state, + 2 B/param of PyTorch DDP buckets when the
+    # all-reduce overlaps the backward, + the step's fp32 gradient copy (4 B/param) once the
+    # activations are freed: 22 B/param = 73 GiB, over 90% of 80 GiB whatever the micro-batch
+    spec, cl = get_model("gpt-3.6b"), Cluster.of(64, "dgx-a100-80gb", 512)
+    P = params_per_stage(spec, 1, 1)[0]
+    for b in (1, 8):
+        ddp = estimate(spec, cl, Layout(t=1, p=1, d=64, b=b, dp_overlap=True))
+        assert ddp.memory.buffers == 2 * P and ddp.memory.activations == 4 * P
+        assert ddp.memory.total == 22 * P and not ddp.fits
+        local = estimate(spec, cl, Layout(t=1, p=1, d=64, b=b, dp_overlap=False))
+        assert local.memory.buffers == 0 and local.memory.total == 20 * P and local.fits
+    # no data parallelism, no DDP buckets
+    one = memory_per_gpu(spec, Layout(t=1, p=1, d=1, b=1, dp_overlap=True), m=8)
+    assert one.buffers == 0
 
 
 # -------------------------------------------------------------- divisibility

@@ -9,8 +9,15 @@ from fractions import Fraction
 import pytest
 
 from autopar.cost import PAPER_RUNS, inflight_units
-from autopar.schedules import dry_run, generate, peak_in_flight
-from autopar.simulate import simulate, simulate_estimate, simulate_layout_costs
+from autopar.schedules import dry_run, generate, lower, peak_in_flight
+from autopar.simulate import (
+    runtime_schedule,
+    simulate,
+    simulate_estimate,
+    simulate_layout_costs,
+    simulate_layout_lowered,
+    simulate_lowered,
+)
 from autopar.viz import timeline_svg, timeline_text
 
 GRID = [
@@ -80,18 +87,75 @@ def test_simulated_estimate_close_to_closed_form(run):
     assert est.memory.total == pytest.approx(closed.memory.total, rel=1e-9)
 
 
+@pytest.mark.parametrize("name,p,v,m", GRID)
+@pytest.mark.parametrize("lowering", [(1, 1), (1, 2)], ids=["lowered-1-1", "lowered-1-2"])
+def test_lowered_matches_schedules_dry_run_without_transfer_time(name, p, v, m, lowering):
+    rng = random.Random(p * 100 + v * 10 + m)
+    cf = {c: Fraction(rng.randint(1, 9), 4) for c in range(p * v)}
+    cb = {c: Fraction(rng.randint(4, 19), 4) for c in range(p * v)}
+    sched = lower(generate(name, p, v, m), *lowering)
+    ours = simulate_lowered(sched, lambda a: float(cf[a.chunk]), lambda a: float(cb[a.chunk]))
+    ref = dry_run(sched, lambda a: cf[a.chunk], lambda a: cb[a.chunk])
+    assert ours.lowered and ours.step_time == pytest.approx(float(ref.makespan), rel=1e-12)
+    assert ours.busy == {s: pytest.approx(float(b)) for s, b in ref.busy.items()}
+    assert ours.peak_in_flight == peak_in_flight(sched)
+
+
+def test_lowered_exchanges_wait_and_transfer():
+    sched = runtime_schedule("1f1b", 2, 1, 4)
+    base = simulate_lowered(sched, 1.0, 2.0)
+    sim = simulate_lowered(sched, 1.0, 2.0, comm=0.25)
+    # microbatch 0 crosses the link forward and back: at least 2 transfers on the critical path
+    assert sim.step_time >= base.step_time + 2 * 0.25
+    comm = [e for e in sim.events[1] if e.kind == "comm"]
+    assert comm and all(e.text and ("RF" in e.text or "SB" in e.text) for e in comm)
+    assert sim.comm[1] == pytest.approx(sum(e.end - e.start for e in comm))
+    # stage 1 posts its first receive at 0 and waits for stage 0's forward
+    first = sim.events[1][0]
+    assert first.kind == "wait" and first.start == 0 and first.end == pytest.approx(1.0)
+    assert sim.idle[1] == pytest.approx(sim.step_time - sim.busy[1] - sim.comm[1])
+    with pytest.raises(ValueError, match="lower it first"):
+        simulate_lowered(generate("1f1b", 2, 1, 4))
+
+
+def test_runtime_lowering_loses_bubble_where_f_and_b_differ():
+    """What ``autopar simulate`` shows: the runtime's lowered interleaved schedule exchanges after
+    every action, so with B = 2F a stage waits on its neighbour's backward; eager sends (the
+    planner's Megatron-like model) keep (p-1)/(v m). GPipe and 1F1B are not affected."""
+    for name, p, v, m in (("1f1b", 4, 1, 8), ("gpipe", 4, 1, 8)):
+        assert simulate_lowered(runtime_schedule(name, p, v, m), 1.0, 2.0).bubble == pytest.approx((p - 1) / m)
+    low = simulate_layout_lowered("interleaved", 4, 2, 8, 1.0, 2.0, 0.0)
+    eager = simulate_layout_costs("interleaved", 4, 2, 8, 1.0, 2.0, 0.0)
+    assert eager.bubble == pytest.approx(3 / 16) and low.bubble == pytest.approx(3 / 8)
+
+
 def test_timeline_pictures():
     sim = simulate(generate("interleaved", 2, 2, 4), 1.0, 2.0, comm=0.1)
     text = timeline_text(sim, width=80).plain
-    rows = [line for line in text.splitlines() if line.startswith("rank ")]
-    assert len(rows) == 2 and all(len(r) == len("rank 1 ") + 80 for r in rows)
+    rows = [line for line in text.splitlines() if line.startswith("stage ")]
+    assert len(rows) == 2 and all(len(r) == len("stage 1 ") + 80 for r in rows)
     assert "·" in rows[1]  # the bubble is visible
     svg = timeline_svg(sim, title="t")
     root = ET.fromstring(svg)  # well-formed
     titles = [el.text for el in root.iter("{http://www.w3.org/2000/svg}title")]
     assert sum(1 for t in titles if t.startswith(("F", "B"))) == 2 * 2 * 2 * 4  # F and B of 4 chunks x 4 mb
     assert sum(1 for t in titles if t.startswith("bubble")) == 2
-    assert "F3.2" in svg and "rank 1" in svg
+    assert "F3.2" in svg and "stage 1" in svg
+
+
+def test_lowered_timeline_picture():
+    sim = simulate_lowered(runtime_schedule("interleaved", 2, 2, 4), 1.0, 2.0, comm=0.1)
+    svg = timeline_svg(sim, title="t", notes=("a note",))
+    root = ET.fromstring(svg)
+    titles = [el.text for el in root.iter("{http://www.w3.org/2000/svg}title")]
+    assert sum(1 for t in titles if t.startswith(("F", "B"))) == 2 * 2 * 2 * 4
+    assert any(t.startswith("waiting for the partner of") for t in titles)
+    assert any(t.startswith("transfer S") or t.startswith("transfer R") for t in titles)
+    assert "lowered" in svg and "a note" in svg and "stage 1" in svg
+    # wide enough that the shortest box (F = 1 of a 20.x step) is about 30 px
+    assert float(root.get("width")) >= 30 * sim.step_time
+    text = timeline_text(sim, width=80).plain
+    assert "~" in text
 
 
 def test_cli_simulate_writes_svg(tmp_path, capsys):
@@ -100,5 +164,24 @@ def test_cli_simulate_writes_svg(tmp_path, capsys):
     path = tmp_path / "step.svg"
     assert main(["simulate", "--pp", "4", "--vp", "2", "--microbatches", "8", "--svg", str(path), "--width", "60"]) == 0
     out = capsys.readouterr().out
-    assert "bubble 18.8%" in out  # 3 / (2 * 8)
+    assert "lowered" in out and "bubble 37.5%" in out  # the runtime's schedule, drawn
+    assert "eager sends" in out and "bubble 18.8%" in out  # 3 / (2 * 8), the planner's model
+    svg = path.read_text()
+    ET.fromstring(svg)
+    assert "SF" in svg and "F7.3" in svg  # exchanges and compute boxes of the lowered schedule
+    assert main(["simulate", "--pp", "4", "--vp", "2", "--microbatches", "8", "--svg", str(path), "--eager"]) == 0
+    assert "eager sends (the planner" in path.read_text()
+
+
+def test_cli_simulate_model_layout(tmp_path, capsys):
+    from autopar.cli import main
+
+    path = tmp_path / "step.svg"
+    args = ["simulate", "--model", "gpt-39b", "--gpus", "512", "--batch", "1536", "--tp", "8", "--pp", "2",
+            "--vp", "4", "--micro-batch", "4", "--svg", str(path), "--width", "60"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    est = PAPER_RUNS[4].predict()
+    assert f"{est.tflops_per_gpu:.1f} TFLOP/s/GPU" in out  # the planner's number, beside the runtime's
+    assert "lowered schedule (autopar's runtime)" in out
     ET.parse(path)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.multiprocess
 LR, M, LAYERS = 1e-3, 4, 4
 
 
-def _run(fam, recompute, precision):
+def _run(fam, recompute, precision, trace_path=None):
     model, vocab = make(fam, layers=LAYERS)
     data = batches(vocab, rows=BATCH * M)
     program = autopar.parallelize(model, tp=2, pp=2, microbatches=M, recompute=recompute, precision=precision,
@@ -36,6 +36,8 @@ def _run(fam, recompute, precision):
         opt.step()
         sched.step()
         opt.zero_grad()
+    if trace_path is not None:
+        engine.write_trace(trace_path)
     return losses, grads, max(peaks)
 
 
@@ -44,13 +46,33 @@ RUNS = [("nanogpt", r, "fp32") for r in ("none", "layer", "chunk")] + [("llama",
                                                                      ("nanogpt", "none", "bf16")]
 
 
-def _worker():
-    return {run: _run(*run) for run in RUNS}
+def _worker(trace_path):
+    return {run: _run(*run, trace_path=trace_path if i == 0 else None) for i, run in enumerate(RUNS)}
 
 
 @pytest.fixture(scope="module")
-def results():
-    return autopar.spawn(_worker, 4, (), timeout_s=900)
+def trace_file(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("trace") / "step.json")
+
+
+@pytest.fixture(scope="module")
+def results(trace_file):
+    return autopar.spawn(_worker, 4, (trace_file,), timeout_s=900)
+
+
+def test_measured_timeline_is_a_chrome_trace_of_every_action(results, trace_file):
+    import json
+
+    events = json.load(open(trace_file))["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    for rank in range(4):
+        mine = [e for e in spans if e["pid"] == rank]
+        computed = sorted(e["name"] for e in mine if e["cat"] in ("F", "B"))
+        stage = rank // 2  # tp=2 x pp=2: ranks 0, 1 on stage 0
+        assert computed == sorted([f"F{stage}.{i}" for i in range(M)] + [f"B{stage}.{i}" for i in range(M)])
+        starts = [e["ts"] for e in mine]
+        assert starts == sorted(starts) and all(e["dur"] >= 0 for e in mine)
 
 
 def test_recompute_same_losses_and_less_activation_memory(results):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ import torch.nn as nn
 from autopar.comm import TPGroup, _all_gather
 from autopar.mesh import Mesh
 from autopar.placement import Shard
+from autopar.runtime.timeline import Event, gather_events, write_chrome_trace
 from autopar.schedules import Action, Kind
 from passes.recompute import with_recompute
 
@@ -102,23 +104,31 @@ class RankEngine(nn.Module):
         self._b_done: dict[int, int] = defaultdict(int)
         self._dp_works: list = []
         self._pending_sends: list = []
+        self._pending_recv: dict = {}
 
         actions = self.schedule.actions[self.stage]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.events: list[Event] = []
+        t0 = time.perf_counter()
         i = 0
         while i < len(actions):
             a = actions[i]
+            start = time.perf_counter() - t0
             if a.is_comm:
                 j = i
                 while j < len(actions) and actions[j].is_comm:
                     j += 1
                 self._communicate(actions[i:j])
+                name, kind = " ".join(map(str, actions[i:j])), "comm"
                 i = j
-                continue
-            if a.kind is Kind.F:
-                self._forward(a, micro, m)
             else:
-                self._backward(a, m)
-            i += 1
+                if a.kind is Kind.F:
+                    self._forward(a, micro, m)
+                else:
+                    self._backward(a, m)
+                name, kind = str(a), a.kind.value
+                i += 1
+            self.events.append(Event(rank, name, start, time.perf_counter() - t0, kind))
 
         for work, _ in self._pending_sends:
             work.wait()
@@ -164,7 +174,7 @@ class RankEngine(nn.Module):
         if a.chunk == 0:
             inputs = []
         else:
-            received = self._fwd_in.pop(key)
+            received = self._take(self._fwd_in, key)
             inputs = [t.detach().requires_grad_(b.requires_grad) for t, b in zip(received, chunk.inputs)]
         saved = [0]
 
@@ -198,7 +208,7 @@ class RankEngine(nn.Module):
         if a.chunk == self.program.split.n - 1:
             tensors, grads = outs, [None]
         else:
-            got = self._grad_out.pop(key)
+            got = self._take(self._grad_out, key)
             pairs = [(o, g) for o, g, b in zip(outs, got, chunk.outputs) if b.requires_grad and o.requires_grad]
             tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
         if tensors:
@@ -229,35 +239,55 @@ class RankEngine(nn.Module):
                         g = g if g is not None else torch.zeros(b.shape, dtype=b.dtype)
                         ops.append(self._send(g, b, peer, _tag(a, idx), a))
             elif a.kind is Kind.RECV_F:
-                bufs = []
+                bufs, mine = [], []
                 for idx, b in enumerate(chunk.inputs):
                     op, finish = self._recv(b, peer, _tag(a, idx))
+                    mine.append(len(ops))
                     ops.append(op)
                     bufs.append(finish)
-                after.append((self._fwd_in, (a.chunk, a.microbatch), bufs, None))
+                after.append((self._fwd_in, (a.chunk, a.microbatch), bufs, mine))
             else:  # RECV_B: gradients of this chunk's outputs
-                bufs = []
+                bufs, mine = [], []
                 for idx, b in enumerate(chunk.outputs):
                     if b.requires_grad:
                         op, finish = self._recv(b, peer, _tag(a, idx))
+                        mine.append(len(ops))
                         ops.append(op)
                         bufs.append(finish)
                     else:
                         bufs.append(None)
-                after.append((self._grad_out, (a.chunk, a.microbatch), bufs, None))
-        if ops:
-            works = dist.batch_isend_irecv(ops)
-            if len(works) != len(ops):  # NCCL coalesces a batch into one work
-                for work in works:
-                    work.wait()
-                works = []
-            for op, work in zip(ops, works):
-                if op.op is dist.isend:  # a send completes in the background; waited for at the end
-                    self._pending_sends.append((work, op.tensor))
-                else:
-                    work.wait()
-        for store, key, finishes, _ in after:
+                after.append((self._grad_out, (a.chunk, a.microbatch), bufs, mine))
+        if not ops:
+            for store, key, finishes, _ in after:
+                store[key] = [None for _ in finishes]
+            return
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # NCCL coalesces a batch into one work: wait for it here
+            for work in works:
+                work.wait()
+            for store, key, finishes, _ in after:
+                store[key] = [f() if f is not None else None for f in finishes]
+            return
+        # sends complete in the background (waited for at the end of the step); a receive is
+        # waited for only by the F or B that consumes it, so peers never meet in lock-step
+        for op, work in zip(ops, works):
+            if op.op is dist.isend:
+                self._pending_sends.append((work, op.tensor))
+        for store, key, finishes, mine in after:
+            # only this action's own receives: waiting on the batch's others could wait on a
+            # tensor the peer sends only after it gets something from us
+            self._pending_recv[(id(store), key)] = ([works[i] for i in mine], finishes)
+            store[key] = None  # placeholder until taken
+
+    def _take(self, store: dict, key: tuple[int, int]) -> list:
+        """The tensors for ``key``: wait for their receive if it is still in flight."""
+        pending = self._pending_recv.pop((id(store), key), None)
+        if pending is not None:
+            works, finishes = pending
+            for work in works:
+                work.wait()
             store[key] = [f() if f is not None else None for f in finishes]
+        return store.pop(key)
 
     def _scatter_gather(self, b: "Boundary") -> bool:
         return (self.program.config.scatter_gather and self.tp.size > 1 and b.replicated
@@ -388,6 +418,15 @@ class RankEngine(nn.Module):
             dist.all_reduce(loss, group=self.mesh.groups["dp"])
             loss /= self.mesh.shape.dp
         return float(loss)
+
+    def write_trace(self, path: str) -> None:
+        """Write the last step's measured timeline of every rank as a Chrome/Perfetto trace.
+
+        Collective: every rank calls it; rank 0 writes ``path``.
+        """
+        events = gather_events(self.events)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            write_chrome_trace(events, path)
 
     # ---------------------------------------------------------------- parameters
     def named_local_parameters(self):
