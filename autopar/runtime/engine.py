@@ -54,7 +54,7 @@ class RankEngine(nn.Module):
         super().__init__()
         self.program = program
         self.mesh = mesh
-        self.tp = TPGroup(mesh.tp_rank, mesh.shape.tp, mesh.groups.get("tp"))
+        self.tp = TPGroup.of(mesh.groups.get("tp"), tuple(mesh.tp_members()))
         self.stage = mesh.pp_rank
         p = mesh.shape.pp
         self.chunks: dict[int, "Chunk"] = {c.index: c for c in program.split.chunks if c.index % p == self.stage}
