@@ -470,8 +470,7 @@ def parallelize(
     n_chunks = config.pp * config.virtual_stages
     global_shapes = {n.name: tuple(n.meta["val"].shape) for n in traced.gm.graph.nodes
                      if isinstance(n.meta.get("val"), torch.Tensor)}
-    program.split = split_pipeline(rank_module, n_chunks, traced.param_of, traced.input_names,
-                                   traced.target_names, global_shapes)
+    program.split = split_pipeline(rank_module, n_chunks, traced.param_of, global_shapes)
     sched = lower(generate(config.schedule, config.pp, config.virtual_stages, config.microbatches))
     validate(sched)
     program.schedule = sched

@@ -134,7 +134,7 @@ def timeline_svg(sim: SimResult, title: str = "", width: int | None = None, row_
         f'font-family="Helvetica, Arial, sans-serif" font-size="11">',
         "<defs><pattern id=\"wait\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "
         "patternTransform=\"rotate(45)\"><rect width=\"6\" height=\"6\" fill=\"#e4e4e4\"/>"
-        f"<line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#9a9a9a\" stroke-width=\"2\"/></pattern></defs>",
+        "<line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#9a9a9a\" stroke-width=\"2\"/></pattern></defs>",
         '<rect width="100%" height="100%" fill="white"/>',
     ]
     y = 20

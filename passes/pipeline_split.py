@@ -118,8 +118,7 @@ def balance(costs: list[float], k: int) -> list[int]:
 
 
 def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, str],
-                   input_names: list[str], target_names: list[str], global_shapes: dict[str, tuple],
-                   ) -> PipelineSplit:
+                   global_shapes: dict[str, tuple]) -> PipelineSplit:
     """Cut the (tensor-parallel) rank graph into ``n_chunks`` chunk graphs."""
     graph = rank_gm.graph
     nodes = list(graph.nodes)
@@ -133,7 +132,6 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
     placeholders = [n for n in nodes if n.op == "placeholder"]
     tp_node = placeholders[0]
     param_phs = {n.name for n in placeholders if n.name in param_of}
-    user_phs = set(input_names) | set(target_names)
 
     # nodes that depend on parameters are placed once; the rest (position ids, masks,
     # rotary tables, flattened targets) is recomputed in each chunk that needs it

@@ -19,10 +19,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
-from autopar.placement import Partial, Replicate, Shard
+from autopar.placement import Replicate, Shard
 from autopar.trace import TracedModel, module_path, source_line
 from passes.sharding_rules import (
     Ctx,
@@ -171,7 +170,6 @@ def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
     # A vocabulary-parallel embedding whose (tied) table stayed whole elsewhere
     # cannot be split: run it replicated and say so.
     while conflicts := _param_conflicts(state, ctx):
-        tables = {n.args[0].name for n in gm.graph.nodes if n.name in ctx.vocab_embeddings}
         bad = [n for n in gm.graph.nodes if n.name in ctx.vocab_embeddings and any(
             c.startswith(ctx.param_of[n.args[0].name] + ":") for c in conflicts)]
         if not bad:
@@ -180,7 +178,6 @@ def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
             ctx.vocab_embeddings.discard(n.name)
             rejected.append(Rejected(n.name, module_path(n), "its table is also read whole by another op, so the "
                                      "vocabulary stays unsplit"))
-        del tables
         state.run_all()
     return _finish(traced, ctx, state, rejected)
 
@@ -262,7 +259,7 @@ def _finish(traced: TracedModel, ctx: Ctx, state: _State, rejected: list[Rejecte
     if conflicts:  # internal invariant: candidates with conflicts are never accepted
         raise ShardingError("inconsistent parameter sharding: " + "; ".join(conflicts))
     specs: dict[str, Replicate | Shard] = {}
-    for n, d in state.dec.items():
+    for d in state.dec.values():
         specs.update(d.param_demand)
     for name in traced.param_of:
         specs.setdefault(name, Replicate())

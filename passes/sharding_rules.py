@@ -511,13 +511,8 @@ def _linear(ctx: Ctx, node, pl, parts) -> Decision:
                 return _fallback(node, [(xpath, px)], "row-parallel linear over a padded dim", error=err)
             demand[w.name] = Shard(w_in, px.segments)
             return Decision(R, kind="row", reduce_out=True, param_demand=demand)
-        copy = tuple(p for p, n in ((("w",), w), (("b",), b)) if isinstance(n, fx.Node) and n.name in ctx.requires_grad)
-        copy_paths = []
-        for path, a in _operands(node):
-            if a is w or a is b:
-                if a.name in ctx.requires_grad:
-                    copy_paths.append(path)
-        del copy
+        # a batch-like dim is split: the replicated weight and bias get f (partial gradients)
+        copy_paths = [path for path, a in _operands(node) if (a is w or a is b) and a.name in ctx.requires_grad]
         return Decision(Shard(px.dim, px.segments, px.origin), kind="sharded", copy_in=tuple(copy_paths), param_demand=demand)
     return _fallback(node, [], "partial input")
 

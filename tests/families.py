@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.models import MLP, Block, GPT, ModelConfig, build
+from autopar.models import GPT, MLP, ModelConfig, build
 
 BATCH, SEQ = 2, 16
 
@@ -74,9 +74,23 @@ def batches(vocab: int, steps: int = 3, seed: int = 1, rows: int = BATCH):
     return out
 
 
+def train_steps(engine, data, lr: float, clip: float | None = None):
+    """AdamW steps on ``data`` (a list of (inputs, targets)); each step's loss and full (clipped) gradients."""
+    opt = torch.optim.AdamW(engine.parameters(), lr=lr)
+    losses, grads = [], []
+    for inputs, targets in data:
+        losses.append(engine.train_step(*inputs, *targets))
+        if clip is not None:
+            engine.clip_grad_norm_(clip)
+        grads.append(engine.full_grads())
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
 def make_fallback_model() -> tuple[nn.Module, int]:
     torch.manual_seed(0)
     return GPTWithFallback(ModelConfig(vocab_size=320, seq_len=SEQ, n_layer=2, n_head=4, d_model=64)), 320
 
 
-__all__ = ["FAMILIES", "make", "batches", "make_fallback_model", "Block"]
+__all__ = ["FAMILIES", "make", "batches", "make_fallback_model", "train_steps"]

@@ -13,7 +13,7 @@ import torch
 import autopar
 from autopar.models import build
 from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
-from families import SEQ
+from families import SEQ, train_steps
 
 pytestmark = pytest.mark.multiprocess
 LR, CLIP, ROWS, VOCAB, LAYERS = 1e-3, 0.5, 16, 320, 8
@@ -48,14 +48,7 @@ def _run(layout):
     program = autopar.parallelize(_model(), tp=tp, pp=pp, dp=dp, virtual_stages=v, microbatches=m,
                                   example_inputs=(data[0][0][0][:mb],), example_targets=data[0][1][0][:mb])
     engine = program.materialize()
-    opt = torch.optim.AdamW(engine.parameters(), lr=LR)
-    losses, grads = [], []
-    for inputs, targets in data:
-        losses.append(engine.train_step(*inputs, *targets))
-        engine.clip_grad_norm_(CLIP)
-        grads.append(engine.full_grads())
-        opt.step()
-        opt.zero_grad()
+    losses, grads = train_steps(engine, data, LR, clip=CLIP)
     local = {n: p.detach().clone() for n, p in engine.named_local_parameters()}
     return losses, grads, local, engine.mesh.shape.coords(dist.get_rank()), program.tied_params
 

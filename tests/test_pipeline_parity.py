@@ -12,7 +12,7 @@ import torch
 
 import autopar
 from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
-from families import BATCH, batches, make
+from families import BATCH, batches, make, train_steps
 
 pytestmark = pytest.mark.multiprocess
 LR, M, LAYERS = 1e-3, 4, 8
@@ -34,13 +34,7 @@ def _run(layout):
                                   scatter_gather=sg, example_inputs=(data[0][0][0][:BATCH],),
                                   example_targets=data[0][1][0][:BATCH])
     engine = program.materialize()
-    opt = torch.optim.AdamW(engine.parameters(), lr=LR)
-    losses, grads = [], []
-    for inputs, targets in data:
-        losses.append(engine.train_step(*inputs, *targets))
-        grads.append(engine.full_grads())
-        opt.step()
-        opt.zero_grad()
+    losses, grads = train_steps(engine, data, LR)
     stats = {"bytes_sent": dict(engine.stats["bytes_sent"]), "peak_in_flight": engine.stats["peak_in_flight"],
              "stage": engine.stage}
     return losses, grads, stats, [c.layers for c in program.split.chunks]

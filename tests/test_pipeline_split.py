@@ -5,7 +5,6 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.models import ModelConfig, build
 from passes.pipeline_split import PipelineError, balance
 from families import BATCH, SEQ, make
 

@@ -14,7 +14,7 @@ import torch
 
 import autopar
 from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
-from families import FAMILIES, batches, make, make_fallback_model
+from families import FAMILIES, batches, make, make_fallback_model, train_steps
 
 pytestmark = pytest.mark.multiprocess
 LR = 1e-3
@@ -25,13 +25,7 @@ def _train(model, vocab, tp):
     data = batches(vocab)
     program = autopar.parallelize(model, tp=tp, example_inputs=data[0][0], example_targets=data[0][1])
     engine = program.materialize()
-    opt = torch.optim.AdamW(engine.parameters(), lr=LR)
-    losses, grads = [], []
-    for inputs, targets in data:
-        losses.append(engine.train_step(*inputs, *targets))
-        grads.append(engine.full_grads())
-        opt.step()
-        opt.zero_grad()
+    losses, grads = train_steps(engine, data, LR)
     state = engine.full_state_dict()
     return losses, grads, {k: tuple(v.shape) for k, v in state.items()}, program.fallbacks()
 
