@@ -210,20 +210,23 @@ def scatter_to_tp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, .
     return _ScatterToTP.apply(x, tp, dim, segments)
 
 
-def vocab_parallel_embedding(weight_local: torch.Tensor, ids: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def vocab_parallel_embedding(weight_local: torch.Tensor, ids: torch.Tensor, tp: TPGroup,
+                             padding_idx: int = -1) -> torch.Tensor:
     """Embedding with the vocabulary split by rows.
 
     Rank i holds rows [i*V/t, (i+1)*V/t). Ids outside that range are looked up
     as row 0 and zeroed, then g all-reduces: every id finds its row on exactly
-    one rank. The backward is autograd's: only local rows get gradient.
+    one rank. The backward is autograd's: only local rows get gradient (and the
+    padding row, on the rank that holds it, none).
     """
     if tp.size == 1:
-        return torch.nn.functional.embedding(ids, weight_local)
+        return torch.ops.aten.embedding(weight_local, ids, padding_idx)
     rows = weight_local.shape[0]
     start = tp.rank * rows
     outside = (ids < start) | (ids >= start + rows)
     local_ids = (ids - start).masked_fill(outside, 0)
-    out = torch.nn.functional.embedding(local_ids, weight_local)
+    local_pad = padding_idx - start if start <= padding_idx < start + rows else -1
+    out = torch.ops.aten.embedding(weight_local, local_ids, local_pad)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
     return reduce_from_tp(out, tp)
 

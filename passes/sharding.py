@@ -158,15 +158,29 @@ def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
         return _finish(traced, ctx, state, [])
 
     rejected: list[Rejected] = []
-    for node in list(gm.graph.nodes):
-        parts = linear_parts(ctx, node)
-        if parts is None or not isinstance(state.placement_of(_operand(node, parts[0])), Replicate):
+    tried: set[fx.Node] = set()
+    nodes = list(gm.graph.nodes)
+    for node in nodes:
+        if node in tried or not _is_candidate(state, ctx, node):
             continue
-        ok, reason, errors = _try_column(state, ctx, node)
-        if errors and not ok:
-            raise ShardingError(errors[0])
-        if not ok:
-            rejected.append(Rejected(node.name, module_path(node), reason))
+        # linears reading the same replicated value (Q, K, V; SwiGLU's gate and up) are tried
+        # together first: one f on their common input, no transient narrowing between them
+        x = _operand(node, linear_parts(ctx, node)[0])
+        group = [u for u in nodes if u not in tried and _is_candidate(state, ctx, u)
+                 and _operand(u, linear_parts(ctx, u)[0]) is x]
+        tried.update(group)
+        if len(group) > 1:
+            ok, _, errors = _try_column(state, ctx, group)
+            if ok:
+                continue
+        for member in group:
+            if not _is_candidate(state, ctx, member):
+                continue
+            ok, reason, errors = _try_column(state, ctx, [member])
+            if errors and not ok:
+                raise ShardingError(errors[0])
+            if not ok:
+                rejected.append(Rejected(member.name, module_path(member), reason))
     # A vocabulary-parallel embedding whose (tied) table stayed whole elsewhere
     # cannot be split: run it replicated and say so.
     while conflicts := _param_conflicts(state, ctx):
@@ -182,6 +196,12 @@ def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
     return _finish(traced, ctx, state, rejected)
 
 
+def _is_candidate(state: "_State", ctx: Ctx, node: fx.Node) -> bool:
+    parts = linear_parts(ctx, node)
+    return parts is not None and node not in ctx.column and isinstance(
+        state.placement_of(_operand(node, parts[0])), Replicate)
+
+
 def _operand(node: fx.Node, path: tuple) -> fx.Node:
     if path[0] == "k":
         return node.kwargs[path[1]]
@@ -189,42 +209,66 @@ def _operand(node: fx.Node, path: tuple) -> fx.Node:
     return a[path[2]] if len(path) == 3 else a
 
 
-def _try_column(state: _State, ctx: Ctx, node: fx.Node) -> tuple[bool, str, list[str]]:
-    out_features = ctx.shape(weight_of(ctx, node))[ctx.out_dim_of_weight(node)]
-    segments: tuple[int, ...] | None = None
-    padded = out_features % ctx.tp != 0
-    if padded:
-        segments = (-(-out_features // ctx.tp) * ctx.tp,)
-    for _attempt in range(3):
-        ctx.column[node] = segments
+def _try_column(state: _State, ctx: Ctx, group: list[fx.Node]) -> tuple[bool, str, list[str]]:
+    """Try the linears of ``group`` column-parallel together; keep them if the region closes.
+
+    Kept when the sharded values reach a consumer that ends the region (a
+    row-parallel linear, a vocabulary-parallel loss) or join a region already
+    sharded, the loss stays replicated, no parameter is asked to be split two
+    ways, and the region does not leak: a trial that narrows an activation
+    into the sharded region *and* needs fallbacks (the residual stream taken
+    apart and gathered again) is worse than leaving the linears whole.
+    """
+    segments: dict[fx.Node, tuple[int, ...] | None] = {}
+    padded: dict[fx.Node, bool] = {}
+    for node in group:
+        out_features = ctx.shape(weight_of(ctx, node))[ctx.out_dim_of_weight(node)]
+        padded[node] = out_features % ctx.tp != 0
+        segments[node] = (-(-out_features // ctx.tp) * ctx.tp,) if padded[node] else None
+    node = group[0]
+    for _attempt in range(2 + len(group)):
         before = {n: d.kind for n, d in state.dec.items()}
         conflicts_before = set(_param_conflicts(state, ctx))
+        old: dict = {}
         try:
-            old = state.propagate_from(node)
+            for member in group:
+                ctx.column[member] = segments[member]
+            for member in group:
+                for n, d in state.propagate_from(member).items():
+                    old.setdefault(n, d)
         except NeedSegments as need:
-            ctx.column.pop(node)
-            if segments is None and need.origin == node.name and all(s % ctx.tp == 0 for s in need.sizes):
-                segments = tuple(need.sizes)
+            state.undo(old)
+            for member in group:
+                ctx.column.pop(member, None)
+            origin = next((m for m in group if m.name == need.origin), None)
+            if origin is not None and segments[origin] is None and all(s % ctx.tp == 0 for s in need.sizes):
+                segments[origin] = tuple(need.sizes)
                 continue
             return False, f"its output is split into {list(need.sizes)} which does not divide by tp={ctx.tp}", []
-        touched = [n for n in old]
+        touched = list(old)
         # joining a region that is already sharded (K and V after Q) removes its scatters
         merged = any(old[n] is not None and len(old[n].scatter_in) > len(state.dec[n].scatter_in) for n in touched)
-        sinks = [n for n in touched if state.dec[n].kind in ("row", "vocab_cross_entropy") and before.get(n) != state.dec[n].kind]
+        sinks = [n for n in touched if state.dec[n].kind in ("row", "vocab_cross_entropy")
+                 and before.get(n) != state.dec[n].kind]
         errors = [state.dec[n].error for n in touched if state.dec[n].error]
         new_fallbacks = [n for n in touched if state.dec[n].kind == "fallback" and before.get(n) != "fallback"]
+        leaks = [n for n in touched if any(_operand(n, path).name in ctx.requires_grad
+                                           and _operand(n, path).name not in ctx.param_of
+                                           for path, _ in state.dec[n].scatter_in)]
         out_node = state.nodes[-1]
         out_ok = all(isinstance(p, Replicate) for p in _flat(state.placement_of(out_node.args[0][0])))
         conflicts = [c for c in _param_conflicts(state, ctx) if c not in conflicts_before]
-        padded_bad = padded and any(state.dec[n].kind != "vocab_cross_entropy" for n in sinks)
-        if (sinks or merged) and out_ok and not conflicts and not errors and not padded_bad:
+        padded_bad = any(padded.values()) and any(state.dec[n].kind != "vocab_cross_entropy" for n in sinks)
+        leaking = bool(new_fallbacks and leaks)
+        if (sinks or merged) and out_ok and not conflicts and not errors and not padded_bad and not leaking:
             return True, "", []
         state.undo(old)
-        ctx.column.pop(node)
+        for member in group:
+            ctx.column.pop(member, None)
         if errors:
             return False, errors[0], errors
-        if padded and sinks:
-            dim = out_features
+        if any(padded.values()) and sinks:
+            dim = ctx.shape(weight_of(ctx, node))[ctx.out_dim_of_weight(node)]
             return False, "", [
                 f"{_describe(ctx, node)} has {dim} output features, not divisible by tp={ctx.tp}; "
                 f"only a vocabulary (consumed by the cross-entropy) can be padded. "

@@ -99,8 +99,7 @@ class Ctx:
         for n in gm.graph.nodes:
             if n.op == "call_function" and n.target == aten.embedding.default:
                 w, ids = n.args[0], n.args[1]
-                padding_idx = n.args[2] if len(n.args) > 2 else -1
-                if tp > 1 and w.name in traced.param_of and ids.name in inp and padding_idx == -1:
+                if tp > 1 and w.name in traced.param_of and ids.name in inp:
                     vocab.add(n.name)
         return Ctx(tp, dict(traced.param_of), rg, inp, vocab)
 
@@ -524,7 +523,9 @@ def _embedding(ctx: Ctx, node, pl) -> Decision:
     if node.name in ctx.vocab_embeddings:
         rows = Ctx.shape(w)[0]
         segs = None if rows % ctx.tp == 0 else (-(-rows // ctx.tp) * ctx.tp,)
-        return Decision(R, kind="vocab_embedding", param_demand={w.name: Shard(0, segs)})
+        padding_idx = _arg(node, 2, "padding_idx", -1)
+        return Decision(R, kind="vocab_embedding", param_demand={w.name: Shard(0, segs)},
+                        extra={"padding_idx": padding_idx})
     if _is_param(ctx, w):
         return Decision(R, param_demand={w.name: R})
     if isinstance(pl(w), Shard):
@@ -584,14 +585,53 @@ def _sdpa(ctx: Ctx, node, pl) -> Decision:
     return Decision(Shard(d, segs, shards[0][1].origin), kind="sharded", copy_in=tuple(copy), scatter_in=tuple(scatter))
 
 
-def _slice(node, pl) -> Decision:
+def _slice_range(node: fx.Node) -> tuple[int, int, int, int]:
+    """(dim, start, end, step) of an aten.slice, normalised to the input's size."""
     x = node.args[0]
     nd = _ndim(x)
     dim = _arg(node, 1, "dim", 0) % nd
-    start, end, step = _arg(node, 2, "start"), _arg(node, 3, "end"), _arg(node, 4, "step", 1)
     size = Ctx.shape(x)[dim]
-    full = (start in (None, 0)) and (end is None or end >= size) and step == 1
-    return _unary_dim_map(node, pl, lambda d: d if (d != dim or full) else None, "slice of the sharded dim")
+    start, end, step = _arg(node, 2, "start"), _arg(node, 3, "end"), _arg(node, 4, "step", 1)
+    start = 0 if start is None else (start + size if start < 0 else min(start, size))
+    end = size if end is None else (end + size if end < 0 else min(end, size))
+    return dim, start, end, step
+
+
+def slice_pieces(x: fx.Node, dim: int) -> list[tuple[int, int]] | None:
+    """The ranges of ``x``'s slices along ``dim`` when they cut it into contiguous pieces."""
+    ranges = []
+    for u in x.users:
+        if u.target != aten.slice.Tensor:
+            continue
+        d, start, end, step = _slice_range(u)
+        if d != dim or step != 1:
+            return None
+        ranges.append((start, end))
+    ranges = sorted(set(ranges))
+    size = Ctx.shape(x)[dim]
+    if not ranges or ranges[0][0] != 0 or ranges[-1][1] != size:
+        return None
+    if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        return None
+    return ranges
+
+
+def _slice(ctx: Ctx, node, pl) -> Decision:
+    """Slices of the sharded dim that cut it into pieces (a fused QKV sliced into q, k, v)."""
+    x = node.args[0]
+    p = pl(x)
+    dim, start, end, step = _slice_range(node)
+    size = Ctx.shape(x)[dim]
+    if not isinstance(p, Shard) or p.dim != dim or (start == 0 and end >= size and step == 1):
+        return _unary_dim_map(node, pl, lambda d: d, "")
+    pieces = slice_pieces(x, dim)
+    if pieces is not None:
+        sizes = tuple(b - a for a, b in pieces)
+        if p.segments is not None and tuple(p.segments) == sizes:
+            return Decision(Shard(dim, None, None), kind="sharded", extra={"slice_piece": pieces.index((start, end))})
+        if p.segments is None and p.origin is not None and p.origin in {n.name for n in ctx.column}:
+            raise NeedSegments(p.origin, list(sizes))
+    return _fallback(node, [(("a", 0), p)], "slice of the sharded dim")
 
 
 def _transpose(node, pl) -> Decision:
@@ -758,7 +798,7 @@ def _decide(ctx: Ctx, node: fx.Node, pl: Callable) -> Decision:
     if t in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default):
         return _softmax(node, pl)
     if t == aten.slice.Tensor:
-        return _slice(node, pl)
+        return _slice(ctx, node, pl)
     if t == aten.transpose.int:
         return _transpose(node, pl)
     if t == aten.t.default:

@@ -117,12 +117,14 @@ def apply_tensor_parallel(traced: TracedModel, plan: ShardingPlan) -> fx.GraphMo
             else:
                 _set(node, ("a", 1), list(dec.local_shape))
         _localize_split(node, plan)
+        if "slice_piece" in dec.extra:
+            _localize_slice(node, plan, dec.extra["slice_piece"])
         if dec.kind == "row":
             _rewrite_row(graph, node, dec, ctx, tp)
         elif dec.reduce_out:
             _reduce_after(graph, node, tp)
         elif dec.kind == "vocab_embedding":
-            rewrite_embedding(graph, node, tp)
+            rewrite_embedding(graph, node, tp, dec.extra.get("padding_idx", -1))
         elif dec.kind == "vocab_cross_entropy":
             rewrite_cross_entropy(graph, node, tp, dec.extra)
     graph.eliminate_dead_code()
@@ -146,6 +148,16 @@ def _localize_split(node: fx.Node, plan: ShardingPlan) -> None:
     sizes = node.args[1]
     local = [s // plan.tp for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // plan.tp
     _set(node, ("a", 1), local)
+
+
+def _localize_slice(node: fx.Node, plan: ShardingPlan, piece: int) -> None:
+    """A slice taking one segment of a sharded dim: its bounds become the local segment's."""
+    src = node.args[0]
+    segs = plan.decisions[src.name].out.segments
+    start = sum(s // plan.tp for s in segs[:piece])
+    args = list(node.args) + [None] * (5 - len(node.args))
+    args[2], args[3] = start, start + segs[piece] // plan.tp
+    node.args = tuple(args[:4]) if args[4] is None else tuple(args)
 
 
 def _reduce_after(graph: fx.Graph, node: fx.Node, tp: fx.Node) -> fx.Node:

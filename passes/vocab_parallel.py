@@ -25,11 +25,12 @@ def _meta(new: fx.Node, like: fx.Node) -> fx.Node:
     return new
 
 
-def rewrite_embedding(graph: fx.Graph, node: fx.Node, tp: fx.Node) -> fx.Node:
-    """embedding(E, ids) -> vocab_parallel_embedding(E_local, ids, tp)."""
+def rewrite_embedding(graph: fx.Graph, node: fx.Node, tp: fx.Node, padding_idx: int = -1) -> fx.Node:
+    """embedding(E, ids) -> vocab_parallel_embedding(E_local, ids, tp[, padding_idx])."""
     weight, ids = node.args[0], node.args[1]
+    args = (weight, ids, tp) if padding_idx == -1 else (weight, ids, tp, padding_idx)
     with graph.inserting_after(node):
-        new = _meta(graph.call_function(comm.vocab_parallel_embedding, (weight, ids, tp)), node)
+        new = _meta(graph.call_function(comm.vocab_parallel_embedding, args), node)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new

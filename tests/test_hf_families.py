@@ -1,0 +1,72 @@
+"""More HuggingFace families, unmodified, on tp=2 x pp=2 gloo ranks.
+
+Qwen2 (biases on q/k/v, grouped-query attention), Phi-3 (fused QKV taken
+apart with slices, fused gate/up chunked), OPT (learned positions with an
+offset, a padding row in the tied embedding). Every linear is split (no
+fallback, nothing left replicated) and loss and gradients match one process;
+tolerances as in test_tp_parity.
+"""
+
+import pytest
+import torch
+
+import autopar
+from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
+from families import SEQ, train_steps
+
+pytestmark = pytest.mark.multiprocess
+VOCAB, ROWS, M, LR = 250, 8, 2, 1e-3
+AFTER_ADAMW = {"rel_norm": 1e-4, "atol": 1e-6, "rtol": 1e-5}
+
+
+def _make(name):
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                  pad_token_id=None)
+    if name == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(num_key_value_heads=2, **common))
+    if name == "phi3":
+        return T.Phi3ForCausalLM(T.Phi3Config(num_key_value_heads=2, **common))
+    return T.OPTForCausalLM(T.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=4,
+                                        num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64,
+                                        dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                                        pad_token_id=1))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return [((torch.randint(0, VOCAB, (ROWS, SEQ), generator=g),), (torch.randint(0, VOCAB, (ROWS, SEQ), generator=g),))
+            for _ in range(2)]
+
+
+def _worker(names):
+    out = {}
+    for name in names:
+        data = _data()
+        program = autopar.parallelize(_make(name), tp=2, pp=2, microbatches=M,
+                                      example_inputs=(data[0][0][0][: ROWS // M],),
+                                      example_targets=data[0][1][0][: ROWS // M])
+        losses, grads = train_steps(program.materialize(), data, LR)
+        per_layer = program.collectives(by_layer=True)
+        out[name] = (losses, grads, program.fallbacks(), [r.reason for r in program.plan.rejected],
+                     {k: v for k, v in per_layer.items() if k[0] is not None})
+    return out
+
+
+def test_more_hf_families_split_fully_and_match_one_process():
+    names = ["qwen2", "phi3", "opt"]
+    results = autopar.spawn(_worker, 4, (names,), timeout_s=900)
+    for name in names:
+        ref_losses, ref_grads = single_device_run(_make(name), _data(), autopar.lm_cross_entropy,
+                                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
+        for rank, res in enumerate(results):
+            losses, grads, fallbacks, rejected, per_layer = res[name]
+            assert fallbacks == [] and rejected == [], (name, fallbacks, rejected)
+            assert set(per_layer.values()) == {2}, per_layer  # f and g twice per layer
+            assert_parity(ref_losses[:1], ref_grads[0], losses[:1], grads[0], label=f"{name} rank {rank}",
+                          **FP32_TOLERANCE)
+            assert_parity(ref_losses, ref_grads[1], losses, grads[1], label=f"{name} rank {rank} step 1",
+                          **AFTER_ADAMW)
