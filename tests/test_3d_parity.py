@@ -50,6 +50,7 @@ def _run(layout):
     engine = program.materialize()
     losses, grads = train_steps(engine, data, LR, clip=CLIP)
     local = {n: p.detach().clone() for n, p in engine.named_local_parameters()}
+    assert engine.stats.get("dp_buckets", 0) > 0 or dp == 1  # data-parallel reduction ran in buckets
     return losses, grads, local, engine.mesh.shape.coords(dist.get_rank()), program.tied_params
 
 
