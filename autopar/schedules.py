@@ -428,9 +428,10 @@ def interleaved_1f1b(p: int, v: int, m: int) -> Schedule:
     visits the chunk chosen by :func:`_megatron_chunk`. Warm-up
     ``w_r = min(2 (p-r-1) + (v-1) p, v m)`` forwards, then alternate, then
     cool down. Bubble ``(p-1)/(v m)``: ``v`` times smaller than 1F1B for ``v``
-    times the point-to-point messages. (That is the compute-only dry run; with
-    blocking batched exchanges and ``t_b != t_f`` the stages are not in lock
-    step and senders wait, see :func:`lower`.)
+    times the point-to-point messages. (That is the compute-only dry run; a
+    runtime that blocks on each batch of exchanges, sends included, loses part
+    of it when ``t_b != t_f``; autopar's does not block on sends, see
+    ``autopar.simulate.simulate_lowered``.)
     """
     _check_positive(p=p, v=v, m=m)
     _check_enough_microbatches("interleaved 1F1B", p, m)

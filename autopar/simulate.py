@@ -205,98 +205,82 @@ _PARTNER_OF = {  # kind -> (partner kind, chunk offset, compute action whose res
 def simulate_lowered(schedule: Schedule, cost_f: Cost = 1.0, cost_b: Cost = 2.0, comm: Cost = 0.0) -> SimResult:
     """Run a lowered schedule (``schedules.lower``) as autopar's runtime does.
 
-    Each stage runs its units in order: a compute action lasts its cost; a
-    maximal run of sends/receives is one batched exchange, posted when the
-    stage reaches it. Each of its send/receive pairs completes ``comm(a)``
-    after both sides are posted (``a``: the F or B whose result travels); the
-    exchange ends when all its pairs have. The time between posting and the
-    last partner's post is a ``wait`` event, the rest a ``comm`` event. With
-    ``comm = 0`` the step equals ``schedules.dry_run``'s makespan. Raises
-    ``RuntimeError`` on a deadlock.
+    Each stage runs its actions in order. Sends and receives are posted
+    without blocking when the stage reaches them (the runtime's
+    ``batch_isend_irecv``; sends are waited for only at the end of the step);
+    a message arrives ``comm(a)`` after both its send and its receive are
+    posted (``a``: the F or B whose result travels). An F or B that needs a
+    received tensor waits for its arrival: that time is a ``comm`` event when
+    the message was in transit, a ``wait`` event when the partner had not yet
+    sent it. With ``comm = 0`` the step equals ``schedules.dry_run``'s
+    makespan of the compute-only schedule. Raises ``RuntimeError`` on a
+    deadlock.
     """
     if not schedule.is_lowered and schedule.p > 1:
         raise ValueError(f"schedule {schedule.name!r} has no sends/receives: lower it first, "
                          "or use simulate() for eager sends")
     f, b, cm = _as_cost(cost_f), _as_cost(cost_b), _as_cost(comm)
-    units: dict[int, list[tuple[int, int]]] = {}
-    for s_, acts in schedule.actions.items():
-        us, t = [], 0
-        while t < len(acts):
-            end = t + 1
-            if acts[t].is_comm:
-                while end < len(acts) and acts[end].is_comm:
-                    end += 1
-            us.append((t, end))
-            t = end
-        units[s_] = us
-    unit_of: dict[tuple[Kind, int, int], tuple[int, int]] = {}
-    for s_, us in units.items():
-        for u, (lo, hi) in enumerate(us):
-            for a in schedule.actions[s_][lo:hi]:
-                unit_of[a.key] = (s_, u)
-    # per comm unit: [(partner stage, partner unit, transfer seconds)]
-    pairs: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
-    for s_, us in units.items():
-        for u, (lo, hi) in enumerate(us):
-            acts = schedule.actions[s_][lo:hi]
-            if not acts[0].is_comm:
-                continue
-            lst = []
-            for a in acts:
-                pk, off, (ck, coff) = _PARTNER_OF[a.kind]
-                where = unit_of.get((pk, a.chunk + off, a.microbatch))
-                if where is None:
-                    raise RuntimeError(f"{a} on stage {s_} has no matching partner")
-                lst.append((where[0], where[1], cm(Action(ck, a.chunk + coff, a.microbatch))))
-            pairs[(s_, u)] = lst
-    pc = dict.fromkeys(units, 0)
-    posted: dict[int, dict[int, float]] = {s_: {} for s_ in units}
-    free = dict.fromkeys(units, 0.0)
-    busy = dict.fromkeys(units, 0.0)
-    transfer = dict.fromkeys(units, 0.0)
-    events: dict[int, list[Event]] = {s_: [] for s_ in units}
+    stages = list(schedule.actions)
+    posted: dict[tuple[Kind, int, int], float] = {}
+    pc = dict.fromkeys(stages, 0)
+    free = dict.fromkeys(stages, 0.0)
+    busy = dict.fromkeys(stages, 0.0)
+    transfer = dict.fromkeys(stages, 0.0)
+    events: dict[int, list[Event]] = {s_: [] for s_ in stages}
+    received = {s_: {a.key for a in acts if a.is_recv} for s_, acts in schedule.actions.items()}
+
+    def arrival(recv_key: tuple[Kind, int, int]) -> tuple[float, float] | None:
+        """(when the later of send/receive was posted, when the data arrives), None if unknown yet."""
+        kind, chunk, mb = recv_key
+        pk, off, (ck, coff) = _PARTNER_OF[kind]
+        send_key = (pk, chunk + off, mb)
+        if send_key not in posted or recv_key not in posted:
+            return None
+        met = max(posted[send_key], posted[recv_key])
+        return met, met + cm(Action(ck, chunk + coff, mb))
 
     def step(s_: int) -> bool:
-        u = pc[s_]
-        lo, hi = units[s_][u]
-        a = schedule.actions[s_][lo]
+        a = schedule.actions[s_][pc[s_]]
         t0 = free[s_]
-        if a.is_compute:
-            fwd = a.kind is Kind.F
-            dur = f(a) if fwd else b(a)
-            events[s_].append(Event(s_, "F" if fwd else "B", a.chunk, a.microbatch, t0, t0 + dur))
-            busy[s_] += dur
-            free[s_] = t0 + dur
-            pc[s_] = u + 1
+        if a.is_comm:
+            posted[a.key] = t0
+            pc[s_] += 1
             return True
-        posted[s_].setdefault(u, t0)
-        lst = pairs[(s_, u)]
-        if any(pu not in posted[ps] for ps, pu, _ in lst):
-            return False
-        met = max([t0] + [posted[ps][pu] for ps, pu, _ in lst])
-        end = max(max(t0, posted[ps][pu]) + x for ps, pu, x in lst)
-        text = " ".join(str(x) for x in schedule.actions[s_][lo:hi])
-        if met > t0:
-            events[s_].append(Event(s_, "wait", a.chunk, a.microbatch, t0, met, text=text))
-        if end > met:
-            events[s_].append(Event(s_, "comm", a.chunk, a.microbatch, met, end, text=text))
-            transfer[s_] += end - met
-        free[s_] = end
-        pc[s_] = u + 1
+        need = (Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B, a.chunk, a.microbatch)
+        start = t0
+        if need in received[s_]:
+            got = arrival(need)
+            if got is None:
+                return False
+            met, ready = got
+            if ready > t0:
+                text = str(Action(need[0], a.chunk, a.microbatch, 0)).split("<")[0]
+                if met > t0:
+                    events[s_].append(Event(s_, "wait", a.chunk, a.microbatch, t0, met, text=text))
+                if ready > max(t0, met):
+                    events[s_].append(Event(s_, "comm", a.chunk, a.microbatch, max(t0, met), ready, text=text))
+                    transfer[s_] += ready - max(t0, met)
+                start = ready
+        fwd = a.kind is Kind.F
+        dur = f(a) if fwd else b(a)
+        events[s_].append(Event(s_, "F" if fwd else "B", a.chunk, a.microbatch, start, start + dur))
+        busy[s_] += dur
+        free[s_] = start + dur
+        pc[s_] += 1
         return True
 
     progress = True
     while progress:
         progress = False
-        for s_ in units:
-            while pc[s_] < len(units[s_]) and step(s_):
+        for s_ in stages:
+            while pc[s_] < len(schedule.actions[s_]) and step(s_):
                 progress = True
-    stuck = [s_ for s_ in units if pc[s_] < len(units[s_])]
+    stuck = [s_ for s_ in stages if pc[s_] < len(schedule.actions[s_])]
     if stuck:
-        where = ", ".join(f"stage {s_} at {schedule.actions[s_][units[s_][pc[s_]][0]]}" for s_ in stuck)
+        where = ", ".join(f"stage {s_} at {schedule.actions[s_][pc[s_]]}" for s_ in stuck)
         raise RuntimeError(f"lowered schedule {schedule.name} p={schedule.p} v={schedule.v} m={schedule.m} "
                            f"deadlocks: {where}")
-    makespan = max((free[s_] for s_ in units), default=0.0)
+    makespan = max((free[s_] for s_ in stages), default=0.0)
     return SimResult(schedule, events, makespan, busy, transfer)
 
 

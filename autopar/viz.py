@@ -41,7 +41,7 @@ def _colour(e: Event, p: int) -> str:
 
 def _summary(sim: SimResult, unit: str) -> str:
     sched = sim.schedule
-    how = ("lowered: batched exchanges, as autopar's runtime runs it" if sim.lowered
+    how = ("lowered: non-blocking sends, receives awaited by their consumer, as autopar's runtime runs it" if sim.lowered
            else "eager sends (the planner's model)")
     return (f"{sched.name} p={sched.p} v={sched.v} m={sched.m} ({how}): step {sim.step_time:.4g} {unit}, "
             f"bubble {sim.bubble:.1%} (idle / compute, worst stage; (p-1)/(v m) = "
