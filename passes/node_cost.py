@@ -1,8 +1,11 @@
-"""Cost of one graph node from its (local) shapes: FLOPs and bytes.
+"""Cost of one graph node from its (local) shapes: FLOPs, bytes, and a roofline time.
 
 Used to balance pipeline chunks. Matrix products count 2*M*N*K FLOPs,
 attention 4*B*H*Tq*Tk*d (scores and weighted sum), everything else one FLOP
-per output element; bytes are the output's plus any parameter read.
+per output element. Bytes are what the node writes plus the parameters it
+reads. ``node_cost`` is a roofline: max(FLOPs, FLOPS_PER_BYTE * bytes), in
+FLOP units, so memory-bound ops (norms, element-wise, softmax) weigh what
+they cost on a GPU instead of almost nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +17,11 @@ import torch.fx as fx
 
 from autopar.cost import attention_flops, matmul_flops
 
-__all__ = ["node_flops", "node_bytes"]
+__all__ = ["node_flops", "node_bytes", "node_cost", "FLOPS_PER_BYTE"]
+
+# Machine balance of an A100 (312 TFLOP/s bf16 over ~2 TB/s HBM): an op doing fewer
+# FLOPs per byte moved than this is memory-bound.
+FLOPS_PER_BYTE = 150.0
 
 aten = torch.ops.aten
 
@@ -51,3 +58,11 @@ def node_bytes(node: fx.Node) -> float:
     if isinstance(val, torch.Tensor):
         return float(val.numel() * val.element_size())
     return 0.0
+
+
+def node_cost(node: fx.Node, params: set[str] = frozenset()) -> float:
+    """Roofline cost in FLOP units: max(FLOPs, FLOPS_PER_BYTE * (bytes written + parameter bytes read))."""
+    if node.op != "call_function":
+        return 0.0
+    moved = node_bytes(node) + sum(node_bytes(a) for a in node.all_input_nodes if a.name in params)
+    return max(node_flops(node), FLOPS_PER_BYTE * moved)

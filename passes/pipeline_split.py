@@ -1,6 +1,7 @@
 """Cut a rank graph into p*v contiguous chunks of balanced cost.
 
-1. Each layer's cost is the FLOPs of its nodes (``passes/node_cost.py``); the
+1. Each layer's cost is the roofline cost of its nodes (``passes/node_cost.py``:
+   FLOPs, or bytes moved for memory-bound ops); the
    nodes before the first layer (embedding) count with the first layer, those
    after the last (final norm, head, loss) with the last.
 2. A min-max linear partition of the layer sequence into p*v non-empty runs:
@@ -29,7 +30,7 @@ import torch.fx as fx
 
 from autopar import comm
 from passes.layers import find_layers
-from passes.node_cost import node_flops
+from passes.node_cost import node_cost
 
 __all__ = ["Boundary", "Chunk", "PipelineSplit", "PipelineError", "balance", "split_pipeline"]
 
@@ -149,7 +150,7 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
     for n in nodes:
         if n.op != "call_function" or n.name in free:
             continue
-        c = node_flops(n)
+        c = node_cost(n, param_phs)
         if n.name in layers.node_layer:
             layer_cost[layers.node_layer[n.name]] += c
             seen_layer = True
