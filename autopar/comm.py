@@ -29,6 +29,7 @@ __all__ = [
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
     "local_slice",
+    "tp_rng_call",
 ]
 
 
@@ -300,3 +301,22 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of (N, V/t) local logits against (N,) targets; reduction 0 none, 1 mean, 2 sum."""
     return _VocabParallelCrossEntropy.apply(logits_local, target, tp, vocab_size, ignore_index, reduction)
+
+
+def tp_rng_call(op, tp: TPGroup, *args, **kwargs):
+    """Run a random op on a tensor-parallel shard with this rank's own random stream.
+
+    Dropout on a sharded value (attention probabilities split by heads) must
+    draw different masks on each tp rank, while everything replicated must
+    draw the same. One seed is drawn from the shared default generator (so it
+    advances identically on every rank, and a checkpoint's recomputation,
+    which restores that generator, draws it again); the op then runs under a
+    forked generator seeded with it and the tp rank.
+    """
+    if tp.size == 1 or torch._guards.detect_fake_mode(args) is not None:  # fake tensors: shapes only
+        return op(*args, **kwargs)
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed + 7919 * tp.rank)
+        return op(*args, **kwargs)

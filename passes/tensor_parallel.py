@@ -10,7 +10,9 @@ placeholder ``tp`` (a ``TPGroup``) in which
   linear, whose bias is then added once,
 - embeddings and the cross-entropy over a split vocabulary are replaced by
   their vocabulary-parallel versions (``passes/vocab_parallel.py``),
-- ops without a rule get their sharded inputs all-gathered (fallbacks).
+- ops without a rule get their sharded inputs all-gathered (fallbacks),
+- random ops on sharded values (attention dropout) draw from a per-rank
+  stream (``comm.tp_rng_call``); replicated ones share the default stream.
 
 The graph is the same on every tensor-parallel rank; ranks differ only in the
 ``TPGroup`` they pass, so ``program.code(rank)`` prints it with the rank's
@@ -127,6 +129,9 @@ def apply_tensor_parallel(traced: TracedModel, plan: ShardingPlan) -> fx.GraphMo
             rewrite_embedding(graph, node, tp, dec.extra.get("padding_idx", -1))
         elif dec.kind == "vocab_cross_entropy":
             rewrite_cross_entropy(graph, node, tp, dec.extra)
+        elif _random_on_shard(node, dec):
+            node.args = (node.target, tp, *node.args)
+            node.target = comm.tp_rng_call
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
@@ -148,6 +153,22 @@ def _localize_split(node: fx.Node, plan: ShardingPlan) -> None:
     sizes = node.args[1]
     local = [s // plan.tp for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // plan.tp
     _set(node, ("a", 1), local)
+
+
+def _random_on_shard(node: fx.Node, dec) -> bool:
+    """A random op (dropout, attention with dropout) whose output is split across tp ranks."""
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in t.tags:
+        return False
+    if not isinstance(dec.out, Shard) and not (isinstance(dec.out, tuple) and any(isinstance(p, Shard) for p in dec.out)):
+        return False
+    if t == aten.scaled_dot_product_attention.default:
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return p != 0.0
+    if t in (aten.dropout.default, aten.native_dropout.default):
+        p, train = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return p != 0.0 and train is not False
+    return True
 
 
 def _localize_slice(node: fx.Node, plan: ShardingPlan, piece: int) -> None:
