@@ -88,9 +88,24 @@ def train_steps(engine, data, lr: float, clip: float | None = None):
     return losses, grads
 
 
+# After an AdamW step, whose first update lr*sign(g) turns gradient elements that are zero up to
+# rounding into +-lr steps, gradients are compared per tensor: ||g - g_ref|| <= 1e-4 ||g_ref|| + 1e-6.
+AFTER_ADAMW = {"rel_norm": 1e-4, "atol": 1e-6, "rtol": 1e-5}
+
+
+def assert_steps_match(ref_losses, ref_grads, losses, grads, label: str) -> None:
+    """Every step's losses so far and gradients: the first element-wise (FP32_TOLERANCE), later ones per tensor."""
+    from autopar.parity import FP32_TOLERANCE, assert_parity
+
+    for step in range(len(grads)):
+        tol = FP32_TOLERANCE if step == 0 else AFTER_ADAMW
+        assert_parity(ref_losses[: step + 1], ref_grads[step], losses[: step + 1], grads[step],
+                      label=f"{label} step {step}", **tol)
+
+
 def make_fallback_model() -> tuple[nn.Module, int]:
     torch.manual_seed(0)
     return GPTWithFallback(ModelConfig(vocab_size=320, seq_len=SEQ, n_layer=2, n_head=4, d_model=64)), 320
 
 
-__all__ = ["FAMILIES", "make", "batches", "make_fallback_model", "train_steps"]
+__all__ = ["FAMILIES", "make", "batches", "make_fallback_model", "train_steps", "assert_steps_match", "AFTER_ADAMW"]

@@ -9,14 +9,13 @@ tolerances as in test_tp_parity.
 
 import pytest
 import torch
+from families import AFTER_ADAMW, SEQ, train_steps
 
 import autopar
 from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
-from families import SEQ, train_steps
 
 pytestmark = pytest.mark.multiprocess
 VOCAB, ROWS, M, LR = 250, 8, 2, 1e-3
-AFTER_ADAMW = {"rel_norm": 1e-4, "atol": 1e-6, "rtol": 1e-5}
 
 
 def _make(name):

@@ -9,14 +9,13 @@ lr*sign(g) amplifies rounding in near-zero gradients.
 
 import pytest
 import torch
+from families import BATCH, assert_steps_match, batches, make, train_steps
 
 import autopar
-from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
-from families import BATCH, batches, make, train_steps
+from autopar.parity import single_device_run
 
 pytestmark = pytest.mark.multiprocess
 LR, M, LAYERS = 1e-3, 4, 8
-AFTER_ADAMW = {"rel_norm": 1e-4, "atol": 1e-6, "rtol": 1e-5}
 
 # (family, tp, pp, v, schedule, scatter_gather)
 WORLD_2 = [(fam, 1, 2, v, s, True) for fam in ("nanogpt", "llama")
@@ -58,10 +57,7 @@ def _check(results, layouts):
         ref_losses, ref_grads = refs[fam]
         for rank, res in enumerate(results):
             losses, grads, _, _ = res[layout]
-            for step in range(3):
-                tol = FP32_TOLERANCE if step == 0 else AFTER_ADAMW
-                assert_parity(ref_losses[: step + 1], ref_grads[step], losses[: step + 1], grads[step],
-                              label=f"{layout} rank {rank} step {step}", **tol)
+            assert_steps_match(ref_losses, ref_grads, losses, grads, label=f"{layout} rank {rank}")
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.nn as nn
+from families import BATCH, SEQ, make
 
 import autopar
 from passes.pipeline_split import PipelineError, balance
-from families import BATCH, SEQ, make
 
 
 def _program(model, vocab=320, **kw):

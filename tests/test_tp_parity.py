@@ -11,14 +11,13 @@ rounding into a +-lr step, so steps 1-2 compare each gradient as a tensor:
 
 import pytest
 import torch
+from families import FAMILIES, assert_steps_match, batches, make, make_fallback_model, train_steps
 
 import autopar
-from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
-from families import FAMILIES, batches, make, make_fallback_model, train_steps
+from autopar.parity import single_device_run
 
 pytestmark = pytest.mark.multiprocess
 LR = 1e-3
-AFTER_ADAMW = {"rel_norm": 1e-4, "atol": 1e-6, "rtol": 1e-5}
 
 
 def _train(model, vocab, tp):
@@ -49,10 +48,7 @@ def test_parity_all_families(tp):
         full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         for rank, res in enumerate(results):
             losses, grads, shapes, fallbacks = res[fam]
-            for step in range(3):
-                tol = FP32_TOLERANCE if step == 0 else AFTER_ADAMW
-                assert_parity(ref_losses[: step + 1], ref_grads[step], losses[: step + 1], grads[step],
-                              label=f"{fam} tp={tp} rank {rank} step {step}", **tol)
+            assert_steps_match(ref_losses, ref_grads, losses, grads, label=f"{fam} tp={tp} rank {rank}")
             # the full state dict has the original names and shapes (vocabulary padding removed)
             assert {k: shapes[k] for k in full_shapes} == full_shapes
         if fam == "fallback":

@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
+from families import FAMILIES, batches, make, make_fallback_model
 
 import autopar
 from autopar.placement import Shard
-from families import FAMILIES, batches, make, make_fallback_model
 
 
 def _program(fam, tp):

@@ -11,10 +11,10 @@
 
 import pytest
 import torch
+from families import BATCH, batches, make
 
 import autopar
 from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
-from families import BATCH, batches, make
 
 pytestmark = pytest.mark.multiprocess
 LR, M, LAYERS = 1e-3, 4, 4
