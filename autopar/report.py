@@ -19,7 +19,7 @@ from autopar.placement import Shard
 from autopar.schedules import dry_run
 
 if TYPE_CHECKING:
-    from autopar.api import ParallelProgram
+    from autopar.program import ParallelProgram
 
 __all__ = ["render_summary", "memory_per_rank", "predicted_bubble"]
 

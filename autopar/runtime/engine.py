@@ -40,7 +40,7 @@ from autopar.schedules import Action, Kind
 from passes.recompute import with_recompute
 
 if TYPE_CHECKING:
-    from autopar.api import ParallelProgram
+    from autopar.program import ParallelProgram
     from passes.pipeline_split import Boundary, Chunk
 
 __all__ = ["RankEngine"]

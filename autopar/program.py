@@ -1,0 +1,334 @@
+"""``ParallelProgram``: everything autopar decided, for all ranks.
+
+Cheap and inspectable without a process group: the traced graph, the
+sharding plan, the rank graph and its chunks, the schedule, and the questions
+a user asks of them (``summary``, ``code``, ``local_shapes``,
+``collectives``, ...). ``materialize`` builds one rank's engine.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar import comm
+from autopar.comm import TPGroup, local_slice
+from autopar.config import ParallelConfig
+from autopar.mesh import Mesh
+from autopar.placement import Replicate, Shard, local_size
+from autopar.runtime.engine import RankEngine
+from autopar.schedules import Schedule
+from autopar.trace import TracedModel, module_path, source_line
+from passes.layers import LayerInfo, layer_of_param
+from passes.pipeline_split import PipelineSplit
+from passes.sharding import ShardingPlan
+
+__all__ = ["ParallelProgram"]
+
+_aten = torch.ops.aten
+# ops whose output shares its input's storage: not counted as activation memory
+_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.transpose.int, _aten.permute.default,
+          _aten.expand.default, _aten.t.default, _aten.unsqueeze.default, _aten.alias.default,
+          _aten.squeeze.dim, _aten.reshape.default, _aten.split.Tensor, _aten.slice.Tensor, _aten.select.int,
+          operator.getitem}
+
+_COLLECTIVES = {
+    comm.copy_to_tp: ("f (copy_to_tp)", "backward all-reduce"),
+    comm.reduce_from_tp: ("g (reduce_from_tp)", "forward all-reduce"),
+    comm.gather_from_tp: ("gather_from_tp", "forward all-gather"),
+    comm.scatter_to_tp: ("scatter_to_tp", "backward all-gather"),
+    comm.vocab_parallel_embedding: ("vocab_parallel_embedding", "forward all-reduce"),
+    comm.vocab_parallel_cross_entropy: ("vocab_parallel_cross_entropy", "2 forward all-reduces of (N,) tensors"),
+}
+
+
+@dataclass
+class ParallelProgram:
+    """Everything autopar decided, for all ranks; cheap, inspectable, no process group."""
+
+    model: nn.Module
+    config: ParallelConfig
+    traced: TracedModel
+    layers: LayerInfo
+    plan: ShardingPlan
+    rank_module: fx.GraphModule
+    split: PipelineSplit | None = None
+    """The chunk graphs (p*v of them; one when pp == 1)."""
+    schedule: Schedule | None = None
+    """The lowered, validated schedule every rank interprets."""
+    param_names: list[str] = field(default_factory=list)
+    param_stages: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Parameter -> the pipeline stages whose chunks read it."""
+    tied_params: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Parameters read on more than one stage -> those stages."""
+
+    @property
+    def pp(self) -> int:
+        return self.config.pp
+
+    @property
+    def microbatches(self) -> int:
+        return self.config.microbatches
+
+    @property
+    def recompute(self) -> str:
+        return self.config.recompute
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    def param_dtype_bytes(self, name: str) -> int:
+        return self._phs[self._placeholder_of[name]].meta["val"].element_size()
+
+    def chunk_activation_bytes(self, chunk) -> tuple[float, float]:
+        """(kept per microbatch, working set) in bytes for one forward of ``chunk`` (an estimate).
+
+        Kept between a microbatch's forward and its backward: every value the
+        chunk computes (views excluded) without recomputation; its input with
+        'chunk'; each layer's input with 'layer'. The working set is what one
+        recomputation materialises at a time (the chunk, or one layer). Float
+        values count 2 bytes per element under bf16 autocast.
+        """
+        from passes.node_cost import node_bytes
+
+        scale = 0.5 if self.precision == "bf16" else 1.0
+        values = [n for n in chunk.gm.graph.nodes if n.op == "call_function" and n.target not in _VIEWS]
+        total = scale * sum(node_bytes(n) for n in values)
+        inputs = sum(b.nbytes for b in chunk.inputs)
+        layer_input = max([b.nbytes for b in chunk.inputs + chunk.outputs], default=0) * scale
+        n_layers = max(len(chunk.layers), 1)
+        if self.recompute == "none":
+            return inputs + total, 0.0
+        if self.recompute == "chunk":
+            return inputs, total
+        return inputs + layer_input * (n_layers - 1), total / n_layers
+
+    def collective_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes each tensor-parallel collective moves per microbatch, by (layers|outside, name)."""
+        if self.tp == 1:
+            return {}
+        out: dict[tuple[str, str], int] = {}
+        for node in self.rank_module.graph.nodes:
+            if node.op != "call_function" or node.target not in _COLLECTIVES:
+                continue
+            val = node.meta.get("val")
+            if node.target is comm.vocab_parallel_cross_entropy:
+                rows = node.args[0].meta["val"].shape[0]
+                nbytes = 3 * rows * 4
+            elif node.target is comm.copy_to_tp:
+                nbytes = val.numel() * val.element_size()
+            else:
+                nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+            where = "layers" if self._layer_of_node(node) is not None else "outside"
+            out[(where, node.target.__name__)] = out.get((where, node.target.__name__), 0) + nbytes
+        return out
+
+    def p2p_and_dp_bytes(self) -> dict[tuple[str, str, str], float]:
+        """Bytes per step of pipeline point-to-point (per boundary) and data-parallel gradient reduction."""
+        out: dict[tuple[str, str, str], float] = {}
+        t, m = self.tp, self.microbatches
+        sg = self.config.scatter_gather and t > 1
+        for c in self.split.chunks[1:]:
+            fwd = sum(b.nbytes / (t if sg and b.replicated and b.numel % t == 0 else 1) for b in c.inputs)
+            bwd = sum(b.nbytes / (t if sg and b.replicated and b.numel % t == 0 else 1)
+                      for b in c.inputs if b.requires_grad)
+            if self.pp > 1:
+                label = f"chunk {c.index - 1} -> {c.index}"
+                out[(label, "p2p send", "activation fwd, gradient bwd" + (", 1/t each" if sg else ""))] = (fwd + bwd) * m
+        if self.config.data_parallel > 1:
+            d = self.config.data_parallel
+            stage_bytes = max(sum(math.prod(self.local_shape(n)) * 4 for n in self.param_names
+                                  if s in self.param_stages.get(n, ())) for s in range(self.pp))
+            out[("dp", "all-reduce grads", f"ring: 2(d-1)/d of {stage_bytes / 2**20:.1f} MiB")] = \
+                2 * (d - 1) / d * stage_bytes
+        return out
+
+    # ------------------------------------------------------------ introspection
+    @property
+    def tp(self) -> int:
+        return self.config.tp
+
+    def param_spec(self, name: str) -> Replicate | Shard:
+        ph = self._placeholder_of[name]
+        return self.plan.param_specs.get(ph, Replicate())
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._phs[self._placeholder_of[name]].meta["val"].shape)
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        shape = list(self.full_shape(name))
+        spec = self.param_spec(name)
+        if isinstance(spec, Shard):
+            shape[spec.dim] = local_size(shape[spec.dim], spec, self.tp)
+        return tuple(shape)
+
+    def local_numel(self) -> int:
+        return sum(math.prod(self.local_shape(n)) for n in self.param_names)
+
+    def collectives(self, by_layer: bool = False) -> Counter:
+        """Count the collective calls in the rank program (optionally keyed by layer)."""
+        counts: Counter = Counter()
+        for node in self.rank_module.graph.nodes:
+            if node.op == "call_function" and node.target in _COLLECTIVES:
+                name = node.target.__name__
+                if by_layer:
+                    counts[(self._layer_of_node(node), name)] += 1
+                else:
+                    counts[name] += 1
+        return counts
+
+    def _layer_of_node(self, node: fx.Node) -> int | None:
+        path = module_path(node)
+        prefix = self.layers.prefix
+        if prefix and path.startswith(prefix + "."):
+            head = path[len(prefix) + 1 :].split(".")[0]
+            return int(head) if head.isdigit() else None
+        return None
+
+    def local_shapes(self, rank: int = 0) -> dict[str, tuple[int, ...]]:
+        """Shape of every value of the rank program on one rank, by fake-tensor propagation.
+
+        Runs without memory or communication (collectives of an inspection
+        ``TPGroup`` only produce the right shapes), so it works for a
+        meta-device model of any size.
+        """
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        args = [TPGroup(rank, self.tp, None)]
+        feeds = {**{ph: self.traced.param_of[ph] for ph in self.traced.param_of}}
+        for node in list(self.rank_module.graph.nodes)[1:]:
+            if node.op != "placeholder":
+                break
+            val = node.meta["val"]
+            shape = self.local_shape(feeds[node.name]) if node.name in feeds else tuple(val.shape)
+            with mode:
+                args.append(torch.empty(shape, dtype=val.dtype, device="meta" if val.device.type == "meta" else "cpu"))
+        FakeTensorProp(self.rank_module, mode).propagate(*args)
+        out = {}
+        for node in self.rank_module.graph.nodes:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                out[node.name] = tuple(val.shape)
+        return out
+
+    def fallbacks(self) -> list[tuple[str, str, str]]:
+        """(node, reason, source line) of every op run replicated for want of a rule."""
+        nodes = {n.name: n for n in self.traced.gm.graph.nodes}
+        return [(name, self.plan.decisions[name].reason, source_line(nodes[name]))
+                for name in self.plan.fallbacks]
+
+    def code(self, rank: int = 0, chunk: int | None = None) -> str:
+        """The generated program of one rank (its chunks, or one of them), shard ranges as a header."""
+        shape = self.config.mesh
+        if not 0 <= rank < shape.world:
+            raise ValueError(f"rank {rank} is outside the mesh of {shape.world} ranks (tp={shape.tp}, "
+                             f"pp={shape.pp}, dp={shape.dp})")
+        stage, dp_rank, tp_rank = shape.coords(rank)
+        chunks = [c for c in self.split.chunks if c.index % shape.pp == stage]
+        if chunk is not None:
+            if chunk % shape.pp != stage:
+                raise ValueError(f"chunk {chunk} lives on stage {chunk % shape.pp}, not on rank {rank}'s stage {stage}")
+            chunks = [c for c in chunks if c.index == chunk]
+        lines = [f"# autopar rank program: rank {rank} = (pp {stage}, dp {dp_rank}, tp {tp_rank}); "
+                 f"chunks {[c.index for c in chunks]}; shards (each chunk's later layers alike):"]
+        rank = tp_rank
+        used = {self.traced.param_of[p] for c in chunks for p in c.params}
+        first_layers = {c.layers[0] for c in chunks if c.layers}
+        for name in self.param_names:
+            layer = self.layer_params(name)
+            if name not in used or (layer is not None and layer not in first_layers):
+                continue  # later layers of a chunk are split like its first
+            spec = self.param_spec(name)
+            if isinstance(spec, Shard):
+                full = self.full_shape(name)
+                segs = spec.segments or (full[spec.dim],)
+                ranges, start = [], 0
+                for s in segs:
+                    n = s // self.tp
+                    ranges.append(f"[{start + rank * n}:{start + (rank + 1) * n})")
+                    start += s
+                lines.append(f"#   {name}: dim {spec.dim} rows {' + '.join(ranges)} of {full[spec.dim]}"
+                             f"{' (padded to ' + str(sum(segs)) + ')' if sum(segs) != full[spec.dim] else ''}"
+                             f" -> local {list(self.local_shape(name))}")
+        body = []
+        for c in chunks:
+            layers = f"layers {c.layers[0]}-{c.layers[-1]}" if c.layers else "no layers"
+            body.append(f"# ---- chunk {c.index} ({layers}) ----{c.gm.code}")
+        return "\n".join(lines) + "\n" + "\n".join(body)
+
+    def summary(self) -> str:
+        """Human-readable plan: layout, sharded parameters, collectives, fallbacks."""
+        from autopar.report import render_summary
+
+        return render_summary(self)
+
+    # ------------------------------------------------------------ materialize
+    def materialize(self, state_dict: dict[str, torch.Tensor] | None = None) -> RankEngine:
+        """Build this rank's engine: its mesh groups and the local shards of its chunks' parameters.
+
+        Collective: every rank of the world calls it (the groups are created
+        here). ``state_dict``: full weights to use instead of the model's
+        (needed for a meta-device model).
+        """
+        full = self._full_weights(state_dict)
+        shape = self.config.mesh
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != shape.world:
+            hint = "start ranks with autopar.spawn(...) or torchrun" if not dist.is_initialized() else \
+                f"compile with tp * pp * dp = {world}"
+            raise ValueError(f"the program needs tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world} "
+                             f"ranks, but the world has {world}: {hint}")
+        mesh = Mesh.create(shape, sorted(set(self.tied_params.values())))
+        tp_rank, stage = mesh.tp_rank, mesh.pp_rank
+        local = {}
+        for name in self.param_names:
+            if stage not in self.param_stages[name]:
+                continue
+            spec = self.param_spec(name)
+            w = full[name].detach()
+            if isinstance(spec, Shard):
+                w = local_slice(w, tp_rank, self.tp, spec.dim, spec.segments)
+            local[name] = w.clone().contiguous()
+        return RankEngine(self, mesh, local, self._replicated_inputs(state_dict))
+
+    def _full_weights(self, state_dict) -> dict[str, torch.Tensor]:
+        if state_dict is not None:
+            missing = [n for n in self.param_names if n not in state_dict]
+            if missing:
+                raise KeyError(f"state_dict lacks {len(missing)} parameter(s), e.g. {missing[:3]}")
+            return state_dict
+        params = dict(self.model.named_parameters())
+        meta = [n for n in self.param_names if params[n].is_meta]
+        if meta:
+            raise ValueError(f"the model's parameters are on the meta device ({meta[0]}, ...): pass "
+                             "materialize(state_dict=...) with real weights")
+        return params
+
+    def _replicated_inputs(self, state_dict) -> dict[str, torch.Tensor]:
+        bufs = dict(self.model.named_buffers())
+        out = {}
+        for ph, name in self.traced.buffer_of.items():
+            out[ph] = (state_dict or {}).get(name, bufs.get(name))
+        for ph, name in self.traced.constant_of.items():
+            out[ph] = self.traced.constants[name]
+        return out
+
+    def __post_init__(self):
+        self._phs = {n.name: n for n in self.traced.gm.graph.nodes if n.op == "placeholder"}
+        self._placeholder_of = {v: k for k, v in self.traced.param_of.items()}
+        if not self.param_names:
+            self.param_names = [self.traced.param_of[n.name] for n in self.traced.gm.graph.nodes
+                                if n.name in self.traced.param_of]
+
+    def layer_params(self, name: str) -> int | None:
+        return layer_of_param(name, self.layers)
