@@ -23,7 +23,6 @@ summed across those stages. Gradients accumulate into ``.grad`` as with
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -35,6 +34,7 @@ import torch.nn as nn
 from autopar.comm import TPGroup, _all_gather
 from autopar.mesh import Mesh
 from autopar.placement import Shard
+from autopar.runtime.gradients import GradientSync
 from autopar.runtime.timeline import Event, gather_events, write_chrome_trace
 from autopar.schedules import Action, Kind
 from passes.recompute import with_recompute
@@ -69,7 +69,7 @@ class RankEngine(nn.Module):
         for c, r in self.runnables.items():
             self.add_module(f"chunk{c}", r) if r is not self.chunks[c].gm else None
         self.device_type = "cuda" if any(t.is_cuda for t in local_params.values()) else "cpu"
-        self.bucket_bytes = bucket_bytes
+        self.grads = GradientSync(program, mesh, {n: self.shards[_key(n)] for n in local_params}, bucket_bytes)
         # a parameter's gradient is final after the last backward of the last local chunk that reads
         # it: its data-parallel reduction starts right then, overlapping the remaining backwards
         order = [a.chunk for a in self.schedule.actions[self.stage] if a.kind is Kind.B]
@@ -100,9 +100,8 @@ class RankEngine(nn.Module):
         self._saved: dict[tuple[int, int], int] = {}
         self._param_ptrs = {p.data_ptr() for p in self.shards.values()}
         self.stats = {"bytes_sent": defaultdict(int), "peak_in_flight": 0, "peak_activation_bytes": 0}
-        tied_before = self._tied_grads_before()
+        self.grads.begin_step(self.stats)
         self._b_done: dict[int, int] = defaultdict(int)
-        self._dp_works: list = []
         self._pending_sends: list = []
         self._pending_recv: dict = {}
 
@@ -133,8 +132,7 @@ class RankEngine(nn.Module):
         for work, _ in self._pending_sends:
             work.wait()
         self._pending_sends = []
-        self._finish_dp()
-        self._sync_tied(tied_before)
+        self.grads.end_step()
         return self._reduce_loss(m)
 
     def _microbatches(self, batch) -> list[list[torch.Tensor]]:
@@ -215,7 +213,7 @@ class RankEngine(nn.Module):
             torch.autograd.backward(tensors, grads)
         self._b_done[a.chunk] += 1
         if self._b_done[a.chunk] == m:
-            self._start_dp(self._ready_after.get(a.chunk, []))
+            self.grads.start(self._ready_after.get(a.chunk, []))
         in_grads = [x.grad if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
         if a.chunk > 0 and (a.chunk - 1) in self.chunks:
             self._grad_out[(a.chunk - 1, a.microbatch)] = in_grads
@@ -319,94 +317,9 @@ class RankEngine(nn.Module):
             return torch.autocast(self.device_type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _start_dp(self, names: list[str]) -> None:
-        """Launch the averaging all-reduce of these parameters' gradients, in buckets, asynchronously."""
-        group = self.mesh.groups.get("dp")
-        if self.mesh.shape.dp == 1 or not names:
-            return
-        bucket: list[nn.Parameter] = []
-        size = 0
-        for name in names:
-            p = self.shards[_key(name)]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            bucket.append(p)
-            size += p.grad.numel() * p.grad.element_size()
-            if size >= self.bucket_bytes:
-                self._launch(bucket, group)
-                bucket, size = [], 0
-        if bucket:
-            self._launch(bucket, group)
-
-    def _launch(self, params: list[nn.Parameter], group) -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        work = dist.all_reduce(flat, group=group, async_op=True)
-        self._dp_works.append((work, flat, params))
-        self.stats.setdefault("dp_buckets", 0)
-        self.stats["dp_buckets"] += 1
-
-    def _finish_dp(self) -> None:
-        d = self.mesh.shape.dp
-        for work, flat, params in self._dp_works:
-            work.wait()
-            flat /= d
-            offset = 0
-            for p in params:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
-        self._dp_works = []
-
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip all gradients by their global 2-norm over every rank; returns the norm before clipping.
-
-        Each parameter counts once: a shard on every tensor-parallel rank, a
-        replicated parameter on tp rank 0, a parameter held by several stages
-        on the first of them; data-parallel replicas hold equal gradients.
-        """
-        sq = torch.zeros((), dtype=torch.float64)
-        for name, p in self.named_local_parameters():
-            if p.grad is None:
-                continue
-            if not isinstance(self.program.param_spec(name), Shard) and self.tp.rank != 0:
-                continue
-            if self.program.param_stages[name][0] != self.stage:
-                continue
-            sq += p.grad.detach().double().pow(2).sum()
-        for axis in ("tp", "pp"):
-            if self.mesh.groups.get(axis) is not None:
-                dist.all_reduce(sq, group=self.mesh.groups[axis])
-        norm = math.sqrt(float(sq))
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1:
-            for _, p in self.named_local_parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
-
-    # ------------------------------------------------------------- after a step
-    def _tied_grads_before(self) -> dict[str, torch.Tensor | None]:
-        out = {}
-        for name in self.program.tied_params:
-            if _key(name) in self.shards:
-                g = self.shards[_key(name)].grad
-                out[name] = None if g is None else g.clone()
-        return out
-
-    def _sync_tied(self, before: dict[str, torch.Tensor | None]) -> None:
-        """Sum this step's gradient of each parameter held by several stages across them."""
-        for name, stages in self.program.tied_params.items():
-            if _key(name) not in self.shards:
-                continue
-            p = self.shards[_key(name)]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            delta = p.grad - before[name] if before[name] is not None else p.grad.clone()
-            dist.all_reduce(delta, group=self.mesh.tied[stages])
-            if self.mesh.shape.dp > 1:
-                dist.all_reduce(delta, group=self.mesh.groups["dp"])
-                delta /= self.mesh.shape.dp
-            p.grad.copy_(delta if before[name] is None else before[name] + delta)
+        """Clip all gradients by their global 2-norm over every rank; returns the norm before clipping."""
+        return self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
 
     def _reduce_loss(self, m: int) -> float:
         loss = (self._loss_sum / m).float().reshape(1)
