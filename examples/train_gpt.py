@@ -13,6 +13,7 @@ single-device training: same losses, same gradients.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
@@ -30,6 +31,15 @@ CHECK_STEPS = 3
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return build("gpt", CFG)
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """Linear warm-up over the first tenth of the steps, then cosine decay to a tenth."""
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def compile_program(args, world_size=None) -> autopar.ParallelProgram:
@@ -51,7 +61,7 @@ def train(args):
     program = compile_program(args)
     engine = program.materialize()
     opt = torch.optim.AdamW(engine.parameters(), lr=args.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, args.steps))
     losses, grads, times = [], [], []
     main = dist.get_rank() == 0
     columns = [TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
@@ -108,7 +118,8 @@ def main() -> None:
           f"median step {median * 1e3:.0f} ms; rank 0 sent {sum(sent.values()) / 2**20:.2f} MiB per step")
 
     batches = [((x,), (y,)) for x, y in global_batches(args, CHECK_STEPS)]
-    optimizer = lambda ps: torch.optim.AdamW(ps, lr=args.lr / 25, weight_decay=0.01)  # OneCycle's first lr
+    first_lr = args.lr * lr_factor(0, args.steps)  # the schedule's lr at step 0
+    optimizer = lambda ps: torch.optim.AdamW(ps, lr=first_lr, weight_decay=0.01)  # noqa: E731
     ref_losses, ref_grads = single_device_run(make_model(), batches[:1], autopar.lm_cross_entropy,
                                               optimizer=optimizer, clip_grad_norm=args.clip,
                                               precision=args.precision)
