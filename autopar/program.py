@@ -123,8 +123,6 @@ class ParallelProgram:
             if node.target is comm.vocab_parallel_cross_entropy:
                 rows = node.args[0].meta["val"].shape[0]
                 nbytes = 3 * rows * 4
-            elif node.target is comm.copy_to_tp:
-                nbytes = val.numel() * val.element_size()
             else:
                 nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
             where = "layers" if self._layer_of_node(node) is not None else "outside"
@@ -169,9 +167,6 @@ class ParallelProgram:
         if isinstance(spec, Shard):
             shape[spec.dim] = local_size(shape[spec.dim], spec, self.tp)
         return tuple(shape)
-
-    def local_numel(self) -> int:
-        return sum(math.prod(self.local_shape(n)) for n in self.param_names)
 
     def collectives(self, by_layer: bool = False) -> Counter:
         """Count the collective calls in the rank program (optionally keyed by layer)."""

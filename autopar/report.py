@@ -55,17 +55,18 @@ def memory_per_rank(program: "ParallelProgram") -> list[dict[str, float]]:
     p = program.pp
     out = []
     for stage in range(p):
-        weights = 0.0
+        params, weights = 0, 0.0
         for name in program.param_names:
             if stage in program.param_stages.get(name, ()):
-                weights += math.prod(program.local_shape(name)) * program.param_dtype_bytes(name)
+                n = math.prod(program.local_shape(name))
+                params += n
+                weights += n * program.param_dtype_bytes(name)
         chunks = [c for c in program.split.chunks if c.index % p == stage]
         kept = [program.chunk_activation_bytes(c) for c in chunks]
         in_flight = program.schedule.in_flight_bound(stage)
         act = max((k for k, _ in kept), default=0.0) * in_flight + max((w for _, w in kept), default=0.0)
-        params = weights / 4 if weights else 0.0
-        out.append({"weights": weights, "grads": weights, "optimizer": params * OPTIMIZER_BYTES_PER_PARAM,
-                    "activations": act, "in_flight": in_flight})
+        out.append({"params": params, "weights": weights, "grads": weights,
+                    "optimizer": params * OPTIMIZER_BYTES_PER_PARAM, "activations": act, "in_flight": in_flight})
     return out
 
 
@@ -101,10 +102,8 @@ def render_summary(program: "ParallelProgram", width: int = 120) -> str:
         chunks = [c for c in program.split.chunks if c.index % mesh.pp == s]
         desc = "; ".join(f"{c.index}: {_span(c.layers)}" for c in chunks)
         ranks = [mesh.rank(s, d, j) for d in range(mesh.dp) for j in range(mesh.tp)]
-        n_params = sum(math.prod(program.local_shape(n)) for n in program.param_names
-                       if s in program.param_stages.get(n, ()))
         m = mem[s]
-        stages.add_row(str(s), _ranks(ranks), desc, f"{n_params:,}", _gib(m["weights"]), _gib(m["grads"]),
+        stages.add_row(str(s), _ranks(ranks), desc, f"{m['params']:,}", _gib(m["weights"]), _gib(m["grads"]),
                        _gib(m["optimizer"]), f"{_gib(m['activations'])} ({m['in_flight']} in flight)",
                        _gib(m["weights"] + m["grads"] + m["optimizer"] + m["activations"]))
     console.print(stages)

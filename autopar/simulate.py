@@ -179,19 +179,25 @@ def simulate(schedule: Schedule, cost_f: Cost = 1.0, cost_b: Cost = 2.0, comm: C
         pc[s] += 1
         return True
 
+    _run_until_done(acts, pc, step, f"schedule {schedule.name} p={p} v={schedule.v} m={schedule.m} cannot finish",
+                    "wait for inputs that never come")
+    makespan = max((free[s] for s in acts), default=0.0)
+    return SimResult(schedule, events, makespan, busy, transfer)
+
+
+def _run_until_done(actions: dict[int, list[Action]], pc: dict[int, int], step: Callable[[int], bool],
+                    what: str, why: str = "") -> None:
+    """Advance every stage with ``step`` (False: blocked) until all finish; raise naming the stuck actions."""
     progress = True
     while progress:
         progress = False
-        for s in acts:
-            while pc[s] < len(acts[s]) and step(s):
+        for s in actions:
+            while pc[s] < len(actions[s]) and step(s):
                 progress = True
-    stuck = [s for s in acts if pc[s] < len(acts[s])]
+    stuck = [s for s in actions if pc[s] < len(actions[s])]
     if stuck:
-        where = ", ".join(f"stage {s} at {acts[s][pc[s]]}" for s in stuck)
-        raise RuntimeError(f"schedule {schedule.name} p={p} v={schedule.v} m={schedule.m} cannot finish: "
-                           f"{where} wait for inputs that never come")
-    makespan = max((free[s] for s in acts), default=0.0)
-    return SimResult(schedule, events, makespan, busy, transfer)
+        where = ", ".join(f"stage {s} at {actions[s][pc[s]]}" for s in stuck)
+        raise RuntimeError(f"{what}: {where}" + (f" {why}" if why else ""))
 
 
 _PARTNER_OF = {  # kind -> (partner kind, chunk offset, compute action whose result travels)
@@ -269,17 +275,8 @@ def simulate_lowered(schedule: Schedule, cost_f: Cost = 1.0, cost_b: Cost = 2.0,
         pc[s_] += 1
         return True
 
-    progress = True
-    while progress:
-        progress = False
-        for s_ in stages:
-            while pc[s_] < len(schedule.actions[s_]) and step(s_):
-                progress = True
-    stuck = [s_ for s_ in stages if pc[s_] < len(schedule.actions[s_])]
-    if stuck:
-        where = ", ".join(f"stage {s_} at {schedule.actions[s_][pc[s_]]}" for s_ in stuck)
-        raise RuntimeError(f"lowered schedule {schedule.name} p={schedule.p} v={schedule.v} m={schedule.m} "
-                           f"deadlocks: {where}")
+    _run_until_done(schedule.actions, pc, step,
+                    f"lowered schedule {schedule.name} p={schedule.p} v={schedule.v} m={schedule.m} deadlocks")
     makespan = max((free[s_] for s_ in stages), default=0.0)
     return SimResult(schedule, events, makespan, busy, transfer)
 

@@ -32,7 +32,7 @@ import torch.fx as fx
 from autopar.placement import Partial, Replicate, Shard
 from autopar.trace import TracedModel, module_path, source_line
 
-__all__ = ["Ctx", "Decision", "NeedSegments", "decide", "is_linear_candidate", "weight_of", "linear_parts"]
+__all__ = ["Ctx", "Decision", "NeedSegments", "decide", "weight_of", "linear_parts"]
 
 aten = torch.ops.aten
 R = Replicate()
@@ -176,9 +176,6 @@ def weight_of(ctx: Ctx, node: fx.Node) -> fx.Node:
     return linear_parts(ctx, node)[1]
 
 
-def is_linear_candidate(ctx: Ctx, node: fx.Node) -> bool:
-    return linear_parts(ctx, node) is not None
-
 
 def _get(node: fx.Node, path: tuple) -> fx.Node:
     if path[0] == "k":
@@ -237,13 +234,6 @@ def _elementwise(ctx: Ctx, node, pl, operands=None, out_nd=None) -> Decision:
             return _fallback(node, shards, f"operand {a.name} has size {a.meta['val'].shape[ad]} on the sharded dim")
     return Decision(Shard(od, segs, origin), kind="sharded", copy_in=tuple(copy_in), scatter_in=tuple(scatter_in))
 
-
-def _first_shard(node, pl):
-    for path, a in _operands(node):
-        p = pl(a)
-        if isinstance(p, (Shard, Partial)):
-            return path, a, p
-    return None
 
 
 def _unary_dim_map(node, pl, fn: Callable[[int], int | None], reason: str) -> Decision:

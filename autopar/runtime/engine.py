@@ -86,6 +86,7 @@ class RankEngine(nn.Module):
 
     # ------------------------------------------------------------------ stepping
     def forward(self, *batch: torch.Tensor) -> float:
+        """``engine(x, y)`` is ``train_step``: forward *and* backward of the global batch."""
         return self.train_step(*batch)
 
     def train_step(self, *batch: torch.Tensor) -> float:
