@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 import sympy as sp
 from rich.console import Console
@@ -29,8 +30,9 @@ from autopar.cost import (
     layer_ops,
     op_time,
 )
-from autopar.hardware import PROFILES, get_hardware
+from autopar.hardware import PROFILES, Hardware, get_hardware
 from autopar.planner import Plan, SearchSpace, search
+from autopar.sensitivity import flip_points
 
 __all__ = ["main", "build_parser"]
 
@@ -51,6 +53,9 @@ def _add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) 
     c.add_argument("--gpus", type=int, required=required_cluster)
     c.add_argument("--batch", type=int, required=required_cluster, help="global batch (sequences)")
     c.add_argument("--hardware", default="dgx-a100-80gb", choices=sorted(PROFILES))
+    c.add_argument("--memory-headroom", type=float, default=None,
+                   help="fraction of each GPU's HBM a layout may use (default: the profile's, 0.90); "
+                        "lower it to keep a margin for fragmentation and buffers the model does not count")
     lay = ap.add_argument_group("layout (fix any of these to restrict the search)")
     lay.add_argument("--tp", type=int, help="tensor-parallel degree t")
     lay.add_argument("--pp", type=int, help="pipeline stages p")
@@ -201,11 +206,29 @@ def _explain_table(e: Estimate) -> Table:
     return tb
 
 
+def _hardware(args: argparse.Namespace) -> Hardware:
+    hw = get_hardware(args.hardware)
+    if args.memory_headroom is None:
+        return hw
+    if not 0 < args.memory_headroom <= 1:
+        raise SystemExit(f"autopar: --memory-headroom must be in (0, 1], got {args.memory_headroom} "
+                         f"(a fraction of the {hw.hbm_bytes / 2**30:.0f} GiB of a {hw.gpu})")
+    return replace(hw, memory_headroom=args.memory_headroom)
+
+
+def _flip_json(plan: Plan) -> list[dict]:
+    other, _ = plan.compared_with()
+    if other is None or other.layout == plan.best.layout:
+        return []
+    return [{"input": fp.knob.name, "what": fp.knob.what, "factor": fp.factor, "physical": fp.physical}
+            for fp in flip_points(plan.best, other)]
+
+
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     spec = _spec(args)
     if spec is None:
         raise SystemExit("autopar plan: give --model, or --layers --hidden --heads")
-    cluster = Cluster(args.gpus, get_hardware(args.hardware), args.batch)
+    cluster = Cluster(args.gpus, _hardware(args), args.batch)
     plan = search(spec, cluster, _space(args), top=args.top)
     if args.json:
         out = {
@@ -216,6 +239,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
             "ranked": [e.as_dict() for e in plan.ranked[:args.top]],
             "reference": plan.reference.as_dict() if plan.reference else None,
             "why": plan.why(),
+            "flip_points": _flip_json(plan),
         }
         if not plan.ranked:
             out["error"] = plan.no_fit_message()
@@ -229,9 +253,11 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     console.print(_plan_table(plan, args.top))
     if plan.rejected:
         console.print("rejected: " + ", ".join(f"{n} x {rule}" for rule, n in plan.rejected.items()))
-    if plan.reference is not None:
-        console.print("[bold]compared with the paper's layout[/bold]")
-        for line in plan.why():
+    why = plan.why()
+    if why:
+        console.print("[bold]compared with the paper's layout[/bold]" if plan.reference is not None else
+                      "[bold]compared with the fastest layout of another (t, p)[/bold]")
+        for line in why:
             console.print(line, highlight=False)
     if args.explain:
         best = plan.best
@@ -264,7 +290,7 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     else:
         if args.gpus is None or args.batch is None:
             raise SystemExit("autopar simulate: a model needs --gpus and --batch")
-        cluster = Cluster(args.gpus, get_hardware(args.hardware), args.batch)
+        cluster = Cluster(args.gpus, _hardware(args), args.batch)
         space = _space(args)
         if all(x is not None for x in (args.tp, args.pp, args.micro_batch)):
             d = args.gpus // (args.tp * args.pp)

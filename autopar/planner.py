@@ -32,6 +32,7 @@ from autopar.cost import (
     layout_errors,
     params_per_stage,
 )
+from autopar.sensitivity import flip_lines, memory_margin_line
 
 __all__ = ["SearchSpace", "Plan", "search", "candidate_layouts", "why_differs", "paper_run_for", "memory_line"]
 
@@ -111,12 +112,35 @@ class Plan:
             lines.append(f"  {n} candidates rejected: {rule}")
         return "\n".join(lines)
 
+    def runner_up(self) -> Estimate | None:
+        """The fastest ranked layout whose (t, p) differ from the best's: the real alternative
+        (layouts that only change b or v are tuning, not a different decomposition)."""
+        if not self.ranked:
+            return None
+        key = (self.best.layout.t, self.best.layout.p)
+        return next((e for e in self.ranked[1:] if (e.layout.t, e.layout.p) != key), None)
+
+    def compared_with(self) -> tuple[Estimate | None, str]:
+        """What the best is explained against: the reference layout if there is one, else the runner-up."""
+        if self.reference is not None:
+            return self.reference, "the reference"
+        return self.runner_up(), "the runner-up"
+
     def why(self) -> list[str]:
-        """How the best layout compares with the reference, in words and numbers,
-        and which faster layouts were dropped because they do not fit."""
-        if self.reference is None or not self.ranked:
+        """How the best layout compares with the reference (or, without one, with the
+        fastest layout of another (t, p)), in words and numbers; which faster layouts were
+        dropped because they do not fit; how far the model's uncertain inputs would have to
+        move for the other layout to be as fast; and a warning when the best barely fits."""
+        other, label = self.compared_with()
+        if other is None:
             return []
-        return why_differs(self.best, self.reference) + self.too_big_lines()
+        best = self.best
+        lines = why_differs(best, other, label) + self.too_big_lines()
+        if best.layout != other.layout:
+            lines += flip_lines(best, other)
+        if best.memory.total > best.cluster.hardware.usable_bytes - 0.02 * best.cluster.hardware.hbm_bytes:
+            lines.append(memory_margin_line(best))
+        return lines
 
     def too_big_lines(self, limit: int = 1) -> list[str]:
         """Near misses: layouts faster than the best that need at most 25% more memory than
@@ -305,12 +329,12 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
     return ""
 
 
-def why_differs(best: Estimate, ref: Estimate) -> list[str]:
-    """Lines explaining how ``best`` compares with ``ref``, largest causes first."""
+def why_differs(best: Estimate, ref: Estimate, label: str = "the reference") -> list[str]:
+    """Lines explaining how ``best`` compares with ``ref`` (called ``label``), largest causes first."""
     if best.layout == ref.layout:
-        return [f"the best layout is the reference layout ({ref.layout.short})"]
+        return [f"the best layout is {label} layout ({ref.layout.short})"]
     gain = ref.t_iter / best.t_iter - 1
-    lines = [f"best {best.layout.short} is predicted {gain:+.1%} faster than the reference "
+    lines = [f"best {best.layout.short} is predicted {gain:+.1%} faster than {label} "
              f"{ref.layout.short}: {best.t_iter:.2f} s vs {ref.t_iter:.2f} s per iteration, "
              f"{best.tflops_per_gpu:.1f} vs {ref.tflops_per_gpu:.1f} TFLOP/s per GPU"]
     if best.layout.recompute != ref.layout.recompute:
@@ -322,7 +346,7 @@ def why_differs(best: Estimate, ref: Estimate) -> list[str]:
             continue
         reason = _reason(k, best, ref)
         lines.append(f"  {_PARTS[k]}: {best.breakdown[k]:.3f} s vs {ref.breakdown[k]:.3f} s "
-                     f"({-dl / ref.t_iter:+.1%} of the reference iteration)" + (f"; {reason}" if reason else ""))
+                     f"({-dl / ref.t_iter:+.1%} of {label}'s iteration)" + (f"; {reason}" if reason else ""))
     gib = 2**30
     usable = best.cluster.hardware.usable_bytes / gib
     lines.append(f"  memory per GPU: {best.memory.total / gib:.1f} GiB vs {ref.memory.total / gib:.1f} GiB "

@@ -1,0 +1,98 @@
+"""Tier (a): flip points -- how far an uncertain input must move for another layout to catch up."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from autopar.cost import PAPER_RUNS, Cluster, ModelSpec, estimate
+from autopar.planner import SearchSpace, search
+from autopar.sensitivity import KNOBS, flip_lines, flip_points, memory_margin_line
+
+
+def _ratio_at(chosen, other, knob, factor):
+    """other / chosen iteration time with ``knob`` scaled by ``factor`` (closed form, as flip_points)."""
+    hw = knob.scale(chosen.cluster.hardware, factor)
+    cl = Cluster(chosen.cluster.gpus, hw, chosen.cluster.global_batch)
+    a = estimate(chosen.spec, cl, chosen.layout, divisible_layers=False)
+    b = estimate(other.spec, cl, other.layout, divisible_layers=False)
+    return b.t_iter / a.t_iter
+
+
+def _plan(run):
+    return search(run.spec, run.cluster(), SearchSpace(recompute=("full",), dp_overlap=run.dp_overlap))
+
+
+@pytest.mark.parametrize("model", ["gpt-7.5b", "gpt-18b", "gpt-39b"])
+def test_flip_factor_is_where_the_order_changes(model):
+    run = next(r for r in PAPER_RUNS if r.model == model)
+    plan = _plan(run)
+    best, ref = plan.best, plan.reference
+    assert best.layout != ref.layout
+    pts = flip_points(best, ref)
+    assert [fp.knob.name for fp in pts] == [k.name for k in KNOBS]
+    found = 0
+    for fp in pts:
+        if fp.factor is None:
+            # no factor in [1/8, 8] makes the reference as fast: it stays slower at both ends
+            assert _ratio_at(best, ref, fp.knob, 8.0) > 1 and _ratio_at(best, ref, fp.knob, 1 / 8) > 1
+            continue
+        found += 1
+        away = fp.factor * (1.01 if fp.factor > 1 else 1 / 1.01)
+        toward = fp.factor / (1.01 if fp.factor > 1 else 1 / 1.01)
+        assert _ratio_at(best, ref, fp.knob, away) <= 1.0, (fp.knob.name, fp.factor)
+        assert _ratio_at(best, ref, fp.knob, toward) > 1.0, (fp.knob.name, fp.factor)
+        assert fp.physical == (fp.knob.ceiling is None or fp.factor <= fp.knob.ceiling(best.cluster.hardware))
+    assert found >= 1  # GEMM throughput moves every one of these comparisons
+
+
+def test_seven_b_needs_impossible_nvlink_and_is_tight_on_memory():
+    run = next(r for r in PAPER_RUNS if r.model == "gpt-7.5b")
+    plan = _plan(run)
+    pts = {fp.knob.name: fp for fp in flip_points(plan.best, plan.reference)}
+    nv = pts["nvlink"]
+    # NVLink would need to carry more than its 300 GB/s line rate (ceiling 1/0.78 = x1.28)
+    assert nv.factor is not None and nv.factor > 1.28 and not nv.physical
+    lines = flip_lines(plan.best, plan.reference)
+    assert any("NVLink" in ln and "impossible" in ln for ln in lines)
+    # the nearest flip point is listed first
+    factors = [abs(math.log(fp.factor)) for fp in sorted(pts.values(), key=lambda f: abs(math.log(f.factor))
+                                                          if f.factor else math.inf) if fp.factor]
+    assert factors == sorted(factors)
+    margin = memory_margin_line(plan.best)
+    assert "0.4 GiB" in margin and "tight" in margin
+    assert any("tight" in ln for ln in plan.why())
+
+
+def test_without_a_reference_the_runner_up_has_another_decomposition():
+    spec = ModelSpec(layers=32, hidden=4096, heads=32)  # not a paper row: no reference
+    plan = search(spec, Cluster.of(64, "dgx-a100-80gb", 512), SearchSpace(recompute=("full",)))
+    assert plan.reference is None
+    other, label = plan.compared_with()
+    assert label == "the runner-up"
+    assert (other.layout.t, other.layout.p) != (plan.best.layout.t, plan.best.layout.p)
+    assert other.t_iter >= plan.best.t_iter
+    why = plan.why()
+    assert why[0].startswith(f"best {plan.best.layout.short} is predicted +")
+    assert "than the runner-up" in why[0]
+    assert any(ln.strip().startswith(f"what would make {other.layout.short} as fast") for ln in why)
+
+
+def test_cli_memory_headroom_and_flip_points_json(capsys):
+    from autopar.cli import main
+
+    args = ["plan", "--model", "gpt-7.5b", "--gpus", "128", "--batch", "512", "--recompute", "full",
+            "--dp-overlap", "--top", "3", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["ranked"][0]["t"], out["ranked"][0]["p"]) == (1, 2)
+    assert {fp["input"] for fp in out["flip_points"]} == {k.name for k in KNOBS}
+    # keep 12% of the HBM free: the 71.6 GiB layout no longer fits
+    assert main(args + ["--memory-headroom", "0.88"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all(r["memory_gib"] <= 0.88 * 80 for r in out["ranked"])
+    assert (out["ranked"][0]["t"], out["ranked"][0]["p"]) != (1, 2)
+    with pytest.raises(SystemExit, match="--memory-headroom must be in"):
+        main(args + ["--memory-headroom", "1.5"])
