@@ -18,6 +18,15 @@ all-gathered on arrival (scatter/gather). After the last backward, gradients
 of parameters that several stages hold (a tied embedding and LM head) are
 summed across those stages. Gradients accumulate into ``.grad`` as with
 ``loss.backward()``: call ``optimizer.step()`` and ``zero_grad()`` around.
+
+Random ops (dropout) draw from the engine's own random stream, not the
+process's default generator: one seed, ``torch.initial_seed()`` of global rank
+0, offset per pipeline stage and data-parallel replica. So stage 1 does not
+repeat stage 0's masks on its own layers, replicas draw independent masks for
+their different samples (as one device drawing for the whole batch would), and
+the t ranks of a stage draw identically for the values they all hold (split
+values get per-rank streams from ``comm.tp_rng_call``). Recomputation replays
+the same masks: the checkpoint saves and restores this stream's state.
 """
 
 from __future__ import annotations
@@ -69,6 +78,12 @@ class RankEngine(nn.Module):
         for c, r in self.runnables.items():
             self.add_module(f"chunk{c}", r) if r is not self.chunks[c].gm else None
         self.device_type = "cuda" if any(t.is_cuda for t in local_params.values()) else "cpu"
+        self.random_seed = self._stream_seed(mesh)
+        """Seed of this rank's random stream (dropout); equal on the t ranks of a stage."""
+        self._rng_devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
+        with torch.random.fork_rng(devices=self._rng_devices):
+            torch.manual_seed(self.random_seed)
+            self._rng_states = self._get_rng()
         self.grads = GradientSync(program, mesh, {n: self.shards[_key(n)] for n in local_params}, bucket_bytes)
         # a parameter's gradient is final after the last backward of the last local chunk that reads
         # it: its data-parallel reduction starts right then, overlapping the remaining backwards
@@ -80,6 +95,32 @@ class RankEngine(nn.Module):
                 users = [c for c, ch in self.chunks.items()
                          if any(program.traced.param_of[ph] == name for ph in ch.params)]
                 self._ready_after[max(users, key=last_b.__getitem__)].append(name)
+
+    def _stream_seed(self, mesh: Mesh) -> int:
+        """Global rank 0's ``torch.initial_seed()``, offset by this rank's (stage, replica)."""
+        base = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dev = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else base.device
+            moved = base.to(dev)
+            dist.broadcast(moved, src=0)
+            base = moved.cpu()
+        replica = mesh.dp_rank + mesh.shape.dp * mesh.pp_rank
+        return (int(base) + 1_000_003 * replica) % 2**63
+
+    def _get_rng(self) -> list[torch.Tensor]:
+        return [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in self._rng_devices]
+
+    @contextlib.contextmanager
+    def _random_stream(self):
+        """Run random ops on this rank's stream; the process's default generator is left untouched."""
+        with torch.random.fork_rng(devices=self._rng_devices):
+            torch.set_rng_state(self._rng_states[0])
+            for d, st in zip(self._rng_devices, self._rng_states[1:]):
+                torch.cuda.set_rng_state(st, d)
+            try:
+                yield
+            finally:
+                self._rng_states = self._get_rng()
 
     def _keep(self, nbytes: int) -> None:
         self._kept[0] += nbytes
@@ -183,7 +224,8 @@ class RankEngine(nn.Module):
             return t
 
         self._kept[0] = 0
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self._autocast():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self._autocast(), \
+                self._random_stream():
             outs = self.runnables[a.chunk](*self._chunk_args(chunk, micro[a.microbatch], inputs))
         self._saved[key] = saved[0] + self._kept[0]
         if a.chunk == self.program.split.n - 1:
