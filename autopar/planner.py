@@ -86,7 +86,7 @@ class Plan:
     ranked: list[Estimate]
     """Layouts that fit, fastest first (the head of the list simulated)."""
     too_big: list[Estimate]
-    """The fastest few layouts that do not fit in memory (for the explanation)."""
+    """Layouts that do not fit in memory, fastest first (for the explanation)."""
     rejected: dict[str, int] = field(default_factory=dict)
     """Why candidates were dropped: rule -> count."""
     evaluated: int = 0
@@ -261,7 +261,7 @@ def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace()
         if run is not None:
             reference = replace(run.layout(), dp_overlap=space.overlap_for(run.p))
     ref_est = _simulated(spec, cluster, reference, space) if reference is not None else None
-    return Plan(spec, cluster, space, ranked, too_big[:5], rejected, n_eval, time.perf_counter() - t0, ref_est)
+    return Plan(spec, cluster, space, ranked, too_big, rejected, n_eval, time.perf_counter() - t0, ref_est)
 
 
 def _simulated(spec: ModelSpec, cluster: Cluster, lay: Layout, space: SearchSpace) -> Estimate:

@@ -96,3 +96,16 @@ def test_cli_memory_headroom_and_flip_points_json(capsys):
     assert (out["ranked"][0]["t"], out["ranked"][0]["p"]) != (1, 2)
     with pytest.raises(SystemExit, match="--memory-headroom must be in"):
         main(args + ["--memory-headroom", "1.5"])
+
+
+def test_seven_b_with_one_percent_more_headroom_picks_the_paper_layout_and_names_the_near_miss():
+    from dataclasses import replace
+
+    run = next(r for r in PAPER_RUNS if r.model == "gpt-7.5b")
+    hw = replace(run.cluster().hardware, memory_headroom=0.89)
+    plan = search(run.spec, Cluster(run.gpus, hw, run.batch),
+                  SearchSpace(recompute=("full",), dp_overlap=run.dp_overlap))
+    assert plan.best.layout == plan.reference.layout
+    near = [ln for ln in plan.why() if "faster but does not fit" in ln]
+    # the nearest miss among all faster layouts, not only the fastest few
+    assert len(near) == 1 and "t=1 p=2" in near[0] and "71.6 GiB" in near[0]
