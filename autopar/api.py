@@ -7,7 +7,7 @@
     engine = program.materialize()  # inside a process group: local shards only
     loss = engine.train_step(x, y)  # the global batch
 
-Passes run in a fixed order: trace -> layers -> sharding analysis ->
+Passes run in a fixed order: trace -> normalize -> layers -> sharding analysis ->
 tensor-parallel rewrite (with the vocabulary-parallel embedding and loss) ->
 local shapes -> pipeline cut -> schedule (generated, lowered, validated).
 Nothing here needs a process group except ``materialize``.
@@ -28,6 +28,7 @@ from autopar.program import ParallelProgram
 from autopar.schedules import generate, lower, validate
 from autopar.trace import trace
 from passes.layers import find_layers
+from passes.normalize import normalize
 from passes.pipeline_split import PipelineError, split_pipeline
 from passes.sharding import ShardingError, analyze_sharding
 from passes.tensor_parallel import apply_tensor_parallel
@@ -79,6 +80,7 @@ def parallelize(
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     traced = trace(model, example_inputs, example_targets, loss_fn, output_fn)
+    normalize(traced.gm, set(traced.param_of))
     layers = find_layers(traced.gm)
     plan = analyze_sharding(traced, config.tp)
     rank_module = apply_tensor_parallel(traced, plan)

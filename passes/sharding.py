@@ -91,9 +91,19 @@ class _State:
     def propagate_from(self, start: fx.Node) -> dict[fx.Node, Decision]:
         """Recompute ``start`` and everything downstream whose inputs changed.
 
-        Returns the previous decisions of the touched nodes (to undo).
+        Returns the previous decisions of the touched nodes (to undo). If a rule
+        raises (``NeedSegments``: retry with a segmented split), the nodes
+        already recomputed are restored first, so the state is as before.
         """
         old: dict[fx.Node, Decision] = {}
+        try:
+            self._propagate(start, old)
+        except BaseException:
+            self.undo(old)
+            raise
+        return old
+
+    def _propagate(self, start: fx.Node, old: dict[fx.Node, Decision]) -> None:
         heap = [(self.index[start], start.name)]
         byname = {start.name: start}
         seen = set()
@@ -111,7 +121,6 @@ class _State:
                 for u in n.users:
                     byname[u.name] = u
                     heapq.heappush(heap, (self.index[u], u.name))
-        return old
 
     def undo(self, old: dict[fx.Node, Decision]) -> None:
         for n, d in old.items():
@@ -298,10 +307,23 @@ def _flat(p):
     return [p]
 
 
+def _check_consistent(ctx: Ctx, state: _State) -> None:
+    """Invariant: every decision is what its rule gives for its inputs' final placements
+    (a stale decision left by an undone trial would make a rank program compute wrong shapes)."""
+    for n in state.nodes:
+        fresh = decide(ctx, n, state.placement_of)
+        if fresh != state.dec[n]:
+            raise ShardingError(
+                f"internal error in the sharding analysis: the decision for {_describe(ctx, n)} is stale "
+                f"({state.dec[n].out} recorded, {fresh.out} from its inputs); please report it with the model. "
+                f"tp=1 avoids the analysis.")
+
+
 def _finish(traced: TracedModel, ctx: Ctx, state: _State, rejected: list[Rejected]) -> ShardingPlan:
     conflicts = _param_conflicts(state, ctx)
     if conflicts:  # internal invariant: candidates with conflicts are never accepted
         raise ShardingError("inconsistent parameter sharding: " + "; ".join(conflicts))
+    _check_consistent(ctx, state)
     specs: dict[str, Replicate | Shard] = {}
     for d in state.dec.values():
         specs.update(d.param_demand)

@@ -417,7 +417,9 @@ def _cat(ctx, node, pl, stack: bool) -> Decision:
     dim = _arg(node, 1, "dim", 0)
     out_nd = _ndim(node)
     dim %= out_nd
-    operands = [(("a", 0, j), a) for j, a in enumerate(tensors)]
+    # cat skips 1-D empty tensors (an empty key/value cache concatenated with the new keys)
+    operands = [(("a", 0, j), a) for j, a in enumerate(tensors)
+                if stack or not (isinstance(a, fx.Node) and tuple(Ctx.shape(a)) == (0,))]
     dec = _elementwise(ctx, node, pl, operands=[(pth, a) for pth, a in operands], out_nd=out_nd if not stack else out_nd - 1)
     if dec.kind != "sharded":
         return dec

@@ -91,7 +91,9 @@ def apply_tensor_parallel(traced: TracedModel, plan: ShardingPlan) -> fx.GraphMo
         for path in dec.copy_in:
             src = _get(node, path)
             if src.name not in f_cache:
-                with graph.inserting_after(src):
+                # after a computed value; a parameter's f goes before its first such consumer,
+                # so the graph's placeholders stay together at its start
+                with graph.inserting_before(node) if src.op == "placeholder" else graph.inserting_after(src):
                     f_cache[src.name] = _copy_meta(graph.call_function(comm.copy_to_tp, (src, tp)), node)
             _set(node, path, f_cache[src.name])
         for path, sh in dec.scatter_in:

@@ -5,6 +5,14 @@ apart with slices, fused gate/up chunked), OPT (learned positions with an
 offset, a padding row in the tied embedding). Every linear is split (no
 fallback, nothing left replicated) and loss and gradients match one process;
 tolerances as in test_tp_parity.
+
+Then families that write their blocks differently: GPT-NeoX (one QKV
+projection interleaved per head, partial rotary, parallel residual), GPT-J
+(parallel attention and MLP), Gemma-2 (dtype casts, logit soft-capping,
+GeGLU), Falcon (``x @ W.T`` linears), Qwen3 (RMSNorm per head on q and k),
+Mixtral (mixture of experts: each expert's MLP split, the router whole) and
+GPTBigCode (multi-query attention through one fused projection, which cannot
+be split by key/value heads: it stays whole, and the plan says so).
 """
 
 import pytest
@@ -35,17 +43,44 @@ def _make(name):
                                         pad_token_id=1))
 
 
+def _make_more(name):
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                  pad_token_id=None)
+    gpt = dict(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    if name == "gpt-neox":
+        return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(rotary_pct=0.25, use_parallel_residual=True, **common))
+    if name == "gpt-j":
+        return T.GPTJForCausalLM(T.GPTJConfig(rotary_dim=8, **gpt))
+    if name == "gemma2":
+        return T.Gemma2ForCausalLM(T.Gemma2Config(num_key_value_heads=2, head_dim=16, **common))
+    if name == "falcon":
+        return T.FalconForCausalLM(T.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4,
+                                                  num_attention_heads=4, multi_query=False, parallel_attn=True,
+                                                  bias=True, bos_token_id=0, eos_token_id=0))
+    if name == "qwen3":
+        return T.Qwen3ForCausalLM(T.Qwen3Config(num_key_value_heads=2, head_dim=16, **common))
+    if name == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
+                                                    num_experts_per_tok=2, **common))
+    return T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(multi_query=True, attn_pdrop=0.0, resid_pdrop=0.0,
+                                                      embd_pdrop=0.0, **gpt))
+
+
 def _data():
     g = torch.Generator().manual_seed(1)
     return [((torch.randint(0, VOCAB, (ROWS, SEQ), generator=g),), (torch.randint(0, VOCAB, (ROWS, SEQ), generator=g),))
             for _ in range(2)]
 
 
-def _worker(names):
+def _worker(names, make=_make):
     out = {}
     for name in names:
         data = _data()
-        program = autopar.parallelize(_make(name), tp=2, pp=2, microbatches=M,
+        program = autopar.parallelize(make(name), tp=2, pp=2, microbatches=M,
                                       example_inputs=(data[0][0][0][: ROWS // M],),
                                       example_targets=data[0][1][0][: ROWS // M])
         losses, grads = train_steps(program.materialize(), data, LR)
@@ -65,6 +100,29 @@ def test_more_hf_families_split_fully_and_match_one_process():
             losses, grads, fallbacks, rejected, per_layer = res[name]
             assert fallbacks == [] and rejected == [], (name, fallbacks, rejected)
             assert set(per_layer.values()) == {2}, per_layer  # f and g twice per layer
+            assert_parity(ref_losses[:1], ref_grads[0], losses[:1], grads[0], label=f"{name} rank {rank}",
+                          **FP32_TOLERANCE)
+            assert_parity(ref_losses, ref_grads[1], losses, grads[1], label=f"{name} rank {rank} step 1",
+                          **AFTER_ADAMW)
+
+
+MORE = ["gpt-neox", "gpt-j", "gemma2", "falcon", "qwen3", "mixtral", "bigcode"]
+
+
+def test_families_written_differently_match_one_process():
+    results = autopar.spawn(_worker, 4, (MORE, _make_more), timeout_s=900)
+    for name in MORE:
+        ref_losses, ref_grads = single_device_run(_make_more(name), _data(), autopar.lm_cross_entropy,
+                                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
+        for rank, res in enumerate(results):
+            losses, grads, fallbacks, rejected, per_layer = res[name]
+            assert fallbacks == [], (name, fallbacks)
+            if name == "mixtral":  # the router (hidden -> experts, then a softmax over experts) stays whole
+                assert rejected and all("softmax" in r for r in rejected), rejected
+            elif name == "bigcode":  # one key/value head: the fused QKV (and so c_proj) stays whole
+                assert any("c_attn" in r or "reaches" in r for r in rejected), rejected
+            else:
+                assert rejected == [], (name, rejected)
             assert_parity(ref_losses[:1], ref_grads[0], losses[:1], grads[0], label=f"{name} rank {rank}",
                           **FP32_TOLERANCE)
             assert_parity(ref_losses, ref_grads[1], losses, grads[1], label=f"{name} rank {rank} step 1",

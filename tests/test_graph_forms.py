@@ -1,0 +1,166 @@
+"""Tier (a): model code written in less common forms, without a process group.
+
+Each model below writes a standard transformer piece the way some model
+families do, and used to defeat the analysis:
+
+- ``x @ W.T + b`` instead of ``nn.Linear`` (Falcon's linear layers);
+- ``.to(dtype)`` inside the block (export records a dtype assertion that
+  checks the *global* shape);
+- a per-head RMSNorm on q and k (Qwen3, OLMo-2): a replicated parameter used
+  on a split value, whose gradient needs f;
+- multi-query attention through one fused projection (StarCoder, Falcon-7B):
+  the analysis first asks for a segmented split of the fused output, then
+  rejects it (one key/value head cannot be split); the rejected trial must
+  leave no trace in the plan.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.trace import trace
+from passes.normalize import normalize
+
+aten = torch.ops.aten
+V, H, HEADS, SEQ, LAYERS = 96, 64, 4, 8, 2
+
+
+class TransposedLinear(nn.Module):
+    """``x @ W.T + b`` with W stored (out, in), as Falcon's FalconLinear."""
+
+    def __init__(self, i, o, bias=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(o, i) / i**0.5)
+        self.bias = nn.Parameter(torch.zeros(o)) if bias else None
+
+    def forward(self, x):
+        y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias
+
+
+class Block(nn.Module):
+    def __init__(self, linear=nn.Linear, head_norm=False, mqa=False):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+        self.mqa = mqa
+        d = H // HEADS
+        self.qkv = linear(H, H + 2 * d) if mqa else linear(H, 3 * H)
+        self.proj = linear(H, H)
+        self.fc1, self.fc2 = linear(H, 4 * H), linear(4 * H, H)
+        self.q_norm = nn.RMSNorm(d) if head_norm else None
+        self.k_norm = nn.RMSNorm(d) if head_norm else None
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        d = H // HEADS
+        h = self.ln1(x).to(torch.float32)  # a dtype cast: export records an assertion
+        if self.mqa:
+            q, k, v = self.qkv(h).split([H, d, d], dim=-1)
+            k = k.view(b, s, 1, d).transpose(1, 2).expand(b, HEADS, s, d)
+            v = v.view(b, s, 1, d).transpose(1, 2).expand(b, HEADS, s, d)
+        else:
+            q, k, v = self.qkv(h).split(H, dim=-1)
+            k = k.view(b, s, HEADS, d).transpose(1, 2)
+            v = v.view(b, s, HEADS, d).transpose(1, 2)
+        q = q.view(b, s, HEADS, d).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, H))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Model(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.wte = nn.Embedding(V, H)
+        self.h = nn.ModuleList(Block(**kw) for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(H)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for blk in self.h:
+            x = blk(x)
+        return self.ln_f(x) @ self.wte.weight.T
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, V, (2, SEQ), generator=g), torch.randint(0, V, (2, SEQ), generator=g)
+
+
+def _program(tp=2, pp=1, **kw):
+    torch.manual_seed(0)
+    x, y = _data()
+    return autopar.parallelize(Model(**kw), tp=tp, pp=pp, microbatches=max(pp, 1), example_inputs=(x,),
+                               example_targets=y)
+
+
+def test_normalize_turns_transposed_matmuls_into_linears_and_drops_assertions():
+    torch.manual_seed(0)
+    x, y = _data()
+    traced = trace(Model(linear=TransposedLinear), (x,), (y,), autopar.lm_cross_entropy)
+    targets = [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
+    assert aten._assert_tensor_metadata.default in targets
+    before = targets.count(aten.matmul.default)
+    done = normalize(traced.gm, set(traced.param_of))
+    targets = [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
+    # 4 linears per block became aten.linear; the tied LM head (x @ wte.T, no bias) too
+    assert done["x @ W.T made linear"] == 4 * LAYERS + 1 == before
+    assert targets.count(aten.linear.default) == 4 * LAYERS + 1
+    assert aten.numpy_T.default not in targets and aten.matmul.default not in targets
+    assert aten._assert_tensor_metadata.default not in targets and done["assertions dropped"] > 0
+    # the biases were folded in: every block linear has one
+    lin = [n for n in traced.gm.graph.nodes if n.target == aten.linear.default]
+    assert sum(len(n.args) == 3 for n in lin) == 4 * LAYERS
+    # same values as the model
+    torch.manual_seed(0)
+    model = Model(linear=TransposedLinear)
+    params = [dict(model.named_parameters())[traced.param_of[n.name]] for n in traced.gm.graph.nodes
+              if n.op == "placeholder" and n.name in traced.param_of]
+    loss = traced.gm(*params, x, y)[0]
+    torch.testing.assert_close(loss, autopar.lm_cross_entropy(model(x), y))
+
+
+def test_transposed_linears_split_like_nn_linear():
+    for linear in (nn.Linear, TransposedLinear):
+        program = _program(linear=linear)
+        per_layer = program.collectives(by_layer=True)
+        for layer in range(LAYERS):
+            assert per_layer[(layer, "reduce_from_tp")] == 2 and per_layer[(layer, "copy_to_tp")] == 2
+        assert program.fallbacks() == [] and program.plan.rejected == []
+
+
+def test_per_head_norm_weight_gets_f_and_placeholders_stay_first():
+    program = _program(head_norm=True, pp=2)
+    nodes = list(program.rank_module.graph.nodes)
+    kinds = [n.op for n in nodes]
+    first_other = kinds.index("call_function")
+    assert "placeholder" not in kinds[first_other:]  # every placeholder before any computation
+    per_layer = program.collectives(by_layer=True)
+    # f on the QKV input, on the MLP input, and on the q_norm and k_norm weights (partial gradients)
+    assert all(per_layer[(layer, "copy_to_tp")] == 4 for layer in range(LAYERS))
+    shapes = program.local_shapes(rank=1)
+    assert all(s[-1] != H for n, s in shapes.items() if n.startswith("scaled_dot_product_attention"))
+
+
+def test_rejected_segmented_trial_leaves_no_stale_decisions():
+    program = _program(mqa=True)
+    plan = program.plan
+    rejected = {r.node for r in plan.rejected}
+    qkv = [n.name for n in program.traced.gm.graph.nodes
+           if n.target == aten.linear.default and n.args[1].name.endswith("qkv_weight")]
+    assert len(qkv) == LAYERS and set(qkv) <= rejected  # one key/value head: the fused QKV stays whole
+    for name in qkv:
+        assert name not in plan.column
+        assert type(plan.decisions[name].out).__name__ == "Replicate"
+        # its users were decided against a replicated input, not the undone trial's shard
+        for user in program.traced.gm.graph.find_nodes(op="call_function", target=aten.split_with_sizes.default):
+            assert all(type(p).__name__ == "Replicate" for p in plan.decisions[user.name].out)
+    # the MLPs are still split, and the rank program has consistent shapes
+    per_layer = program.collectives(by_layer=True)
+    assert all(per_layer[(layer, "reduce_from_tp")] >= 1 for layer in range(LAYERS))
+    program.local_shapes(rank=1)
