@@ -216,6 +216,43 @@ class ParallelProgram:
                 out[node.name] = tuple(val.shape)
         return out
 
+    def replicated_weights(self) -> list[tuple[str, int, str]]:
+        """(parameter, elements, why) of every matrix (2-D or more) left whole on each tp
+        rank that no rejected linear already explains: the op that reads it, past views and
+        transposes, with its source line. Empty when tp = 1 or everything is split."""
+        if self.tp == 1:
+            return []
+        explained = {r.node for r in self.plan.rejected}
+        passthrough = {torch.ops.aten.t.default, torch.ops.aten.numpy_T.default, torch.ops.aten.transpose.int,
+                       torch.ops.aten.permute.default, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+                       torch.ops.aten.select.int, torch.ops.aten.expand.default, torch.ops.aten._to_copy.default,
+                       torch.ops.aten.to.dtype, torch.ops.aten.alias.default, torch.ops.aten.detach.default,
+                       torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim}
+        out = []
+        for ph, name in self.traced.param_of.items():
+            node = self._phs[ph]
+            if len(node.meta["val"].shape) < 2 or not isinstance(self.param_spec(name), Replicate):
+                continue
+            readers, frontier = [], list(node.users)
+            while frontier:
+                u = frontier.pop(0)
+                if u.op == "call_function" and u.target in passthrough:
+                    frontier.extend(u.users)
+                elif u.op != "output":
+                    readers.append(u)
+            if not readers or any(r.name in explained for r in readers):
+                continue
+            first = readers[0]
+            where = source_line(first)
+            target = getattr(first.target, "__name__", str(first.target))
+            if first.target == torch.ops.aten.embedding.default:
+                why = f"an embedding table read at {where or module_path(first)} (only the vocabulary-parallel ones split)"
+            else:
+                why = (f"read by {target} at {where or module_path(first)}, "
+                       f"which no sharding rule splits by its weight")
+            out.append((name, math.prod(node.meta["val"].shape), why))
+        return out
+
     def fallbacks(self) -> list[tuple[str, str, str]]:
         """(node, reason, source line) of every op run replicated for want of a rule."""
         nodes = {n.name: n for n in self.traced.gm.graph.nodes}

@@ -166,12 +166,37 @@ def render_summary(program: "ParallelProgram", width: int = 120) -> str:
         console.print(fb)
     else:
         console.print("fallbacks: none (every op on a sharded value has a rule)")
+    whole = program.replicated_weights()
+    if whole:
+        total_params = sum(math.prod(program.full_shape(n)) for n in program.param_names)
+        n_whole = sum(n for _, n, _ in whole)
+        wt = Table(title=f"Weights not split: {n_whole:,} parameters ({n_whole / total_params:.0%} of the model) "
+                         f"held whole by every tp rank — more memory, computed {program.tp} times")
+        for col in ("parameter (layers 1.. as layer 0)", "elements", "why"):
+            wt.add_column(col)
+        for name, n, why in whole:
+            layer = program.layer_params(name)
+            if layer is not None and layer > 0:
+                continue
+            wt.add_row(name, f"{n:,}", why)
+        console.print(wt)
     if program.plan.rejected:
         rj = Table(title="Left replicated (not split)")
-        for col in ("node", "module", "why"):
+        for col in ("node", "module", "layers", "why"):
             rj.add_column(col)
-        for r in program.plan.rejected:
-            rj.add_row(r.node, r.module, r.reason)
+        prefix = layers.prefix + "." if layers.prefix else None
+        groups: dict[str, list] = {}
+        for r in program.plan.rejected:  # one row per module of the layer, with the layers it covers
+            key, layer = r.module, None
+            if prefix and r.module.startswith(prefix):
+                head, _, rest = r.module[len(prefix):].partition(".")
+                if head.isdigit():
+                    key, layer = f"{prefix}*.{rest}", int(head)
+            groups.setdefault(key, []).append((layer, r))
+        for entries in groups.values():
+            idx = sorted(x for x, _ in entries if x is not None)
+            first = entries[0][1]
+            rj.add_row(first.node, first.module, _span(idx) if idx else "-", first.reason)
         console.print(rj)
     return console.export_text()
 

@@ -271,6 +271,7 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node]) -> tuple[bool, st
         leaking = bool(new_fallbacks and leaks)
         if (sinks or merged) and out_ok and not conflicts and not errors and not padded_bad and not leaking:
             return True, "", []
+        fb_reason = state.dec[new_fallbacks[0]].reason if new_fallbacks else ""
         state.undo(old)
         for member in group:
             ctx.column.pop(member, None)
@@ -287,7 +288,7 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node]) -> tuple[bool, st
             return False, "its weight is also used unsharded elsewhere: " + "; ".join(conflicts), []
         if new_fallbacks:
             fb = new_fallbacks[0]
-            return False, f"its output reaches {_describe(ctx, fb)}, which has no sharding rule", []
+            return False, f"its output reaches {_describe(ctx, fb)}, which would run replicated: {fb_reason}", []
         if not out_ok:
             return False, "its sharded output would reach the loss", []
         return False, "its output never reaches a row-parallel consumer", []

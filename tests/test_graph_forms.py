@@ -164,3 +164,38 @@ def test_rejected_segmented_trial_leaves_no_stale_decisions():
     per_layer = program.collectives(by_layer=True)
     assert all(per_layer[(layer, "reduce_from_tp")] >= 1 for layer in range(LAYERS))
     program.local_shapes(rank=1)
+
+
+class ExpertBlock(nn.Module):
+    """Attention-free block whose MLP is two experts as one 3-D weight applied with bmm."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(H)
+        self.w_in = nn.Parameter(torch.randn(2, H, 2 * H) / H**0.5)
+        self.w_out = nn.Parameter(torch.randn(2, 2 * H, H) / H**0.5)
+        self.fc = nn.Linear(H, 4 * H)
+        self.proj = nn.Linear(4 * H, H)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.ln(x).reshape(1, b * s, H).expand(2, b * s, H)
+        e = torch.bmm(F.gelu(torch.bmm(h, self.w_in)), self.w_out).sum(0).view(b, s, H)
+        return x + e + self.proj(F.gelu(self.fc(x)))
+
+
+def test_weights_no_rule_splits_are_listed_with_the_op_that_reads_them():
+    torch.manual_seed(0)
+    model = Model()
+    model.h = nn.ModuleList(ExpertBlock() for _ in range(LAYERS))
+    x, y = _data()
+    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    whole = {name: (n, why) for name, n, why in program.replicated_weights()}
+    assert set(whole) == {f"h.{i}.{w}" for i in range(LAYERS) for w in ("w_in", "w_out")}
+    assert all(n == 2 * H * 2 * H and "bmm" in why and "test_graph_forms.py" in why for n, why in whole.values())
+    text = program.summary()
+    share = round(100 * 4 * H * H * 2 * LAYERS / sum(p.numel() for p in model.parameters()))
+    assert f"({share}% of the model) held whole by every tp rank" in text
+    assert "h.0.w_in" in text and "h.1.w_in" not in text  # layers 1.. as layer 0
+    # the linears beside them are split
+    assert program.param_spec("h.0.fc.weight") != program.param_spec("h.0.w_in")
