@@ -239,17 +239,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     (N,)-sized tensors: the max of the logits, the target logit (found on one
     rank), and the sum of exponentials. Columns at or beyond ``vocab_size``
     (padding) are -inf: they never win the softmax and get zero gradient.
+
+    With label smoothing e (as ``F.cross_entropy(label_smoothing=e)``) the
+    target is (1 - e) one-hot + e/V uniform over the V real classes:
+    loss_n = (1 - e)(lse_n - z_n,y_n) + e (lse_n - mean_j z_nj); the sum of the
+    logits rides in the same all-reduce as the target logit and the sum of
+    exponentials. Gradient: softmax - (1 - e) one-hot - e/V.
     """
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size, ignore_index, reduction):
+    def forward(ctx, logits, target, group, vocab_size, ignore_index, reduction, smoothing=0.0):
         t, rank = group.size, group.rank
         n_local = logits.shape[-1]
         start = rank * n_local
         z = logits.float()
+        real = None
         if start + n_local > vocab_size:  # padded columns on this rank
             col = torch.arange(start, start + n_local, device=z.device)
-            z = z.masked_fill(col >= vocab_size, float("-inf"))
+            real = col < vocab_size
+            z = z.masked_fill(~real, float("-inf"))
         zmax = z.max(dim=-1).values
         if t > 1:
             zmax = _all_reduce(zmax, group, dist.ReduceOp.MAX)
@@ -260,13 +268,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         z_target = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = z.exp()
         sum_exp = exp.sum(dim=-1)
+        parts = [z_target, sum_exp]
+        if smoothing:
+            parts.append((z if real is None else z.masked_fill(~real, 0.0)).sum(dim=-1))
         if t > 1:
-            both = _all_reduce(torch.stack([z_target, sum_exp]), group)
-            z_target, sum_exp = both[0], both[1]
-        loss = (sum_exp.log() - z_target).masked_fill(~valid, 0.0)  # (N,)
+            parts = list(_all_reduce(torch.stack(parts), group).unbind(0))
+        z_target, sum_exp = parts[0], parts[1]
+        lse = sum_exp.log()
+        loss = lse - z_target
+        if smoothing:
+            loss = (1.0 - smoothing) * loss + smoothing * (lse - parts[2] / vocab_size)
+        loss = loss.masked_fill(~valid, 0.0)  # (N,)
         count = valid.sum()
         softmax = exp / sum_exp.unsqueeze(-1)
         ctx.save_for_backward(softmax, local_t, outside, valid, count)
+        ctx.smoothing = smoothing
+        ctx.uniform = None if not smoothing else (
+            torch.full((n_local,), smoothing / vocab_size, device=z.device) if real is None
+            else real.float() * (smoothing / vocab_size))
         ctx.reduction = reduction
         ctx.dtype = logits.dtype
         if reduction == 1:  # mean over non-ignored targets
@@ -279,8 +298,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         softmax, local_t, outside, valid, count = ctx.saved_tensors
         grad = softmax.clone()
-        hit = (~outside).float()
+        hit = (~outside).float() * (1.0 - ctx.smoothing)
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.unsqueeze(-1))
+        if ctx.smoothing:
+            grad = grad - ctx.uniform
         grad = grad * valid.unsqueeze(-1)
         if ctx.reduction == 1:
             grad = grad * (grad_out / count)
@@ -288,7 +309,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad = grad * grad_out
         else:
             grad = grad * grad_out.unsqueeze(-1)
-        return grad.to(ctx.dtype), None, None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -298,9 +319,12 @@ def vocab_parallel_cross_entropy(
     vocab_size: int,
     ignore_index: int = -100,
     reduction: int = 1,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
-    """Cross-entropy of (N, V/t) local logits against (N,) targets; reduction 0 none, 1 mean, 2 sum."""
-    return _VocabParallelCrossEntropy.apply(logits_local, target, tp, vocab_size, ignore_index, reduction)
+    """Cross-entropy of (N, V/t) local logits against (N,) targets; reduction 0 none, 1 mean, 2 sum;
+    ``label_smoothing`` as in ``F.cross_entropy``."""
+    return _VocabParallelCrossEntropy.apply(logits_local, target, tp, vocab_size, ignore_index, reduction,
+                                            label_smoothing)
 
 
 def tp_rng_call(op, tp: TPGroup, *args, **kwargs):

@@ -534,10 +534,11 @@ def _cross_entropy(ctx: Ctx, node, pl) -> Decision:
     reduction = _arg(node, 3, "reduction", 1)
     ignore_index = _arg(node, 4, "ignore_index", -100)
     smoothing = _arg(node, 5, "label_smoothing", 0.0)
-    if px.dim == 1 and _ndim(x) == 2 and weight is None and smoothing == 0.0 and not isinstance(pl(target), Shard):
+    if px.dim == 1 and _ndim(x) == 2 and weight is None and not isinstance(pl(target), Shard):
         return Decision(R, kind="vocab_cross_entropy",
-                        extra={"vocab_size": Ctx.shape(x)[1], "ignore_index": ignore_index, "reduction": reduction})
-    return _fallback(node, [(("a", 0), px)], "cross-entropy with class weights, label smoothing or N-d input")
+                        extra={"vocab_size": Ctx.shape(x)[1], "ignore_index": ignore_index, "reduction": reduction,
+                               "label_smoothing": float(smoothing)})
+    return _fallback(node, [(("a", 0), px)], "cross-entropy with class weights or N-d input")
 
 
 def _sdpa(ctx: Ctx, node, pl) -> Decision:
