@@ -28,6 +28,11 @@ __all__ = [
     "scatter_to_tp",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_logsumexp",
+    "vocab_parallel_softmax",
+    "vocab_parallel_log_softmax",
+    "vocab_parallel_gather",
+    "vocab_parallel_nll_loss",
     "local_slice",
     "tp_rng_call",
 ]
@@ -325,6 +330,130 @@ def vocab_parallel_cross_entropy(
     ``label_smoothing`` as in ``F.cross_entropy``."""
     return _VocabParallelCrossEntropy.apply(logits_local, target, tp, vocab_size, ignore_index, reduction,
                                             label_smoothing)
+
+
+def _pad_mask(x: torch.Tensor, tp: TPGroup, dim: int, size: int) -> torch.Tensor | None:
+    """True on this rank's columns of ``dim`` at or beyond the real ``size`` (vocabulary padding)."""
+    n_local = x.shape[dim]
+    start = tp.rank * n_local
+    if start + n_local <= size:
+        return None
+    col = torch.arange(start, start + n_local, device=x.device) >= size
+    shape = [1] * x.dim()
+    shape[dim] = n_local
+    return col.view(shape)
+
+
+class _VocabParallelLogSumExp(torch.autograd.Function):
+    """log(sum_j exp(x_j)) over a dim split across the tp ranks, with two all-reduces of the
+    reduced shape (the max, then the sum of exponentials). The result is replicated; its
+    gradient (identical on every rank: replicated consumers, or f before sharded ones) times
+    this rank's softmax is the gradient of the local columns."""
+
+    @staticmethod
+    def forward(ctx, x, tp, dim, size, keepdim):
+        z = x.float()
+        pad = _pad_mask(z, tp, dim, size)
+        if pad is not None:
+            z = z.masked_fill(pad, float("-inf"))
+        m = z.amax(dim=dim, keepdim=True)
+        if tp.size > 1:
+            m = _all_reduce(m, tp, dist.ReduceOp.MAX)
+        e = (z - m).exp()
+        s = e.sum(dim=dim, keepdim=True)
+        if tp.size > 1:
+            s = _all_reduce(s, tp)
+        lse = s.log() + m
+        ctx.save_for_backward(e / s)
+        ctx.dim, ctx.keepdim, ctx.dtype = dim, keepdim, x.dtype
+        out = lse if keepdim else lse.squeeze(dim)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (softmax,) = ctx.saved_tensors
+        g = grad if ctx.keepdim else grad.unsqueeze(ctx.dim)
+        return (softmax * g.float()).to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_logsumexp(x: torch.Tensor, tp: TPGroup, dim: int, size: int, keepdim: bool = False):
+    """``torch.logsumexp(x, dim)`` of a value split along ``dim`` (real size ``size``; padding ignored)."""
+    return _VocabParallelLogSumExp.apply(x, tp, dim % x.dim(), size, keepdim)
+
+
+def vocab_parallel_softmax(x: torch.Tensor, tp: TPGroup, dim: int, size: int,
+                           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``softmax(x, dim)`` of a value split along ``dim``: this rank's columns; padding gets 0."""
+    dim %= x.dim()
+    lse = copy_to_tp(vocab_parallel_logsumexp(x, tp, dim, size, keepdim=True), tp)
+    z = x.float() - lse.float()
+    pad = _pad_mask(z, tp, dim, size)
+    if pad is not None:
+        z = z.masked_fill(pad, float("-inf"))
+    return z.exp().to(dtype or x.dtype)
+
+
+def vocab_parallel_log_softmax(x: torch.Tensor, tp: TPGroup, dim: int, size: int,
+                               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``log_softmax(x, dim)`` of a value split along ``dim`` (no padding: the rule asks for it)."""
+    dim %= x.dim()
+    lse = copy_to_tp(vocab_parallel_logsumexp(x, tp, dim, size, keepdim=True), tp)
+    return (x.float() - lse.float()).to(dtype or x.dtype)
+
+
+def vocab_parallel_gather(x: torch.Tensor, tp: TPGroup, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``torch.gather(x_full, dim, index)`` for x split along ``dim``: the
+    entries whose index falls in this rank's columns, 0 elsewhere. Summed over the tp ranks
+    (g after it) they are the full gather; the gradient reaches only the gathered columns."""
+    dim %= x.dim()
+    n_local = x.shape[dim]
+    start = tp.rank * n_local
+    inside = (index >= start) & (index < start + n_local)
+    local = (index - start).masked_fill(~inside, 0)
+    return x.gather(dim, local).masked_fill(~inside, 0)
+
+
+class _VocabParallelNLL(torch.autograd.Function):
+    """``F.nll_loss(logp, target)`` with the class dim of logp (N, C) split across the tp ranks:
+    each rank picks the targets in its columns, one all-reduce of (N,) sums them."""
+
+    @staticmethod
+    def forward(ctx, logp, target, tp, reduction, ignore_index):
+        n_local = logp.shape[1]
+        start = tp.rank * n_local
+        valid = target != ignore_index
+        inside = (target >= start) & (target < start + n_local) & valid
+        local = (target - start).masked_fill(~inside, 0)
+        picked = logp.float().gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~inside, 0.0)
+        if tp.size > 1:
+            picked = _all_reduce(picked, tp)
+        loss = -picked
+        count = valid.sum()
+        ctx.save_for_backward(local, inside, count)
+        ctx.reduction, ctx.shape, ctx.dtype = reduction, logp.shape, logp.dtype
+        if reduction == 1:
+            return (loss.sum() / count).to(logp.dtype)
+        if reduction == 2:
+            return loss.sum().to(logp.dtype)
+        return loss.to(logp.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, inside, count = ctx.saved_tensors
+        g = grad.float()
+        if ctx.reduction == 1:
+            g = (g / count).expand(local.shape)
+        elif ctx.reduction == 2:
+            g = g.expand(local.shape)
+        out = torch.zeros(ctx.shape, dtype=torch.float32, device=local.device)
+        out.scatter_(1, local.unsqueeze(1), (-g * inside).unsqueeze(1))
+        return out.to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_nll_loss(logp: torch.Tensor, target: torch.Tensor, tp: TPGroup, reduction: int = 1,
+                            ignore_index: int = -100) -> torch.Tensor:
+    """Negative log-likelihood of (N, C/t) local log-probabilities; reduction 0 none, 1 mean, 2 sum."""
+    return _VocabParallelNLL.apply(logp, target, tp, reduction, ignore_index)
 
 
 def tp_rng_call(op, tp: TPGroup, *args, **kwargs):

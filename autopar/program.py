@@ -46,6 +46,11 @@ _COLLECTIVES = {
     comm.scatter_to_tp: ("scatter_to_tp", "backward all-gather"),
     comm.vocab_parallel_embedding: ("vocab_parallel_embedding", "forward all-reduce"),
     comm.vocab_parallel_cross_entropy: ("vocab_parallel_cross_entropy", "2 forward all-reduces of (N,) tensors"),
+    comm.vocab_parallel_logsumexp: ("vocab_parallel_logsumexp", "2 forward all-reduces of the reduced shape"),
+    comm.vocab_parallel_softmax: ("vocab_parallel_softmax", "2 forward all-reduces, 1 backward, of the reduced shape"),
+    comm.vocab_parallel_log_softmax: ("vocab_parallel_log_softmax",
+                                      "2 forward all-reduces, 1 backward, of the reduced shape"),
+    comm.vocab_parallel_nll_loss: ("vocab_parallel_nll_loss", "1 forward all-reduce of an (N,) tensor"),
 }
 
 
@@ -123,6 +128,13 @@ class ParallelProgram:
             if node.target is comm.vocab_parallel_cross_entropy:
                 rows = node.args[0].meta["val"].shape[0]
                 nbytes = 3 * rows * 4
+            elif node.target is comm.vocab_parallel_nll_loss:
+                nbytes = node.args[0].meta["val"].shape[0] * 4
+            elif node.target in (comm.vocab_parallel_logsumexp, comm.vocab_parallel_softmax,
+                                 comm.vocab_parallel_log_softmax):
+                x, dim = node.args[0].meta["val"], node.args[2]
+                reduced = x.numel() // x.shape[dim] * 4
+                nbytes = reduced * (2 if node.target is comm.vocab_parallel_logsumexp else 3)
             else:
                 nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
             where = "layers" if self._layer_of_node(node) is not None else "outside"

@@ -30,6 +30,10 @@ _DIRECTION = {
     "scatter_to_tp": "bwd all-gather",
     "vocab_parallel_embedding": "fwd all-reduce",
     "vocab_parallel_cross_entropy": "fwd all-reduces: max, then (target logit, sum exp)",
+    "vocab_parallel_logsumexp": "fwd all-reduces: max, then sum exp",
+    "vocab_parallel_softmax": "fwd all-reduces: max, sum exp; bwd all-reduce",
+    "vocab_parallel_log_softmax": "fwd all-reduces: max, sum exp; bwd all-reduce",
+    "vocab_parallel_nll_loss": "fwd all-reduce of the picked log-probabilities",
 }
 
 # AdamW keeps two fp32 moments per parameter

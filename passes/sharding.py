@@ -257,8 +257,7 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node]) -> tuple[bool, st
         touched = list(old)
         # joining a region that is already sharded (K and V after Q) removes its scatters
         merged = any(old[n] is not None and len(old[n].scatter_in) > len(state.dec[n].scatter_in) for n in touched)
-        sinks = [n for n in touched if state.dec[n].kind in ("row", "vocab_cross_entropy")
-                 and before.get(n) != state.dec[n].kind]
+        sinks = [n for n in touched if _ends_region(state.dec[n]) and before.get(n) != state.dec[n].kind]
         errors = [state.dec[n].error for n in touched if state.dec[n].error]
         new_fallbacks = [n for n in touched if state.dec[n].kind == "fallback" and before.get(n) != "fallback"]
         leaks = [n for n in touched if any(_operand(n, path).name in ctx.requires_grad
@@ -267,7 +266,7 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node]) -> tuple[bool, st
         out_node = state.nodes[-1]
         out_ok = all(isinstance(p, Replicate) for p in _flat(state.placement_of(out_node.args[0][0])))
         conflicts = [c for c in _param_conflicts(state, ctx) if c not in conflicts_before]
-        padded_bad = any(padded.values()) and any(state.dec[n].kind != "vocab_cross_entropy" for n in sinks)
+        padded_bad = any(padded.values()) and any(not state.dec[n].kind.startswith("vocab_") for n in sinks)
         leaking = bool(new_fallbacks and leaks)
         if (sinks or merged) and out_ok and not conflicts and not errors and not padded_bad and not leaking:
             return True, "", []
@@ -293,6 +292,17 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node]) -> tuple[bool, st
             return False, "its sharded output would reach the loss", []
         return False, "its output never reaches a row-parallel consumer", []
     return False, "segment search did not converge", []
+
+
+_VOCAB_SINKS = ("vocab_cross_entropy", "vocab_nll", "vocab_gather")
+
+
+def _ends_region(d: Decision) -> bool:
+    """A consumer that turns a sharded value back into a replicated one by itself: a row-parallel
+    linear or a sum over the split dim (g after it), a vocabulary-parallel loss, logsumexp or gather."""
+    if d.kind in ("row", *_VOCAB_SINKS) or d.reduce_out:
+        return True
+    return d.kind == "vocab_softmax" and isinstance(d.out, Replicate)
 
 
 def _divisors(n: int) -> str:

@@ -51,7 +51,8 @@ class Decision:
     out: Any
     """Placement of the output (a tuple of placements for multi-output ops)."""
     kind: str = "replicated"
-    """replicated | sharded | column | row | vocab_embedding | vocab_cross_entropy | fallback"""
+    """replicated | sharded | column | row | vocab_embedding | vocab_cross_entropy | vocab_softmax |
+    vocab_nll | vocab_gather | fallback"""
     copy_in: tuple = ()
     """Operand paths that get f (copy_to_tp)."""
     scatter_in: tuple = ()
@@ -279,9 +280,77 @@ def _reduction(node, pl, keepdim_index: int) -> Decision:
 
 
 def _softmax(node, pl) -> Decision:
-    nd = _ndim(node.args[0])
+    x = node.args[0]
+    nd = _ndim(x)
     dim = node.args[1] % nd
+    p = pl(x)
+    log = node.target in (aten.log_softmax.int, aten._log_softmax.default)
+    if isinstance(p, Shard) and p.dim == dim and _contiguous(p) and not (log and _padded(x, p)):
+        return Decision(Shard(dim, p.segments, p.origin), kind="vocab_softmax",
+                        extra={"op": "log_softmax" if log else "softmax", "dim": dim, "size": Ctx.shape(x)[dim]})
     return _unary_dim_map(node, pl, lambda d: None if d == dim else d, "softmax over the sharded dim")
+
+
+def _contiguous(p: Shard) -> bool:
+    """One block per rank (possibly padded): the layout the vocabulary-parallel kernels read."""
+    return p.segments is None or len(p.segments) == 1
+
+
+def _padded(x: fx.Node, p: Shard) -> bool:
+    return p.segments is not None and sum(p.segments) != Ctx.shape(x)[p.dim]
+
+
+def _sum(node, pl) -> Decision:
+    """A sum over the sharded dim (no padding) is a local sum and g: the partial sums add up."""
+    x = node.args[0]
+    p = pl(x)
+    nd = _ndim(x)
+    dims = _norm_dims(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"), nd)
+    if isinstance(p, Shard) and p.dim in dims and not _padded(x, p) and node.kwargs.get("dtype") is None:
+        return Decision(R, kind="sharded", reduce_out=True)
+    return _reduction(node, pl, 2)
+
+
+def _gather(node, pl) -> Decision:
+    """torch.gather along the sharded dim with a replicated index: each rank picks what falls in
+    its columns (0 elsewhere) and g sums the picks (the log-probability of a label, say)."""
+    x, dim, index = node.args[0], node.args[1], node.args[2]
+    px, pi = pl(x), pl(index)
+    nd = _ndim(x)
+    dim %= nd
+    if isinstance(px, Shard) and px.dim == dim and _contiguous(px) and not isinstance(pi, (Shard, Partial)):
+        return Decision(R, kind="vocab_gather", reduce_out=True, extra={"dim": dim})
+    if isinstance(px, Shard) and px.dim != dim and isinstance(pi, Replicate):
+        return _fallback(node, [(("a", 0), px)], "gather with a replicated index over another dim")
+    if isinstance(px, Shard) and isinstance(pi, Shard) and px.dim == pi.dim != dim and px.segments == pi.segments:
+        return Decision(Shard(px.dim, px.segments, px.origin), kind="sharded")
+    shards = [(path, q) for path, q in ((("a", 0), px), (("a", 2), pi)) if isinstance(q, Shard)]
+    return _fallback(node, shards, "gather over the sharded dim")
+
+
+def _nll(node, pl) -> Decision:
+    x, target = node.args[0], node.args[1]
+    px = pl(x)
+    weight = _arg(node, 2, "weight")
+    reduction = _arg(node, 3, "reduction", 1)
+    ignore_index = _arg(node, 4, "ignore_index", -100)
+    if isinstance(px, Shard) and px.dim == 1 and _ndim(x) == 2 and weight is None and _contiguous(px) \
+            and not isinstance(pl(target), (Shard, Partial)):
+        return Decision(R, kind="vocab_nll", extra={"reduction": reduction, "ignore_index": ignore_index})
+    shards = [(("a", 0), px)] if isinstance(px, Shard) else []
+    return _fallback(node, shards, "nll_loss with class weights or N-d input")
+
+
+def _logsumexp(node, pl) -> Decision:
+    x = node.args[0]
+    nd = _ndim(x)
+    p = pl(x)
+    dims = _norm_dims(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"), nd)
+    keep = _arg(node, 2, "keepdim", False)
+    if isinstance(p, Shard) and dims == [p.dim] and _contiguous(p):
+        return Decision(R, kind="vocab_softmax",
+                        extra={"op": "logsumexp", "dim": p.dim, "size": Ctx.shape(x)[p.dim], "keepdim": keep})
+    return _reduction(node, pl, 2)
 
 
 def _norm(ctx, node, pl, n_shape_arg: int, weight_paths: list[int]) -> Decision:
@@ -786,6 +855,14 @@ def _decide(ctx: Ctx, node: fx.Node, pl: Callable) -> Decision:
         return _norm(ctx, node, pl, 1, [2, 3])
     if t == aten.rms_norm.default:
         return _norm(ctx, node, pl, 1, [2])
+    if t == aten.logsumexp.default:
+        return _logsumexp(node, pl)
+    if t == aten.sum.dim_IntList:
+        return _sum(node, pl)
+    if t == aten.gather.default:
+        return _gather(node, pl)
+    if t in (aten.nll_loss_nd.default, aten.nll_loss.default):
+        return _nll(node, pl)
     if t in _REDUCTIONS:
         return _reduction(node, pl, _REDUCTIONS[t])
     if t in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default):

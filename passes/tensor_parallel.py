@@ -31,7 +31,7 @@ from autopar.placement import Shard
 from autopar.trace import TracedModel
 from passes.sharding import ShardingPlan
 from passes.sharding_rules import Ctx, linear_parts
-from passes.vocab_parallel import rewrite_cross_entropy, rewrite_embedding
+from passes.vocab_parallel import rewrite_cross_entropy, rewrite_embedding, rewrite_softmax
 
 __all__ = ["apply_tensor_parallel"]
 
@@ -123,7 +123,12 @@ def apply_tensor_parallel(traced: TracedModel, plan: ShardingPlan) -> fx.GraphMo
         _localize_split(node, plan)
         if "slice_piece" in dec.extra:
             _localize_slice(node, plan, dec.extra["slice_piece"])
-        if dec.kind == "row":
+        if dec.kind == "vocab_gather":
+            node.args = (node.args[0], tp, dec.extra["dim"], node.args[2])
+            node.kwargs = {}
+            node.target = comm.vocab_parallel_gather
+            _reduce_after(graph, node, tp)
+        elif dec.kind == "row":
             _rewrite_row(graph, node, dec, ctx, tp)
         elif dec.reduce_out:
             _reduce_after(graph, node, tp)
@@ -131,6 +136,12 @@ def apply_tensor_parallel(traced: TracedModel, plan: ShardingPlan) -> fx.GraphMo
             rewrite_embedding(graph, node, tp, dec.extra.get("padding_idx", -1))
         elif dec.kind == "vocab_cross_entropy":
             rewrite_cross_entropy(graph, node, tp, dec.extra)
+        elif dec.kind == "vocab_softmax":
+            rewrite_softmax(graph, node, tp, dec.extra)
+        elif dec.kind == "vocab_nll":
+            node.args = (node.args[0], node.args[1], tp, dec.extra["reduction"], dec.extra["ignore_index"])
+            node.kwargs = {}
+            node.target = comm.vocab_parallel_nll_loss
         elif _random_on_shard(node, dec):
             node.args = (node.target, tp, *node.args)
             node.target = comm.tp_rng_call

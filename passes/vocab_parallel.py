@@ -1,4 +1,4 @@
-"""Vocabulary-parallel embedding and cross-entropy rewrites.
+"""Vocabulary-parallel embedding, cross-entropy and softmax-family rewrites.
 
 The embedding table E (V, h) is split by rows: rank i holds
 E[i*V/t : (i+1)*V/t]. A tied LM head uses the same shard, so its logits are
@@ -6,7 +6,9 @@ split by vocabulary, and the cross-entropy is computed from the split logits
 with three all-reduces of (N,)-sized tensors: the full (N, V) logits never
 exist on any rank. A vocabulary not divisible by t is padded to the next
 multiple of t; padded rows are zero, never looked up, and masked to -inf in
-the loss (see ``autopar.comm``).
+the loss (see ``autopar.comm``). ``logsumexp``, ``softmax`` and ``log_softmax``
+over the split vocabulary (a z-loss, distillation, a hand-written loss) run
+on the local columns with two all-reduces of the reduced shape.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch.fx as fx
 
 from autopar import comm
 
-__all__ = ["rewrite_embedding", "rewrite_cross_entropy"]
+__all__ = ["rewrite_embedding", "rewrite_cross_entropy", "rewrite_softmax"]
 
 
 def _meta(new: fx.Node, like: fx.Node) -> fx.Node:
@@ -43,6 +45,21 @@ def rewrite_cross_entropy(graph: fx.Graph, node: fx.Node, tp: fx.Node, extra: di
             extra.get("label_smoothing", 0.0))
     with graph.inserting_after(node):
         new = _meta(graph.call_function(comm.vocab_parallel_cross_entropy, args), node)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
+
+
+def rewrite_softmax(graph: fx.Graph, node: fx.Node, tp: fx.Node, extra: dict) -> fx.Node:
+    """logsumexp / softmax / log_softmax over the split dim -> their vocabulary-parallel forms."""
+    x, op, dim, size = node.args[0], extra["op"], extra["dim"], extra["size"]
+    if op == "logsumexp":
+        fn, args = comm.vocab_parallel_logsumexp, (x, tp, dim, size, extra["keepdim"])
+    else:
+        fn = comm.vocab_parallel_softmax if op == "softmax" else comm.vocab_parallel_log_softmax
+        args = (x, tp, dim, size, node.meta["val"].dtype)
+    with graph.inserting_after(node):
+        new = _meta(graph.call_function(fn, args), node)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new

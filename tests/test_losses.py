@@ -1,14 +1,27 @@
 """Loss functions users write, on 2 gloo ranks (tp=2), against one process.
 
 The loss is part of the traced graph, so whatever the user writes is split or
-reported. A vocabulary of 257 (prime) makes the split pad one column, so the
-padding must not leak into any of these:
+reported. With a vocabulary of 257 (prime) the split pads one column, and the
+padding must not leak into:
 
-- label smoothing (``F.cross_entropy(label_smoothing=0.1)``): vocabulary
-  parallel, the smoothing term's sum of logits riding in the same all-reduce;
-- targets with ``ignore_index`` and ``reduction='sum'``: vocabulary parallel;
-- a z-loss (``logsumexp(logits)**2``): the logsumexp has no vocabulary-parallel
-  rule, so it runs on gathered logits, correct and listed as a fallback.
+- label smoothing (``F.cross_entropy(label_smoothing=0.1)``), the smoothing
+  term's sum of logits riding in the same all-reduce;
+- targets with ``ignore_index`` and ``reduction='sum'``;
+- a z-loss (``logsumexp(logits)**2``): vocabulary-parallel logsumexp, padding
+  masked to -inf.
+
+With a vocabulary of 256 (no padding), losses written from the parts:
+
+- ``nll_loss(log_softmax(logits))``;
+- the log-probability of the labels by ``torch.gather`` (as preference losses
+  take it): each rank picks what falls in its columns, one all-reduce sums;
+- an entropy bonus, ``sum(softmax * log_softmax)`` over the vocabulary: the sum
+  over the split dim is a local sum and one all-reduce.
+
+Every one of them stays vocabulary-parallel (no fallback, no linear left
+whole). A log_softmax over a *padded* vocabulary has no such rule (its padded
+columns would enter later sums): the LM head and the embedding stay whole, and
+the plan says why.
 
 Tolerances as in test_tp_parity (fp32; the split only reorders sums).
 """
@@ -22,7 +35,7 @@ from autopar.models import build
 from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
 
 pytestmark = pytest.mark.multiprocess
-VOCAB, SEQ, ROWS = 257, 16, 4
+SEQ, ROWS = 16, 4
 
 
 def _smooth(logits, y):
@@ -39,24 +52,40 @@ def _zloss(logits, y):
     return ce + 1e-2 * torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
-LOSSES = {"label_smoothing": _smooth, "ignore_index_sum": _ignore_sum, "z_loss": _zloss}
+def _nll(logits, y):
+    return F.nll_loss(F.log_softmax(logits, dim=-1).flatten(0, -2), y.flatten())
 
 
-def _model():
+def _gather_logp(logits, y):
+    return -torch.gather(F.log_softmax(logits, dim=-1), -1, y.unsqueeze(-1)).mean()
+
+
+def _entropy_bonus(logits, y):
+    entropy = -(F.softmax(logits, -1) * F.log_softmax(logits, -1)).sum(-1).mean()
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten()) - 0.01 * entropy
+
+
+# name -> (loss, vocabulary)
+LOSSES = {"label_smoothing": (_smooth, 257), "ignore_index_sum": (_ignore_sum, 257), "z_loss": (_zloss, 257),
+          "nll_of_log_softmax": (_nll, 256), "gather_log_prob": (_gather_logp, 256),
+          "entropy_bonus": (_entropy_bonus, 256), "padded_log_softmax": (_nll, 257)}
+
+
+def _model(vocab):
     torch.manual_seed(0)
-    return build("gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, d_model=64)
+    return build("gpt", vocab_size=vocab, seq_len=SEQ, n_layer=2, n_head=4, d_model=64)
 
 
-def _data():
+def _data(vocab):
     g = torch.Generator().manual_seed(2)
-    return [((torch.randint(0, VOCAB, (ROWS, SEQ), generator=g),), (torch.randint(0, VOCAB, (ROWS, SEQ), generator=g),))]
+    return [((torch.randint(0, vocab, (ROWS, SEQ), generator=g),), (torch.randint(0, vocab, (ROWS, SEQ), generator=g),))]
 
 
 def _worker():
     out = {}
-    for name, loss_fn in LOSSES.items():
-        data = _data()
-        program = autopar.parallelize(_model(), tp=2, loss_fn=loss_fn, example_inputs=data[0][0],
+    for name, (loss_fn, vocab) in LOSSES.items():
+        data = _data(vocab)
+        program = autopar.parallelize(_model(vocab), tp=2, loss_fn=loss_fn, example_inputs=data[0][0],
                                       example_targets=data[0][1])
         engine = program.materialize()
         loss = engine.train_step(*data[0][0], *data[0][1])
@@ -72,19 +101,27 @@ def results():
 
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_loss_matches_one_process(results, name):
-    ref_losses, ref_grads = single_device_run(_model(), _data(), LOSSES[name])
+    loss_fn, vocab = LOSSES[name]
+    ref_losses, ref_grads = single_device_run(_model(vocab), _data(vocab), loss_fn)
     for rank, res in enumerate(results):
         loss, grads, _, _, _ = res[name]
         assert_parity(ref_losses, ref_grads[0], [loss], grads, label=f"{name} rank {rank}", **FP32_TOLERANCE)
 
 
-@pytest.mark.parametrize("name", ["label_smoothing", "ignore_index_sum"])
-def test_cross_entropy_variants_stay_vocabulary_parallel(results, name):
+VOCAB_KINDS = {"label_smoothing": {"vocab_cross_entropy"}, "ignore_index_sum": {"vocab_cross_entropy"},
+               "z_loss": {"vocab_cross_entropy", "vocab_softmax"}, "nll_of_log_softmax": {"vocab_softmax", "vocab_nll"},
+               "gather_log_prob": {"vocab_softmax", "vocab_gather"},
+               "entropy_bonus": {"vocab_cross_entropy", "vocab_softmax"}}
+
+
+@pytest.mark.parametrize("name", list(VOCAB_KINDS))
+def test_losses_stay_vocabulary_parallel(results, name):
     _, _, fallbacks, rejected, kinds = results[0][name]
-    assert "vocab_cross_entropy" in kinds and fallbacks == [] and rejected == []
+    assert fallbacks == [] and rejected == [], (fallbacks, rejected)
+    assert VOCAB_KINDS[name] <= kinds, kinds
 
 
-def test_z_loss_runs_on_gathered_logits_and_says_so(results):
-    _, _, fallbacks, _, kinds = results[0]["z_loss"]
-    assert "vocab_cross_entropy" in kinds
-    assert [f[0] for f in fallbacks] == ["logsumexp"] and "sharded dim" in fallbacks[0][1]
+def test_log_softmax_over_a_padded_vocabulary_keeps_the_vocabulary_whole_and_says_so(results):
+    _, _, fallbacks, rejected, kinds = results[0]["padded_log_softmax"]
+    assert not any(k.startswith("vocab_") for k in kinds) and fallbacks == []
+    assert any(r.module == "lm_head" and "softmax over the sharded dim" in r.reason for r in rejected), rejected
