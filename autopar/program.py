@@ -230,8 +230,9 @@ class ParallelProgram:
 
     def replicated_weights(self) -> list[tuple[str, int, str]]:
         """(parameter, elements, why) of every matrix (2-D or more) left whole on each tp
-        rank that no rejected linear already explains: the op that reads it, past views and
-        transposes, with its source line. Empty when tp = 1 or everything is split."""
+        rank that no rejected linear already explains, other than tables looked up by id: the
+        op that reads it, past views and transposes, with its source line. Empty when tp = 1 or
+        everything is split."""
         if self.tp == 1:
             return []
         explained = {r.node for r in self.plan.rejected}
@@ -252,16 +253,14 @@ class ParallelProgram:
                     frontier.extend(u.users)
                 elif u.op != "output":
                     readers.append(u)
-            if not readers or any(r.name in explained for r in readers):
+            # tables looked up by id (position embeddings) stay whole by design, as in Megatron
+            if not readers or any(r.name in explained or r.target == torch.ops.aten.embedding.default
+                                  for r in readers):
                 continue
             first = readers[0]
             where = source_line(first)
             target = getattr(first.target, "__name__", str(first.target))
-            if first.target == torch.ops.aten.embedding.default:
-                why = f"an embedding table read at {where or module_path(first)} (only the vocabulary-parallel ones split)"
-            else:
-                why = (f"read by {target} at {where or module_path(first)}, "
-                       f"which no sharding rule splits by its weight")
+            why = f"read by {target} at {where or module_path(first)}, which no sharding rule splits by its weight"
             out.append((name, math.prod(node.meta["val"].shape), why))
         return out
 

@@ -182,14 +182,22 @@ def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
             ok, _, errors = _try_column(state, ctx, group)
             if ok:
                 continue
+        # then the linears that share one weight parameter (the experts of a stacked W[e]) as a
+        # unit, since one of them split alone would leave the others reading it whole; the rest
+        # one by one
+        units: dict[str, list[fx.Node]] = {}
         for member in group:
-            if not _is_candidate(state, ctx, member):
+            units.setdefault(weight_of(ctx, member).name, []).append(member)
+        for unit in units.values():
+            if len(unit) > 1 and len(unit) < len(group) and all(_is_candidate(state, ctx, m) for m in unit):
+                ok, reason, errors = _try_column(state, ctx, unit)
+                if ok:
+                    continue
+                if errors:
+                    raise ShardingError(errors[0])
+                rejected.extend(Rejected(m.name, module_path(m), reason) for m in unit)
                 continue
-            ok, reason, errors = _try_column(state, ctx, [member])
-            if errors and not ok:
-                raise ShardingError(errors[0])
-            if not ok:
-                rejected.append(Rejected(member.name, module_path(member), reason))
+            _try_one_by_one(state, ctx, unit, rejected)
     # A vocabulary-parallel embedding whose (tied) table stayed whole elsewhere
     # cannot be split: run it replicated and say so.
     while conflicts := _param_conflicts(state, ctx):
@@ -203,6 +211,17 @@ def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
                                      "vocabulary stays unsplit"))
         state.run_all()
     return _finish(traced, ctx, state, rejected)
+
+
+def _try_one_by_one(state: "_State", ctx: Ctx, members: list[fx.Node], rejected: list[Rejected]) -> None:
+    for member in members:
+        if not _is_candidate(state, ctx, member):
+            continue
+        ok, reason, errors = _try_column(state, ctx, [member])
+        if errors and not ok:
+            raise ShardingError(errors[0])
+        if not ok:
+            rejected.append(Rejected(member.name, module_path(member), reason))
 
 
 def _is_candidate(state: "_State", ctx: Ctx, node: fx.Node) -> bool:
@@ -267,7 +286,9 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node]) -> tuple[bool, st
         out_ok = all(isinstance(p, Replicate) for p in _flat(state.placement_of(out_node.args[0][0])))
         conflicts = [c for c in _param_conflicts(state, ctx) if c not in conflicts_before]
         padded_bad = any(padded.values()) and any(not state.dec[n].kind.startswith("vocab_") for n in sinks)
-        leaking = bool(new_fallbacks and leaks)
+        # a group is all or nothing: one member whose values end in a fallback (a router's
+        # top-k beside the experts it routes to) sends the group back to one-by-one trials
+        leaking = bool(new_fallbacks and (leaks or len(group) > 1))
         if (sinks or merged) and out_ok and not conflicts and not errors and not padded_bad and not leaking:
             return True, "", []
         fb_reason = state.dec[new_fallbacks[0]].reason if new_fallbacks else ""

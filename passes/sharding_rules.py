@@ -152,11 +152,54 @@ def _is_param(ctx: Ctx, n) -> bool:
     return isinstance(n, fx.Node) and n.op == "placeholder" and n.name in ctx.param_of
 
 
+GROUPED_MM_OPS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+"""Grouped matmuls of mixture-of-experts layers: x (S, K) @ W (E, K, N), rows grouped by expert
+(by name: a library registers its op when the model's module is imported)."""
+
+
+def _is_grouped_mm(t) -> bool:
+    return isinstance(t, torch._ops.OpOverload) and t.name() in GROUPED_MM_OPS
+
+
+def _expert_weight(ctx: Ctx, w) -> tuple[fx.Node, bool] | None:
+    """(3-D parameter, transposed) when ``w`` is a stacked expert weight or its transpose(-2, -1)."""
+    if _is_param(ctx, w) and _ndim(w) == 3:
+        return w, False
+    if (isinstance(w, fx.Node) and w.op == "call_function" and w.target == aten.transpose.int
+            and _is_param(ctx, w.args[0]) and _ndim(w.args[0]) == 3 and sorted(d % 3 for d in w.args[1:3]) == [1, 2]):
+        return w.args[0], True
+    return None
+
+
 def linear_parts(ctx: Ctx, node: fx.Node):
-    """For a linear-like node with a 2-D parameter weight: (x_path, w_node, b_node, w_out_dim)."""
+    """For a linear-like node: (x_path, weight parameter, bias, weight's output-feature dim,
+    weight's input-feature dim). The weight is a 2-D parameter, one expert of a stacked 3-D
+    one (``select(W, 0, e)``), or a stacked 3-D one read by a grouped matmul."""
     if node.op != "call_function":
         return None
+    parts = _linear_parts(ctx, node)
+    if parts is None:
+        return None
+    if len(parts) == 4:
+        w_out = parts[3]
+        return (*parts, 1 - w_out if _ndim(parts[1]) == 2 else 3 - w_out)
+    return parts
+
+
+def _linear_parts(ctx: Ctx, node: fx.Node):
     t = node.target
+    if _is_grouped_mm(t):
+        got = _expert_weight(ctx, node.args[1])
+        if got is None:
+            return None
+        w, transposed = got  # the op reads (E, K, N): W stored (E, N, K) and transposed, or as is
+        return ("a", 0), w, None, *((1, 2) if transposed else (2, 1))
+    if t == aten.linear.default and isinstance(node.args[1], fx.Node) and node.args[1].target == aten.select.int:
+        sel = node.args[1]
+        if _is_param(ctx, sel.args[0]) and _ndim(sel.args[0]) == 3 and sel.args[1] % 3 == 0 \
+                and _arg(node, 2, "bias") is None:
+            return ("a", 0), sel.args[0], None, 1, 2  # one expert: W[e] (out, in) of W (E, out, in)
+        return None
     if t == aten.linear.default:
         w = node.args[1]
         b = _arg(node, 2, "bias")
@@ -197,7 +240,7 @@ def _align(d: int, out_nd: int, in_nd: int) -> int:
     return d - (out_nd - in_nd)
 
 
-def _elementwise(ctx: Ctx, node, pl, operands=None, out_nd=None) -> Decision:
+def _elementwise(ctx: Ctx, node, pl, operands=None, out_nd=None, concat: bool = False) -> Decision:
     """Broadcasting element-wise op: output sharded like its sharded operands."""
     operands = operands if operands is not None else _operands(node)
     val = node.meta["val"]
@@ -210,6 +253,9 @@ def _elementwise(ctx: Ctx, node, pl, operands=None, out_nd=None) -> Decision:
         if isinstance(p, Shard):
             od = p.dim + (out_nd - _ndim(a))
             shards.append((path, p))
+            if not concat and a.meta["val"].shape[p.dim] != out_shape[od]:  # a split dim cannot broadcast
+                return _fallback(node, shards, f"operand {a.name} is split on a dim of size "
+                                               f"{a.meta['val'].shape[p.dim]} that broadcasts to {out_shape[od]}")
             if target is None:
                 target = (od, p.segments, p.origin)
             elif (od, p.segments) != target[:2]:
@@ -301,13 +347,16 @@ def _padded(x: fx.Node, p: Shard) -> bool:
 
 
 def _sum(node, pl) -> Decision:
-    """A sum over the sharded dim (no padding) is a local sum and g: the partial sums add up."""
+    """A sum over the sharded dim (no padding) is a local sum and g: the partial sums add up.
+    A mean is the local mean over t (the ranks hold equal parts), then g: an RMSNorm over a
+    split q (some models normalise q and k before taking heads apart) stays split."""
     x = node.args[0]
     p = pl(x)
     nd = _ndim(x)
     dims = _norm_dims(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"), nd)
     if isinstance(p, Shard) and p.dim in dims and not _padded(x, p) and node.kwargs.get("dtype") is None:
-        return Decision(R, kind="sharded", reduce_out=True)
+        extra = {"mean_over_ranks": True} if node.target == aten.mean.dim else {}
+        return Decision(R, kind="sharded", reduce_out=True, extra=extra)
     return _reduction(node, pl, 2)
 
 
@@ -489,7 +538,8 @@ def _cat(ctx, node, pl, stack: bool) -> Decision:
     # cat skips 1-D empty tensors (an empty key/value cache concatenated with the new keys)
     operands = [(("a", 0, j), a) for j, a in enumerate(tensors)
                 if stack or not (isinstance(a, fx.Node) and tuple(Ctx.shape(a)) == (0,))]
-    dec = _elementwise(ctx, node, pl, operands=[(pth, a) for pth, a in operands], out_nd=out_nd if not stack else out_nd - 1)
+    dec = _elementwise(ctx, node, pl, operands=[(pth, a) for pth, a in operands],
+                       out_nd=out_nd if not stack else out_nd - 1, concat=True)
     if dec.kind != "sharded":
         return dec
     od = dec.out.dim + (1 if stack and dim <= dec.out.dim else 0)
@@ -540,10 +590,9 @@ def _matmul(ctx, node, pl) -> Decision:
 
 
 def _linear(ctx: Ctx, node, pl, parts) -> Decision:
-    xpath, w, b, w_out = parts
+    xpath, w, b, w_out, w_in = parts
     x = _get(node, xpath)
     px = pl(x)
-    w_in = 1 - w_out
     demand = {w.name: R}
     if isinstance(b, fx.Node) and b.name in ctx.param_of:
         demand[b.name] = R
@@ -796,6 +845,16 @@ def _unary_same(node, pl) -> Decision:
     return Decision(R)
 
 
+def _weight_view(ctx: Ctx, node: fx.Node, param: fx.Node) -> bool:
+    if node.target not in (aten.transpose.int, aten.select.int) or node.args[0] is not param or not node.users:
+        return False
+    for u in node.users:
+        parts = linear_parts(ctx, u)
+        if parts is None or parts[1] is not param or _get(u, parts[0]) is node:
+            return False
+    return True
+
+
 def decide(ctx: Ctx, node: fx.Node, pl: Callable) -> Decision:
     """The placement of ``node``'s output and the collectives around it."""
     if node.op != "call_function":
@@ -807,10 +866,12 @@ def decide(ctx: Ctx, node: fx.Node, pl: Callable) -> Decision:
             return Decision(src[node.args[1]], kind="sharded" if isinstance(src[node.args[1]], Shard) else "replicated")
         return Decision(R)
     dec = _decide(ctx, node, pl)
-    # every parameter an op reads without asking for a shard is read whole
+    # every parameter an op reads without asking for a shard is read whole, except through a
+    # view that only linear-like ops use as their weight (an expert's W[e], a transposed stack):
+    # those linears say how the parameter is split
     demand = dict(dec.param_demand)
     for _, a in _operands(node):
-        if _is_param(ctx, a) and a.name not in demand:
+        if _is_param(ctx, a) and a.name not in demand and not _weight_view(ctx, node, a):
             demand[a.name] = R
     if demand != dec.param_demand:
         dec = Decision(**{**dec.__dict__, "param_demand": demand})
@@ -857,7 +918,7 @@ def _decide(ctx: Ctx, node: fx.Node, pl: Callable) -> Decision:
         return _norm(ctx, node, pl, 1, [2])
     if t == aten.logsumexp.default:
         return _logsumexp(node, pl)
-    if t == aten.sum.dim_IntList:
+    if t in (aten.sum.dim_IntList, aten.mean.dim):
         return _sum(node, pl)
     if t == aten.gather.default:
         return _gather(node, pl)

@@ -131,7 +131,13 @@ def apply_tensor_parallel(traced: TracedModel, plan: ShardingPlan) -> fx.GraphMo
         elif dec.kind == "row":
             _rewrite_row(graph, node, dec, ctx, tp)
         elif dec.reduce_out:
-            _reduce_after(graph, node, tp)
+            if dec.extra.get("mean_over_ranks"):  # local mean / t on each rank, summed by g
+                with graph.inserting_after(node):
+                    scaled = _copy_meta(graph.call_function(aten.div.Tensor, (node, t)), node)
+                node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+                _reduce_after(graph, scaled, tp)
+            else:
+                _reduce_after(graph, node, tp)
         elif dec.kind == "vocab_embedding":
             rewrite_embedding(graph, node, tp, dec.extra.get("padding_idx", -1))
         elif dec.kind == "vocab_cross_entropy":

@@ -16,6 +16,7 @@ families do, and used to defeat the analysis:
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -199,3 +200,121 @@ def test_weights_no_rule_splits_are_listed_with_the_op_that_reads_them():
     assert "h.0.w_in" in text and "h.1.w_in" not in text  # layers 1.. as layer 0
     # the linears beside them are split
     assert program.param_spec("h.0.fc.weight") != program.param_spec("h.0.w_in")
+
+
+E, FF = 4, 96
+
+
+class MoEBlock(nn.Module):
+    """Top-1 mixture of experts with stacked expert weights, applied either as grouped matmuls
+    over tokens sorted by expert (``torch._grouped_mm``) or expert by expert (``W[e]``)."""
+
+    def __init__(self, grouped: bool):
+        super().__init__()
+        self.grouped = grouped
+        self.ln = nn.LayerNorm(H)
+        self.router = nn.Linear(H, E, bias=False)
+        self.w_up = nn.Parameter(torch.randn(E, 2 * FF, H) / H**0.5)  # (E, out, in): gate and up
+        self.w_down = nn.Parameter(torch.randn(E, H, FF) / FF**0.5)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.ln(x).reshape(-1, H)
+        top_w, top_i = self.router(h).softmax(-1).topk(1, dim=-1)
+        if self.grouped:
+            order = torch.argsort(top_i.squeeze(-1), stable=True)
+            counts = torch.histc(top_i.float(), bins=E, min=0, max=E - 1)
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            g, u = torch._grouped_mm(h[order], self.w_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+            out = torch._grouped_mm(F.silu(g) * u, self.w_down.transpose(-2, -1), offs=offs)
+            y = torch.zeros_like(out).index_copy(0, order, out)
+        else:
+            y = torch.zeros_like(h)
+            for e in range(E):
+                g, u = F.linear(h, self.w_up[e]).chunk(2, dim=-1)
+                y = y + (top_i == e).to(h.dtype) * F.linear(F.silu(g) * u, self.w_down[e])
+        return x + (y * top_w).view(b, s, H)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "expert_by_expert"])
+def test_experts_split_like_an_mlp(grouped):
+    torch.manual_seed(0)
+    model = Model()
+    model.h = nn.ModuleList(MoEBlock(grouped) for _ in range(LAYERS))
+    if grouped:  # torch._grouped_mm's shape function takes bf16 only
+        model = model.to(torch.bfloat16)
+    x, y = _data()
+    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    assert program.replicated_weights() == [] and program.fallbacks() == []
+    for layer in range(LAYERS):
+        up, down = program.param_spec(f"h.{layer}.w_up"), program.param_spec(f"h.{layer}.w_down")
+        # gate and up are split apiece (each rank: its half of both), down by its input features
+        assert (up.dim, tuple(up.segments)) == (1, (FF, FF)) and (down.dim, down.segments) == (2, None)
+        assert program.local_shape(f"h.{layer}.w_up") == (E, FF, H)
+        assert program.local_shape(f"h.{layer}.w_down") == (E, H, FF // 2)
+    per_layer = program.collectives(by_layer=True)
+    # one g after the experts' down projections (expert by expert: one per expert, summed lazily
+    # is not done, so E of them), one f on their shared input
+    g = 1 if grouped else E
+    assert all(per_layer[(layer, "reduce_from_tp")] == g for layer in range(LAYERS)), per_layer
+    assert [r.module for r in program.plan.rejected] == [f"h.{i}.router" for i in range(LAYERS)]
+
+
+def test_a_split_dim_of_size_one_does_not_broadcast():
+    """A gate of one output feature (a shared expert's sigmoid gate) cannot be split: padded to
+    t, its split dim would broadcast against the full hidden size."""
+
+    class GatedMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(H)
+            self.gate = nn.Linear(H, 1)
+            self.fc, self.proj = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+
+        def forward(self, x):
+            h = self.ln(x)
+            return x + torch.sigmoid(self.gate(h)) * self.proj(F.gelu(self.fc(h)))
+
+    torch.manual_seed(0)
+    model = Model()
+    model.h = nn.ModuleList(GatedMLP() for _ in range(LAYERS))
+    x, y = _data()
+    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    rejected = {r.module: r.reason for r in program.plan.rejected}
+    assert set(rejected) == {f"h.{i}.gate" for i in range(LAYERS)}
+    assert all("size 1 that broadcasts to 64" in why for why in rejected.values())
+    assert program.fallbacks() == [] and program.param_spec("h.0.fc.weight").dim == 0
+    program.local_shapes(rank=1)
+
+
+def test_rmsnorm_over_a_split_projection_is_a_local_mean_and_g():
+    """q normalised over all heads before they are taken apart (OLMoE, OLMo-2): the mean over
+    the split dim is each rank's mean over t, summed by one all-reduce; no gather."""
+
+    class QNorm(Block):
+        def __init__(self):
+            super().__init__()
+            self.norm_weight = nn.Parameter(torch.ones(3 * H))
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            d = H // HEADS
+            qkv = self.qkv(self.ln1(x))
+            qkv = qkv * torch.rsqrt(qkv.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight  # RMSNorm
+            q, k, v = qkv.split(H, dim=-1)
+            q, k, v = (t.view(b, s, HEADS, d).transpose(1, 2) for t in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, s, H))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    torch.manual_seed(0)
+    model = Model()
+    model.h = nn.ModuleList(QNorm() for _ in range(LAYERS))
+    x, y = _data()
+    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    assert program.fallbacks() == [] and program.plan.rejected == []
+    per_layer = program.collectives(by_layer=True)
+    # g after the norm's mean, after proj and after fc2; f on the QKV input, the MLP input and
+    # the norm's (replicated, split-read) weight
+    assert all(per_layer[(layer, "reduce_from_tp")] == 3 for layer in range(LAYERS)), per_layer
+    assert all(per_layer[(layer, "copy_to_tp")] == 3 for layer in range(LAYERS)), per_layer

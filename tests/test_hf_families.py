@@ -10,9 +10,12 @@ Then families that write their blocks differently: GPT-NeoX (one QKV
 projection interleaved per head, partial rotary, parallel residual), GPT-J
 (parallel attention and MLP), Gemma-2 (dtype casts, logit soft-capping,
 GeGLU), Falcon (``x @ W.T`` linears), Qwen3 (RMSNorm per head on q and k),
-Mixtral (mixture of experts: each expert's MLP split, the router whole) and
 GPTBigCode (multi-query attention through one fused projection, which cannot
-be split by key/value heads: it stays whole, and the plan says so).
+be split by key/value heads: it stays whole, and the plan says so), and three
+mixtures of experts: Mixtral (stacked expert weights applied as grouped
+matmuls, each expert's MLP split, the router whole), OLMoE (RMSNorm over the
+whole q and k projections before heads: a local mean and one all-reduce) and
+Qwen2-MoE (a shared expert gated by a one-feature linear, which stays whole).
 """
 
 import pytest
@@ -66,6 +69,13 @@ def _make_more(name):
     if name == "mixtral":
         return T.MixtralForCausalLM(T.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
                                                     num_experts_per_tok=2, **common))
+    if name == "olmoe":
+        return T.OlmoeForCausalLM(T.OlmoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                **common))
+    if name == "qwen2-moe":
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                      moe_intermediate_size=64, shared_expert_intermediate_size=128,
+                                                      **common))
     return T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(multi_query=True, attn_pdrop=0.0, resid_pdrop=0.0,
                                                       embd_pdrop=0.0, **gpt))
 
@@ -86,7 +96,8 @@ def _worker(names, make=_make):
         losses, grads = train_steps(program.materialize(), data, LR)
         per_layer = program.collectives(by_layer=True)
         out[name] = (losses, grads, program.fallbacks(), [r.reason for r in program.plan.rejected],
-                     {k: v for k, v in per_layer.items() if k[0] is not None})
+                     {k: v for k, v in per_layer.items() if k[0] is not None},
+                     [w[0] for w in program.replicated_weights()], [r.module for r in program.plan.rejected])
     return out
 
 
@@ -97,7 +108,7 @@ def test_more_hf_families_split_fully_and_match_one_process():
         ref_losses, ref_grads = single_device_run(_make(name), _data(), autopar.lm_cross_entropy,
                                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
         for rank, res in enumerate(results):
-            losses, grads, fallbacks, rejected, per_layer = res[name]
+            losses, grads, fallbacks, rejected, per_layer, _, _ = res[name]
             assert fallbacks == [] and rejected == [], (name, fallbacks, rejected)
             assert set(per_layer.values()) == {2}, per_layer  # f and g twice per layer
             assert_parity(ref_losses[:1], ref_grads[0], losses[:1], grads[0], label=f"{name} rank {rank}",
@@ -106,7 +117,7 @@ def test_more_hf_families_split_fully_and_match_one_process():
                           **AFTER_ADAMW)
 
 
-MORE = ["gpt-neox", "gpt-j", "gemma2", "falcon", "qwen3", "mixtral", "bigcode"]
+MORE = ["gpt-neox", "gpt-j", "gemma2", "falcon", "qwen3", "bigcode", "mixtral", "olmoe", "qwen2-moe"]
 
 
 def test_families_written_differently_match_one_process():
@@ -115,12 +126,15 @@ def test_families_written_differently_match_one_process():
         ref_losses, ref_grads = single_device_run(_make_more(name), _data(), autopar.lm_cross_entropy,
                                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
         for rank, res in enumerate(results):
-            losses, grads, fallbacks, rejected, per_layer = res[name]
+            losses, grads, fallbacks, rejected, per_layer, whole, where = res[name]
             assert fallbacks == [], (name, fallbacks)
-            if name == "mixtral":  # the router (hidden -> experts, then a softmax over experts) stays whole
-                assert rejected and all("softmax" in r for r in rejected), rejected
+            assert whole == [], (name, whole)  # every matrix is split or explained by a rejected linear
+            if name in ("mixtral", "olmoe"):  # the router (then a top-k over experts) stays whole
+                assert rejected and all("topk" in r for r in rejected), rejected
+            elif name == "qwen2-moe":  # the router, and the shared expert's one-feature gate
+                assert {m.rsplit(".", 1)[-1] for m in where} == {"gate", "shared_expert_gate"}, where
             elif name == "bigcode":  # one key/value head: the fused QKV (and so c_proj) stays whole
-                assert any("c_attn" in r or "reaches" in r for r in rejected), rejected
+                assert {m.rsplit(".", 1)[-1] for m in where} == {"c_attn", "c_proj"}, where
             else:
                 assert rejected == [], (name, rejected)
             assert_parity(ref_losses[:1], ref_grads[0], losses[:1], grads[0], label=f"{name} rank {rank}",
