@@ -359,6 +359,7 @@ class _VocabParallelLogSumExp(torch.autograd.Function):
         m = z.amax(dim=dim, keepdim=True)
         if tp.size > 1:
             m = _all_reduce(m, tp, dist.ReduceOp.MAX)
+        m = m.masked_fill(torch.isneginf(m), 0.0)  # an all -inf row: exp gives 0, the result -inf
         e = (z - m).exp()
         s = e.sum(dim=dim, keepdim=True)
         if tp.size > 1:
@@ -456,6 +457,14 @@ def vocab_parallel_nll_loss(logp: torch.Tensor, target: torch.Tensor, tp: TPGrou
     return _VocabParallelNLL.apply(logp, target, tp, reduction, ignore_index)
 
 
+def seed_forked(seed: int, devices: list[int]) -> None:
+    """Seed the CPU generator and those of ``devices`` only: inside ``fork_rng(devices)`` those
+    are the ones restored afterwards (``torch.manual_seed`` would reseed every GPU's)."""
+    torch.random.default_generator.manual_seed(seed)
+    for d in devices:
+        torch.cuda.default_generators[d].manual_seed(seed)
+
+
 def tp_rng_call(op, tp: TPGroup, *args, **kwargs):
     """Run a random op on a tensor-parallel shard with this rank's own random stream.
 
@@ -471,5 +480,5 @@ def tp_rng_call(op, tp: TPGroup, *args, **kwargs):
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed + 7919 * tp.rank)
+        seed_forked(seed + 7919 * tp.rank, devices)
         return op(*args, **kwargs)

@@ -178,10 +178,17 @@ def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
         group = [u for u in nodes if u not in tried and _is_candidate(state, ctx, u)
                  and _operand(u, linear_parts(ctx, u)[0]) is x]
         tried.update(group)
+        dead: list[fx.Node] = []
         if len(group) > 1:
-            ok, _, errors = _try_column(state, ctx, group)
+            ok, _, errors = _try_column(state, ctx, group, dead)
             if ok:
                 continue
+            live = [m for m in group if m not in dead]
+            if dead and len(live) > 1:
+                ok, _, errors = _try_column(state, ctx, live)
+                if ok:
+                    _try_one_by_one(state, ctx, dead, rejected)
+                    continue
         # then the linears that share one weight parameter (the experts of a stacked W[e]) as a
         # unit, since one of them split alone would leave the others reading it whole; the rest
         # one by one
@@ -237,7 +244,8 @@ def _operand(node: fx.Node, path: tuple) -> fx.Node:
     return a[path[2]] if len(path) == 3 else a
 
 
-def _try_column(state: _State, ctx: Ctx, group: list[fx.Node]) -> tuple[bool, str, list[str]]:
+def _try_column(state: _State, ctx: Ctx, group: list[fx.Node],
+                dead_out: list[fx.Node] | None = None) -> tuple[bool, str, list[str]]:
     """Try the linears of ``group`` column-parallel together; keep them if the region closes.
 
     Kept when the sharded values reach a consumer that ends the region (a
@@ -286,10 +294,15 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node]) -> tuple[bool, st
         out_ok = all(isinstance(p, Replicate) for p in _flat(state.placement_of(out_node.args[0][0])))
         conflicts = [c for c in _param_conflicts(state, ctx) if c not in conflicts_before]
         padded_bad = any(padded.values()) and any(not state.dec[n].kind.startswith("vocab_") for n in sinks)
-        # a group is all or nothing: one member whose values end in a fallback (a router's
-        # top-k beside the experts it routes to) sends the group back to one-by-one trials
-        leaking = bool(new_fallbacks and (leaks or len(group) > 1))
-        if (sinks or merged) and out_ok and not conflicts and not errors and not padded_bad and not leaking:
+        leaking = bool(new_fallbacks and leaks)
+        # in a group, a member whose sharded values neither reach a sink nor meet another
+        # member's (a router whose top-k falls back, beside the experts it routes to) would only
+        # add gathers: the group is retried without it
+        dead = _dead_ends(state, group, set(touched), set(sinks)) if len(group) > 1 and new_fallbacks else []
+        if dead_out is not None:
+            dead_out[:] = dead
+        if (sinks or merged) and out_ok and not conflicts and not errors and not padded_bad and not leaking \
+                and not dead:
             return True, "", []
         fb_reason = state.dec[new_fallbacks[0]].reason if new_fallbacks else ""
         state.undo(old)
@@ -324,6 +337,27 @@ def _ends_region(d: Decision) -> bool:
     if d.kind in ("row", *_VOCAB_SINKS) or d.reduce_out:
         return True
     return d.kind == "vocab_softmax" and isinstance(d.out, Replicate)
+
+
+def _dead_ends(state: _State, group: list[fx.Node], touched: set[fx.Node], sinks: set[fx.Node]) -> list[fx.Node]:
+    """Members whose values (followed through the nodes the trial changed) reach no sink and no
+    node that another member's values reach too."""
+    reach: dict[fx.Node, set[fx.Node]] = {}
+    for m in group:
+        seen, todo = set(), [m]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            todo.extend(u for u in n.users if u in touched)
+        reach[m] = seen
+    dead = []
+    for m in group:
+        others = set().union(*(reach[o] for o in group if o is not m))
+        if not (reach[m] & sinks) and not (reach[m] & others):
+            dead.append(m)
+    return dead
 
 
 def _divisors(n: int) -> str:

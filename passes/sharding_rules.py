@@ -621,7 +621,11 @@ def _linear(ctx: Ctx, node, pl, parts) -> Decision:
             demand[w.name] = Shard(w_in, px.segments)
             return Decision(R, kind="row", reduce_out=True, param_demand=demand)
         # a batch-like dim is split: the replicated weight and bias get f (partial gradients)
-        copy_paths = [path for path, a in _operands(node) if (a is w or a is b) and a.name in ctx.requires_grad]
+        # (the weight may be read through a view: an expert's W[e], a transposed stack)
+        weight_read = _get(node, ("a", 1)) if len(node.args) > 1 else w
+        copy_paths = [path for path, a in _operands(node)
+                      if ((a is w or a is b) and a.name in ctx.requires_grad)
+                      or (a is weight_read and a is not w and w.name in ctx.requires_grad)]
         return Decision(Shard(px.dim, px.segments, px.origin), kind="sharded", copy_in=tuple(copy_paths), param_demand=demand)
     return _fallback(node, [], "partial input")
 

@@ -318,3 +318,66 @@ def test_rmsnorm_over_a_split_projection_is_a_local_mean_and_g():
     # the norm's (replicated, split-read) weight
     assert all(per_layer[(layer, "reduce_from_tp")] == 3 for layer in range(LAYERS)), per_layer
     assert all(per_layer[(layer, "copy_to_tp")] == 3 for layer in range(LAYERS)), per_layer
+
+
+class HeadMix(Block):
+    """A weight applied to every head's output (the heads dim is split, so the weight is read
+    whole on each rank and its gradient is partial): as a matrix, or as one slice W[0] of a stack."""
+
+    def __init__(self, stacked: bool):
+        super().__init__()
+        d = H // HEADS
+        self.stacked = stacked
+        self.w = nn.Parameter(torch.randn(2, d, d) / d**0.5 if stacked else torch.randn(d, d) / d**0.5)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        d = H // HEADS
+        q, k, v = (t.view(b, s, HEADS, d).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(H, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = F.linear(a, self.w[0] if self.stacked else self.w)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, H))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def test_a_weight_read_through_a_view_on_split_rows_gets_f():
+    counts = []
+    for stacked in (False, True):
+        torch.manual_seed(0)
+        model = Model()
+        model.h = nn.ModuleList(HeadMix(stacked) for _ in range(LAYERS))
+        x, y = _data()
+        program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+        assert program.fallbacks() == [] and program.plan.rejected == []
+        counts.append(program.collectives()["copy_to_tp"])
+    # f on QKV's input, on the MLP's input and on the head-mixing weight (its gradient is partial)
+    assert counts == [3 * LAYERS + 1, 3 * LAYERS + 1]
+
+
+def test_a_harmless_fallback_does_not_unsplit_separate_q_k_v():
+    """One op without a rule on the attention output (a sort) is gathered; q, k and v, tried as a
+    group, stay split: only members that reach neither a sink nor each other are dropped."""
+
+    class SortAttn(Block):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(H, H) for _ in range(3))
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            d = H // HEADS
+            h = self.ln1(x)
+            q, k, v = (m(h).view(b, s, HEADS, d).transpose(1, 2) for m in (self.q, self.k, self.v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, s, H)) + 0.01 * torch.sort(a, dim=-1).values.mean()
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    torch.manual_seed(0)
+    model = Model()
+    model.h = nn.ModuleList(SortAttn() for _ in range(LAYERS))
+    x, y = _data()
+    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    assert [f[1] for f in program.fallbacks()] == ["no sharding rule for aten.sort.default"] * LAYERS
+    assert program.plan.rejected == []
+    for layer in range(LAYERS):
+        assert all(program.param_spec(f"h.{layer}.{m}.weight").dim == 0 for m in "qkv")

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.comm import TPGroup, _all_gather
+from autopar.comm import TPGroup, _all_gather, seed_forked
 from autopar.mesh import Mesh
 from autopar.placement import Shard
 from autopar.runtime.gradients import GradientSync
@@ -82,7 +82,7 @@ class RankEngine(nn.Module):
         """Seed of this rank's random stream (dropout); equal on the t ranks of a stage."""
         self._rng_devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
         with torch.random.fork_rng(devices=self._rng_devices):
-            torch.manual_seed(self.random_seed)
+            seed_forked(self.random_seed, self._rng_devices)
             self._rng_states = self._get_rng()
         self.grads = GradientSync(program, mesh, {n: self.shards[_key(n)] for n in local_params}, bucket_bytes)
         # a parameter's gradient is final after the last backward of the last local chunk that reads
@@ -97,7 +97,8 @@ class RankEngine(nn.Module):
                 self._ready_after[max(users, key=last_b.__getitem__)].append(name)
 
     def _stream_seed(self, mesh: Mesh) -> int:
-        """Global rank 0's ``torch.initial_seed()``, offset by this rank's (stage, replica)."""
+        """Global rank 0's ``torch.initial_seed()``, offset by this rank's (stage, replica).
+        A broadcast over the world: every rank builds its engine (``materialize`` is collective)."""
         base = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dev = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else base.device
