@@ -607,6 +607,8 @@ def _linear(ctx: Ctx, node, pl, parts) -> Decision:
         return Decision(R, param_demand=demand)
     if isinstance(px, Shard):
         nd = _ndim(x)
+        if _is_grouped_mm(node.target) and px.dim != nd - 1:  # the group offsets count global rows
+            return _fallback(node, [(xpath, px)], "grouped matmul with its rows split")
         if px.dim == nd - 1:
             if px.segments is not None and sum(px.segments) != Ctx.shape(x)[-1]:
                 n = Ctx.shape(x)[-1]
@@ -656,7 +658,9 @@ def _cross_entropy(ctx: Ctx, node, pl) -> Decision:
     reduction = _arg(node, 3, "reduction", 1)
     ignore_index = _arg(node, 4, "ignore_index", -100)
     smoothing = _arg(node, 5, "label_smoothing", 0.0)
-    if px.dim == 1 and _ndim(x) == 2 and weight is None and not isinstance(pl(target), Shard):
+    if target.meta["val"].is_floating_point():  # class probabilities, not indices
+        return _fallback(node, [(("a", 0), px)], "cross-entropy against class probabilities")
+    if px.dim == 1 and _ndim(x) == 2 and weight is None and _contiguous(px) and not isinstance(pl(target), Shard):
         return Decision(R, kind="vocab_cross_entropy",
                         extra={"vocab_size": Ctx.shape(x)[1], "ignore_index": ignore_index, "reduction": reduction,
                                "label_smoothing": float(smoothing)})

@@ -20,7 +20,8 @@ With a vocabulary of 256 (no padding), losses written from the parts:
 
 Every one of them stays vocabulary-parallel (no fallback, no linear left
 whole). A log_softmax over a *padded* vocabulary has no such rule (its padded
-columns would enter later sums): the LM head and the embedding stay whole, and
+columns would enter later sums), nor a cross-entropy against class
+probabilities instead of indices: the LM head and the embedding stay whole, and
 the plan says why.
 
 Tolerances as in test_tp_parity (fp32; the split only reorders sums).
@@ -65,10 +66,16 @@ def _entropy_bonus(logits, y):
     return F.cross_entropy(logits.flatten(0, -2), y.flatten()) - 0.01 * entropy
 
 
+def _soft_targets(logits, y):
+    probs = F.one_hot(y.flatten(), logits.shape[-1]).float() * 0.9 + 0.1 / logits.shape[-1]
+    return F.cross_entropy(logits.flatten(0, -2), probs)
+
+
 # name -> (loss, vocabulary)
 LOSSES = {"label_smoothing": (_smooth, 257), "ignore_index_sum": (_ignore_sum, 257), "z_loss": (_zloss, 257),
           "nll_of_log_softmax": (_nll, 256), "gather_log_prob": (_gather_logp, 256),
-          "entropy_bonus": (_entropy_bonus, 256), "padded_log_softmax": (_nll, 257)}
+          "entropy_bonus": (_entropy_bonus, 256), "padded_log_softmax": (_nll, 257),
+          "soft_targets": (_soft_targets, 256)}
 
 
 def _model(vocab):
@@ -125,3 +132,9 @@ def test_log_softmax_over_a_padded_vocabulary_keeps_the_vocabulary_whole_and_say
     _, _, fallbacks, rejected, kinds = results[0]["padded_log_softmax"]
     assert not any(k.startswith("vocab_") for k in kinds) and fallbacks == []
     assert any(r.module == "lm_head" and "softmax over the sharded dim" in r.reason for r in rejected), rejected
+
+
+def test_soft_targets_keep_the_vocabulary_whole_and_say_so(results):
+    _, _, fallbacks, rejected, kinds = results[0]["soft_targets"]
+    assert not any(k.startswith("vocab_") for k in kinds) and fallbacks == []
+    assert any(r.module == "lm_head" and "class probabilities" in r.reason for r in rejected), rejected
