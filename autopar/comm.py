@@ -33,6 +33,7 @@ __all__ = [
     "vocab_parallel_log_softmax",
     "vocab_parallel_gather",
     "vocab_parallel_nll_loss",
+    "vocab_parallel_soft_cross_entropy",
     "local_slice",
     "tp_rng_call",
 ]
@@ -455,6 +456,60 @@ def vocab_parallel_nll_loss(logp: torch.Tensor, target: torch.Tensor, tp: TPGrou
                             ignore_index: int = -100) -> torch.Tensor:
     """Negative log-likelihood of (N, C/t) local log-probabilities; reduction 0 none, 1 mean, 2 sum."""
     return _VocabParallelNLL.apply(logp, target, tp, reduction, ignore_index)
+
+
+class _VocabParallelSoftCrossEntropy(torch.autograd.Function):
+    """Cross-entropy against class probabilities p (N, C), both split by class across the tp
+    ranks (no padding): loss_n = lse_n * sum_j p_nj - sum_j p_nj z_nj, with the max, then
+    (sum of exponentials, sum_j p z, sum_j p) all-reduced. With label smoothing e the target
+    is (1 - e) p + e / C, as in ``F.cross_entropy``. Gradients: softmax * sum p - p for the
+    logits, lse - z = -log_softmax for the probabilities."""
+
+    @staticmethod
+    def forward(ctx, logits, probs, tp, n_classes, reduction, smoothing):
+        z = logits.float()
+        p = probs.float()
+        if smoothing:
+            p = (1.0 - smoothing) * p + smoothing / n_classes
+        zmax = z.max(dim=-1).values
+        if tp.size > 1:
+            zmax = _all_reduce(zmax, tp, dist.ReduceOp.MAX)
+        z = z - zmax.unsqueeze(-1)
+        exp = z.exp()
+        parts = torch.stack([exp.sum(-1), (p * z).sum(-1), p.sum(-1)])
+        if tp.size > 1:
+            parts = _all_reduce(parts, tp)
+        sum_exp, pz, psum = parts.unbind(0)
+        lse = sum_exp.log()
+        loss = lse * psum - pz
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), p, psum, lse.unsqueeze(-1) - z)
+        ctx.reduction, ctx.smoothing, ctx.dtypes, ctx.n = reduction, smoothing, (logits.dtype, probs.dtype), z.shape[0]
+        if reduction == 1:
+            return (loss.sum() / ctx.n).to(logits.dtype)
+        if reduction == 2:
+            return loss.sum().to(logits.dtype)
+        return loss.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, p, psum, neg_logp = ctx.saved_tensors
+        g = grad.float()
+        g = (g / ctx.n).expand(p.shape[0]) if ctx.reduction == 1 else (g.expand(p.shape[0]) if ctx.reduction == 2
+                                                                             else g)
+        g = g.unsqueeze(-1)
+        grad_z = (softmax * psum.unsqueeze(-1) - p) * g
+        grad_p = None
+        if ctx.needs_input_grad[1]:
+            grad_p = (neg_logp * g * (1.0 - ctx.smoothing)).to(ctx.dtypes[1])
+        return grad_z.to(ctx.dtypes[0]), grad_p, None, None, None, None
+
+
+def vocab_parallel_soft_cross_entropy(logits_local: torch.Tensor, probs_local: torch.Tensor, tp: TPGroup,
+                                      n_classes: int, reduction: int = 1,
+                                      label_smoothing: float = 0.0) -> torch.Tensor:
+    """``F.cross_entropy(logits, probs)`` with (N, C/t) local logits and class probabilities."""
+    return _VocabParallelSoftCrossEntropy.apply(logits_local, probs_local, tp, n_classes, reduction,
+                                                label_smoothing)
 
 
 def seed_forked(seed: int, devices: list[int]) -> None:

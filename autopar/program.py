@@ -51,6 +51,8 @@ _COLLECTIVES = {
     comm.vocab_parallel_log_softmax: ("vocab_parallel_log_softmax",
                                       "2 forward all-reduces, 1 backward, of the reduced shape"),
     comm.vocab_parallel_nll_loss: ("vocab_parallel_nll_loss", "1 forward all-reduce of an (N,) tensor"),
+    comm.vocab_parallel_soft_cross_entropy: ("vocab_parallel_soft_cross_entropy",
+                                             "2 forward all-reduces of (N,) tensors"),
 }
 
 
@@ -128,6 +130,8 @@ class ParallelProgram:
             if node.target is comm.vocab_parallel_cross_entropy:
                 rows = node.args[0].meta["val"].shape[0]
                 nbytes = 3 * rows * 4
+            elif node.target is comm.vocab_parallel_soft_cross_entropy:
+                nbytes = 4 * node.args[0].meta["val"].shape[0] * 4
             elif node.target is comm.vocab_parallel_nll_loss:
                 nbytes = node.args[0].meta["val"].shape[0] * 4
             elif node.target in (comm.vocab_parallel_logsumexp, comm.vocab_parallel_softmax,

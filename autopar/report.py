@@ -34,6 +34,7 @@ _DIRECTION = {
     "vocab_parallel_softmax": "fwd all-reduces: max, sum exp; bwd all-reduce",
     "vocab_parallel_log_softmax": "fwd all-reduces: max, sum exp; bwd all-reduce",
     "vocab_parallel_nll_loss": "fwd all-reduce of the picked log-probabilities",
+    "vocab_parallel_soft_cross_entropy": "fwd all-reduces: max, then (sum exp, sum p z, sum p)",
 }
 
 # AdamW keeps two fp32 moments per parameter

@@ -658,8 +658,15 @@ def _cross_entropy(ctx: Ctx, node, pl) -> Decision:
     reduction = _arg(node, 3, "reduction", 1)
     ignore_index = _arg(node, 4, "ignore_index", -100)
     smoothing = _arg(node, 5, "label_smoothing", 0.0)
-    if target.meta["val"].is_floating_point():  # class probabilities, not indices
-        return _fallback(node, [(("a", 0), px)], "cross-entropy against class probabilities")
+    if target.meta["val"].is_floating_point():  # class probabilities, not indices: sliced like the logits
+        pt = pl(target)
+        if (px.dim == 1 and _ndim(x) == 2 and weight is None and _contiguous(px) and not _padded(x, px)
+                and isinstance(pt, Replicate) and Ctx.shape(target) == Ctx.shape(x)):
+            return Decision(R, kind="vocab_cross_entropy", scatter_in=((("a", 1), Shard(1, px.segments)),),
+                            extra={"soft": True, "vocab_size": Ctx.shape(x)[1], "reduction": reduction,
+                                   "label_smoothing": float(smoothing)})
+        return _fallback(node, [(("a", 0), px)], "cross-entropy against class probabilities over a padded "
+                                                 "or non-contiguous split")
     if px.dim == 1 and _ndim(x) == 2 and weight is None and _contiguous(px) and not isinstance(pl(target), Shard):
         return Decision(R, kind="vocab_cross_entropy",
                         extra={"vocab_size": Ctx.shape(x)[1], "ignore_index": ignore_index, "reduction": reduction,

@@ -41,10 +41,15 @@ def rewrite_embedding(graph: fx.Graph, node: fx.Node, tp: fx.Node, padding_idx: 
 def rewrite_cross_entropy(graph: fx.Graph, node: fx.Node, tp: fx.Node, extra: dict) -> fx.Node:
     """cross_entropy_loss(z, y) -> vocab_parallel_cross_entropy(z_local, y, tp, V, ignore, reduction, smoothing)."""
     logits, target = node.args[0], node.args[1]
-    args = (logits, target, tp, extra["vocab_size"], extra["ignore_index"], extra["reduction"],
-            extra.get("label_smoothing", 0.0))
+    if extra.get("soft"):  # class probabilities, already sliced like the logits
+        fn = comm.vocab_parallel_soft_cross_entropy
+        args = (logits, target, tp, extra["vocab_size"], extra["reduction"], extra["label_smoothing"])
+    else:
+        fn = comm.vocab_parallel_cross_entropy
+        args = (logits, target, tp, extra["vocab_size"], extra["ignore_index"], extra["reduction"],
+                extra.get("label_smoothing", 0.0))
     with graph.inserting_after(node):
-        new = _meta(graph.call_function(comm.vocab_parallel_cross_entropy, args), node)
+        new = _meta(graph.call_function(fn, args), node)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new

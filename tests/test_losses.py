@@ -16,13 +16,15 @@ With a vocabulary of 256 (no padding), losses written from the parts:
 - the log-probability of the labels by ``torch.gather`` (as preference losses
   take it): each rank picks what falls in its columns, one all-reduce sums;
 - an entropy bonus, ``sum(softmax * log_softmax)`` over the vocabulary: the sum
-  over the split dim is a local sum and one all-reduce.
+  over the split dim is a local sum and one all-reduce;
+- cross-entropy against class probabilities (distillation): the probabilities
+  are sliced like the logits.
 
 Every one of them stays vocabulary-parallel (no fallback, no linear left
 whole). A log_softmax over a *padded* vocabulary has no such rule (its padded
-columns would enter later sums), nor a cross-entropy against class
-probabilities instead of indices: the LM head and the embedding stay whole, and
-the plan says why.
+columns would enter later sums), nor cross-entropy against class probabilities
+(the probabilities have no padded columns to slice): the LM head and the
+embedding stay whole, and the plan says why.
 
 Tolerances as in test_tp_parity (fp32; the split only reorders sums).
 """
@@ -75,7 +77,7 @@ def _soft_targets(logits, y):
 LOSSES = {"label_smoothing": (_smooth, 257), "ignore_index_sum": (_ignore_sum, 257), "z_loss": (_zloss, 257),
           "nll_of_log_softmax": (_nll, 256), "gather_log_prob": (_gather_logp, 256),
           "entropy_bonus": (_entropy_bonus, 256), "padded_log_softmax": (_nll, 257),
-          "soft_targets": (_soft_targets, 256)}
+          "soft_targets": (_soft_targets, 256), "padded_soft_targets": (_soft_targets, 257)}
 
 
 def _model(vocab):
@@ -118,7 +120,7 @@ def test_loss_matches_one_process(results, name):
 VOCAB_KINDS = {"label_smoothing": {"vocab_cross_entropy"}, "ignore_index_sum": {"vocab_cross_entropy"},
                "z_loss": {"vocab_cross_entropy", "vocab_softmax"}, "nll_of_log_softmax": {"vocab_softmax", "vocab_nll"},
                "gather_log_prob": {"vocab_softmax", "vocab_gather"},
-               "entropy_bonus": {"vocab_cross_entropy", "vocab_softmax"}}
+               "entropy_bonus": {"vocab_cross_entropy", "vocab_softmax"}, "soft_targets": {"vocab_cross_entropy"}}
 
 
 @pytest.mark.parametrize("name", list(VOCAB_KINDS))
@@ -134,7 +136,7 @@ def test_log_softmax_over_a_padded_vocabulary_keeps_the_vocabulary_whole_and_say
     assert any(r.module == "lm_head" and "softmax over the sharded dim" in r.reason for r in rejected), rejected
 
 
-def test_soft_targets_keep_the_vocabulary_whole_and_say_so(results):
-    _, _, fallbacks, rejected, kinds = results[0]["soft_targets"]
+def test_soft_targets_over_a_padded_vocabulary_keep_it_whole_and_say_so(results):
+    _, _, fallbacks, rejected, kinds = results[0]["padded_soft_targets"]
     assert not any(k.startswith("vocab_") for k in kinds) and fallbacks == []
     assert any(r.module == "lm_head" and "class probabilities" in r.reason for r in rejected), rejected
