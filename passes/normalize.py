@@ -3,6 +3,9 @@
 Models write the same computation in different ways, and torch.export keeps
 the difference. Before the analysis, this pass:
 
+- **drops dropouts of probability 0** (configs often leave them in): they
+  are the identity, and without them a sum of row-parallel outputs is seen
+  as one (``passes/merge_reductions.py``);
 - **drops dtype/shape assertions** (``aten._assert_tensor_metadata``, which
   export records for every ``.to(dtype)``): they check the *global* shape and
   would fail on a shard; they have no users and compute nothing;
@@ -66,9 +69,14 @@ def _bias_add(mm: fx.Node, out_features: int, params: set[str]) -> tuple[fx.Node
 def normalize(gm: fx.GraphModule, param_names: set[str]) -> dict[str, int]:
     """Rewrite ``gm`` in place; returns how many nodes of each kind were rewritten."""
     g = gm.graph
-    done = {"assertions dropped": 0, "x @ W.T made linear": 0}
+    done = {"assertions dropped": 0, "zero dropouts dropped": 0, "x @ W.T made linear": 0}
     for node in list(g.nodes):
         if node.op != "call_function":
+            continue
+        if node.target == aten.dropout.default and len(node.args) >= 2 and node.args[1] == 0:
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+            done["zero dropouts dropped"] += 1
             continue
         if node.target in _ASSERTS and not node.users:
             g.erase_node(node)

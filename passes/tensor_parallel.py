@@ -29,6 +29,7 @@ import torch.fx as fx
 from autopar import comm
 from autopar.placement import Shard
 from autopar.trace import TracedModel
+from passes.merge_reductions import merge_parallel_reductions
 from passes.sharding import ShardingPlan
 from passes.sharding_rules import Ctx, linear_parts
 from passes.vocab_parallel import rewrite_cross_entropy, rewrite_embedding, rewrite_softmax
@@ -151,6 +152,7 @@ def apply_tensor_parallel(traced: TracedModel, plan: ShardingPlan) -> fx.GraphMo
         elif _random_on_shard(node, dec):
             node.args = (node.target, tp, *node.args)
             node.target = comm.tp_rng_call
+    merge_parallel_reductions(graph)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()

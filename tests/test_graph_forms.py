@@ -381,3 +381,45 @@ def test_a_harmless_fallback_does_not_unsplit_separate_q_k_v():
     assert program.plan.rejected == []
     for layer in range(LAYERS):
         assert all(program.param_spec(f"h.{layer}.{m}.weight").dim == 0 for m in "qkv")
+
+
+class ParallelBlock(nn.Module):
+    """Attention and MLP side by side on one LayerNorm: x + attn(ln(x)) + mlp(ln(x))."""
+
+    def __init__(self, bias: bool, inplace: bool, residual_first: bool):
+        super().__init__()
+        self.inplace, self.residual_first = inplace, residual_first
+        self.ln = nn.LayerNorm(H)
+        self.qkv = nn.Linear(H, 3 * H, bias=bias)
+        self.proj = nn.Linear(H, H, bias=bias)
+        self.fc1, self.fc2 = nn.Linear(H, 4 * H, bias=bias), nn.Linear(4 * H, H, bias=bias)
+        self.drop = nn.Dropout(0.0)  # left in by configs: the identity
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        d = H // HEADS
+        h = self.ln(x)
+        q, k, v = (t.view(b, s, HEADS, d).transpose(1, 2) for t in self.qkv(h).split(H, dim=-1))
+        attn = self.drop(self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                                   .transpose(1, 2).reshape(b, s, H)))
+        mlp = self.drop(self.fc2(F.gelu(self.fc1(h))))
+        if self.inplace:
+            mlp += attn
+            return x + mlp
+        return (x + attn) + mlp if self.residual_first else attn + mlp + x
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("form", ["sum", "inplace", "residual_first"])
+def test_parallel_block_reduces_once(bias, form):
+    torch.manual_seed(0)
+    model = Model()
+    model.h = nn.ModuleList(ParallelBlock(bias, form == "inplace", form == "residual_first") for _ in range(LAYERS))
+    x, y = _data()
+    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    per_layer = program.collectives(by_layer=True)
+    for layer in range(LAYERS):
+        # one f on the shared LayerNorm output, one g for attention and MLP together
+        assert per_layer[(layer, "reduce_from_tp")] == 1 and per_layer[(layer, "copy_to_tp")] == 1, per_layer
+    # the same values as the model (fp32, one rank's view of a tp=2 program checked by shapes)
+    program.local_shapes(rank=1)

@@ -8,7 +8,8 @@ tolerances as in test_tp_parity.
 
 Then families that write their blocks differently: GPT-NeoX (one QKV
 projection interleaved per head, partial rotary, parallel residual), GPT-J
-(parallel attention and MLP), Gemma-2 (dtype casts, logit soft-capping,
+(parallel attention and MLP; for these and Falcon the two row-parallel outputs
+are summed before one all-reduce), Gemma-2 (dtype casts, logit soft-capping,
 GeGLU), Falcon (``x @ W.T`` linears), Qwen3 (RMSNorm per head on q and k),
 GPTBigCode (multi-query attention through one fused projection, which cannot
 be split by key/value heads: it stays whole, and the plan says so), and three
@@ -129,6 +130,8 @@ def test_families_written_differently_match_one_process():
             losses, grads, fallbacks, rejected, per_layer, whole, where = res[name]
             assert fallbacks == [], (name, fallbacks)
             assert whole == [], (name, whole)  # every matrix is split or explained by a rejected linear
+            if name in ("gpt-j", "gpt-neox", "falcon"):  # attention and MLP side by side: one g per layer
+                assert {n for (_, kind), n in per_layer.items() if kind == "reduce_from_tp"} == {1}, per_layer
             if name in ("mixtral", "olmoe"):  # the router (then a top-k over experts) stays whole
                 assert rejected and all("topk" in r for r in rejected), rejected
             elif name == "qwen2-moe":  # the router, and the shared expert's one-feature gate
