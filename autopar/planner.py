@@ -34,7 +34,8 @@ from autopar.cost import (
 )
 from autopar.sensitivity import flip_lines, memory_margin_line
 
-__all__ = ["SearchSpace", "Plan", "search", "candidate_layouts", "why_differs", "paper_run_for", "memory_line"]
+__all__ = ["SearchSpace", "Plan", "search", "plan", "candidate_layouts", "why_differs", "paper_run_for",
+           "memory_line"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -262,6 +263,20 @@ def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace()
             reference = replace(run.layout(), dp_overlap=space.overlap_for(run.p))
     ref_est = _simulated(spec, cluster, reference, space) if reference is not None else None
     return Plan(spec, cluster, space, ranked, too_big, rejected, n_eval, time.perf_counter() - t0, ref_est)
+
+
+def plan(model, example_inputs, gpus: int, global_batch: int, hardware: str = "dgx-a100-80gb",
+         space: SearchSpace = SearchSpace(), example_targets=None, loss_fn=None, top: int = 10,
+         reference: Layout | None = None) -> Plan:
+    """Plan for a user's model: its dimensions are read from its traced graph
+    (``autopar.model_spec``; a model on the meta device costs no memory), then
+    ``search`` ranks the layouts for ``gpus`` GPUs of ``hardware`` and a global batch
+    of ``global_batch`` sequences of the example inputs' length. ``Plan.spec`` says
+    what was read."""
+    from autopar.model_spec import spec_from_model  # noqa: PLC0415  (tracing imports the compiler)
+
+    spec = spec_from_model(model, example_inputs, example_targets, loss_fn)
+    return search(spec, Cluster.of(gpus, hardware, global_batch), space, top=top, reference=reference)
 
 
 def _simulated(spec: ModelSpec, cluster: Cluster, lay: Layout, space: SearchSpace) -> Estimate:

@@ -1,0 +1,135 @@
+"""The performance model's view of a user's model: its dimensions, read from the traced graph.
+
+``autopar.plan(model, example_inputs=..., gpus=..., global_batch=...)`` plans
+for a model the user has, not a preset: the model (with its loss) is traced
+as ``parallelize`` traces it (on the meta device it costs no memory) and the
+dimensions the performance model needs are read from the graph, by position
+and shape, never by name:
+
+- layers: the repeated block stack (``passes/layers.py``);
+- sequence length: the example inputs' last dim;
+- vocabulary and hidden size: the embedding table looked up by the input ids;
+- heads and head size: the attention of the first layer (an sdpa call, or
+  q @ k^T of (batch, heads, seq, head_dim) values);
+- key/value heads: the attention's input projections (the linears before the
+  attention call, with their output features) hold (heads + 2 kv) * head_dim;
+- MLP width and gating: the layer's last linear is the down projection (its
+  input features are the width); the linears between the attention's output
+  projection and it are the up projections, and they hold twice the width
+  when the MLP is gated (SwiGLU).
+
+The planner then models the model as a GPT-shaped decoder with those
+dimensions (``cost.ModelSpec``). A block the graph does not show in that form
+(no attention call, experts applied by grouped matmuls) is reported by name
+in the error, with the flags to give the dimensions by hand instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.cost import ModelSpec
+from autopar.trace import trace
+from passes.layers import find_layers
+from passes.normalize import normalize
+
+aten = torch.ops.aten
+
+__all__ = ["SpecError", "spec_from_model", "spec_from_graph"]
+
+
+class SpecError(ValueError):
+    """The traced model does not show the dimensions the planner needs; the message says which."""
+
+
+def spec_from_model(model: nn.Module, example_inputs: Any, example_targets: Any = None,
+                    loss_fn: Callable | None = None, name: str = "") -> ModelSpec:
+    """Trace ``model`` (like ``parallelize``) and read a ``ModelSpec`` from its graph."""
+    from autopar.api import lm_cross_entropy  # noqa: PLC0415  (api imports the planner's neighbours)
+
+    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if example_targets is None:
+        example_targets = torch.zeros_like(inputs[0])
+    traced = trace(model, inputs, example_targets, loss_fn or lm_cross_entropy)
+    normalize(traced.gm, set(traced.param_of))
+    seq = int(inputs[0].shape[-1])
+    return spec_from_graph(traced.gm, set(traced.param_of), seq, name or type(model).__name__)
+
+
+def _shape(n: fx.Node) -> tuple[int, ...]:
+    return tuple(n.meta["val"].shape)
+
+
+def spec_from_graph(gm: fx.GraphModule, params: set[str], seq_len: int, name: str = "") -> ModelSpec:
+    """Read layers, hidden, heads, kv heads, MLP width and vocabulary from a traced graph."""
+    layers = find_layers(gm)
+    if layers.count == 0:
+        raise SpecError(f"{name}: no repeated block stack in the graph; give the dimensions by hand "
+                        "(autopar plan --layers --hidden --heads --seq-len --vocab)")
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    first = [n for n in nodes if layers.node_layer.get(n.name) == 0]
+
+    tables = [n for n in nodes if n.target == aten.embedding.default and n.args[0].name in params
+              and layers.node_layer.get(n.name) is None]
+    if not tables:
+        raise SpecError(f"{name}: no embedding table outside the layers; give --vocab and --hidden")
+    vocab, hidden = max((_shape(t.args[0]) for t in tables), key=lambda s: s[0])
+
+    attn = _attention(first, seq_len)
+    if attn is None:
+        raise SpecError(f"{name}: layer 0 shows no attention over (batch, heads, seq, head size) values "
+                        "(scaled_dot_product_attention, or q @ k^T); give --heads (and --kv-heads) by hand")
+    q = _shape(attn.args[0])
+    heads, head_dim = q[-3], q[-1]
+
+    linears = [n for n in first if n.target == aten.linear.default]
+    before = [n for n in linears if n in _ancestors(attn)]
+    after = [n for n in linears if n not in before]
+    out_f = lambda n: _shape(n.args[1])[0]  # noqa: E731
+    in_f = lambda n: _shape(n.args[1])[1]  # noqa: E731
+    qkv_total = sum(out_f(n) for n in before)
+    kv = (qkv_total // head_dim - heads) // 2 if qkv_total % head_dim == 0 else 0
+    if kv <= 0 or heads % kv:
+        raise SpecError(f"{name}: the attention's input projections in layer 0 hold {qkv_total} features, "
+                        f"not (heads {heads} + 2 kv) x head size {head_dim}; give --kv-heads by hand")
+    # after the attention: its output projection, the MLP's up (and gate) projections, the down one
+    if len(after) < 3:
+        raise SpecError(f"{name}: layer 0 shows {len(after)} linear(s) after the attention, not an output "
+                        f"projection and an MLP (experts applied another way?); give --ffn by hand")
+    down = after[-1]
+    ffn = in_f(down)
+    ups = sum(out_f(n) for n in after[1:-1])
+    if ups not in (ffn, 2 * ffn):
+        raise SpecError(f"{name}: the MLP's up projections hold {ups} features for a width of {ffn}; "
+                        f"give --ffn (and --gated-mlp) by hand")
+    return ModelSpec(layers=layers.count, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
+                     kv_heads=kv, gated_mlp=ups == 2 * ffn, name=name)
+
+
+def _attention(nodes: list[fx.Node], seq_len: int) -> fx.Node | None:
+    """The layer's attention: an sdpa call, or the first q @ k^T of 4-D (batch, heads, seq, d)
+    values giving (batch, heads, seq, seq) scores."""
+    for n in nodes:
+        if n.target == aten.scaled_dot_product_attention.default and len(_shape(n.args[0])) == 4:
+            return n
+    for n in nodes:
+        if n.target in (aten.matmul.default, aten.bmm.default) and len(_shape(n.args[0])) == 4:
+            out = _shape(n)
+            if out[-2:] == (seq_len, seq_len):
+                return n
+    return None
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, todo = set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen

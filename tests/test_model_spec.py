@@ -1,0 +1,66 @@
+"""Tier (a): planning for a user's model: its dimensions read from the traced graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar.cost import Cluster, get_model
+from autopar.model_spec import SpecError, spec_from_model
+from autopar.models import build
+from autopar.planner import SearchSpace, search
+
+
+def _ids(seq=16, vocab=250):
+    return (torch.randint(0, vocab, (2, seq)),)
+
+
+@pytest.mark.parametrize("family,kw,expect", [
+    ("gpt", {}, dict(heads=8, kv=8, ffn=256, gated=False)),
+    ("gpt2-fused", {}, dict(heads=8, kv=8, ffn=256, gated=False)),  # attention written as q @ k^T
+    ("llama", {"n_kv_head": 2, "d_ff": 96}, dict(heads=8, kv=2, ffn=96, gated=True)),
+])
+def test_dimensions_read_from_the_graph(family, kw, expect):
+    model = build(family, vocab_size=250, seq_len=16, n_layer=3, n_head=8, d_model=64, **kw)
+    spec = spec_from_model(model, _ids())
+    assert (spec.layers, spec.hidden, spec.seq_len, spec.vocab) == (3, 64, 16, 250)
+    assert (spec.heads, spec.kv, spec.ffn_size, spec.gated_mlp) == (
+        expect["heads"], expect["kv"], expect["ffn"], expect["gated"])
+
+
+def test_plan_a_meta_model_like_a_preset():
+    """The paper's 1.7B GPT built on the meta device plans exactly as the preset does, and is
+    recognised as the paper's row (so the comparison with the paper's layout is printed)."""
+    preset = get_model("gpt-1.7b")
+    with torch.device("meta"):
+        model = build("gpt", vocab_size=preset.vocab, seq_len=preset.seq_len, n_layer=preset.layers,
+                      n_head=preset.heads, d_model=preset.hidden)
+    ids = (torch.zeros(1, preset.seq_len, dtype=torch.long),)
+    space = SearchSpace(recompute=("full",), dp_overlap=True)
+    got = autopar.plan(model, ids, gpus=32, global_batch=512, space=space)
+    spec = got.spec
+    assert (spec.layers, spec.hidden, spec.heads, spec.seq_len, spec.vocab, spec.ffn_size) == (
+        preset.layers, preset.hidden, preset.heads, preset.seq_len, preset.vocab, preset.ffn_size)
+    want = search(preset, Cluster.of(32, "dgx-a100-80gb", 512), space)
+    assert [e.layout for e in got.ranked] == [e.layout for e in want.ranked]
+    assert got.best.t_iter == pytest.approx(want.best.t_iter)
+    assert got.reference is not None and got.why()[0].startswith("the best layout is the reference layout")
+
+
+def test_a_model_without_an_mlp_the_graph_shows_says_what_to_give():
+    class Experts(nn.Module):  # the MLP applied as one bmm over stacked weights: no linears
+        def __init__(self, d):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2, d, d))
+
+        def forward(self, x):
+            return torch.bmm(x.expand(2, *x.shape[-2:]) if x.dim() == 2 else x.flatten(0, 1).unsqueeze(0)
+                             .expand(2, -1, -1), self.w).sum(0).view_as(x)
+
+    model = build("gpt", vocab_size=250, seq_len=16, n_layer=2, n_head=8, d_model=64)
+    for block in model.h:
+        block.mlp = Experts(64)
+    with pytest.raises(SpecError, match="give --ffn by hand"):
+        spec_from_model(model, _ids())
