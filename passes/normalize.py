@@ -9,6 +9,9 @@ the difference. Before the analysis, this pass:
 - **drops dtype/shape assertions** (``aten._assert_tensor_metadata``, which
   export records for every ``.to(dtype)``): they check the *global* shape and
   would fail on a shard; they have no users and compute nothing;
+- **turns an einsum that is a linear into one**: ``einsum("...k,nk->...n", x, W)``
+  becomes ``linear(x, W)``, and ``einsum("...k,kn->...n", x, W)`` ``x @ W``
+  (W a 2-D parameter; any letters for the leading dims, or ``...``);
 - **turns a matmul with a transposed weight into a linear**:
   ``x @ W.T`` (``matmul``/``mm`` of ``t``/``numpy_T``/``transpose(0, 1)``/
   ``permute([1, 0])`` of a 2-D parameter, as Falcon's and other custom linear
@@ -66,6 +69,34 @@ def _bias_add(mm: fx.Node, out_features: int, params: set[str]) -> tuple[fx.Node
     return add, b
 
 
+def _einsum_linear(g: fx.Graph, node: fx.Node, params: set[str]) -> bool:
+    """Rewrite ``einsum(x, W)`` that contracts x's last dim with a 2-D parameter as linear/matmul."""
+    eq, ops = node.args[0], node.args[1]
+    if len(ops) != 2 or "->" not in eq:
+        return False
+    x, w = ops
+    if not (isinstance(w, fx.Node) and w.op == "placeholder" and w.name in params and w.meta["val"].dim() == 2):
+        return False
+    ins, out = eq.replace(" ", "").replace("...", "#").split("->")  # '#': the leading dims, as one letter
+    xs, ws = ins.split(",")
+    if len(ws) != 2 or not xs or not out:
+        return False
+    k = xs[-1]
+    lead = xs[:-1]
+    if k not in ws or len(set(xs)) != len(xs):
+        return False
+    n = ws[1] if ws[0] == k else ws[0]
+    if n == k or n in lead or out != lead + n:
+        return False
+    target, args = (aten.linear.default, (x, w)) if ws == n + k else (aten.matmul.default, (x, w))
+    with g.inserting_before(node):
+        new = g.call_function(target, args)
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    return True
+
+
 def normalize(gm: fx.GraphModule, param_names: set[str]) -> dict[str, int]:
     """Rewrite ``gm`` in place; returns how many nodes of each kind were rewritten."""
     g = gm.graph
@@ -81,6 +112,10 @@ def normalize(gm: fx.GraphModule, param_names: set[str]) -> dict[str, int]:
         if node.target in _ASSERTS and not node.users:
             g.erase_node(node)
             done["assertions dropped"] += 1
+            continue
+        if node.target == aten.einsum.default:
+            if _einsum_linear(g, node, param_names):
+                done["x @ W.T made linear"] += 1
             continue
         if node.target not in (aten.matmul.default, aten.mm.default) or len(node.args) != 2:
             continue

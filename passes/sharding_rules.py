@@ -390,6 +390,41 @@ def _nll(node, pl) -> Decision:
     return _fallback(node, shards, "nll_loss with class weights or N-d input")
 
 
+def _einsum(ctx: Ctx, node, pl) -> Decision:
+    """``torch.einsum`` with one subscript letter split: kept in the output, the output is split
+    on it (replicated operands that carry it are sliced); summed over, every operand carrying it
+    must be split, and the local sums are reduced by g."""
+    eq, ops = node.args[0], node.args[1]
+    if "..." in eq or "->" not in eq:
+        return _fallback(node, [], "einsum with an ellipsis or an implicit output")
+    ins, out = eq.replace(" ", "").split("->")
+    specs = ins.split(",")
+    paths = [(("a", 1, i), a) for i, a in enumerate(ops)]
+    shards = [(path, pl(a)) for path, a in paths if isinstance(pl(a), Shard)]
+    if any(isinstance(pl(a), Partial) for _, a in paths):
+        return _fallback(node, [], "partial operand")
+    letters = {(specs[path[2]][p.dim], p.segments) for path, p in shards}
+    if len(letters) != 1:
+        return _fallback(node, shards, "einsum operands split on different subscripts")
+    (letter, segs), = letters
+    origin = shards[0][1].origin
+    if letter in out:
+        scatter, copy = [], []
+        for path, a in paths:
+            if isinstance(pl(a), Shard):
+                continue
+            spec = specs[path[2]]
+            if letter in spec:
+                scatter.append((path, Shard(spec.index(letter), segs)))
+            elif a.name in ctx.requires_grad:
+                copy.append(path)
+        return Decision(Shard(out.index(letter), segs, origin), kind="sharded", copy_in=tuple(copy),
+                        scatter_in=tuple(scatter))
+    if all(isinstance(pl(a), Shard) for path, a in paths if letter in specs[path[2]]):
+        return Decision(R, kind="sharded", reduce_out=True)
+    return _fallback(node, shards, "einsum summing over a subscript split on one operand only")
+
+
 def _logsumexp(node, pl) -> Decision:
     x = node.args[0]
     nd = _ndim(x)
@@ -947,6 +982,13 @@ def _decide(ctx: Ctx, node: fx.Node, pl: Callable) -> Decision:
         return _slice(ctx, node, pl)
     if t == aten.transpose.int:
         return _transpose(node, pl)
+    if t == aten.einsum.default:
+        return _einsum(ctx, node, pl)
+    if t == aten.view_as_complex.default:  # (..., n, 2) real -> (..., n) complex: rotary embeddings
+        last = _ndim(node.args[0]) - 1
+        return _unary_dim_map(node, pl, lambda d: None if d == last else d, "view_as_complex of the split pairs")
+    if t == aten.view_as_real.default:  # (..., n) complex -> (..., n, 2) real
+        return _unary_dim_map(node, pl, lambda d: d, "")
     if t == aten.t.default:
         return _unary_dim_map(node, pl, lambda d: 1 - d, "")
     if t == aten.permute.default:

@@ -423,3 +423,28 @@ def test_parallel_block_reduces_once(bias, form):
         assert per_layer[(layer, "reduce_from_tp")] == 1 and per_layer[(layer, "copy_to_tp")] == 1, per_layer
     # the same values as the model (fp32, one rank's view of a tp=2 program checked by shapes)
     program.local_shapes(rank=1)
+
+
+class EinsumLinear(nn.Module):
+    """A linear written as einsum, with the weight stored (out, in) or (in, out)."""
+
+    def __init__(self, i, o, bias=True, stored_in_out=False):
+        super().__init__()
+        self.stored_in_out = stored_in_out
+        self.weight = nn.Parameter(torch.randn(i, o) / i**0.5 if stored_in_out else torch.randn(o, i) / i**0.5)
+
+    def forward(self, x):
+        if self.stored_in_out:
+            return torch.einsum("...k,kn->...n", x, self.weight)
+        return torch.einsum("bsk,nk->bsn", x, self.weight)
+
+
+@pytest.mark.parametrize("stored_in_out", [False, True])
+def test_einsum_linears_split_like_nn_linear(stored_in_out):
+    torch.manual_seed(0)
+    model = Model(linear=lambda i, o, bias=True: EinsumLinear(i, o, stored_in_out=stored_in_out))
+    x, y = _data()
+    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    assert program.fallbacks() == [] and program.plan.rejected == [] and program.replicated_weights() == []
+    per_layer = program.collectives(by_layer=True)
+    assert all(per_layer[(i, "reduce_from_tp")] == 2 and per_layer[(i, "copy_to_tp")] == 2 for i in range(LAYERS))

@@ -1,0 +1,171 @@
+"""A Llama written as Meta's reference code writes it, on 4 gloo ranks (tp=2 x pp=2).
+
+Rotary embeddings through complex numbers (``view_as_complex`` / ``view_as_real``
+on the split heads), attention written out (``q @ k^T``, a mask, softmax) or with
+``torch.einsum``, SwiGLU, RMSNorm by hand, the blocks in a ModuleList or a
+ModuleDict. Each is split fully (2 f and 2 g per layer, no fallback, nothing left
+whole) and matches one process over two AdamW steps (tolerances as in
+test_tp_parity); einsum-written linears become linears.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from families import AFTER_ADAMW, train_steps
+
+import autopar
+from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
+
+pytestmark = pytest.mark.multiprocess
+V, H, NH, S, L = 128, 64, 4, 16, 4
+D = H // NH
+
+
+def precompute_freqs_cis(dim, end, theta=10000.0):
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end)
+    freqs = torch.outer(t, freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    fc = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    xq_out = torch.view_as_real(xq_ * fc).flatten(3)
+    xk_out = torch.view_as_real(xk_ * fc).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class RMSNorm(nn.Module):
+    def __init__(s, d, eps=1e-6):
+        super().__init__()
+        s.eps = eps
+        s.weight = nn.Parameter(torch.ones(d))
+
+    def forward(s, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + s.eps) * s.weight
+
+
+class MetaAttn(nn.Module):  # Meta's llama: complex rope, manual softmax attention, einsum variant
+    def __init__(s, einsum=False):
+        super().__init__()
+        s.einsum = einsum
+        s.wq, s.wk, s.wv, s.wo = (nn.Linear(H, H, bias=False) for _ in range(4))
+
+    def forward(s, x, freqs_cis):
+        b, t, _ = x.shape
+        q, k, v = s.wq(x).view(b, t, NH, D), s.wk(x).view(b, t, NH, D), s.wv(x).view(b, t, NH, D)
+        q, k = apply_rotary_emb(q, k, freqs_cis)
+        if s.einsum:
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+            mask = torch.full((t, t), float("-inf")).triu(1)
+            p = F.softmax(scores + mask, dim=-1)
+            o = torch.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, H)
+        else:
+            q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+            scores = q @ k.transpose(2, 3) / math.sqrt(D)
+            scores = scores + torch.full((t, t), float("-inf")).triu(1)
+            o = (F.softmax(scores.float(), dim=-1).type_as(q) @ v).transpose(1, 2).contiguous().view(b, t, H)
+        return s.wo(o)
+
+
+class FF(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.w1, s.w2, s.w3 = nn.Linear(H, 96, bias=False), nn.Linear(96, H, bias=False), nn.Linear(H, 96, bias=False)
+
+    def forward(s, x):
+        return s.w2(F.silu(s.w1(x)) * s.w3(x))
+
+
+class TB(nn.Module):
+    def __init__(s, einsum):
+        super().__init__()
+        s.attention = MetaAttn(einsum)
+        s.feed_forward = FF()
+        s.attention_norm = RMSNorm(H)
+        s.ffn_norm = RMSNorm(H)
+
+    def forward(s, x, fc):
+        h = x + s.attention(s.attention_norm(x), fc)
+        return h + s.feed_forward(s.ffn_norm(h))
+
+
+class MetaLlama(nn.Module):
+    def __init__(s, einsum=False, container="list"):
+        super().__init__()
+        s.tok_embeddings = nn.Embedding(V, H)
+        blocks = [TB(einsum) for _ in range(L)]
+        s.layers = (
+            nn.ModuleList(blocks) if container == "list" else nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+        )
+        s.norm = RMSNorm(H)
+        s.output = nn.Linear(H, V, bias=False)
+        s.register_buffer("freqs_cis", precompute_freqs_cis(D, S * 2), persistent=False)
+
+    def forward(s, tokens):
+        h = s.tok_embeddings(tokens)
+        fc = s.freqs_cis[: tokens.shape[1]]
+        for layer in s.layers if isinstance(s.layers, nn.ModuleList) else s.layers.values():
+            h = layer(h, fc)
+        return s.output(s.norm(h)).float()
+
+
+VARIANTS = {"complex_rope": dict(), "einsum": dict(einsum=True), "module_dict": dict(container="dict")}
+
+
+def make(name):
+    torch.manual_seed(0)
+    return MetaLlama(**VARIANTS[name])
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return [
+        ((torch.randint(0, V, (8, S), generator=g),), (torch.randint(0, V, (8, S), generator=g),)) for _ in range(2)
+    ]
+
+
+def _worker():
+    out = {}
+    for name in VARIANTS:
+        d = data()
+        program = autopar.parallelize(
+            make(name), tp=2, pp=2, microbatches=2, example_inputs=(d[0][0][0][:4],), example_targets=d[0][1][0][:4]
+        )
+        per_layer = {k: v for k, v in program.collectives(by_layer=True).items() if k[0] is not None}
+        out[name] = (
+            train_steps(program.materialize(), d, 1e-3),
+            program.fallbacks(),
+            program.plan.rejected,
+            program.replicated_weights(),
+            per_layer,
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return autopar.spawn(_worker, 4, timeout_s=600)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_split_fully(results, name):
+    _, fallbacks, rejected, whole, per_layer = results[0][name]
+    assert fallbacks == [] and rejected == [] and whole == []
+    assert per_layer == {(i, kind): 2 for i in range(L) for kind in ("copy_to_tp", "reduce_from_tp")}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_matches_one_process(results, name):
+    ref_losses, ref_grads = single_device_run(
+        make(name), data(), autopar.lm_cross_entropy, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)
+    )
+    for rank, res in enumerate(results):
+        (losses, grads), *_ = res[name]
+        assert_parity(ref_losses[:1], ref_grads[0], losses[:1], grads[0], label=f"{name} rank {rank}", **FP32_TOLERANCE)
+        assert_parity(ref_losses, ref_grads[1], losses, grads[1], label=f"{name} rank {rank} step 1", **AFTER_ADAMW)
