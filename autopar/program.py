@@ -39,6 +39,18 @@ _VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.transpose.int, _
           _aten.squeeze.dim, _aten.reshape.default, _aten.split.Tensor, _aten.slice.Tensor, _aten.select.int,
           operator.getitem}
 
+_CONTRACTIONS = {"mm", "bmm", "matmul", "addmm", "baddbmm", "linear", "einsum", "convolution", "conv1d", "conv2d",
+                 "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "_grouped_mm", "tensordot"}
+
+
+def _contracts(node: fx.Node) -> bool:
+    """A matmul-like or convolution op, or one of another library (its weights are its business)."""
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return True
+    return t.namespace != "aten" or t._schema.name.split("::")[-1] in _CONTRACTIONS
+
+
 _COLLECTIVES = {
     comm.copy_to_tp: ("f (copy_to_tp)", "backward all-reduce"),
     comm.reduce_from_tp: ("g (reduce_from_tp)", "forward all-reduce"),
@@ -257,9 +269,13 @@ class ParallelProgram:
                     frontier.extend(u.users)
                 elif u.op != "output":
                     readers.append(u)
-            # tables looked up by id (position embeddings) stay whole by design, as in Megatron
+            # tables looked up by id and parameters used element-wise (position embeddings, a
+            # learned positional tensor) stay whole by design, as in Megatron: only weights that a
+            # contraction reads (a matmul, a convolution, an op of another library) are reported
             if not readers or any(r.name in explained or r.target == torch.ops.aten.embedding.default
                                   for r in readers):
+                continue
+            if not any(_contracts(r) for r in readers):
                 continue
             first = readers[0]
             where = source_line(first)

@@ -262,6 +262,7 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node],
         padded[node] = out_features % ctx.tp != 0
         segments[node] = (-(-out_features // ctx.tp) * ctx.tp,) if padded[node] else None
     node = group[0]
+    pending_error: str | None = None  # a view's error, if splitting into pieces fails too
     for _attempt in range(2 + len(group)):
         before = {n: d.kind for n, d in state.dec.items()}
         conflicts_before = set(_param_conflicts(state, ctx))
@@ -279,6 +280,7 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node],
             origin = next((m for m in group if m.name == need.origin), None)
             if origin is not None and segments[origin] is None and all(s % ctx.tp == 0 for s in need.sizes):
                 segments[origin] = tuple(need.sizes)
+                pending_error = pending_error or need.error
                 continue
             return False, f"its output is split into {list(need.sizes)} which does not divide by tp={ctx.tp}", []
         touched = list(old)
@@ -301,6 +303,10 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node],
         dead = _dead_ends(state, group, set(touched), set(sinks)) if len(group) > 1 and new_fallbacks else []
         if dead_out is not None:
             dead_out[:] = dead
+        # pieces asked for by a view that could not split otherwise must close the region cleanly:
+        # cutting within attention heads (a head dim) only trades the error for gathers
+        if pending_error and new_fallbacks:
+            leaking = True
         if (sinks or merged) and out_ok and not conflicts and not errors and not padded_bad and not leaking \
                 and not dead:
             return True, "", []
@@ -308,6 +314,8 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node],
         state.undo(old)
         for member in group:
             ctx.column.pop(member, None)
+        if pending_error and not errors:
+            errors = [pending_error]
         if errors:
             return False, errors[0], errors
         if any(padded.values()) and sinks:

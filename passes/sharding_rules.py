@@ -41,9 +41,12 @@ R = Replicate()
 class NeedSegments(Exception):
     """A split of a column-parallel output into pieces: the linear must shard each piece."""
 
-    def __init__(self, origin: str, sizes: list[int]):
+    def __init__(self, origin: str, sizes: list[int], error: str | None = None):
         super().__init__(origin, sizes)
         self.origin, self.sizes = origin, list(sizes)
+        self.error = error
+        """What to report if the split into pieces does not work out either (the view that asked
+        would otherwise need a number of groups that t does not divide)."""
 
 
 @dataclass(frozen=True)
@@ -390,6 +393,35 @@ def _nll(node, pl) -> Decision:
     return _fallback(node, shards, "nll_loss with class weights or N-d input")
 
 
+def _baddbmm(ctx: Ctx, node, pl) -> Decision:
+    """beta * input + alpha * (b1 @ b2) (ALiBi's scores): the product split on its batch dim, the
+    input sliced the same way (or, broadcast along it, read whole)."""
+    inp, b1, b2 = node.args[0], node.args[1], node.args[2]
+    if isinstance(pl(inp), (Shard, Partial)):
+        return _fallback(node, [(("a", 0), pl(inp))] if isinstance(pl(inp), Shard) else [], "baddbmm of a split input")
+    prod = _matmul(ctx, _BmmView(node, b1, b2), pl)
+    if prod.kind != "sharded" or not isinstance(prod.out, Shard) or prod.out.dim != 0:
+        return Decision(**{**prod.__dict__, "copy_in": tuple(("a", p[1] + 1) for p in prod.copy_in),
+                           "scatter_in": tuple((("a", p[1] + 1), q) for p, q in prod.scatter_in),
+                           "gather_in": tuple((("a", p[1] + 1), q) for p, q in prod.gather_in)})
+    segs = prod.out.segments
+    ishape = Ctx.shape(inp)
+    scatter = tuple((("a", p[1] + 1), q) for p, q in prod.scatter_in)
+    copy = tuple(("a", p[1] + 1) for p in prod.copy_in)
+    if len(ishape) == 3 and ishape[0] == Ctx.shape(node)[0]:
+        scatter += ((("a", 0), Shard(0, segs)),)
+    elif inp.name in ctx.requires_grad:
+        copy += (("a", 0),)
+    return Decision(prod.out, kind="sharded", copy_in=copy, scatter_in=scatter)
+
+
+class _BmmView:
+    """A baddbmm seen as its b1 @ b2, for the matmul rule."""
+
+    def __init__(self, node, b1, b2):
+        self.args, self.meta, self.name = (b1, b2), node.meta, node.name
+
+
 def _einsum(ctx: Ctx, node, pl) -> Decision:
     """``torch.einsum`` with one subscript letter split: kept in the output, the output is split
     on it (replicated operands that carry it are sliced); summed over, every operand carrying it
@@ -479,6 +511,18 @@ def _view_groups(ishape, oshape):
 
 
 def _view(ctx: Ctx, node, pl) -> Decision:
+    """A view or reshape of a value split on dim d (in pieces ``segments``).
+
+    Within the group of input dims the view regroups (``_view_groups``), rank r
+    holds, for every index of the group's dims before d and every segment, piece r
+    of the segment times everything after d: a list of flat blocks, each cut t
+    ways. The output keeps the split on the first output dim od of the group where
+    those blocks are, row by row of the dims before od, the same list of segments
+    of od, each a multiple of t times the size after od. So a split hidden size
+    becomes split heads (h d -> h, d: heads divisible by t), a fused (q, k, v) in
+    three segments becomes split head dims under an outer 3, and batch and split
+    heads merged (b, h -> b h) become b segments of h, and back.
+    """
     x = node.args[0]
     p = pl(x)
     if not isinstance(p, Shard):
@@ -491,29 +535,59 @@ def _view(ctx: Ctx, node, pl) -> Decision:
     for gi, go in _view_groups(ishape, oshape):
         if d not in gi:
             continue
-        lead = [k for k in gi if ishape[k] != 1]
-        if not lead or lead[0] != d:
-            return _fallback(node, [(("a", 0), p)], "view merges the sharded dim into an outer dim")
+        outer_in = math.prod(ishape[k] for k in gi if k < d)
         inner_in = math.prod(ishape[k] for k in gi if k > d)
+        if padded and (outer_in != 1 or inner_in != 1 or len([k for k in go if oshape[k] != 1]) != 1):
+            return _fallback(node, [(("a", 0), p)], "view reshapes a padded vocabulary dim")
+        flat = [s * inner_in for _ in range(outer_in) for s in segs]
+        for od in go:
+            if oshape[od] == 1:
+                continue
+            inner_out = math.prod(oshape[k] for k in go if k > od)
+            rows = math.prod(oshape[k] for k in go if k < od)
+            out_segs = _rows_of_segments(flat, rows, oshape[od] * inner_out if not padded else sum(flat))
+            if out_segs is None or any(f % (inner_out * t) for f in out_segs):
+                continue
+            new = [f // inner_out for f in out_segs]
+            new_segs = None if (len(new) == 1 and not padded) else tuple(new)
+            local = list(oshape)
+            local[od] = sum(s // t for s in new)
+            return Decision(Shard(od, new_segs, p.origin), kind="sharded", local_shape=tuple(local))
+        # a column-parallel output unflattened into (pieces, rest) that the ranks cannot share
+        # by pieces (a packed (q, k, v)): the linear splits each piece instead
+        if p.segments is None and p.origin is not None and p.origin in {n.name for n in ctx.column} \
+                and outer_in == 1 and inner_in == 1:
+            olead = [k for k in go if oshape[k] != 1]
+            if len(olead) >= 2:
+                pieces = oshape[olead[0]]
+                size = ishape[d] // pieces
+                if pieces > 1 and size % t == 0 and size * pieces == ishape[d]:
+                    inner_out = math.prod(oshape[k] for k in go if k > olead[0])
+                    err = (_split_error(ctx, node, x, d, ishape, oshape, olead[0], inner_out)
+                           if pieces % t else None)
+                    raise NeedSegments(p.origin, [size] * pieces, err)
         olead = [k for k in go if oshape[k] != 1]
         if not olead:
             return _fallback(node, [(("a", 0), p)], "view drops the sharded dim")
         od = olead[0]
         inner_out = math.prod(oshape[k] for k in go if k > od)
-        if padded and (inner_in != 1 or inner_out != 1):
-            return _fallback(node, [(("a", 0), p)], "view reshapes a padded vocabulary dim")
-        flat = [s * inner_in for s in segs]
-        new = []
-        for s in flat:
-            if s % inner_out or (s // inner_out) % t:
-                err = _split_error(ctx, node, x, d, ishape, oshape, od, inner_out)
-                return _fallback(node, [(("a", 0), p)], "view splits the sharded dim unevenly", error=err)
-            new.append(s // inner_out)
-        new_segs = tuple(new) if len(new) > 1 or padded else None
-        local = list(oshape)
-        local[od] = sum(s // t for s in new)
-        return Decision(Shard(od, new_segs, p.origin), kind="sharded", local_shape=tuple(local))
+        err = None
+        if outer_in == 1 and not padded and p.segments is None and inner_out > 1 and oshape[od] % t:
+            err = _split_error(ctx, node, x, d, ishape, oshape, od, inner_out)
+        return _fallback(node, [(("a", 0), p)], "view splits the sharded dim unevenly", error=err)
     return _fallback(node, [(("a", 0), p)], "view: sharded dim not found")
+
+
+def _rows_of_segments(flat: list[int], rows: int, row_size: int) -> list[int] | None:
+    """The segments of one row when ``flat`` is ``rows`` rows of ``row_size`` with the same segments
+    in each (blocks never straddle rows), else None."""
+    if sum(flat) != rows * row_size or len(flat) % rows:
+        return None
+    per = len(flat) // rows
+    first = flat[:per]
+    if sum(first) != row_size or any(flat[i * per:(i + 1) * per] != first for i in range(rows)):
+        return None
+    return first
 
 
 def _split_error(ctx, node, x, d, ishape, oshape, od, inner_out) -> str:
@@ -984,6 +1058,8 @@ def _decide(ctx: Ctx, node: fx.Node, pl: Callable) -> Decision:
         return _transpose(node, pl)
     if t == aten.einsum.default:
         return _einsum(ctx, node, pl)
+    if t == aten.baddbmm.default:
+        return _baddbmm(ctx, node, pl)
     if t == aten.view_as_complex.default:  # (..., n, 2) real -> (..., n) complex: rotary embeddings
         last = _ndim(node.args[0]) - 1
         return _unary_dim_map(node, pl, lambda d: None if d == last else d, "view_as_complex of the split pairs")

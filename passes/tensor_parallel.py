@@ -117,7 +117,7 @@ def apply_tensor_parallel(traced: TracedModel, plan: ShardingPlan) -> fx.GraphMo
             _set(node, path, gather_cache[key])
         if dec.local_shape is not None:
             if node.target == aten.unflatten.int:
-                dim = node.args[1] % len(node.meta["val"].shape)
+                dim = node.args[1] % len(node.args[0].meta["val"].shape)  # a dim of the input
                 _set(node, ("a", 2), list(dec.local_shape[dim : dim + len(node.args[2])]))
             else:
                 _set(node, ("a", 1), list(dec.local_shape))

@@ -11,6 +11,7 @@ projection interleaved per head, partial rotary, parallel residual), GPT-J
 (parallel attention and MLP; for these and Falcon the two row-parallel outputs
 are summed before one all-reduce), Gemma-2 (dtype casts, logit soft-capping,
 GeGLU), Falcon (``x @ W.T`` linears), Qwen3 (RMSNorm per head on q and k),
+BLOOM (ALiBi added by ``baddbmm`` to scores whose batch dim is batch x heads),
 GPTBigCode (multi-query attention through one fused projection, which cannot
 be split by key/value heads: it stays whole, and the plan says so), and three
 mixtures of experts: Mixtral (stacked expert weights applied as grouped
@@ -67,6 +68,9 @@ def _make_more(name):
                                                   bias=True, bos_token_id=0, eos_token_id=0))
     if name == "qwen3":
         return T.Qwen3ForCausalLM(T.Qwen3Config(num_key_value_heads=2, head_dim=16, **common))
+    if name == "bloom":
+        return T.BloomForCausalLM(T.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=4, n_head=4,
+                                                bos_token_id=0, eos_token_id=0))
     if name == "mixtral":
         return T.MixtralForCausalLM(T.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
                                                     num_experts_per_tok=2, **common))
@@ -118,7 +122,7 @@ def test_more_hf_families_split_fully_and_match_one_process():
                           **AFTER_ADAMW)
 
 
-MORE = ["gpt-neox", "gpt-j", "gemma2", "falcon", "qwen3", "bigcode", "mixtral", "olmoe", "qwen2-moe"]
+MORE = ["gpt-neox", "gpt-j", "gemma2", "falcon", "qwen3", "bloom", "bigcode", "mixtral", "olmoe", "qwen2-moe"]
 
 
 def test_families_written_differently_match_one_process():

@@ -1,11 +1,15 @@
-"""A Llama written as Meta's reference code writes it, on 4 gloo ranks (tp=2 x pp=2).
+"""Models written the ways people write them, on 4 gloo ranks (tp=2 x pp=2).
 
-Rotary embeddings through complex numbers (``view_as_complex`` / ``view_as_real``
-on the split heads), attention written out (``q @ k^T``, a mask, softmax) or with
-``torch.einsum``, SwiGLU, RMSNorm by hand, the blocks in a ModuleList or a
-ModuleDict. Each is split fully (2 f and 2 g per layer, no fallback, nothing left
-whole) and matches one process over two AdamW steps (tolerances as in
-test_tp_parity); einsum-written linears become linears.
+- A Llama as Meta's reference code writes it: rotary embeddings through complex
+  numbers (``view_as_complex`` / ``view_as_real`` on the split heads), attention
+  written out (``q @ k^T``, a mask, softmax) or with ``torch.einsum``, SwiGLU,
+  RMSNorm by hand, the blocks in a ModuleList or a ModuleDict.
+- A language model from ``nn.TransformerEncoder`` (post- and pre-norm), whose
+  ``nn.MultiheadAttention`` packs q, k and v in one projection, unflattens it
+  into (3, E) and folds the heads into the batch dim (``b*heads``).
+
+Each is split fully (2 f and 2 g per layer, no fallback, nothing left whole)
+and matches one process over two AdamW steps (tolerances as in test_tp_parity).
 """
 
 import math
@@ -115,12 +119,29 @@ class MetaLlama(nn.Module):
         return s.output(s.norm(h)).float()
 
 
-VARIANTS = {"complex_rope": dict(), "einsum": dict(einsum=True), "module_dict": dict(container="dict")}
+class TorchEncoderLM(nn.Module):
+    def __init__(self, norm_first):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.pos = nn.Parameter(torch.zeros(1, S, H))
+        layer = nn.TransformerEncoderLayer(H, NH, 4 * H, dropout=0.0, batch_first=True, norm_first=norm_first)
+        self.enc = nn.TransformerEncoder(layer, L, enable_nested_tensor=False)
+        self.head = nn.Linear(H, V)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(S), persistent=False)
+
+    def forward(self, x):
+        return self.head(self.enc(self.emb(x) + self.pos, mask=self.mask, is_causal=True))
+
+
+VARIANTS = {"complex_rope": lambda: MetaLlama(), "einsum": lambda: MetaLlama(einsum=True),
+            "module_dict": lambda: MetaLlama(container="dict"),
+            "torch_encoder_post_norm": lambda: TorchEncoderLM(False),
+            "torch_encoder_pre_norm": lambda: TorchEncoderLM(True)}
 
 
 def make(name):
     torch.manual_seed(0)
-    return MetaLlama(**VARIANTS[name])
+    return VARIANTS[name]()
 
 
 def data():
