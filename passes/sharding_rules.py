@@ -852,13 +852,18 @@ def slice_pieces(x: fx.Node, dim: int) -> list[tuple[int, int]] | None:
 
 
 def _slice(ctx: Ctx, node, pl) -> Decision:
-    """Slices of the sharded dim that cut it into pieces (a fused QKV sliced into q, k, v)."""
+    """Slices of the sharded dim that cut it into pieces (a fused QKV sliced into q, k, v), or
+    that take every step-th entry of it."""
     x = node.args[0]
     p = pl(x)
     dim, start, end, step = _slice_range(node)
     size = Ctx.shape(x)[dim]
     if not isinstance(p, Shard) or p.dim != dim or (start == 0 and end >= size and step == 1):
         return _unary_dim_map(node, pl, lambda d: d, "")
+    if p.segments is None and step > 1 and start < step and end >= size and (size // ctx.tp) % step == 0:
+        # every step-th entry (gate and up interleaved): each rank's block starts on a multiple of
+        # step, so its own every step-th entries are its block of the result
+        return Decision(Shard(dim, None, p.origin), kind="sharded")
     pieces = slice_pieces(x, dim)
     if pieces is not None:
         sizes = tuple(b - a for a, b in pieces)

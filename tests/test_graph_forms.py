@@ -448,3 +448,30 @@ def test_einsum_linears_split_like_nn_linear(stored_in_out):
     assert program.fallbacks() == [] and program.plan.rejected == [] and program.replicated_weights() == []
     per_layer = program.collectives(by_layer=True)
     assert all(per_layer[(i, "reduce_from_tp")] == 2 and per_layer[(i, "copy_to_tp")] == 2 for i in range(LAYERS))
+
+
+def test_interleaved_gate_and_up_stay_split():
+    """gate = h[..., ::2], up = h[..., 1::2] of one projection (GPT-OSS): each rank's block of
+    the projection starts on an even column, so its own even and odd columns are its blocks of
+    gate and up."""
+
+    class InterleavedMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(H)
+            self.fc, self.proj = nn.Linear(H, 8 * H), nn.Linear(4 * H, H)
+
+        def forward(self, x):
+            h = self.fc(self.ln(x))
+            return x + self.proj(F.silu(h[..., ::2]) * h[..., 1::2])
+
+    torch.manual_seed(0)
+    model = Model()
+    model.h = nn.ModuleList(InterleavedMLP() for _ in range(LAYERS))
+    x, y = _data()
+    for tp in (2, 4):
+        program = autopar.parallelize(model, tp=tp, example_inputs=(x,), example_targets=y)
+        assert program.fallbacks() == [] and program.plan.rejected == []
+        assert program.param_spec("h.0.fc.weight").dim == 0 and program.param_spec("h.0.proj.weight").dim == 1
+        shapes = program.local_shapes(rank=tp - 1)
+        assert {s[-1] for n, s in shapes.items() if n.startswith("slice")} == {4 * H // tp}

@@ -17,7 +17,9 @@ be split by key/value heads: it stays whole, and the plan says so), and three
 mixtures of experts: Mixtral (stacked expert weights applied as grouped
 matmuls, each expert's MLP split, the router whole), OLMoE (RMSNorm over the
 whole q and k projections before heads: a local mean and one all-reduce) and
-Qwen2-MoE (a shared expert gated by a one-feature linear, which stays whole).
+Qwen2-MoE (a shared expert gated by a one-feature linear, which stays whole),
+GPT-OSS (experts stored (in, out) with biases, gate and up interleaved as
+``h[..., ::2]`` and ``h[..., 1::2]``).
 """
 
 import pytest
@@ -77,6 +79,10 @@ def _make_more(name):
     if name == "olmoe":
         return T.OlmoeForCausalLM(T.OlmoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                                 **common))
+    if name == "gpt-oss":
+        return T.GptOssForCausalLM(T.GptOssConfig(num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                                  num_experts_per_tok=2, layer_types=["full_attention"] * 4,
+                                                  **common))
     if name == "qwen2-moe":
         return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                                       moe_intermediate_size=64, shared_expert_intermediate_size=128,
@@ -122,7 +128,8 @@ def test_more_hf_families_split_fully_and_match_one_process():
                           **AFTER_ADAMW)
 
 
-MORE = ["gpt-neox", "gpt-j", "gemma2", "falcon", "qwen3", "bloom", "bigcode", "mixtral", "olmoe", "qwen2-moe"]
+MORE = ["gpt-neox", "gpt-j", "gemma2", "falcon", "qwen3", "bloom", "bigcode", "mixtral", "olmoe", "qwen2-moe",
+        "gpt-oss"]
 
 
 def test_families_written_differently_match_one_process():
@@ -136,7 +143,7 @@ def test_families_written_differently_match_one_process():
             assert whole == [], (name, whole)  # every matrix is split or explained by a rejected linear
             if name in ("gpt-j", "gpt-neox", "falcon"):  # attention and MLP side by side: one g per layer
                 assert {n for (_, kind), n in per_layer.items() if kind == "reduce_from_tp"} == {1}, per_layer
-            if name in ("mixtral", "olmoe"):  # the router (then a top-k over experts) stays whole
+            if name in ("mixtral", "olmoe", "gpt-oss"):  # the router (then a top-k over experts) stays whole
                 assert rejected and all("topk" in r for r in rejected), rejected
             elif name == "qwen2-moe":  # the router, and the shared expert's one-feature gate
                 assert {m.rsplit(".", 1)[-1] for m in where} == {"gate", "shared_expert_gate"}, where
