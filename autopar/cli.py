@@ -1,6 +1,7 @@
 """The ``autopar`` command line.
 
     autopar plan --model gpt-39b --gpus 512 --batch 1536 --hardware dgx-a100-80gb
+    autopar plan --hf-config path/to/config.json --gpus 64 --batch 512 --seq-len 4096
     autopar plan --layers 48 --hidden 8192 --heads 64 --gpus 512 --batch 1536 --tp 8 --pp 2 --vp 4 --micro-batch 4
     autopar plan ... --json          # the same results as JSON
     autopar plan ... --explain       # the paper's formulas, symbolic and with values
@@ -38,9 +39,12 @@ __all__ = ["main", "build_parser"]
 
 
 def _add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -> None:
-    g = ap.add_argument_group("model (a preset, or dimensions)")
+    g = ap.add_argument_group("model (a preset, a HuggingFace config, or dimensions)")
     g.add_argument("--model", help="preset: gpt-1.7b, gpt-3.6b, gpt-7.5b, gpt-18b, gpt-39b, gpt-76b, "
                                    "gpt-145b, gpt-310b, gpt-530b, gpt-1t")
+    g.add_argument("--hf-config", help="a HuggingFace config.json (or its folder): the model is built on the "
+                                       "meta device and its dimensions read from its traced graph "
+                                       "(needs transformers; --seq-len sets the sequence, default 2048)")
     g.add_argument("--layers", type=int)
     g.add_argument("--hidden", type=int)
     g.add_argument("--heads", type=int)
@@ -100,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _spec(args: argparse.Namespace) -> ModelSpec | None:
+    if getattr(args, "hf_config", None):
+        return _hf_spec(args.hf_config, args.seq_len or 2048)
     if args.model:
         spec = get_model(args.model)
         over = {k: getattr(args, a) for k, a in (("seq_len", "seq_len"), ("vocab", "vocab"))
@@ -117,6 +123,28 @@ def _spec(args: argparse.Namespace) -> ModelSpec | None:
     return ModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,
                      seq_len=args.seq_len or 2048, vocab=args.vocab or 51200, ffn=args.ffn,
                      kv_heads=args.kv_heads, gated_mlp=args.gated_mlp)
+
+
+def _hf_spec(path: str, seq_len: int) -> ModelSpec:
+    """Build a HuggingFace causal LM from its config on the meta device and read its dimensions."""
+    import torch  # noqa: PLC0415  (only this path needs torch and transformers)
+
+    from autopar.model_spec import SpecError, spec_from_model  # noqa: PLC0415
+
+    try:
+        import transformers  # noqa: PLC0415
+    except ImportError:
+        raise SystemExit("autopar: --hf-config needs transformers (pip install transformers)") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"autopar: cannot read a HuggingFace config from {path}: {e}") from None
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        return spec_from_model(model, (torch.zeros(1, seq_len, dtype=torch.long),), name=config.model_type)
+    except SpecError as e:
+        raise SystemExit(f"autopar: {e}") from None
 
 
 def _space(args: argparse.Namespace) -> SearchSpace:

@@ -64,3 +64,22 @@ def test_a_model_without_an_mlp_the_graph_shows_says_what_to_give():
         block.mlp = Experts(64)
     with pytest.raises(SpecError, match="give --ffn by hand"):
         spec_from_model(model, _ids())
+
+
+def test_cli_plans_from_a_huggingface_config(tmp_path, capsys):
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from autopar.cli import main
+
+    transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                             num_attention_heads=16, num_key_value_heads=4).save_pretrained(tmp_path)
+    rc = main(["plan", "--hf-config", str(tmp_path / "config.json"), "--gpus", "16", "--batch", "128",
+               "--seq-len", "1024", "--recompute", "full", "--json", "--top", "3"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == {"name": "llama", "layers": 8, "hidden": 1024, "heads": 16, "seq_len": 1024,
+                            "vocab": 32000, "ffn": 2816, "kv_heads": 4}
+    assert out["ranked"] and out["ranked"][0]["fits"]
+    with pytest.raises(SystemExit, match="cannot read a HuggingFace config"):
+        main(["plan", "--hf-config", str(tmp_path / "missing.json"), "--gpus", "16", "--batch", "128"])
