@@ -29,13 +29,16 @@ __all__ = ["merge_parallel_reductions"]
 
 
 def _is_add(n) -> bool:
-    """``a + b`` of two tensors; also ``a += b`` when nothing else reads ``a`` (then it is the same)."""
+    """``a + b`` of two tensors; also ``a += b`` when ``a`` is a fresh result of an all-reduce or an
+    out-of-place add read by nothing else (not a view of something read later): then it is the same."""
     if not (isinstance(n, fx.Node) and n.op == "call_function" and len(n.args) == 2 and not n.kwargs
             and all(isinstance(a, fx.Node) for a in n.args)):
         return False
     if n.target == aten.add.Tensor:
         return True
-    return n.target == aten.add_.Tensor and len(n.args[0].users) == 1
+    a = n.args[0]
+    return (n.target == aten.add_.Tensor and len(a.users) == 1 and a.op == "call_function"
+            and (a.target is comm.reduce_from_tp or a.target == aten.add.Tensor))
 
 
 def _leaves(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -87,10 +90,12 @@ def merge_parallel_reductions(graph: fx.Graph) -> int:
             continue
         tp = found[0][1][0].args[1]
         merged = {leaf for leaf, _ in found}
+        dtype = val.dtype  # the sum's type as traced: under autocast, bf16 partials are summed in it
         with graph.inserting_before(node):
-            total = found[0][1][1]
-            for _, (_, partial, _) in found[1:]:
-                total = _like(graph.call_function(aten.add.Tensor, (total, partial)), node)
+            parts = [_like(graph.call_function(aten.to.dtype, (p, dtype)), node) for _, (_, p, _) in found]
+            total = parts[0]
+            for part in parts[1:]:
+                total = _like(graph.call_function(aten.add.Tensor, (total, part)), node)
             out = _like(graph.call_function(comm.reduce_from_tp, (total, tp)), node)
             for _, (_, _, bias) in found:
                 if bias is not None:

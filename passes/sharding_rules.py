@@ -400,14 +400,18 @@ def _baddbmm(ctx: Ctx, node, pl) -> Decision:
     if isinstance(pl(inp), (Shard, Partial)):
         return _fallback(node, [(("a", 0), pl(inp))] if isinstance(pl(inp), Shard) else [], "baddbmm of a split input")
     prod = _matmul(ctx, _BmmView(node, b1, b2), pl)
+    remap = lambda path: ("a", path[1] + 1)  # noqa: E731  (b1, b2 are args 1, 2 of baddbmm)
+    if prod.kind == "replicated":
+        return prod
     if prod.kind != "sharded" or not isinstance(prod.out, Shard) or prod.out.dim != 0:
-        return Decision(**{**prod.__dict__, "copy_in": tuple(("a", p[1] + 1) for p in prod.copy_in),
-                           "scatter_in": tuple((("a", p[1] + 1), q) for p, q in prod.scatter_in),
-                           "gather_in": tuple((("a", p[1] + 1), q) for p, q in prod.gather_in)})
+        # split on rows, columns or the contraction: the input would need slicing (or would be
+        # summed t times by g), so the product runs on gathered operands
+        shards = [(("a", i), pl(a)) for i, a in ((1, b1), (2, b2)) if isinstance(pl(a), Shard)]
+        return _fallback(node, shards, "baddbmm with its product split on rows, columns or the contraction")
     segs = prod.out.segments
     ishape = Ctx.shape(inp)
-    scatter = tuple((("a", p[1] + 1), q) for p, q in prod.scatter_in)
-    copy = tuple(("a", p[1] + 1) for p in prod.copy_in)
+    scatter = tuple((remap(p), q) for p, q in prod.scatter_in)
+    copy = tuple(remap(p) for p in prod.copy_in)
     if len(ishape) == 3 and ishape[0] == Ctx.shape(node)[0]:
         scatter += ((("a", 0), Shard(0, segs)),)
     elif inp.name in ctx.requires_grad:
@@ -440,21 +444,21 @@ def _einsum(ctx: Ctx, node, pl) -> Decision:
         return _fallback(node, shards, "einsum operands split on different subscripts")
     (letter, segs), = letters
     origin = shards[0][1].origin
+    scatter, copy = [], []
+    for path, a in paths:
+        if isinstance(pl(a), Shard):
+            continue
+        spec = specs[path[2]]
+        if letter in spec and Ctx.shape(a)[spec.index(letter)] != 1:
+            if letter not in out:  # summed over: every operand carrying it must be split already
+                return _fallback(node, shards, "einsum summing over a subscript split on one operand only")
+            scatter.append((path, Shard(spec.index(letter), segs)))
+        elif a.name in ctx.requires_grad:  # read whole (or broadcast) by every rank: partial gradient
+            copy.append(path)
     if letter in out:
-        scatter, copy = [], []
-        for path, a in paths:
-            if isinstance(pl(a), Shard):
-                continue
-            spec = specs[path[2]]
-            if letter in spec:
-                scatter.append((path, Shard(spec.index(letter), segs)))
-            elif a.name in ctx.requires_grad:
-                copy.append(path)
         return Decision(Shard(out.index(letter), segs, origin), kind="sharded", copy_in=tuple(copy),
                         scatter_in=tuple(scatter))
-    if all(isinstance(pl(a), Shard) for path, a in paths if letter in specs[path[2]]):
-        return Decision(R, kind="sharded", reduce_out=True)
-    return _fallback(node, shards, "einsum summing over a subscript split on one operand only")
+    return Decision(R, kind="sharded", reduce_out=True, copy_in=tuple(copy))
 
 
 def _logsumexp(node, pl) -> Decision:

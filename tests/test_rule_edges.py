@@ -1,0 +1,158 @@
+"""Edge cases of the sharding rules, against one process on 2 gloo ranks (tp=2).
+
+Each block below once compiled into a program that was silently wrong or did
+not run:
+
+- ``baddbmm`` whose product sums over the split dim: g would have added
+  ``beta * input`` t times; and one whose product is split on columns (the
+  input would have needed slicing): neither is split there any more (the
+  product runs on gathered operands, or the linears feeding it stay whole), and
+  the plan says why;
+- ``einsum`` summing over a split subscript with a third operand read whole
+  (a parameter, an activation): that operand's gradient is partial and gets f;
+- ``einsum`` where an operand broadcasts (size 1) on the split subscript
+  (multi-query attention written with einsum): it is read whole, not sliced;
+- a parallel block written with an in-place add on a view of a tensor read
+  afterwards: the merge of row-parallel reductions leaves it alone.
+
+Tolerances as in test_tp_parity.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
+
+pytestmark = pytest.mark.multiprocess
+V, E, S, B, H = 96, 64, 8, 2, 4
+D = E // H
+
+
+class BaddbmmContracting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(E, E) for _ in range(4))
+        self.bias = nn.Parameter(torch.randn(1, S, S))
+
+    def forward(self, x):
+        s = torch.baddbmm(self.bias.expand(x.shape[0], S, S), self.q(x), self.k(x).transpose(1, 2),
+                          beta=0.5, alpha=0.3)
+        return x + self.o(torch.softmax(s, -1) @ self.v(x))
+
+
+class BaddbmmColumns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.v, self.o = nn.Linear(E, E), nn.Linear(E, E)
+        self.b = nn.Parameter(torch.randn(S, E) * 0.1)
+
+    def forward(self, x):
+        return x + self.o(torch.baddbmm(self.b, torch.softmax(x @ x.transpose(1, 2), -1), self.v(x)))
+
+
+class EinsumSumWithParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(E, E), nn.Linear(E, E)
+        self.p = nn.Parameter(torch.randn(S))
+
+    def forward(self, x):
+        return x * (1 + 0.1 * torch.einsum("bsd,bsd,s->bs", self.a(x), self.b(x), self.p).unsqueeze(-1))
+
+
+class EinsumSumWithActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(E, E), nn.Linear(E, E)
+
+    def forward(self, x):
+        return x * (1 + 0.5 * torch.einsum("bsd,bsd,bs->bs", self.a(x), self.b(x), x[..., 0]).unsqueeze(-1))
+
+
+class EinsumMultiQuery(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.o, self.kv = nn.Linear(E, E), nn.Linear(E, E), nn.Linear(E, 2 * D)
+
+    def forward(self, x):
+        b = x.shape[0]
+        q = self.q(x).view(b, S, H, D).transpose(1, 2)
+        k, v = (t.unsqueeze(1) for t in self.kv(x).view(b, S, 2, D).unbind(2))
+        s = torch.einsum("bhqd,bhkd->bhqk", q, k) * D**-0.5
+        a = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v)
+        return x + self.o(a.transpose(1, 2).reshape(b, S, E))
+
+
+class InplaceOnAView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(E)
+        self.fc1, self.fc2 = nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+        self.gc1, self.gc2 = nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+
+    def forward(self, x):
+        h = self.ln(x)
+        a, b = self.fc2(F.gelu(self.fc1(h))), self.gc2(F.gelu(self.gc1(h)))
+        out = x * 1.0
+        z = out.view(out.shape).add_(a)
+        return (z + b) + 0 * out
+
+
+BLOCKS = {c.__name__: c for c in (BaddbmmContracting, BaddbmmColumns, EinsumSumWithParam, EinsumSumWithActivation,
+                                  EinsumMultiQuery, InplaceOnAView)}
+
+
+class LM(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.wte, self.ln, self.head = nn.Embedding(V, E), nn.LayerNorm(E), nn.Linear(E, V, bias=False)
+        self.layers = nn.ModuleList(BLOCKS[block]() for _ in range(2))
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.ln(x))
+
+
+def _model(block):
+    torch.manual_seed(0)
+    return LM(block)
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return [((torch.randint(0, V, (B, S), generator=g),), (torch.randint(0, V, (B, S), generator=g),))]
+
+
+def _worker():
+    out = {}
+    for block in BLOCKS:
+        (x,), (y,) = _data()[0]
+        program = autopar.parallelize(_model(block), tp=2, example_inputs=(x,), example_targets=y)
+        engine = program.materialize()
+        said = [f[1] for f in program.fallbacks()] + [r.reason for r in program.plan.rejected]
+        out[block] = (engine.train_step(x, y), engine.full_grads(), said)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return autopar.spawn(_worker, 2, timeout_s=600)
+
+
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_matches_one_process(results, block):
+    ref_losses, ref_grads = single_device_run(_model(block), _data(), autopar.lm_cross_entropy)
+    for rank, res in enumerate(results):
+        loss, grads, _ = res[block]
+        assert_parity(ref_losses, ref_grads[0], [loss], grads, label=f"{block} rank {rank}", **FP32_TOLERANCE)
+
+
+@pytest.mark.parametrize("block", ["BaddbmmContracting", "BaddbmmColumns"])
+def test_baddbmm_split_off_its_batch_dim_is_not_split_there_and_says_so(results, block):
+    said = results[0][block][2]  # a fallback (gathered operands) or a linear left whole, with the reason
+    assert any("baddbmm with its product split on rows, columns or the contraction" in why for why in said), said
