@@ -278,7 +278,9 @@ def _try_column(state: _State, ctx: Ctx, group: list[fx.Node],
             for member in group:
                 ctx.column.pop(member, None)
             origin = next((m for m in group if m.name == need.origin), None)
-            if origin is not None and segments[origin] is None and all(s % ctx.tp == 0 for s in need.sizes):
+            whole = origin is not None and sum(need.sizes) == ctx.shape(weight_of(ctx, origin))[
+                ctx.out_dim_of_weight(origin)]  # pieces of the linear's own output, not of a slice of it
+            if whole and segments[origin] is None and all(s % ctx.tp == 0 for s in need.sizes):
                 segments[origin] = tuple(need.sizes)
                 pending_error = pending_error or need.error
                 continue
