@@ -26,7 +26,7 @@ from autopar.placement import Replicate, Shard, local_size
 from autopar.runtime.engine import RankEngine
 from autopar.schedules import Schedule
 from autopar.trace import TracedModel, module_path, source_line
-from passes.layers import LayerInfo, layer_of_param
+from passes.layers import LayerInfo, layer_of_node, layer_of_param
 from passes.pipeline_split import PipelineSplit
 from passes.sharding import ShardingPlan
 
@@ -209,12 +209,7 @@ class ParallelProgram:
         return counts
 
     def _layer_of_node(self, node: fx.Node) -> int | None:
-        path = module_path(node)
-        prefix = self.layers.prefix
-        if prefix and path.startswith(prefix + "."):
-            head = path[len(prefix) + 1 :].split(".")[0]
-            return int(head) if head.isdigit() else None
-        return None
+        return layer_of_node(node, self.layers)
 
     def local_shapes(self, rank: int = 0) -> dict[str, tuple[int, ...]]:
         """Shape of every value of the rank program on one rank, by fake-tensor propagation.

@@ -27,7 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
-__all__ = ["TracedModel", "TraceError", "trace", "default_logits", "module_path", "source_line"]
+__all__ = ["TracedModel", "TraceError", "trace", "default_logits", "module_path", "user_path", "source_line"]
 
 _WRAPPER_PREFIX = "model."
 
@@ -219,7 +219,11 @@ def module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
+    return user_path(list(stack.values())[-1][0])
+
+
+def user_path(path: str) -> str:
+    """A module path of the traced wrapper as the user's model names it ('' for the model)."""
     path = re.sub(r"^L\['self'\]\.?", "", path)
     return _strip(path) if path != "model" else ""
 

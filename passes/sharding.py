@@ -177,6 +177,11 @@ def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
         x = _operand(node, linear_parts(ctx, node)[0])
         group = [u for u in nodes if u not in tried and _is_candidate(state, ctx, u)
                  and _operand(u, linear_parts(ctx, u)[0]) is x]
+        # a weight applied in several places (a block called once per layer, its weights shared)
+        # can only be split everywhere at once: those linears join the group
+        weights = {weight_of(ctx, m).name for m in group}
+        group += [u for u in nodes if u not in tried and u not in group and _is_candidate(state, ctx, u)
+                  and weight_of(ctx, u).name in weights]
         tried.update(group)
         dead: list[fx.Node] = []
         if len(group) > 1:

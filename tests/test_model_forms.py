@@ -4,6 +4,9 @@
   numbers (``view_as_complex`` / ``view_as_real`` on the split heads), attention
   written out (``q @ k^T``, a mask, softmax) or with ``torch.einsum``, SwiGLU,
   RMSNorm by hand, the blocks in a ModuleList or a ModuleDict.
+- One block applied L times (weights shared across layers, as ALBERT): the
+  layers are its calls, its weights are split everywhere at once, and the
+  pipeline stages that share them sum their gradients.
 - A language model from ``nn.TransformerEncoder`` (post- and pre-norm), whose
   ``nn.MultiheadAttention`` packs q, k and v in one projection, unflattens it
   into (3, E) and folds the heads into the batch dim (``b*heads``).
@@ -133,7 +136,26 @@ class TorchEncoderLM(nn.Module):
         return self.head(self.enc(self.emb(x) + self.pos, mask=self.mask, is_causal=True))
 
 
+class SharedLlama(MetaLlama):
+    """One block applied L times (weights shared across layers): by a loop over the same module,
+    or a ModuleList holding it L times."""
+
+    def __init__(self, loop):
+        super().__init__()
+        self.loop = loop
+        self.block = self.layers[0]
+        self.layers = nn.ModuleList([self.block] * L)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        fc = self.freqs_cis[: tokens.shape[1]]
+        for layer in ([self.block] * L if self.loop else self.layers):
+            h = layer(h, fc)
+        return self.output(self.norm(h)).float()
+
+
 VARIANTS = {"complex_rope": lambda: MetaLlama(), "einsum": lambda: MetaLlama(einsum=True),
+            "shared_block_loop": lambda: SharedLlama(loop=True), "shared_block_list": lambda: SharedLlama(loop=False),
             "module_dict": lambda: MetaLlama(container="dict"),
             "torch_encoder_post_norm": lambda: TorchEncoderLM(False),
             "torch_encoder_pre_norm": lambda: TorchEncoderLM(True)}
