@@ -35,9 +35,17 @@ class LayerInfo:
     """Node name -> layer index, for nodes inside a layer."""
     by_calls: bool = False
     """The layers are the calls of one module (weights shared across layers)."""
+    offset: int = 0
+    """Index in the container of layer 0 (an ``nn.Sequential`` of embedding, blocks and head
+    starts its blocks at 1)."""
 
     def label(self, i: int) -> str:
-        return f"{self.prefix}.{i}" if self.prefix else str(i)
+        return f"{self.prefix}.{i + self.offset}" if self.prefix else str(i + self.offset)
+
+    def layer_at(self, index: int) -> int | None:
+        """Layer number of the container's child ``index``, None if that child is not a layer."""
+        i = index - self.offset
+        return i if 0 <= i < self.count else None
 
 
 def _indexed_prefixes(path: str) -> list[tuple[str, int]]:
@@ -62,13 +70,37 @@ def find_layers(gm: fx.GraphModule) -> LayerInfo:
     if not indices:
         return LayerInfo("", 0, {})
     prefix = max(indices, key=lambda p: (len(indices[p]), -p.count(".")))
+    first, last = _blocks(gm, prefix, indices[prefix])
     node_layer = {}
     for name, path in paths.items():
         for pre, idx in _indexed_prefixes(path):
             if pre == prefix:
-                node_layer[name] = idx
+                if first <= idx <= last:
+                    node_layer[name] = idx - first
                 break
-    return LayerInfo(prefix, max(indices[prefix]) + 1, node_layer)
+    return LayerInfo(prefix, last - first + 1, node_layer, offset=first)
+
+
+def _blocks(gm: fx.GraphModule, prefix: str, indices: set[int]) -> tuple[int, int]:
+    """The children of the container that are the repeated block: those of its most common class,
+    when they form one run (an ``nn.Sequential(embedding, *blocks, head)``); else all of them."""
+    kind: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            for pre, idx in _indexed_prefixes(user_path(path)):
+                if pre == prefix and user_path(path) == (f"{prefix}.{idx}" if prefix else str(idx)):
+                    kind.setdefault(idx, str(cls))
+    counts: dict[str, int] = defaultdict(int)
+    for cls in kind.values():
+        counts[cls] += 1
+    everything = (min(indices), max(indices))
+    if not counts:
+        return everything
+    common = max(counts, key=counts.get)
+    run = sorted(i for i, c in kind.items() if c == common)
+    if len(run) >= 2 and run == list(range(run[0], run[-1] + 1)) and len(run) < len(indices):
+        return run[0], run[-1]
+    return everything
 
 
 _CALL = re.compile(r"@(\d+)$")
@@ -97,7 +129,7 @@ def _repeated_calls(gm: fx.GraphModule) -> LayerInfo | None:
 
 def layer_of_node(node: fx.Node, info: LayerInfo) -> int | None:
     """Layer index of any node carrying the traced module stack (also nodes added by the passes)."""
-    if not info.prefix:
+    if info.count == 0:
         return None
     if info.by_calls:
         for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
@@ -105,16 +137,15 @@ def layer_of_node(node: fx.Node, info: LayerInfo) -> int | None:
                 m = _CALL.search(key)
                 return int(m.group(1)) if m else 0
         return None
-    path = module_path(node)
-    if path.startswith(info.prefix + "."):
-        head = path[len(info.prefix) + 1 :].split(".")[0]
-        return int(head) if head.isdigit() else None
+    for pre, idx in _indexed_prefixes(module_path(node)):
+        if pre == info.prefix:
+            return info.layer_at(idx)
     return None
 
 
 def layer_of_param(name: str, info: LayerInfo) -> int | None:
     """Layer index of a parameter name like ``h.3.attn.q.weight``, or None."""
-    if not info.prefix:
+    if info.by_calls:
         return None
-    m = re.match(re.escape(info.prefix) + r"\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
+    m = re.match((re.escape(info.prefix) + r"\." if info.prefix else "") + r"(\d+)\.", name)
+    return info.layer_at(int(m.group(1))) if m else None

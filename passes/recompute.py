@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
-from autopar.trace import module_path
+from passes.layers import LayerInfo, layer_of_node
 
 __all__ = ["Checkpointed", "checkpoint_layers", "with_recompute"]
 
@@ -41,16 +41,7 @@ class Checkpointed(nn.Module):
         return checkpoint(self.inner, *args, use_reentrant=False)
 
 
-def _layer_index(node: fx.Node, prefix: str) -> int | None:
-    path = module_path(node)
-    if prefix and path.startswith(prefix + "."):
-        head = path[len(prefix) + 1 :].split(".")[0]
-        if head.isdigit():
-            return int(head)
-    return None
-
-
-def checkpoint_layers(gm: fx.GraphModule, layer_prefix: str,
+def checkpoint_layers(gm: fx.GraphModule, layers: LayerInfo,
                       on_keep: Callable[[int], None] | None = None) -> fx.GraphModule:
     """Split ``gm`` into per-layer submodules and checkpoint each of them."""
     # partitions in graph order: 0 before the first layer, 2k+1 the k-th layer met,
@@ -61,7 +52,7 @@ def checkpoint_layers(gm: fx.GraphModule, layer_prefix: str,
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        layer = _layer_index(node, layer_prefix)
+        layer = layer_of_node(node, layers)
         if layer is not None:
             current = 2 * order.setdefault(layer, len(order)) + 1
             parts[node.name] = current
@@ -76,7 +67,7 @@ def checkpoint_layers(gm: fx.GraphModule, layer_prefix: str,
     return split
 
 
-def with_recompute(gm: fx.GraphModule, mode: str, layer_prefix: str,
+def with_recompute(gm: fx.GraphModule, mode: str, layers: LayerInfo,
                    on_keep: Callable[[int], None] | None = None) -> nn.Module:
     """The chunk program to run for recompute ``mode`` ('none', 'chunk' or 'layer')."""
     if mode == "none":
@@ -84,5 +75,5 @@ def with_recompute(gm: fx.GraphModule, mode: str, layer_prefix: str,
     if mode == "chunk":
         return Checkpointed(gm, on_keep)
     if mode == "layer":
-        return checkpoint_layers(gm, layer_prefix, on_keep)
+        return checkpoint_layers(gm, layers, on_keep)
     raise ValueError(f"unknown recompute mode {mode!r}")

@@ -475,3 +475,34 @@ def test_interleaved_gate_and_up_stay_split():
         assert program.param_spec("h.0.fc.weight").dim == 0 and program.param_spec("h.0.proj.weight").dim == 1
         shapes = program.local_shapes(rank=tp - 1)
         assert {s[-1] for n, s in shapes.items() if n.startswith("slice")} == {4 * H // tp}
+
+
+def test_sequential_of_embedding_blocks_and_head_finds_the_blocks():
+    """nn.Sequential(embedding, *blocks, head): the layers are the children of the blocks' class,
+    numbered from 0 (the first block is child 1); per-layer collectives, parameters and layer
+    recomputation see them."""
+    from passes.recompute import Checkpointed, with_recompute
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.out = nn.LayerNorm(H), nn.Linear(H, V, bias=False)
+
+        def forward(self, x):
+            return self.out(self.ln(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(V, H), *[Block() for _ in range(4)], Head())
+    x, y = _data()
+    program = autopar.parallelize(model, tp=2, pp=2, microbatches=2, recompute="layer", example_inputs=(x,),
+                                  example_targets=y)
+    layers = program.layers
+    assert (layers.prefix, layers.count, layers.offset) == ("", 4, 1)
+    assert [c.layers for c in program.split.chunks] == [[0, 1], [2, 3]]
+    per_layer = program.collectives(by_layer=True)
+    assert all(per_layer[(i, "reduce_from_tp")] == 2 and per_layer[(i, "copy_to_tp")] == 2 for i in range(4))
+    assert program.layer_params("1.qkv.weight") == 0 and program.layer_params("4.fc2.bias") == 3
+    assert program.layer_params("0.weight") is None and program.layer_params("5.out.weight") is None
+    for chunk in program.split.chunks:
+        wrapped = with_recompute(chunk.gm, "layer", layers)
+        assert sum(isinstance(m, Checkpointed) for m in wrapped.children()) == len(chunk.layers)

@@ -73,7 +73,7 @@ class RankEngine(nn.Module):
         self.stats: dict = {}
         cfg = program.config
         self._kept = [0]
-        self.runnables = {c: with_recompute(ch.gm, cfg.recompute, program.layers.prefix, self._keep)
+        self.runnables = {c: with_recompute(ch.gm, cfg.recompute, program.layers, self._keep)
                           for c, ch in self.chunks.items()}
         for c, r in self.runnables.items():
             self.add_module(f"chunk{c}", r) if r is not self.chunks[c].gm else None
