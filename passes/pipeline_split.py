@@ -124,6 +124,11 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
     graph = rank_gm.graph
     nodes = list(graph.nodes)
     layers = find_layers(rank_gm)
+    if layers.count == 0:
+        raise PipelineError(
+            f"pp * virtual_stages = {n_chunks} chunks need a stack of repeated layers to cut between, and the "
+            f"model has none: no integer-indexed container of blocks (nn.ModuleList, nn.Sequential) and no "
+            f"block called more than once. Fix: hold the blocks in an nn.ModuleList, or use pp=1")
     if layers.count < n_chunks:
         raise PipelineError(
             f"the model has {layers.count} layers (under '{layers.prefix}') but pp * virtual_stages = "

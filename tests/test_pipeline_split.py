@@ -103,3 +103,17 @@ def test_world_size_must_match_the_mesh():
     model, _ = make("nanogpt", layers=4)
     with pytest.raises(ValueError, match=r"tp\(2\) \* pp\(2\) \* dp\(3\) = 12, but the world size is 8"):
         _program(model, tp=2, pp=2, dp=3, microbatches=2, world_size=8)
+
+
+def test_a_model_without_repeated_layers_cannot_be_pipelined_and_says_what_to_do():
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e, self.l = nn.Embedding(50, 16), nn.Linear(16, 50)
+
+        def forward(self, x):
+            return self.l(self.e(x))
+
+    x = torch.randint(0, 50, (2, 8))
+    with pytest.raises(PipelineError, match=r"stack of repeated layers.*nn\.ModuleList, or use pp=1"):
+        autopar.parallelize(Flat(), pp=2, microbatches=2, example_inputs=(x,), example_targets=x)
