@@ -100,6 +100,19 @@ def _program(tp=2, pp=1, **kw):
                                example_targets=y)
 
 
+def _model_of(block) -> "Model":
+    """The test model with its LAYERS blocks made by ``block()`` (seeded)."""
+    torch.manual_seed(0)
+    model = Model()
+    model.h = nn.ModuleList(block() for _ in range(LAYERS))
+    return model
+
+
+def _parallelize(model, tp=2, **kw):
+    x, y = _data()
+    return autopar.parallelize(model, tp=tp, example_inputs=(x,), example_targets=y, **kw)
+
+
 def test_normalize_turns_transposed_matmuls_into_linears_and_drops_assertions():
     torch.manual_seed(0)
     x, y = _data()
@@ -186,11 +199,8 @@ class ExpertBlock(nn.Module):
 
 
 def test_weights_no_rule_splits_are_listed_with_the_op_that_reads_them():
-    torch.manual_seed(0)
-    model = Model()
-    model.h = nn.ModuleList(ExpertBlock() for _ in range(LAYERS))
-    x, y = _data()
-    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    model = _model_of(ExpertBlock)
+    program = _parallelize(model, tp=2)
     whole = {name: (n, why) for name, n, why in program.replicated_weights()}
     assert set(whole) == {f"h.{i}.{w}" for i in range(LAYERS) for w in ("w_in", "w_out")}
     assert all(n == 2 * H * 2 * H and "bmm" in why and "test_graph_forms.py" in why for n, why in whole.values())
@@ -238,13 +248,10 @@ class MoEBlock(nn.Module):
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "expert_by_expert"])
 def test_experts_split_like_an_mlp(grouped):
-    torch.manual_seed(0)
-    model = Model()
-    model.h = nn.ModuleList(MoEBlock(grouped) for _ in range(LAYERS))
+    model = _model_of(lambda: MoEBlock(grouped))
     if grouped:  # torch._grouped_mm's shape function takes bf16 only
         model = model.to(torch.bfloat16)
-    x, y = _data()
-    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    program = _parallelize(model, tp=2)
     assert program.replicated_weights() == [] and program.fallbacks() == []
     for layer in range(LAYERS):
         up, down = program.param_spec(f"h.{layer}.w_up"), program.param_spec(f"h.{layer}.w_down")
@@ -275,11 +282,8 @@ def test_a_split_dim_of_size_one_does_not_broadcast():
             h = self.ln(x)
             return x + torch.sigmoid(self.gate(h)) * self.proj(F.gelu(self.fc(h)))
 
-    torch.manual_seed(0)
-    model = Model()
-    model.h = nn.ModuleList(GatedMLP() for _ in range(LAYERS))
-    x, y = _data()
-    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    model = _model_of(GatedMLP)
+    program = _parallelize(model, tp=2)
     rejected = {r.module: r.reason for r in program.plan.rejected}
     assert set(rejected) == {f"h.{i}.gate" for i in range(LAYERS)}
     assert all("size 1 that broadcasts to 64" in why for why in rejected.values())
@@ -307,11 +311,8 @@ def test_rmsnorm_over_a_split_projection_is_a_local_mean_and_g():
             x = x + self.proj(a.transpose(1, 2).reshape(b, s, H))
             return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
-    torch.manual_seed(0)
-    model = Model()
-    model.h = nn.ModuleList(QNorm() for _ in range(LAYERS))
-    x, y = _data()
-    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    model = _model_of(QNorm)
+    program = _parallelize(model, tp=2)
     assert program.fallbacks() == [] and program.plan.rejected == []
     per_layer = program.collectives(by_layer=True)
     # g after the norm's mean, after proj and after fc2; f on the QKV input, the MLP input and
@@ -343,11 +344,8 @@ class HeadMix(Block):
 def test_a_weight_read_through_a_view_on_split_rows_gets_f():
     counts = []
     for stacked in (False, True):
-        torch.manual_seed(0)
-        model = Model()
-        model.h = nn.ModuleList(HeadMix(stacked) for _ in range(LAYERS))
-        x, y = _data()
-        program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+        model = _model_of(lambda: HeadMix(stacked))
+        program = _parallelize(model, tp=2)
         assert program.fallbacks() == [] and program.plan.rejected == []
         counts.append(program.collectives()["copy_to_tp"])
     # f on QKV's input, on the MLP's input and on the head-mixing weight (its gradient is partial)
@@ -372,11 +370,8 @@ def test_a_harmless_fallback_does_not_unsplit_separate_q_k_v():
             x = x + self.proj(a.transpose(1, 2).reshape(b, s, H)) + 0.01 * torch.sort(a, dim=-1).values.mean()
             return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
-    torch.manual_seed(0)
-    model = Model()
-    model.h = nn.ModuleList(SortAttn() for _ in range(LAYERS))
-    x, y = _data()
-    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    model = _model_of(SortAttn)
+    program = _parallelize(model, tp=2)
     assert [f[1] for f in program.fallbacks()] == ["no sharding rule for aten.sort.default"] * LAYERS
     assert program.plan.rejected == []
     for layer in range(LAYERS):
@@ -412,17 +407,13 @@ class ParallelBlock(nn.Module):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("form", ["sum", "inplace", "residual_first"])
 def test_parallel_block_reduces_once(bias, form):
-    torch.manual_seed(0)
-    model = Model()
-    model.h = nn.ModuleList(ParallelBlock(bias, form == "inplace", form == "residual_first") for _ in range(LAYERS))
-    x, y = _data()
-    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    model = _model_of(lambda: ParallelBlock(bias, form == "inplace", form == "residual_first"))
+    program = _parallelize(model, tp=2)
     per_layer = program.collectives(by_layer=True)
     for layer in range(LAYERS):
         # one f on the shared LayerNorm output, one g for attention and MLP together
         assert per_layer[(layer, "reduce_from_tp")] == 1 and per_layer[(layer, "copy_to_tp")] == 1, per_layer
-    # the same values as the model (fp32, one rank's view of a tp=2 program checked by shapes)
-    program.local_shapes(rank=1)
+    program.local_shapes(rank=1)  # the rewritten rank program propagates shapes (values: test_hf_families)
 
 
 class EinsumLinear(nn.Module):
@@ -443,8 +434,7 @@ class EinsumLinear(nn.Module):
 def test_einsum_linears_split_like_nn_linear(stored_in_out):
     torch.manual_seed(0)
     model = Model(linear=lambda i, o, bias=True: EinsumLinear(i, o, stored_in_out=stored_in_out))
-    x, y = _data()
-    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=y)
+    program = _parallelize(model, tp=2)
     assert program.fallbacks() == [] and program.plan.rejected == [] and program.replicated_weights() == []
     per_layer = program.collectives(by_layer=True)
     assert all(per_layer[(i, "reduce_from_tp")] == 2 and per_layer[(i, "copy_to_tp")] == 2 for i in range(LAYERS))
@@ -465,12 +455,9 @@ def test_interleaved_gate_and_up_stay_split():
             h = self.fc(self.ln(x))
             return x + self.proj(F.silu(h[..., ::2]) * h[..., 1::2])
 
-    torch.manual_seed(0)
-    model = Model()
-    model.h = nn.ModuleList(InterleavedMLP() for _ in range(LAYERS))
-    x, y = _data()
+    model = _model_of(InterleavedMLP)
     for tp in (2, 4):
-        program = autopar.parallelize(model, tp=tp, example_inputs=(x,), example_targets=y)
+        program = _parallelize(model, tp=tp)
         assert program.fallbacks() == [] and program.plan.rejected == []
         assert program.param_spec("h.0.fc.weight").dim == 0 and program.param_spec("h.0.proj.weight").dim == 1
         shapes = program.local_shapes(rank=tp - 1)
@@ -493,9 +480,7 @@ def test_sequential_of_embedding_blocks_and_head_finds_the_blocks():
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(V, H), *[Block() for _ in range(4)], Head())
-    x, y = _data()
-    program = autopar.parallelize(model, tp=2, pp=2, microbatches=2, recompute="layer", example_inputs=(x,),
-                                  example_targets=y)
+    program = _parallelize(model, pp=2, microbatches=2, recompute="layer")
     layers = program.layers
     assert (layers.prefix, layers.count, layers.offset) == ("", 4, 1)
     assert [c.layers for c in program.split.chunks] == [[0, 1], [2, 3]]
