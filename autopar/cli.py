@@ -111,8 +111,6 @@ def _spec(args: argparse.Namespace) -> ModelSpec | None:
         over = {k: getattr(args, a) for k, a in (("seq_len", "seq_len"), ("vocab", "vocab"))
                 if getattr(args, a) is not None}
         if over:
-            from dataclasses import replace
-
             spec = replace(spec, **over)
         return spec
     dims = (args.layers, args.hidden, args.heads)

@@ -189,14 +189,10 @@ def render_summary(program: "ParallelProgram", width: int = 120) -> str:
         rj = Table(title="Left replicated (not split)")
         for col in ("node", "module", "layers", "why"):
             rj.add_column(col)
-        prefix = layers.prefix + "." if layers.prefix else None
         groups: dict[str, list] = {}
         for r in program.plan.rejected:  # one row per module of the layer, with the layers it covers
-            key, layer = r.module, None
-            if prefix and r.module.startswith(prefix):
-                head, _, rest = r.module[len(prefix):].partition(".")
-                if head.isdigit():
-                    key, layer = f"{prefix}*.{rest}", int(head)
+            layer = layers.node_layer.get(r.node)
+            key = r.module.replace(layers.label(layer), "*", 1) if layer is not None else r.module
             groups.setdefault(key, []).append((layer, r))
         for entries in groups.values():
             idx = sorted(x for x, _ in entries if x is not None)

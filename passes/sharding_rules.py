@@ -183,9 +183,8 @@ def linear_parts(ctx: Ctx, node: fx.Node):
     parts = _linear_parts(ctx, node)
     if parts is None:
         return None
-    if len(parts) == 4:
-        w_out = parts[3]
-        return (*parts, 1 - w_out if _ndim(parts[1]) == 2 else 3 - w_out)
+    if len(parts) == 4:  # a 2-D weight: the input features are the other dim
+        return (*parts, 1 - parts[3])
     return parts
 
 
