@@ -1,9 +1,14 @@
-"""autopar: compile any PyTorch model into Megatron-style parallel training programs."""
+"""autopar: compile any PyTorch model into Megatron-style parallel training programs.
 
-from autopar.api import ParallelConfig, ParallelProgram, ShardingError, lm_cross_entropy, parallelize
-from autopar.launch import RankError, spawn
-from autopar.planner import plan
-from autopar.trace import TraceError
+The package is light to import: each public name below is loaded on first use
+(``autopar.parallelize`` brings in the compiler, ``autopar.plan`` the planner
+and sympy), so ``import autopar`` or ``import passes.<any>`` costs little.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "parallelize",
@@ -11,8 +16,42 @@ __all__ = [
     "ParallelProgram",
     "ParallelConfig",
     "ShardingError",
+    "PipelineError",
     "TraceError",
     "RankError",
     "spawn",
     "lm_cross_entropy",
 ]
+
+_WHERE = {
+    "parallelize": "autopar.api",
+    "plan": "autopar.api",
+    "ParallelProgram": "autopar.api",
+    "ParallelConfig": "autopar.core.config",
+    "ShardingError": "passes.sharding",
+    "PipelineError": "passes.pipeline_split",
+    "TraceError": "autopar.compiler.trace",
+    "lm_cross_entropy": "autopar.compiler.trace",
+    "RankError": "autopar.runtime.launch",
+    "spawn": "autopar.runtime.launch",
+}
+
+if TYPE_CHECKING:
+    from autopar.api import ParallelProgram, parallelize, plan
+    from autopar.compiler.trace import TraceError, lm_cross_entropy
+    from autopar.core.config import ParallelConfig
+    from autopar.runtime.launch import RankError, spawn
+    from passes.pipeline_split import PipelineError
+    from passes.sharding import ShardingError
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,4 +1,4 @@
-"""``autopar.parallelize``: from a model, an example microbatch and a loss to a program.
+"""The face: ``autopar.parallelize`` and ``autopar.plan``.
 
     program = autopar.parallelize(model, tp=2, pp=2, virtual_stages=2, microbatches=4,
                                   example_inputs=(x,), example_targets=y, loss_fn=F.cross_entropy)
@@ -7,9 +7,8 @@
     engine = program.materialize()  # inside a process group: local shards only
     loss = engine.train_step(x, y)  # the global batch
 
-Passes run in a fixed order: trace -> normalize -> layers -> sharding analysis ->
-tensor-parallel rewrite (with the vocabulary-parallel embedding and loss) ->
-local shapes -> pipeline cut -> schedule (generated, lowered, validated).
+``parallelize`` runs the compile pipeline (``autopar/compiler/compile.py``);
+the program it returns is frozen, and ``materialize`` hands it to the runtime.
 Nothing here needs a process group except ``materialize``.
 """
 
@@ -23,22 +22,33 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.config import ParallelConfig
-from autopar.program import ParallelProgram
-from autopar.schedules import generate, lower, validate
-from autopar.trace import trace
-from passes.layers import find_layers
-from passes.normalize import normalize
-from passes.pipeline_split import PipelineError, split_pipeline
-from passes.sharding import ShardingError, analyze_sharding
-from passes.tensor_parallel import apply_tensor_parallel
+from autopar.compiler.compile import compile_program
+from autopar.compiler.model_spec import spec_from_model
+from autopar.compiler.program import Program
+from autopar.compiler.trace import lm_cross_entropy
+from autopar.core.config import ParallelConfig
+from autopar.planning.cost import Cluster, Layout
+from autopar.planning.planner import Plan, SearchSpace, search
+from autopar.runtime.engine import RankEngine
+from autopar.runtime.materialize import materialize
+from passes.pipeline_split import PipelineError
+from passes.sharding import ShardingError
 
-__all__ = ["parallelize", "ParallelProgram", "ParallelConfig", "lm_cross_entropy", "ShardingError", "PipelineError"]
+__all__ = ["parallelize", "plan", "ParallelProgram", "ParallelConfig", "lm_cross_entropy", "ShardingError",
+           "PipelineError"]
 
 
-def lm_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Language-model loss: cross-entropy over the last dim of (..., V) logits."""
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+class ParallelProgram(Program):
+    """A compiled program that can be run: ``materialize()`` builds this rank's engine."""
+
+    def materialize(self, state_dict: dict[str, torch.Tensor] | None = None) -> RankEngine:
+        """Build this rank's engine: its mesh groups and the local shards of its chunks' parameters.
+
+        Collective: every rank of the world calls it (the groups are created
+        here). ``state_dict``: full weights to use instead of the model's
+        (needed for a meta-device model).
+        """
+        return materialize(self, state_dict)
 
 
 def parallelize(
@@ -79,24 +89,18 @@ def parallelize(
         scatter_gather=scatter_gather, recompute=recompute, precision=precision)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
-    traced = trace(model, example_inputs, example_targets, loss_fn, output_fn)
-    normalize(traced.gm, set(traced.param_of))
-    layers = find_layers(traced.gm)
-    plan = analyze_sharding(traced, config.tp)
-    rank_module = apply_tensor_parallel(traced, plan)
-    program = ParallelProgram(model, config, traced, layers, plan, rank_module)
-    program.local_shapes()  # rank-local shapes on every node (boundary buffers, costs)
-    n_chunks = config.pp * config.virtual_stages
-    global_shapes = {n.name: tuple(n.meta["val"].shape) for n in traced.gm.graph.nodes
-                     if isinstance(n.meta.get("val"), torch.Tensor)}
-    program.split = split_pipeline(rank_module, n_chunks, traced.param_of, global_shapes)
-    sched = lower(generate(config.schedule, config.pp, config.virtual_stages, config.microbatches))
-    validate(sched)
-    program.schedule = sched
-    stages: dict[str, set[int]] = {}
-    for c in program.split.chunks:
-        for ph in c.params:
-            stages.setdefault(traced.param_of[ph], set()).add(c.index % config.pp)
-    program.param_stages = {n: tuple(sorted(stages.get(n, {0}))) for n in program.param_names}
-    program.tied_params = {n: s for n, s in program.param_stages.items() if len(s) > 1}
-    return program
+    return compile_program(model, config, example_inputs, example_targets, loss_fn, output_fn,
+                           program_type=ParallelProgram)
+
+
+def plan(model, example_inputs, gpus: int, global_batch: int, hardware: str = "dgx-a100-80gb",
+         space: SearchSpace | None = None, example_targets=None, loss_fn=None, top: int = 10,
+         reference: Layout | None = None) -> Plan:
+    """Plan for a user's model: its dimensions are read from its traced graph
+    (``autopar.compiler.model_spec``; a model on the meta device costs no memory), then
+    ``search`` ranks the layouts for ``gpus`` GPUs of ``hardware`` and a global batch
+    of ``global_batch`` sequences of the example inputs' length. ``Plan.spec`` says
+    what was read."""
+    space = space if space is not None else SearchSpace()
+    spec = spec_from_model(model, example_inputs, example_targets, loss_fn)
+    return search(spec, Cluster.of(gpus, hardware, global_batch), space, top=top, reference=reference)

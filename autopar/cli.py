@@ -21,7 +21,7 @@ import sympy as sp
 from rich.console import Console
 from rich.table import Table
 
-from autopar.cost import (
+from autopar.planning.cost import (
     Cluster,
     Estimate,
     Layout,
@@ -31,9 +31,9 @@ from autopar.cost import (
     layer_ops,
     op_time,
 )
-from autopar.hardware import PROFILES, Hardware, get_hardware
-from autopar.planner import Plan, SearchSpace, search
-from autopar.sensitivity import flip_points
+from autopar.planning.hardware import PROFILES, Hardware, get_hardware
+from autopar.planning.planner import Plan, SearchSpace, search
+from autopar.planning.sensitivity import flip_points
 
 __all__ = ["main", "build_parser"]
 
@@ -127,7 +127,7 @@ def _hf_spec(path: str, seq_len: int) -> ModelSpec:
     """Build a HuggingFace causal LM from its config on the meta device and read its dimensions."""
     import torch  # noqa: PLC0415  (only this path needs torch and transformers)
 
-    from autopar.model_spec import SpecError, spec_from_model  # noqa: PLC0415
+    from autopar.compiler.model_spec import SpecError, spec_from_model  # noqa: PLC0415
 
     try:
         import transformers  # noqa: PLC0415
@@ -295,9 +295,9 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     from autopar.schedules import generate
-    from autopar.simulate import (runtime_schedule, simulate, simulate_estimate, simulate_layout_lowered,
+    from autopar.planning.simulate import (runtime_schedule, simulate, simulate_estimate, simulate_layout_lowered,
                                   simulate_lowered)
-    from autopar.viz import timeline_text, write_svg
+    from autopar.planning.viz import timeline_text, write_svg
 
     spec = _spec(args)
     width = args.width or max(40, console.width - 10)
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "simulate":
             return _cmd_simulate(args, console)
         if args.command == "run":
-            from autopar.launch import run_script
+            from autopar.runtime.launch import run_script
 
             return run_script(args.nproc, args.script, args.script_args, args.timeout)
     except ValueError as e:

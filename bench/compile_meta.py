@@ -33,7 +33,7 @@ import json, resource, sys, time, tracemalloc
 trace = sys.argv[1] == "1"
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 import torch, autopar
-from autopar.models import ModelConfig, build
+from autopar.reference.models import ModelConfig, build
 rss_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
 with torch.device("meta"):

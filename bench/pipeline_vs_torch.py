@@ -60,7 +60,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autopar  # noqa: E402
-from autopar.models import ModelConfig, build  # noqa: E402
+from autopar.reference.models import ModelConfig, build  # noqa: E402
 from tp_vs_dtensor import _nullctx, make_batches, stats  # noqa: E402 - sibling bench's helpers
 
 PP = 2

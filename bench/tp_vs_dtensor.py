@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autopar
-from autopar.models import ModelConfig, build
+from autopar.reference.models import ModelConfig, build
 
 TP = 2
 

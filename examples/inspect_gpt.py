@@ -15,7 +15,7 @@ import time
 import torch
 
 import autopar
-from autopar.models import ModelConfig, build
+from autopar.reference.models import ModelConfig, build
 
 
 def main() -> None:

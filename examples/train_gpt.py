@@ -20,9 +20,9 @@ import time
 import torch
 
 import autopar
-from autopar.data import CorpusBatches
-from autopar.models import ModelConfig, build
-from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
+from autopar.reference.data import CorpusBatches
+from autopar.reference.models import ModelConfig, build
+from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
 
 CFG = ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128, dropout=0.0)
 CHECK_STEPS = 3

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.trace import module_path, user_path
+from autopar.core.graph import module_path, user_path
 
 __all__ = ["LayerInfo", "find_layers", "layer_of_node", "layer_of_param"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar import comm
+from autopar.core import comm
 
 aten = torch.ops.aten
 

@@ -23,72 +23,20 @@ output: the boundary values for chunk c+1, or the loss for the last chunk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.fx as fx
 
-from autopar import comm
-from passes.layers import find_layers
-from passes.node_cost import node_cost
+from autopar.core import comm
+from autopar.core.chunks import Boundary, Chunk, PipelineSplit
+from autopar.core.graph import local_val
+from passes.layers import LayerInfo, layer_of_node
+from autopar.core.flops import node_cost
 
-__all__ = ["Boundary", "Chunk", "PipelineSplit", "PipelineError", "balance", "split_pipeline"]
+__all__ = ["PipelineError", "balance", "split_pipeline"]
 
 
 class PipelineError(ValueError):
     """The model cannot be cut as asked; the message has the numbers and the fix."""
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """One value sent from chunk c to chunk c+1."""
-
-    name: str
-    shape: tuple[int, ...]
-    """Local shape on one tensor-parallel rank, one microbatch."""
-    dtype: torch.dtype
-    requires_grad: bool
-    """A gradient flows back for it."""
-    replicated: bool
-    """Identical on every tensor-parallel rank (eligible for scatter/gather)."""
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-
-@dataclass
-class Chunk:
-    index: int
-    gm: fx.GraphModule
-    params: list[str] = field(default_factory=list)
-    """Placeholder names of the parameters the chunk reads."""
-    feeds: list[str] = field(default_factory=list)
-    """Placeholder names of model inputs, targets, buffers and constants it reads."""
-    inputs: list[Boundary] = field(default_factory=list)
-    """Boundary values received from chunk index-1."""
-    outputs: list[Boundary] = field(default_factory=list)
-    """Boundary values sent to chunk index+1 (empty for the last chunk: it returns the loss)."""
-    layers: list[int] = field(default_factory=list)
-    cost: float = 0.0
-
-
-@dataclass
-class PipelineSplit:
-    chunks: list[Chunk]
-    layer_of_chunk: list[list[int]]
-    costs: list[float]
-
-    @property
-    def n(self) -> int:
-        return len(self.chunks)
 
 
 def balance(costs: list[float], k: int) -> list[int]:
@@ -119,11 +67,16 @@ def balance(costs: list[float], k: int) -> list[int]:
 
 
 def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, str],
-                   global_shapes: dict[str, tuple]) -> PipelineSplit:
-    """Cut the (tensor-parallel) rank graph into ``n_chunks`` chunk graphs."""
+                   global_shapes: dict[str, tuple], layers: LayerInfo) -> PipelineSplit:
+    """Cut the (tensor-parallel) rank graph into ``n_chunks`` chunk graphs.
+
+    ``layers``: the repeated blocks found on the traced graph; a node the
+    rewrite inserted (a collective) belongs to the layer its module stack names.
+    ``global_shapes``: traced node -> global shape; the rank graph's local
+    values are read from ``meta["local_val"]``.
+    """
     graph = rank_gm.graph
     nodes = list(graph.nodes)
-    layers = find_layers(rank_gm)
     if layers.count == 0:
         raise PipelineError(
             f"pp * virtual_stages = {n_chunks} chunks need a stack of repeated layers to cut between, and the "
@@ -148,6 +101,9 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
             anchored.add(n.name)
     free = {n.name for n in nodes if n.op == "call_function" and n.name not in anchored}
 
+    node_layer = {n.name: layer for n in nodes if n.op == "call_function"
+                  and (layer := layers.node_layer.get(n.name, layer_of_node(n, layers))) is not None}
+
     # layer costs and chunk boundaries
     layer_cost = [0.0] * layers.count
     pre = post = 0.0
@@ -156,8 +112,8 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
         if n.op != "call_function" or n.name in free:
             continue
         c = node_cost(n, param_phs)
-        if n.name in layers.node_layer:
-            layer_cost[layers.node_layer[n.name]] += c
+        if n.name in node_layer:
+            layer_cost[node_layer[n.name]] += c
             seen_layer = True
         elif seen_layer:
             post += c
@@ -177,8 +133,8 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
     for n in nodes:
         if n.op != "call_function" or n.name in free:
             continue
-        if n.name in layers.node_layer:
-            chunk_of[n.name] = chunk_of_layer[layers.node_layer[n.name]]
+        if n.name in node_layer:
+            chunk_of[n.name] = chunk_of_layer[node_layer[n.name]]
         else:
             chunk_of[n.name] = max([chunk_of.get(a.name, 0) for a in n.all_input_nodes], default=0)
         for a in n.all_input_nodes:
@@ -222,14 +178,14 @@ def _requires_grad(nodes: list[fx.Node], param_phs: set[str]) -> set[str]:
     rg = set(param_phs)
     for n in nodes:
         if n.op == "call_function" and any(a.name in rg for a in n.all_input_nodes):
-            val = n.meta.get("val")
+            val = local_val(n)
             if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
                 rg.add(n.name)
     return rg
 
 
 def _boundary(node: fx.Node, requires_grad: set[str], global_shapes: dict[str, tuple]) -> Boundary:
-    val = node.meta["val"]
+    val = local_val(node)
     if not isinstance(val, torch.Tensor):
         raise PipelineError(f"value {node.name} crossing a pipeline boundary is not a tensor ({type(val).__name__})")
     shape = tuple(int(s) for s in val.shape)

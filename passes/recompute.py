@@ -13,36 +13,17 @@ same RNG and autocast state, so losses and gradients are unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
-from torch.utils.checkpoint import checkpoint
 
+from autopar.core.checkpoint import Checkpointed
 from passes.layers import LayerInfo, layer_of_node
 
-__all__ = ["Checkpointed", "checkpoint_layers", "with_recompute"]
+__all__ = ["checkpoint_layers", "with_recompute"]
 
 
-class Checkpointed(nn.Module):
-    """Runs ``inner`` under a non-reentrant checkpoint; reports the bytes of the inputs it keeps."""
-
-    def __init__(self, inner: nn.Module, on_keep: Callable[[int], None] | None = None):
-        super().__init__()
-        self.inner = inner
-        self.on_keep = on_keep
-
-    def forward(self, *args):
-        if self.on_keep is not None and torch.is_grad_enabled():
-            self.on_keep(sum(a.numel() * a.element_size() for a in args
-                             if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter)))
-        return checkpoint(self.inner, *args, use_reentrant=False)
-
-
-def checkpoint_layers(gm: fx.GraphModule, layers: LayerInfo,
-                      on_keep: Callable[[int], None] | None = None) -> fx.GraphModule:
+def checkpoint_layers(gm: fx.GraphModule, layers: LayerInfo) -> fx.GraphModule:
     """Split ``gm`` into per-layer submodules and checkpoint each of them."""
     # partitions in graph order: 0 before the first layer, 2k+1 the k-th layer met,
     # 2k+2 what follows it outside any layer (final norm, head, loss)
@@ -58,22 +39,21 @@ def checkpoint_layers(gm: fx.GraphModule, layers: LayerInfo,
             parts[node.name] = current
         else:
             parts[node.name] = current + 1 if current % 2 == 1 else current
-    layer_parts = {2 * k + 1 for k in order.values()}
+    layer_parts = {2 * k + 1: layer for layer, k in order.items()}
     split = split_module(gm, gm, lambda n: parts[n.name], keep_original_order=True)
     for name, sub in list(split.named_children()):
         idx = int(name.rsplit("_", 1)[-1])
         if idx in layer_parts:
-            setattr(split, name, Checkpointed(sub, on_keep))
+            setattr(split, name, Checkpointed(sub, f"layer {layer_parts[idx]}"))
     return split
 
 
-def with_recompute(gm: fx.GraphModule, mode: str, layers: LayerInfo,
-                   on_keep: Callable[[int], None] | None = None) -> nn.Module:
+def with_recompute(gm: fx.GraphModule, mode: str, layers: LayerInfo) -> nn.Module:
     """The chunk program to run for recompute ``mode`` ('none', 'chunk' or 'layer')."""
     if mode == "none":
         return gm
     if mode == "chunk":
-        return Checkpointed(gm, on_keep)
+        return Checkpointed(gm, "chunk")
     if mode == "layer":
-        return checkpoint_layers(gm, layers, on_keep)
+        return checkpoint_layers(gm, layers)
     raise ValueError(f"unknown recompute mode {mode!r}")

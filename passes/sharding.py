@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from autopar.placement import Replicate, Shard
-from autopar.trace import TracedModel, module_path, source_line
+from autopar.core.placement import Replicate, Shard
+from autopar.core.graph import TracedModel, module_path, source_line
 from passes.sharding_rules import (
     Ctx,
     Decision,

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.placement import Partial, Replicate, Shard
-from autopar.trace import TracedModel, module_path, source_line
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.core.graph import TracedModel, module_path, source_line
 
 __all__ = ["Ctx", "Decision", "NeedSegments", "decide", "weight_of", "linear_parts"]
 

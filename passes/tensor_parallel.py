@@ -26,9 +26,9 @@ import copy
 import torch
 import torch.fx as fx
 
-from autopar import comm
-from autopar.placement import Shard
-from autopar.trace import TracedModel
+from autopar.core import comm
+from autopar.core.placement import Shard
+from autopar.core.graph import TracedModel
 from passes.merge_reductions import merge_parallel_reductions
 from passes.sharding import ShardingPlan
 from passes.sharding_rules import Ctx, linear_parts

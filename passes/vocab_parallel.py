@@ -6,7 +6,7 @@ split by vocabulary, and the cross-entropy is computed from the split logits
 with three all-reduces of (N,)-sized tensors: the full (N, V) logits never
 exist on any rank. A vocabulary not divisible by t is padded to the next
 multiple of t; padded rows are zero, never looked up, and masked to -inf in
-the loss (see ``autopar.comm``). ``logsumexp``, ``softmax`` and ``log_softmax``
+the loss (see ``autopar.core.comm``). ``logsumexp``, ``softmax`` and ``log_softmax``
 over the split vocabulary (a z-loss, distillation, a hand-written loss) run
 on the local columns with two all-reduces of the reduced shape.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar import comm
+from autopar.core import comm
 
 __all__ = ["rewrite_embedding", "rewrite_cross_entropy", "rewrite_softmax"]
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.models import GPT, MLP, ModelConfig, build
+from autopar.reference.models import GPT, MLP, ModelConfig, build
 
 BATCH, SEQ = 2, 16
 
@@ -95,7 +95,7 @@ AFTER_ADAMW = {"rel_norm": 1e-4, "atol": 1e-6, "rtol": 1e-5}
 
 def assert_steps_match(ref_losses, ref_grads, losses, grads, label: str) -> None:
     """Every step's losses so far and gradients: the first element-wise (FP32_TOLERANCE), later ones per tensor."""
-    from autopar.parity import FP32_TOLERANCE, assert_parity
+    from autopar.reference.parity import FP32_TOLERANCE, assert_parity
 
     for step in range(len(grads)):
         tol = FP32_TOLERANCE if step == 0 else AFTER_ADAMW

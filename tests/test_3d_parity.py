@@ -12,8 +12,8 @@ import torch
 from families import SEQ, assert_steps_match, train_steps
 
 import autopar
-from autopar.models import build
-from autopar.parity import single_device_run
+from autopar.reference.models import build
+from autopar.reference.parity import single_device_run
 
 pytestmark = pytest.mark.multiprocess
 LR, CLIP, ROWS, VOCAB, LAYERS = 1e-3, 0.5, 16, 320, 8

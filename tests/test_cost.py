@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from autopar.cost import (
+from autopar.planning.cost import (
     FORMULAS,
     PAPER_RUNS,
     PRESETS,
@@ -31,7 +31,7 @@ from autopar.cost import (
     param_count,
     params_per_stage,
 )
-from autopar.hardware import get_hardware
+from autopar.planning.hardware import get_hardware
 
 A100 = get_hardware("dgx-a100-80gb")
 
@@ -247,7 +247,7 @@ def test_explain_substitutes_the_formulas():
 def test_default_constants_are_the_fit():
     """The two free constants are the least-squares fit on the paper's rows (a local search
     around the defaults, one grid step either way, returns the defaults)."""
-    from autopar.cost import fit_efficiency
+    from autopar.planning.cost import fit_efficiency
 
     e = A100.eff
     g, hb, worst = fit_efficiency(gemm=(e.gemm - 0.02, e.gemm + 0.02, 0.01), hbm=(e.hbm - 0.02, e.hbm + 0.02, 0.01))

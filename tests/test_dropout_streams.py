@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-from autopar.models import build
+from autopar.reference.models import build
 
 pytestmark = pytest.mark.multiprocess
 VOCAB, SEQ, LAYERS, M, MB, DP = 320, 16, 4, 2, 2, 2

@@ -3,7 +3,7 @@
 A GPT-shaped model (vocabulary 51200, sequence 2048, hidden 4096, 32 heads,
 4 layers) is built on the meta device and traced by ``autopar.parallelize``;
 every node's FLOPs come from its shapes (``node.meta["val"]``) through
-``passes.node_cost.node_flops``, which uses ``autopar.cost.matmul_flops`` and
+``autopar.core.flops.node_flops``, which uses ``autopar.planning.cost.matmul_flops`` and
 ``attention_flops``.
 
 What is counted, as the paper counts it (PAPER.md, "Cost formulas"):
@@ -27,9 +27,9 @@ import pytest
 import torch
 
 import autopar
-from autopar.cost import ModelSpec, layer_ops, paper_flops
-from autopar.models import ModelConfig, build
-from passes.node_cost import node_flops
+from autopar.planning.cost import ModelSpec, layer_ops, paper_flops
+from autopar.reference.models import ModelConfig, build
+from autopar.core.flops import node_flops
 
 aten = torch.ops.aten
 
@@ -78,7 +78,7 @@ def iteration_flops_from_graph(gm, node_layer, batch: int, recompute: bool = Tru
 
 
 def paper_formula(batch: int, recompute: bool = True) -> float:
-    """The paper's closed form, written out here (not taken from autopar.cost)."""
+    """The paper's closed form, written out here (not taken from autopar.planning.cost)."""
     if recompute:
         return 96 * batch * S * L * H**2 * (1 + S / (6 * H) + V / (16 * L * H))
     return 72 * batch * S * L * H**2 * (1 + S / (6 * H) + V / (12 * L * H))
@@ -109,7 +109,7 @@ def test_per_layer_forward_is_24bsh2_plus_4bs2h(program):
                 lm_head += node_flops(node)
     assert per_layer == [24 * S * H * H + 4 * S * S * H] * L  # exact: B = 1
     assert lm_head == 2 * S * H * V
-    # the shape-based layer model of autopar.cost counts the same GEMM FLOPs
+    # the shape-based layer model of autopar.planning.cost counts the same GEMM FLOPs
     spec = ModelSpec(L, H, A, S, V)
     assert sum(o.flops for o in layer_ops(spec, 1, 1).forward if o.kind == "gemm") == per_layer[0]
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.trace import trace
+from autopar.compiler.trace import trace
 from passes.normalize import normalize
 
 aten = torch.ops.aten

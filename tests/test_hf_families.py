@@ -27,7 +27,7 @@ import torch
 from families import AFTER_ADAMW, SEQ, train_steps
 
 import autopar
-from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
+from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
 
 pytestmark = pytest.mark.multiprocess
 VOCAB, ROWS, M, LR = 250, 8, 2, 1e-3

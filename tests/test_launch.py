@@ -12,7 +12,7 @@ pytestmark = pytest.mark.multiprocess
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, autopar
-    from autopar.models import build
+    from autopar.reference.models import build
 
     def work(fail_rank):
         import torch.distributed as dist

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.models import build
-from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
+from autopar.reference.models import build
+from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
 
 pytestmark = pytest.mark.multiprocess
 SEQ, ROWS = 16, 4

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from families import AFTER_ADAMW, train_steps
 
 import autopar
-from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
+from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
 
 pytestmark = pytest.mark.multiprocess
 V, H, NH, S, L = 128, 64, 4, 16, 4

@@ -7,10 +7,10 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.cost import Cluster, get_model
-from autopar.model_spec import SpecError, spec_from_model
-from autopar.models import build
-from autopar.planner import SearchSpace, search
+from autopar.planning.cost import Cluster, get_model
+from autopar.compiler.model_spec import SpecError, spec_from_model
+from autopar.reference.models import build
+from autopar.planning.planner import SearchSpace, search
 
 
 def _ids(seq=16, vocab=250):

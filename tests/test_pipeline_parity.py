@@ -12,7 +12,7 @@ import torch
 from families import BATCH, assert_steps_match, batches, make, train_steps
 
 import autopar
-from autopar.parity import single_device_run
+from autopar.reference.parity import single_device_run
 
 pytestmark = pytest.mark.multiprocess
 LR, M, LAYERS = 1e-3, 4, 8

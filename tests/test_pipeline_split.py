@@ -89,13 +89,13 @@ def test_fewer_layers_than_chunks():
 
 def test_interleaved_needs_m_multiple_of_p():
     model, _ = make("nanogpt", layers=8)
-    with pytest.raises(ValueError, match=r"multiple of pp: microbatches=6, pp=4. Fix: microbatches=8"):
+    with pytest.raises(ValueError, match=r"microbatches to be a multiple of pp.*microbatches=6, pp=4.*Use microbatches=4 or microbatches=8"):
         _program(model, pp=4, virtual_stages=2, microbatches=6)
 
 
 def test_fewer_microbatches_than_stages():
     model, _ = make("nanogpt", layers=8)
-    with pytest.raises(ValueError, match=r"pp=4 needs at least 4 microbatches, got microbatches=2"):
+    with pytest.raises(ValueError, match=r"microbatches=2 < pp=4. Use microbatches >= 4"):
         _program(model, pp=4, microbatches=2)
 
 

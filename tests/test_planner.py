@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from autopar.cost import PAPER_RUNS, Cluster, ModelSpec, get_model, layout_errors
-from autopar.planner import SearchSpace, candidate_layouts, search, why_differs
+from autopar.planning.cost import PAPER_RUNS, Cluster, ModelSpec, get_model, layout_errors
+from autopar.planning.planner import SearchSpace, candidate_layouts, search, why_differs
 
 
 def test_candidates_respect_divisibility():

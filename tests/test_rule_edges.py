@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
+from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
 
 pytestmark = pytest.mark.multiprocess
 V, E, S, B, H = 96, 64, 8, 2, 4

@@ -14,7 +14,7 @@ from functools import cache
 
 import pytest
 
-import autopar.schedules as schedules_module
+import autopar.schedules.schedule as schedules_module
 from autopar.schedules import (
     SCHEDULE_NAMES,
     Action,

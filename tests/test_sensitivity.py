@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from autopar.cost import PAPER_RUNS, Cluster, ModelSpec, estimate
-from autopar.planner import SearchSpace, search
-from autopar.sensitivity import KNOBS, flip_lines, flip_points, memory_margin_line
+from autopar.planning.cost import PAPER_RUNS, Cluster, ModelSpec, estimate
+from autopar.planning.planner import SearchSpace, search
+from autopar.planning.sensitivity import KNOBS, flip_lines, flip_points, memory_margin_line
 
 
 def _ratio_at(chosen, other, knob, factor):

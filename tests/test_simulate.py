@@ -8,9 +8,9 @@ from fractions import Fraction
 
 import pytest
 
-from autopar.cost import PAPER_RUNS, inflight_units
+from autopar.planning.cost import PAPER_RUNS, inflight_units
 from autopar.schedules import dry_run, generate, lower, peak_in_flight
-from autopar.simulate import (
+from autopar.planning.simulate import (
     runtime_schedule,
     simulate,
     simulate_estimate,
@@ -18,7 +18,7 @@ from autopar.simulate import (
     simulate_layout_lowered,
     simulate_lowered,
 )
-from autopar.viz import timeline_svg, timeline_text
+from autopar.planning.viz import timeline_svg, timeline_text
 
 GRID = [
     ("gpipe", 4, 1, 4), ("gpipe", 3, 1, 7), ("1f1b", 2, 1, 2), ("1f1b", 4, 1, 8), ("1f1b", 8, 1, 11),

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.models import ModelConfig, build
+from autopar.reference.models import ModelConfig, build
 
 
 def _xy(vocab=256, b=2, t=16):

@@ -6,7 +6,7 @@ Each spawn runs every family on the same ranks (process start-up dominates on
 all-reduces). Later steps start from weights that already differ by ulps, and
 AdamW's first update lr*sign(g) turns a gradient element that is zero up to
 rounding into a +-lr step, so steps 1-2 compare each gradient as a tensor:
-||g - g_ref|| <= 1e-4 ||g_ref|| + 1e-6 (see autopar.parity.assert_parity).
+||g - g_ref|| <= 1e-4 ||g_ref|| + 1e-6 (see autopar.reference.parity.assert_parity).
 """
 
 import pytest
@@ -14,7 +14,7 @@ import torch
 from families import FAMILIES, assert_steps_match, batches, make, make_fallback_model, train_steps
 
 import autopar
-from autopar.parity import single_device_run
+from autopar.reference.parity import single_device_run
 
 pytestmark = pytest.mark.multiprocess
 LR = 1e-3

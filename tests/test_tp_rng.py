@@ -9,8 +9,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import autopar
-from autopar.comm import TPGroup, tp_rng_call
-from autopar.models import ModelConfig, build
+from autopar.core.comm import TPGroup, tp_rng_call
+from autopar.reference.models import ModelConfig, build
 
 dropout = torch.ops.aten.dropout.default
 

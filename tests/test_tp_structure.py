@@ -7,7 +7,7 @@ import torch
 from families import FAMILIES, batches, make, make_fallback_model
 
 import autopar
-from autopar.placement import Shard
+from autopar.core.placement import Shard
 
 
 def _program(fam, tp):
@@ -101,7 +101,7 @@ def test_code_shows_collectives_and_summary_lists_fallbacks():
 
 
 def test_meta_device_model_compiles_without_memory():
-    from autopar.models import ModelConfig, build
+    from autopar.reference.models import ModelConfig, build
 
     cfg = ModelConfig(vocab_size=50257, seq_len=128, n_layer=4, n_head=32, d_model=4096)
     with torch.device("meta"):

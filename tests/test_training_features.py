@@ -14,7 +14,7 @@ import torch
 from families import BATCH, batches, make
 
 import autopar
-from autopar.parity import FP32_TOLERANCE, assert_parity, single_device_run
+from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
 
 pytestmark = pytest.mark.multiprocess
 LR, M, LAYERS = 1e-3, 4, 4

@@ -40,17 +40,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.comm import TPGroup, _all_gather, seed_forked
-from autopar.mesh import Mesh
-from autopar.placement import Shard
+from autopar.core.checkpoint import count_kept_bytes
+from autopar.core.comm import TPGroup, _all_gather, seed_forked
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Shard
 from autopar.runtime.gradients import GradientSync
 from autopar.runtime.timeline import Event, gather_events, write_chrome_trace
 from autopar.schedules import Action, Kind
-from passes.recompute import with_recompute
 
 if TYPE_CHECKING:
-    from autopar.program import ParallelProgram
-    from passes.pipeline_split import Boundary, Chunk
+    from autopar.compiler.program import Program
+    from autopar.core.chunks import Boundary, Chunk
 
 __all__ = ["RankEngine"]
 
@@ -58,7 +58,7 @@ __all__ = ["RankEngine"]
 class RankEngine(nn.Module):
     """Holds this rank's parameter shards and interprets its schedule."""
 
-    def __init__(self, program: "ParallelProgram", mesh: Mesh, local_params: dict[str, torch.Tensor],
+    def __init__(self, program: "Program", mesh: Mesh, local_params: dict[str, torch.Tensor],
                  feeds: dict[str, torch.Tensor], bucket_bytes: int = 25 * 2**20):
         super().__init__()
         self.program = program
@@ -71,12 +71,8 @@ class RankEngine(nn.Module):
         self._feeds = feeds
         self.schedule = program.schedule
         self.stats: dict = {}
-        cfg = program.config
-        self._kept = [0]
-        self.runnables = {c: with_recompute(ch.gm, cfg.recompute, program.layers, self._keep)
-                          for c, ch in self.chunks.items()}
-        for c, r in self.runnables.items():
-            self.add_module(f"chunk{c}", r) if r is not self.chunks[c].gm else None
+        self.runnables = {c: ch.module for c, ch in self.chunks.items()}
+        """Chunk -> what runs it: its graph, with recomputation applied at compile time."""
         self.device_type = "cuda" if any(t.is_cuda for t in local_params.values()) else "cpu"
         self.random_seed = self._stream_seed(mesh)
         """Seed of this rank's random stream (dropout); equal on the t ranks of a stage."""
@@ -122,9 +118,6 @@ class RankEngine(nn.Module):
                 yield
             finally:
                 self._rng_states = self._get_rng()
-
-    def _keep(self, nbytes: int) -> None:
-        self._kept[0] += nbytes
 
     # ------------------------------------------------------------------ stepping
     def forward(self, *batch: torch.Tensor) -> float:
@@ -224,11 +217,10 @@ class RankEngine(nn.Module):
                 saved[0] += t.numel() * t.element_size()
             return t
 
-        self._kept[0] = 0
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self._autocast(), \
-                self._random_stream():
+                self._random_stream(), count_kept_bytes() as kept:
             outs = self.runnables[a.chunk](*self._chunk_args(chunk, micro[a.microbatch], inputs))
-        self._saved[key] = saved[0] + self._kept[0]
+        self._saved[key] = saved[0] + kept.nbytes
         if a.chunk == self.program.split.n - 1:
             loss = outs[0]
             self._loss_sum += loss.detach().double()

@@ -21,17 +21,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.mesh import Mesh
-from autopar.placement import Shard
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Shard
 
 if TYPE_CHECKING:
-    from autopar.program import ParallelProgram
+    from autopar.compiler.program import Program
 
 __all__ = ["GradientSync"]
 
 
 class GradientSync:
-    def __init__(self, program: "ParallelProgram", mesh: Mesh, params: dict[str, nn.Parameter],
+    def __init__(self, program: "Program", mesh: Mesh, params: dict[str, nn.Parameter],
                  bucket_bytes: int = 25 * 2**20):
         self.program = program
         self.mesh = mesh

@@ -33,8 +33,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.cost import ModelSpec
-from autopar.trace import trace
+from autopar.planning.cost import ModelSpec
+from autopar.compiler.trace import lm_cross_entropy, trace
 from passes.layers import find_layers
 from passes.normalize import normalize
 
@@ -50,7 +50,6 @@ class SpecError(ValueError):
 def spec_from_model(model: nn.Module, example_inputs: Any, example_targets: Any = None,
                     loss_fn: Callable | None = None, name: str = "") -> ModelSpec:
     """Trace ``model`` (like ``parallelize``) and read a ``ModelSpec`` from its graph."""
-    from autopar.api import lm_cross_entropy  # noqa: PLC0415  (api imports the planner's neighbours)
 
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if example_targets is None:

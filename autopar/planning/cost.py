@@ -31,7 +31,8 @@ from functools import lru_cache
 
 import sympy as sp
 
-from autopar.hardware import Hardware, get_hardware
+from autopar.core.flops import attention_flops, matmul_flops
+from autopar.planning.hardware import Hardware, get_hardware
 
 __all__ = [
     "ModelSpec", "PRESETS", "get_model", "Op", "Layout", "Cluster", "Estimate", "Memory",
@@ -191,18 +192,8 @@ def linear_bytes(tokens: int, in_f: int, out_f: int, dtype_bytes: int = FP16) ->
     return float(tokens * in_f + in_f * out_f + tokens * out_f) * dtype_bytes
 
 
-def matmul_flops(batch: int, m: int, n: int, k: int) -> float:
-    """C (batch, m, n) = A (batch, m, k) @ B (batch, k, n): 2 batch m n k."""
-    return 2.0 * batch * m * n * k
-
-
 def matmul_bytes(batch: int, m: int, n: int, k: int, dtype_bytes: int = FP16) -> float:
     return float(batch) * (m * k + k * n + m * n) * dtype_bytes
-
-
-def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int) -> float:
-    """Q K^T and P V: 4 b a s_q s_k d (Megatron computes the full square, causal or not)."""
-    return 4.0 * batch * heads * seq_q * seq_k * head_dim
 
 
 def attention_bytes(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
@@ -935,7 +926,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
         T_pipe = (m v + p - 1) (t_F + t_B + 2c) + m max(head, embedding)
     i.e. ideal m v (t_F + t_B) plus the bubble (p-1)/(v m). With
     ``simulate=True`` the real schedule runs through the event simulator
-    (``autopar.simulate``) with the same per-chunk costs instead, unless it has
+    (``autopar.planning.simulate``) with the same per-chunk costs instead, unless it has
     more than ``SIMULATION_LIMIT`` actions (then ``Estimate.simulated`` is False).
     Then T_iter = T_pipe + exposed DP all-reduce + tied-embedding sync + optimizer.
     """
@@ -970,7 +961,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     sim = None
     inflight = None
     if simulate and p > 1 and 2 * p * v * m <= SIMULATION_LIMIT:
-        from autopar.simulate import simulate_layout_costs  # noqa: PLC0415  (simulate sits beside cost)
+        from autopar.planning.simulate import simulate_layout_costs  # noqa: PLC0415  (simulate sits beside cost)
 
         sim = simulate_layout_costs(lay.schedule, p, v, m, t_F, t_B, c,
                                     first_extra=(emb_f, emb_b), last_extra=(head_f, head_b))

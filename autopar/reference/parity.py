@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from autopar.trace import default_logits
+from autopar.compiler.trace import default_logits
 
 __all__ = ["single_device_run", "assert_parity", "FP32_TOLERANCE"]
 

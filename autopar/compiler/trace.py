@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.export.graph_signature import InputKind, OutputKind
 
-__all__ = ["TracedModel", "TraceError", "trace", "default_logits", "module_path", "user_path", "source_line"]
+from autopar.core.graph import WRAPPER_PREFIX, TracedModel, strip_wrapper
 
-_WRAPPER_PREFIX = "model."
-
+__all__ = ["TraceError", "trace", "default_logits", "lm_cross_entropy"]
 
 class TraceError(RuntimeError):
     """The model (with its loss) could not be traced; the message says where and what to try."""
@@ -61,6 +61,11 @@ def default_logits(output: Any) -> torch.Tensor:
     )
 
 
+def lm_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Language-model loss: cross-entropy over the last dim of (..., V) logits."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
 class _LossWrapper(nn.Module):
     """``(*inputs, *targets) -> loss_fn(output_fn(model(*inputs)), *targets)``."""
 
@@ -76,39 +81,6 @@ class _LossWrapper(nn.Module):
         logits = self.output_fn(self.model(*inputs))
         return self.loss_fn(logits, *targets)
 
-
-@dataclass
-class TracedModel:
-    """The traced graph and how its placeholders relate to the user's model."""
-
-    gm: fx.GraphModule
-    """ATen training-IR graph; placeholders: parameters, buffers, constants, inputs, targets."""
-    param_of: dict[str, str]
-    """Placeholder name -> parameter name in the user's model (canonical, first name)."""
-    buffer_of: dict[str, str]
-    """Placeholder name -> buffer name in the user's model."""
-    constant_of: dict[str, str]
-    """Placeholder name -> lifted constant name (in ``constants``)."""
-    input_names: list[str]
-    """Placeholders fed by the model inputs, in order."""
-    target_names: list[str]
-    """Placeholders fed by the loss targets, in order."""
-    constants: dict[str, torch.Tensor]
-    """Lifted tensor constants (values)."""
-    aliases: dict[str, list[str]] = field(default_factory=dict)
-    """Canonical parameter name -> every name it has in the model (tied weights)."""
-    model_name: str = "model"
-
-    def placeholders(self) -> list[fx.Node]:
-        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-
-    def param_nodes(self) -> dict[str, fx.Node]:
-        """Parameter name -> placeholder node."""
-        return {self.param_of[n.name]: n for n in self.placeholders() if n.name in self.param_of}
-
-
-def _strip(name: str) -> str:
-    return name[len(_WRAPPER_PREFIX) :] if name.startswith(_WRAPPER_PREFIX) else name
 
 
 def _to_tuple(x: Any) -> tuple:
@@ -158,9 +130,9 @@ def trace(
     for spec in sig.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
-            param_of[name] = _strip(spec.target)
+            param_of[name] = strip_wrapper(spec.target)
         elif spec.kind == InputKind.BUFFER:
-            buffer_of[name] = _strip(spec.target)
+            buffer_of[name] = strip_wrapper(spec.target)
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             constant_of[name] = spec.target
         elif spec.kind == InputKind.USER_INPUT:
@@ -214,34 +186,9 @@ def trace(
     )
 
 
-def module_path(node: fx.Node) -> str:
-    """The innermost module a node was traced in (``h.0.attn.c_attn``), '' for the top."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    return user_path(list(stack.values())[-1][0])
-
-
-def user_path(path: str) -> str:
-    """A module path of the traced wrapper as the user's model names it ('' for the model)."""
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    return _strip(path) if path != "model" else ""
-
-
-def source_line(node: fx.Node) -> str:
-    """The user's source line for a node (``models.py:93 q = self.q(x)...``), or ''."""
-    trace_text = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)', trace_text)
-    frames = [f for f in frames if "autopar/trace.py" not in f[0]]
-    if not frames:
-        return ""
-    file, line, code = frames[-1]
-    return f"{file.rsplit('/', 1)[-1]}:{line} {code.strip()}"
-
-
 def _explain_trace_failure(model: nn.Module, err: Exception) -> str:
     frames = traceback.extract_tb(err.__traceback__)
-    user = [f for f in frames if "/torch/" not in f.filename and "autopar/trace.py" not in f.filename]
+    user = [f for f in frames if "/torch/" not in f.filename and "autopar/compiler/trace.py" not in f.filename]
     where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "(no user frame)"
     text = str(err).strip().splitlines()
     first = text[0] if text else type(err).__name__

@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from autopar.cost import Cluster, Estimate, estimate
-from autopar.hardware import Hardware
+from autopar.planning.cost import Cluster, Estimate, estimate
+from autopar.planning.hardware import Hardware
 
 __all__ = ["Knob", "KNOBS", "FlipPoint", "flip_points", "flip_lines", "memory_margin_line"]
 

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from fractions import Fraction
 
+from autopar.core.config import SCHEDULE_NAMES, microbatch_errors, size_errors
+
 __all__ = [
     "Kind",
     "Action",
@@ -65,8 +67,6 @@ __all__ = [
 Time = int | float | Fraction
 """A duration or a point in time; pass :class:`~fractions.Fraction` costs for exact results."""
 
-SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
-"""Names understood by :func:`generate`."""
 
 
 class Kind(str, Enum):
@@ -205,7 +205,9 @@ class Schedule:
     """Stage -> the actions it runs, in order."""
 
     def __post_init__(self) -> None:
-        _check_positive(p=self.p, v=self.v, m=self.m)
+        errs = size_errors(p=self.p, v=self.v, m=self.m)
+        if errs:
+            raise ValueError("; ".join(errs))
         if not self.name or any(ch.isspace() for ch in self.name):
             raise ValueError(f"a schedule name must be one non-empty word, got {self.name!r}")
         if set(self.actions) != set(range(self.p)):
@@ -311,30 +313,10 @@ def parse_grid(text: str) -> Schedule:
 # --------------------------------------------------------------------------- generators
 
 
-def _check_positive(**sizes: int) -> None:
-    for key, value in sizes.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"{key} must be a positive integer, got {key}={value!r}; use {key} >= 1"
-            )
-
-
-def _check_enough_microbatches(name: str, p: int, m: int) -> None:
-    if m < p:
-        raise ValueError(
-            f"{name} needs at least one microbatch per stage: m={m} < p={p}. "
-            f"Use m >= {p}, or 'gpipe', which accepts any m."
-        )
-
-
-def _check_multiple_of_p(p: int, m: int) -> None:
-    if m % p:
-        below, above = (m // p) * p, (m // p + 1) * p
-        fix = f"m={above}" if below == 0 else f"m={below} or m={above}"
-        raise ValueError(
-            f"interleaved 1F1B needs m to be a multiple of p (Megatron's rule): "
-            f"m={m}, p={p}, m % p = {m % p}. Use {fix}."
-        )
+def _check_layout(name: str, p: int, v: int, m: int) -> None:
+    errs = microbatch_errors(name, p, v, m)
+    if errs:
+        raise ValueError("; ".join(errs))
 
 
 def num_warmup(name: str, p: int, v: int, m: int, stage: int) -> int:
@@ -380,7 +362,7 @@ def gpipe(p: int, m: int, v: int = 1) -> Schedule:
     which is ``(p-1)/m`` for ``v = 1`` and ``(p-1)/(v m)`` for ``m >= p``.
     Every stage holds all ``v m`` activations at the peak.
     """
-    _check_positive(p=p, v=v, m=m)
+    _check_layout("gpipe", p, v, m)
     actions = {}
     for r in range(p):
         chunks = [r + k * p for k in range(v)]
@@ -398,8 +380,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     cool-down backwards. Bubble ``(p-1)/m`` as GPipe, but stage ``r`` holds at
     most ``p - r`` activations instead of ``m``.
     """
-    _check_positive(p=p, m=m)
-    _check_enough_microbatches("1f1b", p, m)
+    _check_layout("1f1b", p, 1, m)
     actions = {}
     for r in range(p):
         forwards = [Action(Kind.F, r, i) for i in range(m)]
@@ -431,11 +412,9 @@ def interleaved_1f1b(p: int, v: int, m: int) -> Schedule:
     times the point-to-point messages. (That is the compute-only dry run; a
     runtime that blocks on each batch of exchanges, sends included, loses part
     of it when ``t_b != t_f``; autopar's does not block on sends, see
-    ``autopar.simulate.simulate_lowered``.)
+    ``autopar.planning.simulate.simulate_lowered``.)
     """
-    _check_positive(p=p, v=v, m=m)
-    _check_enough_microbatches("interleaved 1F1B", p, m)
-    _check_multiple_of_p(p, m)
+    _check_layout("interleaved", p, v, m)
     actions = {}
     for r in range(p):
         steps = [
@@ -452,10 +431,7 @@ def generate(name: str, p: int, v: int, m: int) -> Schedule:
     if name == "gpipe":
         return gpipe(p, m, v)
     if name == "1f1b":
-        if v != 1:
-            raise ValueError(
-                f"1f1b runs one chunk per stage, got v={v}; use v=1, or 'interleaved' for v > 1"
-            )
+        _check_layout(name, p, v, m)
         return one_f_one_b(p, m)
     if name == "interleaved":
         return interleaved_1f1b(p, v, m)

@@ -10,16 +10,15 @@ from __future__ import annotations
 import io
 import math
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from autopar.placement import Shard
+from autopar.core.placement import Shard
 from autopar.schedules import dry_run
 
-if TYPE_CHECKING:
-    from autopar.program import ParallelProgram
+# Reads a ``Program`` (compiler/program.py), which imports this module for ``summary()``:
+# the annotations name it without importing it.
 
 __all__ = ["render_summary", "memory_per_rank", "predicted_bubble"]
 
@@ -49,11 +48,11 @@ def _gib(n: float) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def memory_per_rank(program: "ParallelProgram") -> list[dict[str, float]]:
+def memory_per_rank(program: "Program") -> list[dict[str, float]]:
     """Per pipeline stage: bytes of weights, gradients, optimizer state and activations at peak.
 
     Activations: the bytes a chunk keeps for its backward per microbatch
-    (``ParallelProgram.chunk_activation_bytes``) times the most microbatches
+    (``Program.chunk_activation_bytes``) times the most microbatches
     the schedule keeps in flight on that stage, plus one recomputation's
     working set.
     """
@@ -75,14 +74,14 @@ def memory_per_rank(program: "ParallelProgram") -> list[dict[str, float]]:
     return out
 
 
-def predicted_bubble(program: "ParallelProgram") -> float:
+def predicted_bubble(program: "Program") -> float:
     """Bubble fraction of the schedule with the chunks' estimated costs (backward = 2x forward)."""
     costs = {c.index: max(c.cost, 1.0) for c in program.split.chunks}
     run = dry_run(program.schedule, cost_f=lambda a: costs[a.chunk], cost_b=lambda a: 2 * costs[a.chunk])
     return float(run.bubble_fraction)
 
 
-def render_summary(program: "ParallelProgram", width: int = 120) -> str:
+def render_summary(program: "Program", width: int = 120) -> str:
     console = Console(record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None)
     cfg = program.config
     mesh = cfg.mesh
@@ -212,7 +211,7 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]},{ranks[1]},...,{ranks[-1]}"
 
 
-def _roles(program: "ParallelProgram") -> dict[str, str]:
+def _roles(program: "Program") -> dict[str, str]:
     plan, traced = program.plan, program.traced
     nodes = {n.name: n for n in traced.gm.graph.nodes}
     roles: dict[str, str] = {}

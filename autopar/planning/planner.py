@@ -1,5 +1,5 @@
 """Search over 3D-parallel layouts for a model on a cluster, ranked by the
-performance model (``autopar.cost``).
+performance model (``autopar.planning.cost``).
 
 The space is (t, p, d, v, micro-batch b, schedule, recomputation):
 
@@ -13,7 +13,7 @@ The space is (t, p, d, v, micro-batch b, schedule, recomputation):
 
 Every candidate is scored with the closed-form pipeline time (the bubble
 (p-1)/(v m)); the best ``simulate_top`` are then re-scored by running their real
-schedule through the event simulator (``autopar.simulate``) and re-ranked.
+schedule through the event simulator (``autopar.planning.simulate``) and re-ranked.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from autopar.cost import (
+from autopar.planning.cost import (
     PAPER_RUNS,
     Cluster,
     Estimate,
@@ -32,9 +32,9 @@ from autopar.cost import (
     layout_errors,
     params_per_stage,
 )
-from autopar.sensitivity import flip_lines, memory_margin_line
+from autopar.planning.sensitivity import flip_lines, memory_margin_line
 
-__all__ = ["SearchSpace", "Plan", "search", "plan", "candidate_layouts", "why_differs", "paper_run_for",
+__all__ = ["SearchSpace", "Plan", "search", "candidate_layouts", "why_differs", "paper_run_for",
            "memory_line"]
 
 
@@ -263,20 +263,6 @@ def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace()
             reference = replace(run.layout(), dp_overlap=space.overlap_for(run.p))
     ref_est = _simulated(spec, cluster, reference, space) if reference is not None else None
     return Plan(spec, cluster, space, ranked, too_big, rejected, n_eval, time.perf_counter() - t0, ref_est)
-
-
-def plan(model, example_inputs, gpus: int, global_batch: int, hardware: str = "dgx-a100-80gb",
-         space: SearchSpace = SearchSpace(), example_targets=None, loss_fn=None, top: int = 10,
-         reference: Layout | None = None) -> Plan:
-    """Plan for a user's model: its dimensions are read from its traced graph
-    (``autopar.model_spec``; a model on the meta device costs no memory), then
-    ``search`` ranks the layouts for ``gpus`` GPUs of ``hardware`` and a global batch
-    of ``global_batch`` sequences of the example inputs' length. ``Plan.spec`` says
-    what was read."""
-    from autopar.model_spec import spec_from_model  # noqa: PLC0415  (tracing imports the compiler)
-
-    spec = spec_from_model(model, example_inputs, example_targets, loss_fn)
-    return search(spec, Cluster.of(gpus, hardware, global_batch), space, top=top, reference=reference)
 
 
 def _simulated(spec: ModelSpec, cluster: Cluster, lay: Layout, space: SearchSpace) -> Estimate:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from autopar.schedules import Action, Kind, Schedule, generate, lower
 
 if TYPE_CHECKING:  # cost imports this module lazily; no import cycle at run time
-    from autopar.cost import Cluster, Estimate, Layout, ModelSpec
+    from autopar.planning.cost import Cluster, Estimate, Layout, ModelSpec
 
 __all__ = ["Event", "SimResult", "simulate", "simulate_lowered", "simulate_layout_costs",
            "simulate_layout_lowered", "simulate_estimate", "runtime_schedule"]
@@ -326,7 +326,7 @@ def simulate_estimate(spec: ModelSpec, cluster: Cluster, layout: Layout) -> tupl
     pipeline over ``cost.SIMULATION_LIMIT`` actions is simulated here all the same
     (the Estimate keeps its closed-form pipeline time).
     """
-    from autopar.cost import estimate  # noqa: PLC0415  (cost imports this module lazily)
+    from autopar.planning.cost import estimate  # noqa: PLC0415  (cost imports this module lazily)
 
     est = estimate(spec, cluster, layout, simulate=True)
     if est.sim is not None:

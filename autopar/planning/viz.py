@@ -16,7 +16,7 @@ from html import escape
 
 from rich.text import Text
 
-from autopar.simulate import Event, SimResult
+from autopar.planning.simulate import Event, SimResult
 
 __all__ = ["timeline_text", "timeline_svg", "write_svg"]
 

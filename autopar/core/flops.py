@@ -1,11 +1,12 @@
-"""Cost of one graph node from its (local) shapes: FLOPs, bytes, and a roofline time.
+"""FLOPs and bytes: the contraction formulas and the per-node roofline cost of a graph node.
 
-Used to balance pipeline chunks. Matrix products count 2*M*N*K FLOPs,
-attention 4*B*H*Tq*Tk*d (scores and weighted sum), everything else one FLOP
-per output element. Bytes are what the node writes plus the parameters it
-reads. ``node_cost`` is a roofline: max(FLOPs, FLOPS_PER_BYTE * bytes), in
-FLOP units, so memory-bound ops (norms, element-wise, softmax) weigh what
-they cost on a GPU instead of almost nothing.
+Matrix products count 2*M*N*K FLOPs, attention 4*B*H*Tq*Tk*d (scores and
+weighted sum), everything else one FLOP per output element. Bytes are what
+the node writes plus the parameters it reads. ``node_cost`` is a roofline:
+max(FLOPs, FLOPS_PER_BYTE * bytes), in FLOP units, so memory-bound ops
+(norms, element-wise, softmax) weigh what they cost on a GPU instead of
+almost nothing. The pipeline cut balances chunks with it; the plan counts
+activation bytes with ``node_bytes``; the cost model uses the formulas.
 """
 
 from __future__ import annotations
@@ -15,9 +16,20 @@ import math
 import torch
 import torch.fx as fx
 
-from autopar.cost import attention_flops, matmul_flops
+from autopar.core.graph import local_val
 
-__all__ = ["node_flops", "node_bytes", "node_cost", "FLOPS_PER_BYTE"]
+__all__ = ["matmul_flops", "attention_flops", "node_flops", "node_bytes", "node_cost", "FLOPS_PER_BYTE"]
+
+
+def matmul_flops(batch: int, m: int, n: int, k: int) -> float:
+    """C (batch, m, n) = A (batch, m, k) @ B (batch, k, n): 2 batch m n k."""
+    return 2.0 * batch * m * n * k
+
+
+def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int) -> float:
+    """Q K^T and P V: 4 b a s_q s_k d (Megatron computes the full square, causal or not)."""
+    return 4.0 * batch * heads * seq_q * seq_k * head_dim
+
 
 # Machine balance of an A100 (312 TFLOP/s bf16 over ~2 TB/s HBM): an op doing fewer
 # FLOPs per byte moved than this is memory-bound.
@@ -27,7 +39,7 @@ aten = torch.ops.aten
 
 
 def _shape(n) -> tuple[int, ...]:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    v = local_val(n) if isinstance(n, fx.Node) else None
     return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else ()
 
 
@@ -46,15 +58,15 @@ def node_flops(node: fx.Node) -> float:
         q, kk = _shape(node.args[0]), _shape(node.args[1])
         if len(q) == 4 and len(kk) == 4:
             return float(attention_flops(q[0], q[1], q[2], kk[2], q[3]))
-    val = node.meta.get("val")
+    val = local_val(node)
     if isinstance(val, torch.Tensor):
         return float(val.numel())
     return 0.0
 
 
 def node_bytes(node: fx.Node) -> float:
-    """Bytes a node writes (its output)."""
-    val = node.meta.get("val")
+    """Bytes a node writes (its output; one rank's on a rank graph)."""
+    val = local_val(node)
     if isinstance(val, torch.Tensor):
         return float(val.numel() * val.element_size())
     return 0.0

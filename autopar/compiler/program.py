@@ -1,4 +1,4 @@
-"""``ParallelProgram``: everything autopar decided, for all ranks.
+"""``Program``: everything autopar decided, for all ranks.
 
 Cheap and inspectable without a process group: the traced graph, the
 sharding plan, the rank graph and its chunks, the schedule, and the questions
@@ -11,26 +11,24 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar import comm
-from autopar.comm import TPGroup, local_slice
-from autopar.config import ParallelConfig
-from autopar.mesh import Mesh
-from autopar.placement import Replicate, Shard, local_size
-from autopar.runtime.engine import RankEngine
+from autopar.compiler.report import render_summary
+from autopar.compiler.local_shapes import param_local_shape, propagate_local_shapes
+from autopar.core import comm
+from autopar.core.chunks import PipelineSplit
+from autopar.core.config import ParallelConfig
+from autopar.core.graph import TracedModel, local_val, module_path, source_line
+from autopar.core.placement import Replicate, Shard, local_size
 from autopar.schedules import Schedule
-from autopar.trace import TracedModel, module_path, source_line
 from passes.layers import LayerInfo, layer_of_node, layer_of_param
-from passes.pipeline_split import PipelineSplit
 from passes.sharding import ShardingPlan
 
-__all__ = ["ParallelProgram"]
+__all__ = ["Program"]
 
 _aten = torch.ops.aten
 # ops whose output shares its input's storage: not counted as activation memory
@@ -68,24 +66,31 @@ _COLLECTIVES = {
 }
 
 
-@dataclass
-class ParallelProgram:
-    """Everything autopar decided, for all ranks; cheap, inspectable, no process group."""
+@dataclass(frozen=True, eq=False)
+class Program:
+    """Everything autopar decided, for all ranks; built whole by ``compile_program``, then frozen.
+
+    Cheap and inspectable without a process group. The runtime only reads it.
+    """
 
     model: nn.Module
     config: ParallelConfig
     traced: TracedModel
+    """The traced graph (global shapes in ``meta["val"]``)."""
     layers: LayerInfo
+    """Which nodes belong to which repeated block, found once on the traced graph."""
     plan: ShardingPlan
     rank_module: fx.GraphModule
-    split: PipelineSplit | None = None
-    """The chunk graphs (p*v of them; one when pp == 1)."""
-    schedule: Schedule | None = None
+    """The tensor-parallel rank graph; one rank's shapes in ``meta["local_val"]``."""
+    split: PipelineSplit
+    """The chunk graphs (p*v of them; one when pp == 1), recomputation applied."""
+    schedule: Schedule
     """The lowered, validated schedule every rank interprets."""
-    param_names: list[str] = field(default_factory=list)
-    param_stages: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    param_names: tuple[str, ...]
+    """Every parameter, in graph order (canonical names)."""
+    param_stages: dict[str, tuple[int, ...]]
     """Parameter -> the pipeline stages whose chunks read it."""
-    tied_params: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    tied_params: dict[str, tuple[int, ...]]
     """Parameters read on more than one stage -> those stages."""
 
     @property
@@ -116,7 +121,7 @@ class ParallelProgram:
         recomputation materialises at a time (the chunk, or one layer). Float
         values count 2 bytes per element under bf16 autocast.
         """
-        from passes.node_cost import node_bytes
+        from autopar.core.flops import node_bytes
 
         scale = 0.5 if self.precision == "bf16" else 1.0
         values = [n for n in chunk.gm.graph.nodes if n.op == "call_function" and n.target not in _VIEWS]
@@ -138,17 +143,17 @@ class ParallelProgram:
         for node in self.rank_module.graph.nodes:
             if node.op != "call_function" or node.target not in _COLLECTIVES:
                 continue
-            val = node.meta.get("val")
+            val = local_val(node)
             if node.target is comm.vocab_parallel_cross_entropy:
-                rows = node.args[0].meta["val"].shape[0]
+                rows = local_val(node.args[0]).shape[0]
                 nbytes = 3 * rows * 4
             elif node.target is comm.vocab_parallel_soft_cross_entropy:
-                nbytes = 4 * node.args[0].meta["val"].shape[0] * 4
+                nbytes = 4 * local_val(node.args[0]).shape[0] * 4
             elif node.target is comm.vocab_parallel_nll_loss:
-                nbytes = node.args[0].meta["val"].shape[0] * 4
+                nbytes = local_val(node.args[0]).shape[0] * 4
             elif node.target in (comm.vocab_parallel_logsumexp, comm.vocab_parallel_softmax,
                                  comm.vocab_parallel_log_softmax):
-                x, dim = node.args[0].meta["val"], node.args[2]
+                x, dim = local_val(node.args[0]), node.args[2]
                 reduced = x.numel() // x.shape[dim] * 4
                 nbytes = reduced * (2 if node.target is comm.vocab_parallel_logsumexp else 3)
             else:
@@ -190,11 +195,7 @@ class ParallelProgram:
         return tuple(self._phs[self._placeholder_of[name]].meta["val"].shape)
 
     def local_shape(self, name: str) -> tuple[int, ...]:
-        shape = list(self.full_shape(name))
-        spec = self.param_spec(name)
-        if isinstance(spec, Shard):
-            shape[spec.dim] = local_size(shape[spec.dim], spec, self.tp)
-        return tuple(shape)
+        return param_local_shape(self.full_shape(name), self.param_spec(name), self.tp)
 
     def collectives(self, by_layer: bool = False) -> Counter:
         """Count the collective calls in the rank program (optionally keyed by layer)."""
@@ -212,32 +213,14 @@ class ParallelProgram:
         return layer_of_node(node, self.layers)
 
     def local_shapes(self, rank: int = 0) -> dict[str, tuple[int, ...]]:
-        """Shape of every value of the rank program on one rank, by fake-tensor propagation.
+        """Shape of every value of the rank program on tensor-parallel rank ``rank``.
 
-        Runs without memory or communication (collectives of an inspection
-        ``TPGroup`` only produce the right shapes), so it works for a
-        meta-device model of any size.
+        Fake-tensor propagation: no memory, no communication, no change to the
+        graph's metadata; works for a meta-device model of any size.
         """
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        args = [TPGroup(rank, self.tp, None)]
-        feeds = {**{ph: self.traced.param_of[ph] for ph in self.traced.param_of}}
-        for node in list(self.rank_module.graph.nodes)[1:]:
-            if node.op != "placeholder":
-                break
-            val = node.meta["val"]
-            shape = self.local_shape(feeds[node.name]) if node.name in feeds else tuple(val.shape)
-            with mode:
-                args.append(torch.empty(shape, dtype=val.dtype, device="meta" if val.device.type == "meta" else "cpu"))
-        FakeTensorProp(self.rank_module, mode).propagate(*args)
-        out = {}
-        for node in self.rank_module.graph.nodes:
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                out[node.name] = tuple(val.shape)
-        return out
+        vals = propagate_local_shapes(self.rank_module, rank % self.tp, self.tp, self.traced.param_of,
+                                      self.local_shape)
+        return {name: tuple(v.shape) for name, v in vals.items() if isinstance(v, torch.Tensor)}
 
     def replicated_weights(self) -> list[tuple[str, int, str]]:
         """(parameter, elements, why) of every matrix (2-D or more) left whole on each tp
@@ -326,67 +309,11 @@ class ParallelProgram:
 
     def summary(self) -> str:
         """Human-readable plan: layout, sharded parameters, collectives, fallbacks."""
-        from autopar.report import render_summary
-
         return render_summary(self)
 
-    # ------------------------------------------------------------ materialize
-    def materialize(self, state_dict: dict[str, torch.Tensor] | None = None) -> RankEngine:
-        """Build this rank's engine: its mesh groups and the local shards of its chunks' parameters.
-
-        Collective: every rank of the world calls it (the groups are created
-        here). ``state_dict``: full weights to use instead of the model's
-        (needed for a meta-device model).
-        """
-        full = self._full_weights(state_dict)
-        shape = self.config.mesh
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != shape.world:
-            hint = "start ranks with autopar.spawn(...) or torchrun" if not dist.is_initialized() else \
-                f"compile with tp * pp * dp = {world}"
-            raise ValueError(f"the program needs tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world} "
-                             f"ranks, but the world has {world}: {hint}")
-        mesh = Mesh.create(shape, sorted(set(self.tied_params.values())))
-        tp_rank, stage = mesh.tp_rank, mesh.pp_rank
-        local = {}
-        for name in self.param_names:
-            if stage not in self.param_stages[name]:
-                continue
-            spec = self.param_spec(name)
-            w = full[name].detach()
-            if isinstance(spec, Shard):
-                w = local_slice(w, tp_rank, self.tp, spec.dim, spec.segments)
-            local[name] = w.clone().contiguous()
-        return RankEngine(self, mesh, local, self._replicated_inputs(state_dict))
-
-    def _full_weights(self, state_dict) -> dict[str, torch.Tensor]:
-        if state_dict is not None:
-            missing = [n for n in self.param_names if n not in state_dict]
-            if missing:
-                raise KeyError(f"state_dict lacks {len(missing)} parameter(s), e.g. {missing[:3]}")
-            return state_dict
-        params = dict(self.model.named_parameters())
-        meta = [n for n in self.param_names if params[n].is_meta]
-        if meta:
-            raise ValueError(f"the model's parameters are on the meta device ({meta[0]}, ...): pass "
-                             "materialize(state_dict=...) with real weights")
-        return params
-
-    def _replicated_inputs(self, state_dict) -> dict[str, torch.Tensor]:
-        bufs = dict(self.model.named_buffers())
-        out = {}
-        for ph, name in self.traced.buffer_of.items():
-            out[ph] = (state_dict or {}).get(name, bufs.get(name))
-        for ph, name in self.traced.constant_of.items():
-            out[ph] = self.traced.constants[name]
-        return out
-
     def __post_init__(self):
-        self._phs = {n.name: n for n in self.traced.gm.graph.nodes if n.op == "placeholder"}
-        self._placeholder_of = {v: k for k, v in self.traced.param_of.items()}
-        if not self.param_names:
-            self.param_names = [self.traced.param_of[n.name] for n in self.traced.gm.graph.nodes
-                                if n.name in self.traced.param_of]
+        object.__setattr__(self, "_phs", {n.name: n for n in self.traced.gm.graph.nodes if n.op == "placeholder"})
+        object.__setattr__(self, "_placeholder_of", {v: k for k, v in self.traced.param_of.items()})
 
     def layer_params(self, name: str) -> int | None:
         return layer_of_param(name, self.layers)

@@ -1,0 +1,98 @@
+"""The compile pipeline: from a model, an example microbatch and a loss to a frozen ``Program``.
+
+Named passes run in this order; each reads what the ones before produced and
+none patches the program afterwards:
+
+    trace                  (inputs, targets) -> loss as an fx graph      compiler/trace.py
+    normalize              canonical forms (x @ W.T -> linear, ...)      passes/normalize.py
+    find_layers            the repeated blocks, found once               passes/layers.py
+    analyze_sharding       a placement for every value                   passes/sharding.py
+    apply_tensor_parallel  the rank graph with f/g and vocab ops         passes/tensor_parallel.py
+    annotate_local_shapes  one rank's shapes in meta["local_val"]        compiler/local_shapes.py
+    split_pipeline         p*v cost-balanced chunks                      passes/pipeline_split.py
+    recompute              checkpointed regions in each chunk            passes/recompute.py
+    schedule               generated, lowered, validated                 schedules/
+
+Nothing here needs a process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar.compiler.local_shapes import annotate_local_shapes, param_local_shape
+from autopar.compiler.program import Program
+from autopar.compiler.trace import trace
+from autopar.core.chunks import PipelineSplit
+from autopar.core.config import ParallelConfig
+from autopar.core.placement import Replicate
+from autopar.schedules import Schedule, generate, lower, validate
+from passes.layers import LayerInfo, find_layers
+from passes.normalize import normalize
+from passes.pipeline_split import split_pipeline
+from passes.recompute import with_recompute
+from passes.sharding import ShardingPlan, analyze_sharding
+from passes.tensor_parallel import apply_tensor_parallel
+
+__all__ = ["compile_program", "PASSES"]
+
+PASSES: tuple[str, ...] = ("trace", "normalize", "find_layers", "analyze_sharding", "apply_tensor_parallel",
+                           "annotate_local_shapes", "split_pipeline", "recompute", "schedule")
+"""The pipeline's passes, in the order they run."""
+
+
+def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: Any, example_targets: Any,
+                    loss_fn: Callable, output_fn: Callable | None = None,
+                    program_type: type[Program] = Program) -> Program:
+    """Run every pass over ``model`` with ``loss_fn`` for ``config``; the result is frozen."""
+    traced = trace(model, example_inputs, example_targets, loss_fn, output_fn)
+    normalize(traced.gm, set(traced.param_of))
+    layers = find_layers(traced.gm)
+    plan = analyze_sharding(traced, config.tp)
+    rank_module = apply_tensor_parallel(traced, plan)
+    annotate_local_shapes(rank_module, config.tp, traced.param_of,
+                          lambda name: _local_shape(traced, plan, config.tp, name))
+    split = _split(traced, rank_module, config, layers)
+    schedule = _schedule(config)
+    param_names = tuple(traced.param_of[n.name] for n in traced.gm.graph.nodes if n.name in traced.param_of)
+    param_stages = _param_stages(split, traced.param_of, config.pp, param_names)
+    return program_type(
+        model=model, config=config, traced=traced, layers=layers, plan=plan, rank_module=rank_module,
+        split=split, schedule=schedule, param_names=param_names, param_stages=param_stages,
+        tied_params={n: s for n, s in param_stages.items() if len(s) > 1})
+
+
+def _local_shape(traced, plan: ShardingPlan, tp: int, name: str) -> tuple[int, ...]:
+    placeholder = next(ph for ph, n in traced.param_of.items() if n == name)
+    node = next(n for n in traced.gm.graph.nodes if n.name == placeholder)
+    return param_local_shape(tuple(node.meta["val"].shape), plan.param_specs.get(placeholder, Replicate()), tp)
+
+
+def _split(traced, rank_module, config: ParallelConfig, layers: LayerInfo) -> PipelineSplit:
+    """The pipeline cut, then recomputation applied to each chunk (so ``program.code`` shows it)."""
+    global_shapes = {n.name: tuple(n.meta["val"].shape) for n in traced.gm.graph.nodes
+                     if isinstance(n.meta.get("val"), torch.Tensor)}
+    split = split_pipeline(rank_module, config.pp * config.virtual_stages, traced.param_of, global_shapes, layers)
+    chunks = [dataclasses.replace(c, module=with_recompute(c.gm, config.recompute, layers)) for c in split.chunks]
+    return dataclasses.replace(split, chunks=chunks)
+
+
+def _schedule(config: ParallelConfig) -> Schedule:
+    schedule = lower(generate(config.schedule, config.pp, config.virtual_stages, config.microbatches))
+    validate(schedule)
+    return schedule
+
+
+def _param_stages(split: PipelineSplit, param_of: dict[str, str], pp: int,
+                  param_names: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    """Parameter -> the pipeline stages whose chunks read it (stage 0 for one no chunk reads)."""
+    stages: dict[str, set[int]] = {}
+    for c in split.chunks:
+        for ph in c.params:
+            stages.setdefault(param_of[ph], set()).add(c.index % pp)
+    return {n: tuple(sorted(stages.get(n, {0}))) for n in param_names}

@@ -1,0 +1,59 @@
+"""``Checkpointed``: a module run under activation recomputation, and what it keeps.
+
+The recompute pass wraps chunks or layers in it at compile time; the runtime
+runs them. Under ``torch.utils.checkpoint`` (non-reentrant) only the wrapped
+module's inputs stay alive between the forward and the backward; the
+recomputed forward replays the same ops, collectives included, under the same
+RNG and autocast state. The bytes kept are reported to the innermost
+``count_kept_bytes()`` block (a context variable, so engines in one process
+never see each other's counts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["Checkpointed", "KeptBytes", "count_kept_bytes"]
+
+
+class KeptBytes:
+    """Bytes of inputs that checkpointed regions kept during one ``count_kept_bytes`` block."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+
+_COUNTER: contextvars.ContextVar[KeptBytes | None] = contextvars.ContextVar("autopar_kept_bytes", default=None)
+
+
+@contextlib.contextmanager
+def count_kept_bytes() -> Iterator[KeptBytes]:
+    """Count the bytes the checkpointed regions run inside this block keep for their backward."""
+    kept = KeptBytes()
+    token = _COUNTER.set(kept)
+    try:
+        yield kept
+    finally:
+        _COUNTER.reset(token)
+
+
+class Checkpointed(nn.Module):
+    """Runs ``inner`` under a non-reentrant checkpoint; ``label`` says what it is (``layer 3``)."""
+
+    def __init__(self, inner: nn.Module, label: str = ""):
+        super().__init__()
+        self.inner = inner
+        self.label = label
+
+    def forward(self, *args):
+        kept = _COUNTER.get()
+        if kept is not None and torch.is_grad_enabled():
+            kept.nbytes += sum(a.numel() * a.element_size() for a in args
+                               if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter))
+        return checkpoint(self.inner, *args, use_reentrant=False)
