@@ -1,0 +1,205 @@
+"""The floors of the code base, enforced: imports point down, never up, and never in a circle.
+
+The import graph is read from the source (AST), so imports inside functions
+and under ``if TYPE_CHECKING`` count like any other: a deferred import that
+points up is still an upward arrow. Every module must also import first in a
+fresh interpreter, and ``import autopar`` must stay light.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("autopar", "passes")
+
+# floor -> the floors its modules may import (their own floor is always allowed)
+FLOORS: dict[str, set[str]] = {
+    "core": set(),
+    "schedules": {"core"},
+    "passes": {"core"},
+    "planning": {"core", "schedules"},
+    "compiler": {"core", "schedules", "passes", "planning"},
+    "runtime": {"core", "schedules", "compiler"},
+    "reference": {"core", "compiler"},
+    "face": {"core", "schedules", "passes", "planning", "compiler", "runtime", "reference"},
+}
+
+
+def floor_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "passes":
+        return "passes"
+    if len(parts) > 1 and parts[1] in FLOORS:
+        return parts[1]
+    return "face"  # autopar/__init__.py, autopar/api.py, autopar/cli.py
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if path.name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
+    """Our modules that ``module`` imports anywhere in its source (names imported from a
+    package that are themselves modules count as imports of those modules)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, path, node)
+            names = [target] + [f"{target}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] not in PACKAGES:
+                continue
+            # the longest known module that the name is or lies in
+            parts = name.split(".")
+            for i in range(len(parts), 0, -1):
+                candidate = ".".join(parts[:i])
+                if candidate in known:
+                    if candidate != module:
+                        out.add(candidate)
+                    break
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {m: imports_of(m, p, known) for m, p in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_is_read_from_every_module():
+    graph = import_graph()
+    assert len(graph) >= 30, sorted(graph)
+    # a known downward arrow is seen, including one written inside a function
+    assert "autopar.core.placement" in graph["passes.sharding"]
+    assert "autopar.compiler.program" in graph["autopar.runtime.materialize"]
+
+
+def test_no_import_cycle():
+    cycles = _cycles(import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_every_import_points_down():
+    bad = []
+    for module, targets in sorted(import_graph().items()):
+        here = floor_of(module)
+        for target in sorted(targets):
+            there = floor_of(target)
+            if there != here and there not in FLOORS[here]:
+                bad.append(f"{module} ({here}) imports {target} ({there})")
+    assert not bad, "imports against the floors:\n" + "\n".join(bad)
+
+
+def test_the_runtime_imports_no_pass():
+    graph = import_graph()
+    offenders = {m: sorted(t for t in ts if t.startswith("passes")) for m, ts in graph.items()
+                 if floor_of(m) == "runtime"}
+    assert not any(offenders.values()), offenders
+
+
+_IMPORT_EACH_FIRST = """
+import os, sys, traceback
+import torch  # third-party only: none of our modules is loaded before the fork
+failed = []
+for module in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            __import__(module)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        failed.append(module)
+print("FAILED:" + ",".join(failed))
+"""
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    """Each module is imported first in its own process (forked from one that loaded only torch),
+    so an import cycle hidden by the order tests import things fails here."""
+    names = sorted(modules())
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_EACH_FIRST, *names], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = proc.stdout.strip().rsplit("FAILED:", 1)[-1]
+    assert failed == "", f"these modules fail when imported first: {failed}\n{proc.stderr[-3000:]}"
+
+
+def test_import_autopar_is_light():
+    code = ("import sys, autopar; heavy = [m for m in ('sympy', 'autopar.planning.planner', 'autopar.compiler', "
+            "'autopar.runtime.engine', 'passes.sharding', 'rich') if m in sys.modules]; print(','.join(heavy))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "", f"import autopar loaded {proc.stdout.strip()}"
+    # the public names still resolve, lazily
+    proc = subprocess.run([sys.executable, "-c", "import autopar; autopar.parallelize; autopar.plan; "
+                           "autopar.spawn; autopar.ParallelConfig; print(sorted(autopar.__all__))"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
