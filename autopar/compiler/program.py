@@ -20,6 +20,7 @@ import torch.nn as nn
 from autopar.compiler.report import render_summary
 from autopar.compiler.local_shapes import param_local_shape, propagate_local_shapes
 from autopar.core import comm
+from autopar.core.checkpoint import Checkpointed
 from autopar.core.chunks import PipelineSplit
 from autopar.core.config import ParallelConfig
 from autopar.core.graph import TracedModel, local_val, module_path, source_line
@@ -64,6 +65,21 @@ _COLLECTIVES = {
     comm.vocab_parallel_soft_cross_entropy: ("vocab_parallel_soft_cross_entropy",
                                              "2 forward all-reduces of (N,) tensors"),
 }
+
+
+def _module_code(module: nn.Module) -> str:
+    """The code a chunk runs: its graph, or with recomputation the graph that calls its
+    checkpointed regions, each region's code below it, marked."""
+    if isinstance(module, Checkpointed):
+        return f"\n# checkpointed ({module.label}): recomputed in the backward{_module_code(module.inner)}"
+    if not isinstance(module, fx.GraphModule):
+        return f"\n# {type(module).__name__}\n"
+    text = module.code
+    for name, child in module.named_children():
+        if isinstance(child, (Checkpointed, fx.GraphModule)):
+            inner = _module_code(child).replace("\n", "\n    ")
+            text += f"\n    # self.{name}:{inner}"
+    return text
 
 
 @dataclass(frozen=True, eq=False)
@@ -304,7 +320,7 @@ class Program:
         body = []
         for c in chunks:
             layers = f"layers {c.layers[0]}-{c.layers[-1]}" if c.layers else "no layers"
-            body.append(f"# ---- chunk {c.index} ({layers}) ----{c.gm.code}")
+            body.append(f"# ---- chunk {c.index} ({layers}) ----{_module_code(c.module)}")
         return "\n".join(lines) + "\n" + "\n".join(body)
 
     def summary(self) -> str:
