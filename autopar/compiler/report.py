@@ -14,6 +14,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
+from autopar.core.config import optimizer_bytes_per_param
 from autopar.core.placement import Shard
 from autopar.schedules import dry_run
 
@@ -36,8 +37,6 @@ _DIRECTION = {
     "vocab_parallel_soft_cross_entropy": "fwd all-reduces: max, then (sum exp, sum p z, sum p)",
 }
 
-# AdamW keeps two fp32 moments per parameter
-OPTIMIZER_BYTES_PER_PARAM = 8
 
 
 def _gib(n: float) -> str:
@@ -49,7 +48,8 @@ def _gib(n: float) -> str:
 
 
 def memory_per_rank(program: "Program") -> list[dict[str, float]]:
-    """Per pipeline stage: bytes of weights, gradients, optimizer state and activations at peak.
+    """Per pipeline stage: bytes of weights, gradients, optimizer state (Adam,
+    ``optimizer_bytes_per_param``) and activations at peak.
 
     Activations: the bytes a chunk keeps for its backward per microbatch
     (``Program.chunk_activation_bytes``) times the most microbatches
@@ -59,18 +59,19 @@ def memory_per_rank(program: "Program") -> list[dict[str, float]]:
     p = program.pp
     out = []
     for stage in range(p):
-        params, weights = 0, 0.0
+        params, weights, optimizer = 0, 0.0, 0.0
         for name in program.param_names:
             if stage in program.param_stages.get(name, ()):
                 n = math.prod(program.local_shape(name))
                 params += n
                 weights += n * program.param_dtype_bytes(name)
+                optimizer += n * optimizer_bytes_per_param(program.param_dtype_bytes(name))
         chunks = [c for c in program.split.chunks if c.index % p == stage]
         kept = [program.chunk_activation_bytes(c) for c in chunks]
         in_flight = program.schedule.in_flight_bound(stage)
         act = max((k for k, _ in kept), default=0.0) * in_flight + max((w for _, w in kept), default=0.0)
         out.append({"params": params, "weights": weights, "grads": weights,
-                    "optimizer": params * OPTIMIZER_BYTES_PER_PARAM, "activations": act, "in_flight": in_flight})
+                    "optimizer": optimizer, "activations": act, "in_flight": in_flight})
     return out
 
 
@@ -82,12 +83,28 @@ def predicted_bubble(program: "Program") -> float:
 
 
 def render_summary(program: "Program", width: int = 120) -> str:
+    """The plan as text: header, stages and memory, parameters, collectives, and whatever
+    runs slower than it could (fallbacks, weights left whole, linears left replicated)."""
     console = Console(record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None)
-    cfg = program.config
-    mesh = cfg.mesh
+    console.print(_header(program))
+    console.print(_stages_table(program))
+    for line in _stage_notes(program):
+        console.print(line)
+    console.print(_params_table(program))
+    console.print(_collectives_table(program))
+    for line in _padding_notes(program):
+        console.print(line)
+    console.print(_fallbacks_table(program))
+    for table in (_unsplit_weights_table(program), _rejected_table(program)):
+        if table is not None:
+            console.print(table)
+    return console.export_text()
+
+
+def _header(program: "Program") -> str:
+    cfg, mesh, layers = program.config, program.config.mesh, program.layers
     total = sum(math.prod(program.full_shape(n)) for n in program.param_names)
-    layers = program.layers
-    console.print(
+    return (
         f"[bold]autopar program[/bold]: {program.traced.model_name}, {total:,} parameters, "
         f"{layers.count} layers under '{layers.prefix}'\n"
         f"mesh: tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} = {mesh.world} ranks "
@@ -96,7 +113,9 @@ def render_summary(program: "Program", width: int = 120) -> str:
         f"recompute {program.recompute}; precision {program.precision}"
     )
 
-    # ---- stages and memory
+
+def _stages_table(program: "Program") -> Table:
+    mesh = program.config.mesh
     stages = Table(title="Pipeline stages: layers per chunk, memory per rank")
     for col in ("stage", "ranks", "chunks: layers", "params/rank", "weights", "grads", "optimizer",
                 "activations (peak)", "total"):
@@ -110,18 +129,24 @@ def render_summary(program: "Program", width: int = 120) -> str:
         stages.add_row(str(s), _ranks(ranks), desc, f"{m['params']:,}", _gib(m["weights"]), _gib(m["grads"]),
                        _gib(m["optimizer"]), f"{_gib(m['activations'])} ({m['in_flight']} in flight)",
                        _gib(m["weights"] + m["grads"] + m["optimizer"] + m["activations"]))
-    console.print(stages)
-    if mesh.pp > 1:
-        console.print(f"layers per chunk: {[len(c.layers) for c in program.split.chunks]}; "
-                      f"predicted bubble {predicted_bubble(program):.1%} "
-                      f"(uniform costs: (p-1)/(v*m) = {(mesh.pp - 1) / (cfg.virtual_stages * cfg.microbatches):.1%})")
-    else:
-        console.print(f"layers per chunk: {[len(c.layers) for c in program.split.chunks]}")
-    if program.tied_params:
-        console.print("held by several stages (gradients summed across them): "
-                      + ", ".join(f"{n} on stages {list(s)}" for n, s in program.tied_params.items()))
+    return stages
 
-    # ---- parameters (layer 0 stands for every layer)
+
+def _stage_notes(program: "Program") -> list[str]:
+    cfg, mesh = program.config, program.config.mesh
+    per_chunk = f"layers per chunk: {[len(c.layers) for c in program.split.chunks]}"
+    if mesh.pp > 1:
+        per_chunk += (f"; predicted bubble {predicted_bubble(program):.1%} (uniform costs: (p-1)/(v*m) = "
+                      f"{(mesh.pp - 1) / (cfg.virtual_stages * cfg.microbatches):.1%})")
+    lines = [per_chunk]
+    if program.tied_params:
+        lines.append("held by several stages (gradients summed across them): "
+                     + ", ".join(f"{n} on stages {list(s)}" for n, s in program.tied_params.items()))
+    return lines
+
+
+def _params_table(program: "Program") -> Table:
+    """Every parameter's split; layer 0 stands for every layer."""
     params = Table(title="Parameters (tensor-parallel split; layers 1.. as layer 0)")
     for col in ("parameter", "full shape", "placement", "local shape", "role"):
         params.add_column(col)
@@ -132,9 +157,10 @@ def render_summary(program: "Program", width: int = 120) -> str:
             continue
         params.add_row(name, str(list(program.full_shape(name))), repr(program.param_spec(name)),
                        str(list(program.local_shape(name))), roles.get(name, ""))
-    console.print(params)
+    return params
 
-    # ---- collectives
+
+def _collectives_table(program: "Program") -> Table:
     coll = Table(title="Collectives per step")
     for col in ("where", "collective", "direction", "count / microbatch", "bytes / step / rank (all layers)"):
         coll.add_column(col)
@@ -143,62 +169,76 @@ def render_summary(program: "Program", width: int = 120) -> str:
     per_layer, outside = Counter(), Counter()
     for (layer, name), n in by_layer.items():
         (per_layer if layer is not None else outside)[name] += n
-    m = cfg.microbatches
+    m = program.config.microbatches
     for name, n in sorted(per_layer.items()):
-        coll.add_row("per layer", name, _DIRECTION[name], str(n // max(layers.count, 1)),
+        coll.add_row("per layer", name, _DIRECTION[name], str(n // max(program.layers.count, 1)),
                      _gib(nbytes.get(("layers", name), 0) * m))
     for name, n in sorted(outside.items()):
         coll.add_row("outside layers", name, _DIRECTION[name], str(n), _gib(nbytes.get(("outside", name), 0) * m))
     for label, value in program.p2p_and_dp_bytes().items():
         coll.add_row(label[0], label[1], label[2], "", _gib(value))
-    console.print(coll)
+    return coll
 
+
+def _padding_notes(program: "Program") -> list[str]:
+    out = []
     for name in program.param_names:
         spec = program.param_spec(name)
         full = program.full_shape(name)
         if isinstance(spec, Shard) and spec.segments and sum(spec.segments) != full[spec.dim]:
-            console.print(f"vocabulary padding: {name} dim {spec.dim} {full[spec.dim]} -> {sum(spec.segments)} "
-                          f"(padded rows are never looked up and never win the softmax)")
+            out.append(f"vocabulary padding: {name} dim {spec.dim} {full[spec.dim]} -> {sum(spec.segments)} "
+                       f"(padded rows are never looked up and never win the softmax)")
+    return out
 
+
+def _fallbacks_table(program: "Program") -> Table | str:
     fallbacks = program.fallbacks()
-    if fallbacks:
-        fb = Table(title=f"Fallbacks: {len(fallbacks)} op(s) run replicated (inputs all-gathered) — slower")
-        for col in ("node", "reason", "source"):
-            fb.add_column(col)
-        for node, reason, src in fallbacks:
-            fb.add_row(node, reason, src)
-        console.print(fb)
-    else:
-        console.print("fallbacks: none (every op on a sharded value has a rule)")
+    if not fallbacks:
+        return "fallbacks: none (every op on a sharded value has a rule)"
+    fb = Table(title=f"Fallbacks: {len(fallbacks)} op(s) run replicated (inputs all-gathered) — slower")
+    for col in ("node", "reason", "source"):
+        fb.add_column(col)
+    for node, reason, src in fallbacks:
+        fb.add_row(node, reason, src)
+    return fb
+
+
+def _unsplit_weights_table(program: "Program") -> Table | None:
     whole = program.replicated_weights()
-    if whole:
-        total_params = sum(math.prod(program.full_shape(n)) for n in program.param_names)
-        n_whole = sum(n for _, n, _ in whole)
-        wt = Table(title=f"Weights not split: {n_whole:,} parameters ({n_whole / total_params:.0%} of the model) "
-                         f"held whole by every tp rank — more memory, computed {program.tp} times")
-        for col in ("parameter (layers 1.. as layer 0)", "elements", "why"):
-            wt.add_column(col)
-        for name, n, why in whole:
-            layer = program.layer_params(name)
-            if layer is not None and layer > 0:
-                continue
-            wt.add_row(name, f"{n:,}", why)
-        console.print(wt)
-    if program.plan.rejected:
-        rj = Table(title="Left replicated (not split)")
-        for col in ("node", "module", "layers", "why"):
-            rj.add_column(col)
-        groups: dict[str, list] = {}
-        for r in program.plan.rejected:  # one row per module of the layer, with the layers it covers
-            layer = layers.node_layer.get(r.node)
-            key = r.module.replace(layers.label(layer), "*", 1) if layer is not None else r.module
-            groups.setdefault(key, []).append((layer, r))
-        for entries in groups.values():
-            idx = sorted(x for x, _ in entries if x is not None)
-            first = entries[0][1]
-            rj.add_row(first.node, first.module, _span(idx) if idx else "-", first.reason)
-        console.print(rj)
-    return console.export_text()
+    if not whole:
+        return None
+    total_params = sum(math.prod(program.full_shape(n)) for n in program.param_names)
+    n_whole = sum(n for _, n, _ in whole)
+    wt = Table(title=f"Weights not split: {n_whole:,} parameters ({n_whole / total_params:.0%} of the model) "
+                     f"held whole by every tp rank — more memory, computed {program.tp} times")
+    for col in ("parameter (layers 1.. as layer 0)", "elements", "why"):
+        wt.add_column(col)
+    for name, n, why in whole:
+        layer = program.layer_params(name)
+        if layer is not None and layer > 0:
+            continue
+        wt.add_row(name, f"{n:,}", why)
+    return wt
+
+
+def _rejected_table(program: "Program") -> Table | None:
+    """Linears left replicated, one row per module of the layer with the layers it covers."""
+    if not program.plan.rejected:
+        return None
+    layers = program.layers
+    rj = Table(title="Left replicated (not split)")
+    for col in ("node", "module", "layers", "why"):
+        rj.add_column(col)
+    groups: dict[str, list] = {}
+    for r in program.plan.rejected:
+        layer = layers.node_layer.get(r.node)
+        key = r.module.replace(layers.label(layer), "*", 1) if layer is not None else r.module
+        groups.setdefault(key, []).append((layer, r))
+    for entries in groups.values():
+        idx = sorted(x for x, _ in entries if x is not None)
+        first = entries[0][1]
+        rj.add_row(first.node, first.module, _span(idx) if idx else "-", first.reason)
+    return rj
 
 
 def _span(layers: list[int]) -> str:

@@ -71,10 +71,11 @@ def microbatch_errors(schedule: str, p: int, v: int, m: int, names: tuple[str, s
     return errs
 
 
-def optimizer_bytes_per_param(precision: str) -> int:
+def optimizer_bytes_per_param(param_bytes: int) -> int:
     """Adam's state per parameter: moments m and v in fp32 (8 bytes), plus an fp32 master
-    copy (4 more) when the parameters themselves are 16-bit (mixed precision)."""
-    return 8 if precision == "fp32" else 12
+    copy (4 more) when the parameters themselves are 16-bit (``param_bytes`` < 4: mixed
+    precision, 12 bytes). autopar's 'bf16' precision autocasts fp32 parameters: 8 bytes."""
+    return 8 if param_bytes >= 4 else 12
 
 
 @dataclass(frozen=True)

@@ -41,19 +41,6 @@ class MeshShape:
     def world(self) -> int:
         return self.tp * self.pp * self.dp
 
-    @staticmethod
-    def infer(world: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> "MeshShape":
-        """Complete the shape for ``world`` ranks; dp is inferred when None."""
-        if dp is None:
-            if world % (tp * pp):
-                raise ValueError(f"tp({tp}) * pp({pp}) = {tp * pp} does not divide the world size {world}: "
-                                 f"cannot infer dp. Use {world} = tp * pp * dp.")
-            dp = world // (tp * pp)
-        shape = MeshShape(tp, pp, dp)
-        if shape.world != world:
-            raise ValueError(f"tp({tp}) * pp({pp}) * dp({dp}) = {shape.world}, but the world size is {world}")
-        return shape
-
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp, dp, tp) of a rank."""
         return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp

@@ -43,18 +43,14 @@ class Shard:
         seg = "" if self.segments is None or len(self.segments) == 1 else f",{list(self.segments)}"
         return f"S({self.dim}{seg})"
 
-    def padded_size(self, traced_size: int) -> int:
-        """Global size of the sharded dim, including vocabulary padding."""
-        return traced_size if self.segments is None else sum(self.segments)
-
 
 Placement = Replicate | Shard | Partial
 
 
-def local_size(size: int, placement: Shard, t: int) -> int:
-    """Size of the sharded dimension on one rank: sum over segments of seg/t."""
+def local_size(size: int, placement: Shard, tp: int) -> int:
+    """Size of the sharded dimension on one rank: sum over segments of seg/tp."""
     segs = placement.segments if placement.segments is not None else (size,)
     for s in segs:
-        if s % t:
-            raise ValueError(f"segment of size {s} does not split {t} ways")
-    return sum(s // t for s in segs)
+        if s % tp:
+            raise ValueError(f"segment of size {s} does not split {tp} ways")
+    return sum(s // tp for s in segs)
