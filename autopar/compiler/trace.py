@@ -101,6 +101,27 @@ def trace(
     Works with parameters on the ``meta`` device (the example tensors are then
     moved to meta too), so large models can be compiled without memory.
     """
+    inputs, targets = _example_tensors(model, example_inputs, example_targets)
+    ep = _export(model, _LossWrapper(model, loss_fn, output_fn or default_logits, len(inputs)), inputs + targets)
+    param_of, buffer_of, constant_of, user = _placeholders(ep)
+    _check_outputs(ep)
+    aliases = _aliases(model)
+    gm = _canonical_params(ep.graph_module, param_of, aliases)
+    return TracedModel(
+        gm=gm,
+        param_of=param_of,
+        buffer_of=buffer_of,
+        constant_of=constant_of,
+        input_names=user[: len(inputs)],
+        target_names=user[len(inputs) :],
+        constants={k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)},
+        aliases=aliases,
+        model_name=type(model).__name__,
+    )
+
+
+def _example_tensors(model: nn.Module, example_inputs: Any, example_targets: Any) -> tuple[tuple, tuple]:
+    """The example microbatch as tensors: checked, kept apart, on meta for a meta model."""
     inputs, targets = _to_tuple(example_inputs), _to_tuple(example_targets)
     for i, x in enumerate(inputs + targets):
         if not isinstance(x, torch.Tensor):
@@ -111,23 +132,28 @@ def trace(
     # the same tensor passed twice would become one graph input: keep them apart
     ids = {id(x) for x in inputs}
     targets = tuple(t.clone() if id(t) in ids else t for t in targets)
-    on_meta = any(p.is_meta for p in model.parameters())
-    if on_meta:
+    if any(p.is_meta for p in model.parameters()):
         inputs = tuple(x.to("meta") for x in inputs)
         targets = tuple(x.to("meta") for x in targets)
-    wrapper = _LossWrapper(model, loss_fn, output_fn or default_logits, len(inputs))
+    return inputs, targets
+
+
+def _export(model: nn.Module, wrapper: nn.Module, args: tuple) -> torch.export.ExportedProgram:
+    """``torch.export`` (non-strict) in training mode; a failure names the user's line."""
     was_training = model.training
     model.train()
     try:
-        ep = torch.export.export(wrapper, inputs + targets, strict=False)
+        return torch.export.export(wrapper, args, strict=False)
     except Exception as e:  # noqa: BLE001 - re-raised with the user's line
         raise TraceError(_explain_trace_failure(model, e)) from e
     finally:
         model.train(was_training)
 
-    sig = ep.graph_signature
+
+def _placeholders(ep: torch.export.ExportedProgram) -> tuple[dict, dict, dict, list]:
+    """(parameter, buffer, constant) placeholder -> name maps, and the user inputs in order."""
     param_of, buffer_of, constant_of, user = {}, {}, {}, []
-    for spec in sig.input_specs:
+    for spec in ep.graph_signature.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
             param_of[name] = strip_wrapper(spec.target)
@@ -139,7 +165,12 @@ def trace(
             user.append(name)
         else:
             raise TraceError(f"unsupported graph input {name} of kind {spec.kind.name}")
-    for spec in sig.output_specs:
+    return param_of, buffer_of, constant_of, user
+
+
+def _check_outputs(ep: torch.export.ExportedProgram) -> None:
+    """One scalar loss, and no state mutated by the forward."""
+    for spec in ep.graph_signature.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
             raise TraceError(
                 f"the model mutates state during the forward ({spec.kind.name} of {spec.target}); "
@@ -153,17 +184,19 @@ def trace(
             f"loss_fn must return one scalar loss; it returned {len(shapes)} value(s) of shapes {shapes}"
         )
 
-    aliases: dict[str, list[str]] = {}
-    by_id = {}
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Canonical parameter name -> every name it has in the model (tied weights share one)."""
+    by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
-    for name, p in model.named_parameters():
-        aliases[name] = by_id[id(p)]
+    return {name: by_id[id(p)] for name, p in model.named_parameters()}
 
-    # Tied weights: every placeholder is named by the parameter's first name in the
-    # model; a placeholder left without users by the tie is dropped.
+
+def _canonical_params(gm: fx.GraphModule, param_of: dict[str, str], aliases: dict[str, list[str]]) -> fx.GraphModule:
+    """Tied weights: every placeholder is named by the parameter's first name in the model;
+    a placeholder left without users by the tie is dropped (``param_of`` updated in place)."""
     canonical = {alias: names[0] for names in aliases.values() for alias in names}
-    gm = ep.graph_module
     for node in list(gm.graph.nodes):
         if node.name in param_of:
             param_of[node.name] = canonical.get(param_of[node.name], param_of[node.name])
@@ -171,19 +204,7 @@ def trace(
                 del param_of[node.name]
                 gm.graph.erase_node(node)
     gm.recompile()
-
-    constants = {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
-    return TracedModel(
-        gm=gm,
-        param_of=param_of,
-        buffer_of=buffer_of,
-        constant_of=constant_of,
-        input_names=user[: len(inputs)],
-        target_names=user[len(inputs) :],
-        constants=constants,
-        aliases=aliases,
-        model_name=type(model).__name__,
-    )
+    return gm
 
 
 def _explain_trace_failure(model: nn.Module, err: Exception) -> str:
