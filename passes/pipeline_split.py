@@ -75,8 +75,37 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
     ``global_shapes``: traced node -> global shape; the rank graph's local
     values are read from ``meta["local_val"]``.
     """
-    graph = rank_gm.graph
-    nodes = list(graph.nodes)
+    _check_layer_count(layers, n_chunks)
+    nodes = list(rank_gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    tp_node = placeholders[0]
+    param_phs = {n.name for n in placeholders if n.name in param_of}
+    free = _parameter_free(nodes, param_phs)
+    node_layer = {n.name: layer for n in nodes if n.op == "call_function"
+                  and (layer := layers.node_layer.get(n.name, layer_of_node(n, layers))) is not None}
+    unit = _layer_costs(nodes, free, node_layer, layers.count, param_phs)
+    starts = balance(unit, n_chunks)
+    chunk_of_layer = {layer: c for c, s in enumerate(starts)
+                      for layer in range(s, starts[c + 1] if c + 1 < n_chunks else layers.count)}
+    chunk_of = _assign_chunks(nodes, free, node_layer, chunk_of_layer, n_chunks)
+    live = _live_values(nodes, chunk_of, n_chunks)
+
+    loss = nodes[-1].args[0][0]
+    requires_grad = _requires_grad(nodes, param_phs)
+    by_name = {n.name: n for n in nodes}
+    chunks = []
+    for k in range(n_chunks):
+        gm, params, feeds = _build_chunk(rank_gm, nodes, by_name, k, chunk_of, free, live, tp_node, param_phs,
+                                         loss if k == n_chunks - 1 else None)
+        ins = [_boundary(by_name[nm], requires_grad, global_shapes) for nm in live[k]]
+        outs = [_boundary(by_name[nm], requires_grad, global_shapes) for nm in live[k + 1]] if k + 1 < n_chunks else []
+        chunk_layers = sorted(layer for layer, c in chunk_of_layer.items() if c == k)
+        cost = sum(unit[layer] for layer in chunk_layers)
+        chunks.append(Chunk(k, gm, params, feeds, ins, outs, chunk_layers, cost))
+    return PipelineSplit(chunks, [c.layers for c in chunks], [c.cost for c in chunks])
+
+
+def _check_layer_count(layers: LayerInfo, n_chunks: int) -> None:
     if layers.count == 0:
         raise PipelineError(
             f"pp * virtual_stages = {n_chunks} chunks need a stack of repeated layers to cut between, and the "
@@ -88,24 +117,24 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
             f"{n_chunks} chunks need at least one layer each. Fix: use pp * virtual_stages <= {layers.count}"
             + (f" (e.g. pp={layers.count}, virtual_stages=1)" if layers.count > 0 else "")
         )
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    tp_node = placeholders[0]
-    param_phs = {n.name for n in placeholders if n.name in param_of}
 
-    # nodes that depend on parameters are placed once; the rest (position ids, masks,
-    # rotary tables, flattened targets) is recomputed in each chunk that needs it
-    # from the model inputs, which every rank has
+
+def _parameter_free(nodes: list[fx.Node], param_phs: set[str]) -> set[str]:
+    """Nodes that depend on no parameter (position ids, masks, rotary tables, flattened
+    targets): recomputed in each chunk that needs them from the model inputs, which every
+    rank has, instead of being placed once and sent."""
     anchored: set[str] = set(param_phs)
     for n in nodes:
         if n.op == "call_function" and any(a.name in anchored for a in n.all_input_nodes):
             anchored.add(n.name)
-    free = {n.name for n in nodes if n.op == "call_function" and n.name not in anchored}
+    return {n.name for n in nodes if n.op == "call_function" and n.name not in anchored}
 
-    node_layer = {n.name: layer for n in nodes if n.op == "call_function"
-                  and (layer := layers.node_layer.get(n.name, layer_of_node(n, layers))) is not None}
 
-    # layer costs and chunk boundaries
-    layer_cost = [0.0] * layers.count
+def _layer_costs(nodes: list[fx.Node], free: set[str], node_layer: dict[str, int], count: int,
+                 param_phs: set[str]) -> list[float]:
+    """Roofline cost of each layer; what comes before the first layer (embedding) counts with
+    the first, what follows the last (final norm, head, loss) with the last."""
+    layer_cost = [0.0] * count
     pre = post = 0.0
     seen_layer = False
     for n in nodes:
@@ -119,16 +148,15 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
             post += c
         else:
             pre += c
-    unit = list(layer_cost)
-    unit[0] += pre
-    unit[-1] += post
-    starts = balance(unit, n_chunks)
-    chunk_of_layer = {}
-    for c, s in enumerate(starts):
-        end = starts[c + 1] if c + 1 < n_chunks else layers.count
-        for layer in range(s, end):
-            chunk_of_layer[layer] = c
+    layer_cost[0] += pre
+    layer_cost[-1] += post
+    return layer_cost
 
+
+def _assign_chunks(nodes: list[fx.Node], free: set[str], node_layer: dict[str, int],
+                   chunk_of_layer: dict[int, int], n_chunks: int) -> dict[str, int]:
+    """Node -> chunk: its layer's chunk, or for a node outside the layers the latest chunk
+    among its inputs (so the embedding lands in chunk 0 and the head and loss in the last)."""
     chunk_of: dict[str, int] = {}
     for n in nodes:
         if n.op != "call_function" or n.name in free:
@@ -141,12 +169,15 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
             if chunk_of.get(a.name, 0) > chunk_of[n.name]:
                 raise PipelineError(f"node {n.name} in chunk {chunk_of[n.name]} uses {a.name} from a later chunk "
                                     f"{chunk_of[a.name]}: the layers are not a sequence")
-    out_node = nodes[-1]
-    loss = out_node.args[0][0]
+    loss = nodes[-1].args[0][0]
     if chunk_of.get(loss.name) != n_chunks - 1:
         raise PipelineError("the loss is not computed after the last layer")
+    return chunk_of
 
-    # live values across each boundary: produced before chunk k, used at or after k
+
+def _live_values(nodes: list[fx.Node], chunk_of: dict[str, int], n_chunks: int) -> list[list[str]]:
+    """live[k]: the values crossing from chunk k-1 into chunk k (produced before k, used at or
+    after k), in graph order; a value used two chunks later is relayed through the one between."""
     last_use: dict[str, int] = {}
     for n in nodes:
         if n.name not in chunk_of:
@@ -155,23 +186,8 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
             if a.name in chunk_of:
                 last_use[a.name] = max(last_use.get(a.name, -1), chunk_of[n.name])
     order = {n.name: i for i, n in enumerate(nodes)}
-    live = []  # live[k]: values crossing from chunk k-1 into chunk k
-    for k in range(n_chunks):
-        names = [nm for nm, c in chunk_of.items() if c < k and last_use.get(nm, -1) >= k]
-        live.append(sorted(names, key=order.get))
-
-    requires_grad = _requires_grad(nodes, param_phs)
-    by_name = {n.name: n for n in nodes}
-    chunks = []
-    for k in range(n_chunks):
-        gm, params, feeds = _build_chunk(rank_gm, nodes, by_name, k, chunk_of, free, live, tp_node, param_phs,
-                                         loss if k == n_chunks - 1 else None)
-        ins = [_boundary(by_name[nm], requires_grad, global_shapes) for nm in live[k]]
-        outs = [_boundary(by_name[nm], requires_grad, global_shapes) for nm in live[k + 1]] if k + 1 < n_chunks else []
-        chunk_layers = sorted(layer for layer, c in chunk_of_layer.items() if c == k)
-        cost = sum(unit[layer] for layer in chunk_layers)
-        chunks.append(Chunk(k, gm, params, feeds, ins, outs, chunk_layers, cost))
-    return PipelineSplit(chunks, [c.layers for c in chunks], [c.cost for c in chunks])
+    return [sorted((nm for nm, c in chunk_of.items() if c < k and last_use.get(nm, -1) >= k), key=order.get)
+            for k in range(n_chunks)]
 
 
 def _requires_grad(nodes: list[fx.Node], param_phs: set[str]) -> set[str]:
