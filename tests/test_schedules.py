@@ -14,7 +14,7 @@ from functools import cache
 
 import pytest
 
-import autopar.schedules.schedule as schedules_module
+import autopar.schedules.validation as validation_module
 from autopar.schedules import (
     SCHEDULE_NAMES,
     Action,
@@ -235,16 +235,28 @@ def test_bubble_is_exact(name: str, p: int, v: int, m: int) -> None:
 def test_validate_is_called(monkeypatch: pytest.MonkeyPatch) -> None:
     """Generators validate what they return and lower() its result: the grid needs no second run."""
     seen: list[tuple[str, bool]] = []
-    real = schedules_module.validate
+    real = validation_module.validate
 
     def spy(schedule: Schedule) -> None:
         seen.append((schedule.name, schedule.is_lowered))
         real(schedule)
 
-    monkeypatch.setattr(schedules_module, "validate", spy)
+    monkeypatch.setattr(validation_module, "validate", spy)
     for name in SCHEDULE_NAMES:
         lower(generate(name, 2, 1, 4))
     assert seen == [(name, lowered) for name in SCHEDULE_NAMES for lowered in (False, True)]
+
+    # what validate raises is what the generators and lower() raise: they return nothing unchecked
+    def reject(schedule: Schedule) -> None:
+        raise ScheduleError(f"rejected {schedule.name} lowered={schedule.is_lowered}")
+
+    monkeypatch.setattr(validation_module, "validate", reject)
+    for name in SCHEDULE_NAMES:
+        with pytest.raises(ScheduleError, match=f"rejected {name} lowered=False"):
+            generate(name, 2, 1, 4)
+    compute_only = parse_grid("1f1b p=2 v=1 m=2\nstage 0: F0.0 F0.1 B0.0 B0.1\nstage 1: F1.0 B1.0 F1.1 B1.1")
+    with pytest.raises(ScheduleError, match="rejected 1f1b lowered=True"):
+        lower(compute_only)
 
 
 def test_paper_bubble_numbers() -> None:

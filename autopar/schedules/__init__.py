@@ -1,26 +1,31 @@
-"""Pipeline schedules as plain data: generate, lower, validate, dry-run (``schedule.py``)."""
+"""Pipeline schedules as plain data: generate, lower, validate, simulate.
+
+One job per file:
+
+- ``actions.py``: ``Action`` (F, B, sends, receives) and its text form (``SF2.0>3``);
+- ``schedule.py``: ``Schedule``, per stage the ordered actions of one step; ``parse_grid``;
+- ``grid.py``: the rank x time grid a schedule prints as, and reads back from;
+- ``dependencies.py``: who needs whom (producers, send/receive partners);
+- ``in_flight.py``: activations held at once: warm-up counts, bounds, peaks;
+- ``generators.py``: GPipe, 1F1B and interleaved 1F1B;
+- ``lowering.py``: ``lower``, the sends and receives of every cross-stage dependency;
+- ``checks.py`` and ``validation.py``: the rules, and ``validate``;
+- ``events.py``: ``Event``, one action of one rank in time (simulated or measured);
+- ``simulate.py``: the one simulator, parameterised by how sends behave, and ``dry_run``.
+"""
 
 from autopar.core.config import SCHEDULE_NAMES
-from autopar.schedules.schedule import (
-    Action,
-    DryRun,
-    Kind,
-    Schedule,
-    ScheduleError,
-    Time,
-    dry_run,
-    generate,
-    gpipe,
-    interleaved_1f1b,
-    lower,
-    num_warmup,
-    one_f_one_b,
-    parse_grid,
-    peak_in_flight,
-    validate,
-)
+from autopar.schedules.actions import Action, Kind, Time
+from autopar.schedules.events import Event
+from autopar.schedules.generators import generate, gpipe, interleaved_1f1b, one_f_one_b
+from autopar.schedules.in_flight import num_warmup, peak_in_flight
+from autopar.schedules.lowering import lower
+from autopar.schedules.schedule import Schedule, ScheduleError, parse_grid
+from autopar.schedules.simulate import DryRun, Sends, SimResult, dry_run, simulate
+from autopar.schedules.validation import validate
 
 __all__ = [
     "Kind", "Action", "Schedule", "ScheduleError", "DryRun", "Time", "SCHEDULE_NAMES", "num_warmup", "gpipe",
     "one_f_one_b", "interleaved_1f1b", "generate", "lower", "validate", "dry_run", "peak_in_flight", "parse_grid",
+    "Event", "Sends", "SimResult", "simulate",
 ]

@@ -1,0 +1,138 @@
+"""The structural rules of a schedule, one check each; a broken rule raises
+:class:`ScheduleError` with the grid around the failing actions marked.
+
+``simulate.py`` runs the first four before timing a schedule;
+``validation.validate`` runs all of them and then a dry run (no deadlock).
+"""
+
+from __future__ import annotations
+
+from autopar.schedules.actions import Action, Key, Kind, Loc
+from autopar.schedules.dependencies import partner, producers
+from autopar.schedules.in_flight import in_flight_counts
+from autopar.schedules.schedule import Schedule, schedule_error
+
+__all__ = ["check_placement", "check_coverage", "check_matching", "check_order", "check_in_flight"]
+
+
+def check_placement(schedule: Schedule) -> None:
+    """Chunk and microbatch in range, on the chunk's stage; comm peers point at the neighbour."""
+    last = schedule.num_chunks - 1
+    for s, acts in schedule.actions.items():
+        for t, a in enumerate(acts):
+            if a.chunk > last or a.microbatch >= schedule.m:
+                raise schedule_error(
+                    schedule,
+                    f"{a} is out of range: chunks are 0..{last}, microbatches 0..{schedule.m - 1}",
+                    [(s, t)],
+                )
+            if schedule.stage_of(a.chunk) != s:
+                home = schedule.stage_of(a.chunk)
+                raise schedule_error(
+                    schedule,
+                    f"{a} is on stage {s}, but chunk {a.chunk} lives on stage {home}",
+                    [(s, t)],
+                )
+            if a.is_comm:
+                _check_peer(schedule, a, (s, t))
+
+
+def _check_peer(schedule: Schedule, action: Action, loc: Loc) -> None:
+    (_, chunk, _), stage = partner(schedule, action)
+    if not 0 <= chunk < schedule.num_chunks:
+        raise schedule_error(schedule, f"{action} has no neighbour chunk {chunk} to talk to", [loc])
+    if stage == loc[0]:
+        raise schedule_error(
+            schedule, f"{action} is not needed: chunk {chunk} lives on the same stage", [loc]
+        )
+    if action.peer != stage:
+        raise schedule_error(
+            schedule,
+            f"{action} names peer {action.peer}, but chunk {chunk} lives on stage {stage}",
+            [loc],
+        )
+
+
+def check_coverage(schedule: Schedule, where: dict[Key, Loc]) -> None:
+    """Every (chunk, microbatch) has one F and one B."""
+    for kind in (Kind.F, Kind.B):
+        for c in range(schedule.num_chunks):
+            for i in range(schedule.m):
+                if (kind, c, i) not in where:
+                    raise schedule_error(
+                        schedule,
+                        f"missing {kind.value}{c}.{i} (on stage {schedule.stage_of(c)})",
+                        [],
+                    )
+
+
+def check_matching(schedule: Schedule, where: dict[Key, Loc]) -> None:
+    """Every send has exactly one receive and vice versa (duplicates are caught by ``index``)."""
+    for s, acts in schedule.actions.items():
+        for t, a in enumerate(acts):
+            if not a.is_comm:
+                continue
+            key, stage = partner(schedule, a)
+            if key not in where:
+                other = "receive" if a.is_send else "send"
+                expected = Action(key[0], key[1], key[2], s)
+                message = f"{a} on stage {s} has no matching {other} {expected} on stage {stage}"
+                raise schedule_error(schedule, message, [(s, t)])
+
+
+def check_order(schedule: Schedule, where: dict[Key, Loc]) -> None:
+    """Each action comes after what it needs on its own stage.
+
+    F before its B; a local producer before its consumer; in a lowered schedule
+    also every remote producer's receive before the consumer and every send
+    after the compute it ships.
+    """
+    lowered = schedule.is_lowered
+    for s, acts in schedule.actions.items():
+        for t, a in enumerate(acts):
+            for need in _local_needs(schedule, a, s, lowered):
+                loc = where.get(need)
+                needed = f"{need[0].value}{need[1]}.{need[2]}"
+                if loc is None:
+                    raise schedule_error(
+                        schedule,
+                        f"{a} on stage {s} needs {needed} before it, and there is none",
+                        [(s, t)],
+                    )
+                if loc[1] > t:
+                    raise schedule_error(
+                        schedule,
+                        f"{a} on stage {s} runs before {needed}, which it needs",
+                        [(s, t), loc],
+                    )
+
+
+def _local_needs(schedule: Schedule, action: Action, stage: int, lowered: bool) -> list[Key]:
+    """Keys of the actions on ``stage`` that must precede ``action``."""
+    if action.is_send:
+        compute = Kind.F if action.kind is Kind.SEND_F else Kind.B
+        return [(compute, action.chunk, action.microbatch)]
+    if action.is_recv:
+        return []
+    needs: list[Key] = []
+    for key in producers(schedule, action):
+        if schedule.stage_of(key[1]) == stage:
+            needs.append(key)
+        elif lowered:
+            recv = Kind.RECV_F if action.kind is Kind.F else Kind.RECV_B
+            needs.append((recv, action.chunk, action.microbatch))
+    return needs
+
+
+def check_in_flight(schedule: Schedule) -> None:
+    """No stage ever holds more activations than :meth:`Schedule.in_flight_bound`."""
+    for s, acts in schedule.actions.items():
+        bound = schedule.in_flight_bound(s)
+        for t, held in enumerate(in_flight_counts(acts)):
+            if held > bound:
+                raise schedule_error(
+                    schedule,
+                    f"stage {s} holds {held} activations after {acts[t]}, "
+                    f"above the {schedule.name} bound of {bound}",
+                    [(s, t)],
+                )

@@ -1,0 +1,124 @@
+"""The named schedules: GPipe, 1F1B (PipeDream-Flush) and Megatron-LM's interleaved 1F1B.
+
+Each generator emits compute actions only (``lowering.lower`` adds the sends
+and receives) and validates what it returns.
+"""
+
+from __future__ import annotations
+
+from autopar.core.config import SCHEDULE_NAMES, microbatch_errors
+import autopar.schedules.validation as validation
+from autopar.schedules.actions import Action, Kind
+from autopar.schedules.in_flight import num_warmup
+from autopar.schedules.schedule import Schedule
+
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "generate"]
+
+
+def _check_layout(name: str, p: int, v: int, m: int) -> None:
+    errs = microbatch_errors(name, p, v, m)
+    if errs:
+        raise ValueError("; ".join(errs))
+
+
+def _checked(schedule: Schedule) -> Schedule:
+    validation.validate(schedule)
+    return schedule
+
+
+def _interleave(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    """Warm-up forwards, then alternate one forward and one backward, then cool-down backwards."""
+    steady = len(forwards) - warmup
+    order = forwards[:warmup]
+    for k in range(steady):
+        order += [forwards[warmup + k], backwards[k]]
+    return order + backwards[steady:]
+
+
+def gpipe(p: int, m: int, v: int = 1) -> Schedule:
+    """GPipe: every forward, then every backward.
+
+    Stage ``r`` visits its chunks ``r, r+p, ..`` in order for the forwards and
+    in reverse for the backwards, all ``m`` microbatches per chunk
+    (chunk-major). With ``L = (v-1) max(m, p) + m + p - 1`` steps per phase the
+    makespan is ``L (t_f + t_b)`` against ``v m (t_f + t_b)`` of work, so
+
+        bubble = ((p - 1) + (v - 1) max(p - m, 0)) / (v m)
+
+    which is ``(p-1)/m`` for ``v = 1`` and ``(p-1)/(v m)`` for ``m >= p``.
+    Every stage holds all ``v m`` activations at the peak.
+    """
+    _check_layout("gpipe", p, v, m)
+    actions = {}
+    for r in range(p):
+        chunks = [r + k * p for k in range(v)]
+        forwards = [Action(Kind.F, c, i) for c in chunks for i in range(m)]
+        backwards = [Action(Kind.B, c, i) for c in reversed(chunks) for i in range(m)]
+        actions[r] = forwards + backwards
+    return _checked(Schedule("gpipe", p, v, m, actions))
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """PipeDream-Flush (1F1B), ``m >= p``.
+
+    Stage ``r`` runs ``w_r = min(p - r - 1, m)`` warm-up forwards, then
+    ``m - w_r`` pairs (forward ``w_r + k``, backward ``k``), then ``w_r``
+    cool-down backwards. Bubble ``(p-1)/m`` as GPipe, but stage ``r`` holds at
+    most ``p - r`` activations instead of ``m``.
+    """
+    _check_layout("1f1b", p, 1, m)
+    actions = {}
+    for r in range(p):
+        forwards = [Action(Kind.F, r, i) for i in range(m)]
+        backwards = [Action(Kind.B, r, i) for i in range(m)]
+        actions[r] = _interleave(forwards, backwards, num_warmup("1f1b", p, 1, m, r))
+    return _checked(Schedule("1f1b", p, 1, m, actions))
+
+
+def _megatron_chunk(k: int, p: int, v: int, forward: bool) -> tuple[int, int]:
+    """(local chunk, microbatch) of a stage's k-th forward or backward.
+
+    Megatron-LM's ``get_model_chunk_id``: virtual microbatches go in groups of
+    ``p`` per chunk, ``k mod (p v) // p`` is the local chunk (reversed for
+    backwards) and microbatch ``(k // (p v)) p + k mod p``.
+    """
+    local = (k % (p * v)) // p
+    if not forward:
+        local = v - 1 - local
+    return local, (k // (p * v)) * p + k % p
+
+
+def interleaved_1f1b(p: int, v: int, m: int) -> Schedule:
+    """Megatron-LM's interleaved 1F1B: ``v`` chunks per stage, ``m % p == 0``.
+
+    Stage ``r`` owns chunks ``r, r+p, .., r+(v-1)p``; its k-th forward/backward
+    visits the chunk chosen by :func:`_megatron_chunk`. Warm-up
+    ``w_r = min(2 (p-r-1) + (v-1) p, v m)`` forwards, then alternate, then
+    cool down. Bubble ``(p-1)/(v m)``: ``v`` times smaller than 1F1B for ``v``
+    times the point-to-point messages. (That is the compute-only dry run; a
+    runtime that blocks on each batch of exchanges, sends included, loses part
+    of it when ``t_b != t_f``; autopar's does not block on sends, see the
+    ``posted`` sends of ``autopar.schedules.simulate``.)
+    """
+    _check_layout("interleaved", p, v, m)
+    actions = {}
+    for r in range(p):
+        steps = [
+            (_megatron_chunk(k, p, v, True), _megatron_chunk(k, p, v, False)) for k in range(v * m)
+        ]
+        forwards = [Action(Kind.F, local * p + r, i) for (local, i), _ in steps]
+        backwards = [Action(Kind.B, local * p + r, i) for _, (local, i) in steps]
+        actions[r] = _interleave(forwards, backwards, num_warmup("interleaved", p, v, m, r))
+    return _checked(Schedule("interleaved", p, v, m, actions))
+
+
+def generate(name: str, p: int, v: int, m: int) -> Schedule:
+    """Dispatch by name: 'gpipe', '1f1b' (needs v = 1) or 'interleaved'."""
+    if name == "gpipe":
+        return gpipe(p, m, v)
+    if name == "1f1b":
+        _check_layout(name, p, v, m)
+        return one_f_one_b(p, m)
+    if name == "interleaved":
+        return interleaved_1f1b(p, v, m)
+    raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}")

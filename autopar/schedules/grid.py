@@ -1,0 +1,81 @@
+"""The rank x time grid: a schedule as text, one row per stage, and back.
+
+::
+
+    gpipe p=2 v=1 m=2
+    step     0    1    2    3
+    stage 0: F0.0 F0.1 B0.0 B0.1
+    stage 1: F1.0 F1.1 B1.0 B1.1
+
+``format_grid`` prints it (marked actions as ``[F2.0]``, optionally clipped to
+some columns); ``read_grid`` reads an unclipped one back into the parts of a
+``Schedule`` (``autopar.schedules.parse_grid`` builds the Schedule).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+from autopar.schedules.actions import Action, Loc
+
+__all__ = ["format_grid", "read_grid"]
+
+
+def format_grid(header: str, actions: Mapping[int, Sequence[Action]], marks: Iterable[Loc] = (),
+                columns: tuple[int, int] | None = None) -> str:
+    """``header`` (e.g. ``gpipe p=2 v=1 m=2``), then the step numbers, then one row per stage.
+
+    Marked actions print as ``[F2.0]``. ``columns=(lo, hi)`` clips the grid to
+    steps ``lo .. hi-1`` (shown with ``...``; a clipped grid does not parse back).
+    """
+    marked = set(marks)
+    stages = sorted(actions)
+    steps = max((len(acts) for acts in actions.values()), default=0)
+    lo, hi = columns if columns is not None else (0, steps)
+    lo, hi = max(0, lo), min(steps, hi)
+
+    def cell(s: int, t: int) -> str:
+        acts = actions[s]
+        if t >= len(acts):
+            return ""
+        return f"[{acts[t]}]" if (s, t) in marked else str(acts[t])
+
+    cells = {s: [cell(s, t) for t in range(lo, hi)] for s in stages}
+    widths = [max([len(str(lo + j))] + [len(cells[s][j]) for s in cells]) for j in range(hi - lo)]
+    label_width = len(f"stage {stages[-1]}:") if stages else 0
+    head = "... " if lo > 0 else ""
+    tail = " ..." if hi < steps else ""
+
+    def row(label: str, items: list[str]) -> str:
+        body = " ".join(item.ljust(w) for item, w in zip(items, widths, strict=True))
+        return f"{label.ljust(label_width)} {head}{body}{tail}".rstrip()
+
+    lines = [header, row("step", [str(t) for t in range(lo, hi)])]
+    lines += [row(f"stage {s}:", cells[s]) for s in stages]
+    return "\n".join(lines)
+
+
+def read_grid(text: str) -> tuple[str, int, int, int, dict[int, list[Action]]]:
+    """``(name, p, v, m, actions)`` of an unclipped grid; marks ``[..]`` are ignored."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("cannot parse an empty schedule grid")
+    head = re.fullmatch(r"(\S+) p=(\d+) v=(\d+) m=(\d+)", lines[0])
+    if head is None:
+        raise ValueError(f"grid header {lines[0]!r} should read '<name> p=<p> v=<v> m=<m>'")
+    name, p, v, m = head.group(1), *map(int, head.groups()[1:])
+    actions: dict[int, list[Action]] = {}
+    for line in lines[1:]:
+        if line.startswith("step"):
+            continue
+        row = re.fullmatch(r"stage (\d+):(.*)", line)
+        if row is None:
+            raise ValueError(f"cannot parse grid line {line!r}: expected 'stage <r>: <actions>'")
+        tokens = row.group(2).split()
+        if "..." in tokens:
+            raise ValueError(
+                "cannot parse a clipped grid (it shows '...'); format it without columns="
+            )
+        actions[int(row.group(1))] = [Action.parse(tok.strip("[]")) for tok in tokens]
+    return name, p, v, m, actions

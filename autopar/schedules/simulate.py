@@ -1,0 +1,406 @@
+"""The schedule simulator: a schedule and the cost of each action in, a timeline out.
+
+Every stage runs its action list in order, each action as early as what it
+needs allows: an F or B lasts ``cost_f(action)`` / ``cost_b(action)`` and
+starts when its stage is free and its inputs have arrived. What differs
+between a dry run, autopar's runtime and Megatron-LM is how a stage's sends
+behave; that is the parameter ``sends`` (:class:`Sends`):
+
+``batched`` (:func:`dry_run`, :func:`~autopar.schedules.validate`)
+    A maximal run of sends/receives is one batch (``batch_isend_irecv``) that
+    the stage posts and then waits on whole. A send/receive pair completes the
+    moment both sides are posted (transfers take no time), so a send blocks
+    until its receive is posted, as with NCCL; a stage that can never post
+    its side is a deadlock. In a compute-only schedule an F or B waits for its
+    producers directly.
+``posted`` (autopar's runtime, a lowered schedule)
+    Sends and receives are posted without blocking when the stage reaches
+    them (sends are waited for only at the end of the step); a message arrives
+    ``comm(a)`` after both sides are posted (``a``: the F or B whose result
+    travels). An F or B that needs a received tensor waits for its arrival:
+    a ``wait`` event while the partner has not posted, a ``comm`` event while
+    the message travels.
+``eager`` (the planner's model of Megatron-LM 2021, a compute-only schedule)
+    The producer sends its result right after computing it and is blocked
+    for ``comm(a)`` (synchronous point-to-point: nothing overlaps it); the
+    consumer can use it at ``end + comm``. A send never waits for its
+    receiver, so a valid schedule never deadlocks.
+
+Without transfer time the three agree: a compute-only schedule's step is
+the same in each, and a lowered schedule run ``posted`` reaches its
+compute-only form's dry run (tested). With uniform costs ``t_f, t_b`` 1F1B
+takes ``(m + p - 1)(t_f + t_b)``, a bubble of ``(p-1)/m``; interleaved
+1F1B's is ``(p-1)/(v m)``. Integer or :class:`~fractions.Fraction` costs give
+exact times and (through :class:`DryRun`) exact bubbles.
+
+Stages run until blocked on another stage and are woken when it moves (a
+work list), so a run costs time linear in the schedule's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from fractions import Fraction
+
+from autopar.schedules.actions import Action, Key, Kind, Loc, Time
+from autopar.schedules.checks import check_coverage, check_matching, check_placement
+from autopar.schedules.dependencies import index, partner, producers
+from autopar.schedules.events import Event
+from autopar.schedules.in_flight import peak_in_flight
+from autopar.schedules.schedule import Schedule, ScheduleError, schedule_error
+
+__all__ = ["Sends", "Cost", "SimResult", "simulate", "DryRun", "dry_run"]
+
+Cost = Time | Callable[[Action], Time]
+"""A duration for every action, or a function of the action (e.g. per-chunk costs)."""
+
+
+class Sends(str, Enum):
+    """How a stage's sends behave (see the module's docstring)."""
+
+    BATCHED = "batched"
+    """Each run of sends/receives is one batch, waited for whole; transfers take no time."""
+    POSTED = "posted"
+    """Non-blocking sends and receives; only the consumer of a received tensor waits for it."""
+    EAGER = "eager"
+    """Implicit sends right after the compute, blocking the sender for the transfer."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """The timeline of one simulated step."""
+
+    schedule: Schedule
+    sends: Sends
+    """How the sends behaved."""
+    events: dict[int, list[Event]]
+    """Stage -> its events in execution order."""
+    start: dict[int, list[Time]]
+    """Stage -> start time of each of its actions (same order as the schedule); a batch of
+    sends/receives starts when it is posted."""
+    end: dict[int, list[Time]]
+    """Stage -> end time of each action (an F or B's end excludes an eager send after it)."""
+    step_time: Time
+    """When the last action ends."""
+    busy: dict[int, Time]
+    """Stage -> compute time."""
+    comm: dict[int, Time]
+    """Stage -> time it spent transferring (a blocking send, or waiting for a message in transit)."""
+
+    @property
+    def lowered(self) -> bool:
+        """True when the schedule ran with its explicit sends and receives."""
+        return self.schedule.is_lowered
+
+    @property
+    def idle(self) -> dict[int, Time]:
+        """Stage -> time neither computing nor transferring (waiting on a partner included)."""
+        return {s: self.step_time - self.busy[s] - self.comm[s] for s in self.busy}
+
+    @property
+    def bubble_per_stage(self) -> dict[int, Time]:
+        """Stage -> idle / compute."""
+        return {s: self.idle[s] / self.busy[s] for s in self.busy}
+
+    @property
+    def bubble(self) -> Time:
+        """The largest per-stage bubble fraction; (p-1)/(v m) for uniform costs."""
+        return max(self.bubble_per_stage.values())
+
+    @property
+    def peak_in_flight(self) -> dict[int, int]:
+        """Stage -> most (chunk, microbatch) activations held at once."""
+        return peak_in_flight(self.schedule)
+
+
+def _as_cost(cost: Cost) -> Callable[[Action], Time]:
+    return cost if callable(cost) else (lambda _a: cost)
+
+
+def simulate(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost = 2, comm: Cost = 0, *,
+             sends: Sends | str) -> SimResult:
+    """Run ``schedule`` with sends that behave as ``sends`` says; the timeline of the step.
+
+    ``cost_f`` / ``cost_b``: the duration of every F / B, or a function of the
+    action. ``comm``: the transfer time of one stage-to-stage message, or a
+    function of the F or B whose result it carries (``batched`` sends take no
+    time). ``eager`` needs a compute-only schedule, ``posted`` a lowered one
+    (for p > 1). Raises :class:`ScheduleError` (a ValueError) if the schedule
+    misplaces or misses actions, has an unmatched send or receive, or
+    deadlocks.
+    """
+    sends = Sends(sends)
+    if sends is Sends.EAGER and schedule.is_lowered:
+        raise ValueError(f"schedule {schedule.name!r} is lowered: eager sends are implicit, so give its "
+                         "compute-only form, or use sends='posted' to run its sends and receives")
+    if sends is Sends.POSTED and not schedule.is_lowered and schedule.p > 1:
+        raise ValueError(f"schedule {schedule.name!r} has no sends/receives: lower it first, "
+                         "or use sends='eager'")
+    if sends is Sends.BATCHED and (callable(comm) or comm != 0):
+        raise ValueError("batched exchanges take no transfer time (a dry run); "
+                         "use sends='posted' or 'eager' to time transfers")
+    check_placement(schedule)
+    where = index(schedule)
+    check_coverage(schedule, where)
+    check_matching(schedule, where)
+    return _Run(schedule, _as_cost(cost_f), _as_cost(cost_b), _as_cost(comm), sends, where).result()
+
+
+def _units(actions: list[Action]) -> list[tuple[int, int]]:
+    """Split a stage's list into units: one compute action, or a maximal run of sends/receives."""
+    units, t = [], 0
+    while t < len(actions):
+        end = t + 1
+        if actions[t].is_comm:
+            while end < len(actions) and actions[end].is_comm:
+                end += 1
+        units.append((t, end))
+        t = end
+    return units
+
+
+_Need = tuple[int, int, Loc]
+"""(stage, pc, where): a unit may run once that stage's pc >= pc. A producer must be done
+(pc past its unit), a partner's send or receive only posted (pc at its unit)."""
+
+
+class _Run:
+    """One simulation: per stage, units in order; ``step`` times one unit."""
+
+    def __init__(self, schedule: Schedule, cost_f: Callable[[Action], Time], cost_b: Callable[[Action], Time],
+                 comm: Callable[[Action], Time], sends: Sends, where: dict[Key, Loc]) -> None:
+        self.schedule, self.cost_f, self.cost_b, self.comm, self.sends = schedule, cost_f, cost_b, comm, sends
+        self.where = where
+        self.units = {s: _units(acts) for s, acts in schedule.actions.items()}
+        self.unit_of = {(s, t): u for s, us in self.units.items() for u, (a, b) in enumerate(us) for t in range(a, b)}
+        # posted: (stage, unit) of an F or B that consumes a received tensor -> (the unit of its
+        # receive, stage and unit of the matching send, the F or B whose result travels)
+        self.received: dict[tuple[int, int], tuple[int, int, int, Action]] = {}
+        self.needs = {s: [self._needs(s, a, b) for a, b in us] for s, us in self.units.items()}
+        stages = list(schedule.actions)
+        self.pc = dict.fromkeys(stages, 0)
+        self.free: dict[int, Time] = dict.fromkeys(stages, 0)
+        self.unit_start: dict[int, list[Time]] = {s: [0] * len(us) for s, us in self.units.items()}
+        self.unit_end: dict[int, list[Time]] = {s: [0] * len(us) for s, us in self.units.items()}
+        self.sent: dict[int, list[Time]] = {s: [0] * len(us) for s, us in self.units.items()}
+        """eager: when each unit's result reached the consumer's stage."""
+        self.busy: dict[int, Time] = dict.fromkeys(stages, 0)
+        self.transfer: dict[int, Time] = dict.fromkeys(stages, 0)
+        self.events: dict[int, list[Event]] = {s: [] for s in stages}
+
+    # ------------------------------------------------------------------ needs
+
+    def _needs(self, s: int, a: int, b: int) -> list[_Need]:
+        acts = self.schedule.actions[s]
+        if acts[a].is_comm:
+            if self.sends is Sends.POSTED:
+                return []  # posting never waits
+            locs = [self.where[partner(self.schedule, x)[0]] for x in acts[a:b]]
+            return [(loc[0], self.unit_of[loc], loc) for loc in locs]
+        action = acts[a]
+        keys = producers(self.schedule, action)
+        if self.sends is not Sends.POSTED:
+            return [self._done(self.where[k]) for k in keys]
+        needs = [self._done(self.where[k]) for k in keys if self.schedule.stage_of(k[1]) == s]
+        remote = [k for k in keys if self.schedule.stage_of(k[1]) != s]
+        if remote:
+            recv_key = (Kind.RECV_F if action.kind is Kind.F else Kind.RECV_B, action.chunk, action.microbatch)
+            recv = self.where.get(recv_key)
+            if recv is None:
+                raise schedule_error(self.schedule, f"{action} on stage {s} needs {recv_key[0].value}"
+                                     f"{action.chunk}.{action.microbatch} before it, and there is none", [(s, a)])
+            send = self.where[partner(self.schedule, self.schedule.actions[s][recv[1]])[0]]
+            self.received[(s, self.unit_of[(s, a)])] = (self.unit_of[recv], send[0], self.unit_of[send],
+                                                         Action(*remote[0]))
+            needs += [self._done(recv), (send[0], self.unit_of[send], send)]
+        return needs
+
+    def _done(self, loc: Loc) -> _Need:
+        return (loc[0], self.unit_of[loc] + 1, loc)
+
+    def blockers(self, s: int) -> list[_Need]:
+        """The needs that keep stage ``s`` from running its current unit."""
+        return [n for n in self.needs[s][self.pc[s]] if self.pc[n[0]] < n[1]]
+
+    # ------------------------------------------------------------------ timing
+
+    def step(self, s: int) -> None:
+        """Run stage ``s``'s current unit; its needs are met."""
+        u = self.pc[s]
+        a, b = self.units[s][u]
+        action = self.schedule.actions[s][a]
+        t0 = self.free[s]
+        if action.is_comm:
+            start, end = t0, self._exchange(s, u, t0)
+            free = end
+        else:
+            start = self._compute_start(s, u, action, t0)
+            dur = self.cost_f(action) if action.kind is Kind.F else self.cost_b(action)
+            end = start + dur
+            self.busy[s] += dur
+            self.events[s].append(Event(s, action.kind.value, str(action), start, end))
+            free = self._eager_send(s, u, action, end) if self.sends is Sends.EAGER else end
+        self.unit_start[s][u], self.unit_end[s][u] = start, end
+        self.free[s], self.pc[s] = free, u + 1
+        if u + 1 < len(self.units[s]):
+            self.unit_start[s][u + 1] = free  # posted now, if it is a batch of sends/receives
+
+    def _exchange(self, s: int, u: int, t0: Time) -> Time:
+        """When a batch of sends/receives posted at ``t0`` lets its stage go on."""
+        if self.sends is Sends.POSTED:
+            return t0
+        t1 = max([t0] + [self.unit_start[ns][npc] for ns, npc, _ in self.needs[s][u]])
+        if t1 > t0:
+            a, b = self.units[s][u]
+            names = " ".join(map(str, self.schedule.actions[s][a:b]))
+            self.events[s].append(Event(s, "wait", names, t0, t1))
+        return t1
+
+    def _compute_start(self, s: int, u: int, action: Action, t0: Time) -> Time:
+        """When an F or B can start on stage ``s``, free at ``t0``; records waits and transfers."""
+        needs = self.needs[s][u]
+        if self.sends is Sends.BATCHED:
+            return max([t0] + [self.unit_end[ns][npc - 1] for ns, npc, _ in needs])
+        if self.sends is Sends.EAGER:
+            for ns, npc, _ in needs:
+                t0 = max(t0, self.unit_end[ns][npc - 1] if ns == s else self.sent[ns][npc - 1])
+            return t0
+        got = self.received.get((s, u))
+        if got is None:
+            return t0
+        recv_u, send_s, send_u, produced = got
+        met = max(self.unit_start[send_s][send_u], self.unit_start[s][recv_u])
+        ready = met + self.comm(produced)
+        if ready <= t0:
+            return t0
+        name = f"{Kind.RECV_F.value if action.kind is Kind.F else Kind.RECV_B.value}{action.chunk}.{action.microbatch}"
+        if met > t0:
+            self.events[s].append(Event(s, "wait", name, t0, met))
+        if ready > max(t0, met):
+            self.events[s].append(Event(s, "comm", name, max(t0, met), ready))
+            self.transfer[s] += ready - max(t0, met)
+        return ready
+
+    def _eager_send(self, s: int, u: int, action: Action, end: Time) -> Time:
+        """eager: send ``action``'s result if another stage needs it; when the stage is free again."""
+        c, last = action.chunk, self.schedule.num_chunks - 1
+        target = c + 1 if action.kind is Kind.F else c - 1
+        sent = end
+        if 0 <= target <= last and self.schedule.stage_of(target) != s:
+            x = self.comm(action)
+            sent = end + x
+            if x > 0:
+                self.transfer[s] += x
+                kind = Kind.SEND_F if action.kind is Kind.F else Kind.SEND_B
+                name = str(Action(kind, c, action.microbatch, self.schedule.stage_of(target)))
+                self.events[s].append(Event(s, "comm", name, end, sent))
+        self.sent[s][u] = sent
+        return sent
+
+    # ------------------------------------------------------------------ run
+
+    def result(self) -> SimResult:
+        """Run every stage to its end; raise ScheduleError on a deadlock."""
+        waiting: dict[int, list[int]] = {s: [] for s in self.schedule.actions}
+        ready = list(self.schedule.actions)
+        while ready:
+            s = ready.pop()
+            while self.pc[s] < len(self.units[s]):
+                if blocked := self.blockers(s):
+                    waiting[blocked[0][0]].append(s)
+                    break
+                self.step(s)
+                ready += waiting[s]
+                waiting[s] = []
+        stuck = [s for s in self.schedule.actions if self.pc[s] < len(self.units[s])]
+        if stuck:
+            raise self.deadlock(stuck)
+        step_time = max(self.free.values(), default=0)
+        return SimResult(self.schedule, self.sends, self.events, self._per_action(self.unit_start),
+                         self._per_action(self.unit_end), step_time, self.busy, self.transfer)
+
+    def _per_action(self, per_unit: dict[int, list[Time]]) -> dict[int, list[Time]]:
+        return {s: [per_unit[s][u] for u, (a, b) in enumerate(us) for _ in range(a, b)]
+                for s, us in self.units.items()}
+
+    def deadlock(self, stuck: list[int]) -> ScheduleError:
+        """Explain what each blocked stage waits for."""
+        lines, marks = [], []
+        acts_of = self.schedule.actions
+        for s in stuck:
+            a, b = self.units[s][self.pc[s]]
+            marks += [(s, t) for t in range(a, b)]
+            finish, posted = [], []
+            for _, npc, (ws, wt) in self.blockers(s):
+                text = f"{acts_of[ws][wt]} (stage {ws} step {wt})"
+                (finish if npc > self.unit_of[(ws, wt)] else posted).append(text)
+            waits = " and ".join(f"{', '.join(items)} to {verb}"
+                                 for items, verb in ((finish, "finish"), (posted, "be posted")) if items)
+            if acts_of[s][a].is_compute:
+                lines.append(f"  stage {s} waits at {acts_of[s][a]} for {waits}")
+            else:
+                lines.append(f"  stage {s} waits in exchange [{' '.join(map(str, acts_of[s][a:b]))}] for {waits}")
+        return schedule_error(self.schedule, "deadlock: no stage can make progress\n" + "\n".join(lines), marks)
+
+
+# ---------------------------------------------------------------------------- dry run
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """Timing of one step: per stage, start and end of every action (same order as the schedule)."""
+
+    start: dict[int, list[Time]]
+    """Stage -> start time of each action."""
+    end: dict[int, list[Time]]
+    """Stage -> end time of each action."""
+    busy: dict[int, Time]
+    """Stage -> total compute time."""
+    makespan: Time
+    """Time at which the last action ends."""
+
+    @property
+    def bubble(self) -> dict[int, Time]:
+        """Per stage, bubble time over ideal compute time: ``(makespan - busy) / busy``."""
+        return {s: _ratio(self.makespan - b, b) for s, b in self.busy.items()}
+
+    @property
+    def bubble_fraction(self) -> Time:
+        """The largest per-stage bubble (all stages agree under uniform costs)."""
+        return max(self.bubble.values())
+
+
+def _ratio(num: Time, den: Time) -> Time:
+    """``num / den``, exact (a Fraction) when both are ints or Fractions."""
+    if isinstance(num, int | Fraction) and isinstance(den, int | Fraction):
+        return Fraction(num) / den
+    return num / den
+
+
+def dry_run(schedule: Schedule, cost_f: Cost = 1.0, cost_b: Cost = 2.0) -> DryRun:
+    """:func:`simulate` with ``batched`` sends and instant transfers, per action.
+
+    ``cost_f`` / ``cost_b``: a duration for every F / B, or a function of the
+    action (e.g. per-chunk costs). A batched exchange waits for its peers; a
+    compute-only schedule waits directly for its producers. The bubble of a
+    stage is its idle time over its compute time, ``(makespan - busy) /
+    busy`` (the paper's bubble time over ideal time); integer or
+    :class:`~fractions.Fraction` costs give exact Fraction bubbles.
+    Raises :class:`ScheduleError` if the schedule misplaces or misses
+    actions, has an unmatched send or receive, or deadlocks (an action placed
+    before what it needs on its own stage shows as a deadlock);
+    :func:`~autopar.schedules.validate` checks the rest.
+    """
+    run = simulate(schedule, cost_f, cost_b, sends=Sends.BATCHED)
+    start, end = run.start, run.end
+    busy = {
+        s: sum((end[s][t] - start[s][t] for t, a in enumerate(acts) if a.is_compute), start=0)
+        for s, acts in schedule.actions.items()
+    }
+    makespan = max((e for ends in end.values() for e in ends), default=0)
+    return DryRun(start, end, busy, makespan)

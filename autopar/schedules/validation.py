@@ -1,0 +1,38 @@
+"""``validate``: every rule a schedule must keep, and freedom from deadlock."""
+
+from __future__ import annotations
+
+from autopar.schedules.checks import (
+    check_coverage,
+    check_in_flight,
+    check_matching,
+    check_order,
+    check_placement,
+)
+from autopar.schedules.dependencies import index
+from autopar.schedules.schedule import Schedule
+from autopar.schedules.simulate import Sends, simulate
+
+__all__ = ["validate"]
+
+
+def validate(schedule: Schedule) -> None:
+    """Check a schedule; raise :class:`ScheduleError` (a ValueError) with the grid marked.
+
+    Asserts, in order: every action is on its chunk's stage with in-range
+    indices and (for sends/receives) the right peer; each (chunk, microbatch)
+    has exactly one F and one B; each send has exactly one matching receive;
+    on every stage an action follows what it needs locally (F before its B,
+    local producers, and in a lowered schedule the receive of each remote
+    input and the compute before each send); per stage r the in-flight count
+    never exceeds :meth:`Schedule.in_flight_bound`; and a dry run with
+    ``batched`` sends (a send blocks until its receive is posted) finishes:
+    no deadlock.
+    """
+    check_placement(schedule)
+    where = index(schedule)
+    check_coverage(schedule, where)
+    check_matching(schedule, where)
+    check_order(schedule, where)
+    check_in_flight(schedule)
+    simulate(schedule, 1, 1, sends=Sends.BATCHED)
