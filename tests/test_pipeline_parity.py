@@ -1,18 +1,17 @@
 """Pipeline parity on real gloo ranks: GPipe, 1F1B and interleaved 1F1B, with and without tp.
 
 One spawn per world size runs every layout on the same ranks. The models have
-8 layers so pp=4 with 2 virtual stages has a layer per chunk. Tolerances as in
+8 layers so pp=4 with 2 virtual stages has a layer per chunk. Each stage's peak
+count of microbatch activations held is the schedule's exact bound (derived in
+``_in_flight``). Tolerances as in
 test_tp_parity: the first step's gradients element-wise (rtol 1e-5, atol
 1e-6), later steps per tensor (rel_norm 1e-4) because AdamW's first update
 lr*sign(g) amplifies rounding in near-zero gradients.
 """
 
 import pytest
-import torch
-from families import BATCH, assert_steps_match, batches, make, train_steps
-
-import autopar
-from autopar.reference.parity import single_device_run
+from families import BATCH, FAMILIES, SEQ, batches, make, train_steps
+from helpers import assert_ranks_match, parallelize_on, spawn_ranks
 
 pytestmark = pytest.mark.multiprocess
 LR, M, LAYERS = 1e-3, 4, 8
@@ -29,13 +28,12 @@ def _run(layout):
     fam, tp, pp, v, sched, sg = layout
     model, vocab = make(fam, layers=LAYERS)
     data = batches(vocab, rows=BATCH * M)
-    program = autopar.parallelize(model, tp=tp, pp=pp, virtual_stages=v, microbatches=M, schedule=sched,
-                                  scatter_gather=sg, example_inputs=(data[0][0][0][:BATCH],),
-                                  example_targets=data[0][1][0][:BATCH])
+    program = parallelize_on(model, data, BATCH, tp=tp, pp=pp, virtual_stages=v, microbatches=M, schedule=sched,
+                             scatter_gather=sg)
     engine = program.materialize()
     losses, grads = train_steps(engine, data, LR)
     stats = {"bytes_sent": dict(engine.stats["bytes_sent"]), "peak_in_flight": engine.stats["peak_in_flight"],
-             "stage": engine.stage}
+             "stage": engine.stage, "bound": program.schedule.in_flight_bound(engine.stage)}
     return losses, grads, stats, [c.layers for c in program.split.chunks]
 
 
@@ -43,60 +41,70 @@ def _worker(layouts):
     return {layout: _run(layout) for layout in layouts}
 
 
-def _reference(fam):
-    model, vocab = make(fam, layers=LAYERS)
-    return single_device_run(model, batches(vocab, rows=BATCH * M), autopar.lm_cross_entropy,
-                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
-
-
-def _check(results, layouts):
-    refs = {}
+def _check(results, layouts, reference):
     for layout in layouts:
         fam = layout[0]
-        refs.setdefault(fam, _reference(fam))
-        ref_losses, ref_grads = refs[fam]
-        for rank, res in enumerate(results):
-            losses, grads, _, _ = res[layout]
-            assert_steps_match(ref_losses, ref_grads, losses, grads, label=f"{layout} rank {rank}")
+        ref = reference((fam, LAYERS, BATCH * M), lambda: make(fam, layers=LAYERS)[0],
+                        lambda: batches(FAMILIES[fam][1], rows=BATCH * M), lr=LR)
+        assert_ranks_match(ref, [res[layout][:2] for res in results], label=str(layout))
+
+
+def _in_flight(schedule, p, v, stage):
+    """Microbatch activations ``stage`` holds at its peak: its warm-up forwards, then the forward that
+    opens its steady state, before its first backward frees one; at most its v*M forwards.
+
+    Warm-up forwards of stage r (Megatron's schedules): GPipe runs all v*M forwards first;
+    1F1B p - r - 1 (one per later stage the first microbatch still has to pass through and come
+    back); interleaved 1F1B 2(p - r - 1) + (v - 1)p (the same on the doubled pipeline of v chunks
+    per stage, plus one round of every stage's other v - 1 chunks).
+    """
+    warmup = {"gpipe": v * M, "1f1b": p - stage - 1, "interleaved": 2 * (p - stage - 1) + (v - 1) * p}[schedule]
+    return min(warmup + 1, v * M)
+
+
+def _assert_in_flight(results, layout):
+    _, _, pp, v, sched, _ = layout
+    seen = set()
+    for rank, res in enumerate(results):
+        stats = res[layout][2]
+        want = _in_flight(sched, pp, v, stats["stage"])
+        # the engine holds exactly the bound the schedule was validated against, on every stage
+        assert stats["peak_in_flight"] == want == stats["bound"], (layout, rank, stats["stage"], stats, want)
+        seen.add(stats["stage"])
+    assert seen == set(range(pp)), (layout, seen)
 
 
 @pytest.fixture(scope="module")
 def world_4():
-    return autopar.spawn(_worker, 4, (WORLD_4,), timeout_s=900)
+    return spawn_ranks(_worker, 4, WORLD_4)
 
 
-def test_pp2_gpipe_1f1b_interleaved_parity_and_in_flight():
-    results = autopar.spawn(_worker, 2, (WORLD_2,), timeout_s=900)
-    _check(results, WORLD_2)
+def test_pp2_gpipe_1f1b_interleaved_parity_and_in_flight(reference):
+    results = spawn_ranks(_worker, 2, WORLD_2)
+    _check(results, WORLD_2, reference)
     for layout in WORLD_2:
         _, _, _, layers = results[0][layout]
         assert sorted(sum(layers, [])) == list(range(LAYERS))  # every layer exactly once
-        for res in results:
-            stats = res[layout][2]
-            held = stats["peak_in_flight"]
-            if layout[4] == "gpipe":
-                assert held == M  # GPipe keeps every microbatch's activations
-            elif layout[4] == "1f1b":
-                assert held == min(2 - stats["stage"], M)  # at most p on stage 0
-            else:
-                assert held <= layout[3] * M
+        # p=2, m=4: GPipe 4 on both stages; 1F1B 2 and 1; interleaved (v=2) 5 and 3
+        _assert_in_flight(results, layout)
 
 
-def test_pp4_parity_and_in_flight(world_4):
+def test_pp4_parity_and_in_flight(world_4, reference):
     layouts = [lay for lay in WORLD_4 if lay[2] == 4]
-    _check(world_4, layouts)
+    assert {lay[4] for lay in layouts} == {"gpipe", "1f1b", "interleaved"}
+    _check(world_4, layouts, reference)
     for layout in layouts:
-        for res in world_4:
-            stats = res[layout][2]
-            if layout[4] == "1f1b":
-                assert stats["peak_in_flight"] == min(4 - stats["stage"], M) <= 4
-            if layout[4] == "gpipe":
-                assert stats["peak_in_flight"] == M
+        layers = world_4[0][layout][3]
+        assert sum(layers, []) == list(range(LAYERS)) and all(layers)  # every layer once, in order
+        if layout[3] == 2:
+            assert layers == [[i] for i in range(LAYERS)]  # 8 layers in p*v = 8 chunks: one each
+        # p=4, m=4: GPipe 4 everywhere; 1F1B 4, 3, 2, 1; interleaved (v=2) 8, 8, 7, 5
+        _assert_in_flight(world_4, layout)
 
 
-def test_tp2_pp2_parity_and_scatter_gather_halves_boundary_bytes(world_4):
+def test_tp2_pp2_parity_and_scatter_gather_halves_boundary_bytes(world_4, reference):
     layouts = [lay for lay in WORLD_4 if lay[1] == 2]
-    _check(world_4, layouts)
+    _check(world_4, layouts, reference)
     for fam in ("nanogpt", "llama"):
         on, off = (fam, 2, 2, 1, "1f1b", True), (fam, 2, 2, 1, "1f1b", False)
         for res in world_4:
@@ -106,5 +114,5 @@ def test_tp2_pp2_parity_and_scatter_gather_halves_boundary_bytes(world_4):
                 # each tp rank sends 1/t of the boundary activation (and of its gradient)
                 assert sent_on[boundary] * 2 == sent_off[boundary], (boundary, sent_on, sent_off)
             # without scatter/gather each rank sends the whole (B, T, h) fp32 activation per microbatch
-            whole = BATCH * 16 * 64 * 4 * M
+            whole = BATCH * SEQ * 64 * 4 * M
             assert list(sent_off.values()) == [whole]

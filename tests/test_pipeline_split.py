@@ -1,5 +1,7 @@
 """The pipeline cut, without any process group: balance, relays, placement, errors."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -73,12 +75,38 @@ def test_value_needed_later_is_relayed():
     assert [len(c.outputs) for c in program.split.chunks] == [1, 2, 2, 0]
 
 
-def test_schedule_is_shown_and_validated():
+def test_schedule_is_shown_and_validated(monkeypatch):
+    import autopar.compiler.compile as compile_module
+    from autopar.schedules import Kind, ScheduleError, validate
+
+    checked = []
+
+    def spy(schedule):  # the validator the compiler calls, recording what it was given
+        checked.append(schedule)
+        validate(schedule)
+
+    monkeypatch.setattr(compile_module, "validate", spy)
     model, _ = make("nanogpt", layers=4)
     program = _program(model, pp=2, virtual_stages=2, microbatches=4)
+    # validated once, and what was validated is what the program runs: lowered, with its sends and receives
+    assert len(checked) == 1 and checked[0] is program.schedule and program.schedule.is_lowered
     grid = str(program.schedule)
     assert grid.startswith("interleaved p=2 v=2 m=4") and "stage 1:" in grid
     assert "layers per chunk" in program.summary()
+
+    # a (lowered) schedule whose stage 0 runs B0.0 first is refused by that validator, naming B0.0 and F0.0
+    lower = compile_module.lower
+
+    def backward_first(schedule):
+        lowered = lower(schedule)
+        first = lowered.actions[0]
+        b = next(i for i, a in enumerate(first) if (a.kind, a.chunk, a.microbatch) == (Kind.B, 0, 0))
+        return dataclasses.replace(lowered, actions={**lowered.actions, 0: [first[b]] + first[:b] + first[b + 1:]})
+
+    monkeypatch.setattr(compile_module, "lower", backward_first)
+    with pytest.raises(ScheduleError, match=r"(?s)B0\.0.*F0\.0"):
+        _program(model, pp=2, virtual_stages=2, microbatches=4)
+    assert len(checked) == 2 and str(checked[1].actions[0][0]) == "B0.0"
 
 
 def test_fewer_layers_than_chunks():
