@@ -11,16 +11,20 @@ Every dropout mask each rank draws is recorded (a dispatch mode on
 - the two data-parallel replicas draw different masks for their different
   samples, as one device drawing for the whole batch would;
 - the process's default generator is left as it was;
-- layer recomputation replays the forward's masks: with the same seed,
-  gradients with and without recomputation are equal (the masks are 0.5
-  dropout, so a single differing mask would change them by O(1)).
+- layer recomputation replays the forward's masks: each mask is tagged with
+  the action (F or B, chunk, microbatch) and the checkpointed layer it was
+  drawn in, and every mask a backward replays equals the one its own layer
+  drew in that microbatch's forward; with the same seed, gradients with and
+  without recomputation are equal (the masks are 0.5 dropout, so a single
+  differing mask would change them by O(1)).
 """
 
 import pytest
 import torch
+from helpers import assert_same_grads, parallelize_on, seeded, spawn_ranks, token_batches
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import autopar
+from autopar.core.checkpoint import Checkpointed
 from autopar.reference.models import build
 
 pytestmark = pytest.mark.multiprocess
@@ -28,39 +32,63 @@ VOCAB, SEQ, LAYERS, M, MB, DP = 320, 16, 4, 2, 2, 2
 
 
 class _Masks(TorchDispatchMode):
+    """Records every dropout mask drawn, tagged with the pipeline action (F or B, chunk, microbatch)
+    and the checkpointed layer (its label, or None outside any) it was drawn in."""
+
     def __init__(self):
         super().__init__()
-        self.masks: list[torch.Tensor] = []
+        self.records: list[tuple[str, int, int, str | None, torch.Tensor]] = []
+        self.action: tuple[str, int, int] | None = None
+        self.layer: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten.native_dropout.default:  # the fused kernel (CUDA)
-            self.masks.append(out[1].detach().clone())
+            self.records.append((*self.action, self.layer, out[1].detach().clone()))
         elif func is torch.ops.aten.bernoulli_.float:  # CPU: dropout draws its noise tensor in place
-            self.masks.append(out.detach().clone())
+            self.records.append((*self.action, self.layer, out.detach().clone()))
         return out
+
+    def watch(self, engine):
+        """Tag what ``engine`` draws: the action it runs, and the checkpointed layer (hooks on the
+        module each checkpoint runs, called in the forward and again in the backward's replay)."""
+        for name in ("_forward", "_backward"):
+            run = getattr(engine, name)
+
+            def tagged(a, *rest, run=run):
+                # a replay may stop once it has what the backward needs, before its layer's post-hook
+                self.action, self.layer = (a.kind.value, a.chunk, a.microbatch), None
+                try:
+                    return run(a, *rest)
+                finally:
+                    self.action, self.layer = None, None
+
+            setattr(engine, name, tagged)
+        for module in engine.runnables.values():
+            for m in module.modules():
+                if isinstance(m, Checkpointed):
+                    m.inner.register_forward_pre_hook(lambda _m, _a, label=m.label: setattr(self, "layer", label))
+                    m.inner.register_forward_hook(lambda *_: setattr(self, "layer", None))
 
 
 def _step(recompute):
     import torch.distributed as dist
 
-    torch.manual_seed(0)
-    model = build("gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=LAYERS, n_head=4, d_model=64, dropout=0.5)
+    model = seeded(build, "gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=LAYERS, n_head=4, d_model=64, dropout=0.5)
     model.train()
-    g = torch.Generator().manual_seed(5)
-    x = torch.randint(0, VOCAB, (M * MB * DP, SEQ), generator=g)
-    y = torch.randint(0, VOCAB, (M * MB * DP, SEQ), generator=g)
-    program = autopar.parallelize(model, tp=2, pp=2, dp=DP, microbatches=M, recompute=recompute,
-                                  example_inputs=(x[:MB],), example_targets=y[:MB])
+    (x,), (y,) = token_batches(VOCAB, steps=1, rows=M * MB * DP, seed=5, seq=SEQ)[0]
+    program = parallelize_on(model, [((x,), (y,))], MB, tp=2, pp=2, dp=DP, microbatches=M, recompute=recompute)
     engine = program.materialize()
     before = torch.get_rng_state()
     rec = _Masks()
+    rec.watch(engine)
     with rec:
         loss = engine.train_step(x, y)
     grads = {n: p.grad.detach().clone() for n, p in engine.named_local_parameters() if p.grad is not None}
     return {"coords": engine.mesh.shape.coords(dist.get_rank()), "loss": loss, "grads": grads,
-            "masks": rec.masks, "rng_untouched": torch.equal(before, torch.get_rng_state()),
-            "seed": engine.random_seed}
+            "masks": [r[-1] for r in rec.records], "records": rec.records,
+            "rng_untouched": torch.equal(before, torch.get_rng_state()), "seed": engine.random_seed,
+            "layers": {c: len(ch.layers) for c, ch in engine.chunks.items()}}
 
 
 def _worker():
@@ -69,7 +97,7 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def results():
-    return autopar.spawn(_worker, 8, timeout_s=600)
+    return spawn_ranks(_worker, 8, timeout_s=600)
 
 
 def _by_coords(results, rc="none"):
@@ -82,8 +110,14 @@ def _residual(masks):
 
 
 def test_masks_drawn_on_every_stage(results):
+    layers = {}
     for r in results:
-        assert len(_residual(r["none"]["masks"])) >= 2 * M  # two residual dropouts per layer per microbatch
+        stage = r["none"]["coords"][0]
+        layers[stage] = sum(r["none"]["layers"].values())
+        # per microbatch, each layer's MLP output dropout and, on stage 0, the embedding's
+        # (attention's dropout, inside the fused kernel, draws (b, heads, s, s) masks)
+        assert len(_residual(r["none"]["masks"])) == M * (layers[stage] + (stage == 0)), r["none"]["coords"]
+    assert sum(layers.values()) == LAYERS
 
 
 def test_tensor_parallel_peers_draw_the_same_replicated_masks(results):
@@ -110,16 +144,52 @@ def test_default_generator_untouched(results):
     assert all(r[rc]["rng_untouched"] for r in results for rc in ("none", "layer"))
 
 
+def _by_action(records, kind):
+    """(chunk, microbatch) -> the (layer, mask) pairs drawn in that action's F or B, in order."""
+    out: dict[tuple[int, int], list] = {}
+    for k, chunk, micro, layer, mask in records:
+        if k == kind:
+            out.setdefault((chunk, micro), []).append((layer, mask))
+    return out
+
+
+def _per_layer(drawn):
+    """layer -> its masks in order (the draws outside any checkpointed layer left out)."""
+    out: dict[str, list] = {}
+    for layer, mask in drawn:
+        if layer is not None:
+            out.setdefault(layer, []).append(mask)
+    return out
+
+
 def test_recompute_replays_the_same_masks(results):
     for r in results:
-        a, b = r["none"], r["layer"]
-        # every layer's forward runs twice with recomputation (the embedding's dropout, outside the
-        # layers, once); each replay draws a mask of the plain run
-        plain, replayed = _residual(a["masks"]), _residual(b["masks"])
-        assert len(plain) < len(replayed) <= 2 * len(plain)
-        assert all(any(torch.equal(x, y) for y in plain) for x in replayed)
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-        assert a["grads"].keys() == b["grads"].keys()
-        for n in a["grads"]:
-            # fp32, same ops in the same order: equal up to rounding
-            torch.testing.assert_close(b["grads"][n], a["grads"][n], rtol=1e-5, atol=1e-6, msg=n)
+        plain, rec = r["none"], r["layer"]
+        where = f"(pp, dp, tp)={plain['coords']}"
+        # without recomputation the backward draws nothing; with it, the forward draws exactly the
+        # plain run's masks, action by action and in order
+        plain_f, rec_f = _by_action(plain["records"], "F"), _by_action(rec["records"], "F")
+        assert _by_action(plain["records"], "B") == {}, where
+        assert plain_f.keys() == rec_f.keys() == {(c, i) for c in r["none"]["layers"] for i in range(M)}, where
+        for key, drawn in plain_f.items():
+            assert len(rec_f[key]) == len(drawn), (where, key)
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(drawn, rec_f[key])), (where, key)
+        # each backward replays its own microbatch's layers: layer by layer, every mask equal to the one
+        # the same layer drew in that microbatch's forward (the embedding's dropout, outside the layers,
+        # is not replayed)
+        rec_b = _by_action(rec["records"], "B")
+        assert rec_b.keys() == rec_f.keys(), where
+        for key, replayed in rec_b.items():
+            original, again = _per_layer(rec_f[key]), _per_layer(replayed)
+            assert len(again) == r["none"]["layers"][key[0]] and again.keys() == original.keys(), (where, key)
+            assert all(layer is not None for layer, _ in replayed), (where, key)
+            for layer, masks in again.items():
+                assert len(masks) == len(original[layer]), (where, key, layer)
+                for n, (a, b) in enumerate(zip(masks, original[layer])):
+                    assert torch.equal(a, b), f"{where} {key} {layer}: replayed mask {n} differs from its forward's"
+        # and the pairing matters: the two microbatches of a chunk draw different masks
+        for c in r["none"]["layers"]:
+            assert not any(torch.equal(a, b) for (_, a), (_, b) in zip(plain_f[(c, 0)], plain_f[(c, 1)])), (where, c)
+        assert plain["loss"] == pytest.approx(rec["loss"], rel=1e-6)
+        # fp32, same ops in the same order: equal up to rounding
+        assert_same_grads(rec["grads"], plain["grads"], label=f"{where} recompute=layer", rtol=1e-5, atol=1e-6)
