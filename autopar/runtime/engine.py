@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,7 +53,24 @@ if TYPE_CHECKING:
     from autopar.compiler.program import Program
     from autopar.core.chunks import Boundary, Chunk
 
-__all__ = ["RankEngine"]
+__all__ = ["RankEngine", "rank_device"]
+
+
+def rank_device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """The device a rank computes on: the one device of ``tensors``; with none, the current
+    GPU when the default process group is NCCL, else the CPU."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"a rank's parameters must all be on one device, got {sorted(map(str, devices))}")
+    if devices:
+        return devices.pop()
+    if _nccl():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _nccl() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "nccl"
 
 
 class RankEngine(nn.Module):
@@ -67,20 +85,28 @@ class RankEngine(nn.Module):
         self.stage = mesh.pp_rank
         p = mesh.shape.pp
         self.chunks: dict[int, "Chunk"] = {c.index: c for c in program.split.chunks if c.index % p == self.stage}
+        self.device = rank_device(local_params.values())
+        """Where this rank computes: its parameters' device. Every tensor the engine makes lives here."""
+        if _nccl() and self.device.type != "cuda":
+            raise ValueError(f"the process group's backend is NCCL, but this rank's parameters are on "
+                             f"{self.device}: NCCL communicates GPU tensors only (materialize places the "
+                             f"shards on the rank's GPU under NCCL; or use the gloo backend)")
+        self.device_type = self.device.type
         self.shards = nn.ParameterDict({_key(n): nn.Parameter(t) for n, t in local_params.items()})
-        self._feeds = feeds
+        self._feeds = {n: t.to(self.device) if isinstance(t, torch.Tensor) else t for n, t in feeds.items()}
+        """Buffers and constants by placeholder, on the engine's device."""
         self.schedule = program.schedule
         self.stats: dict = {}
         self.runnables = {c: ch.module for c, ch in self.chunks.items()}
         """Chunk -> what runs it: its graph, with recomputation applied at compile time."""
-        self.device_type = "cuda" if any(t.is_cuda for t in local_params.values()) else "cpu"
         self.random_seed = self._stream_seed(mesh)
         """Seed of this rank's random stream (dropout); equal on the t ranks of a stage."""
-        self._rng_devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
+        self._rng_devices = [self.device.index] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=self._rng_devices):
             seed_forked(self.random_seed, self._rng_devices)
             self._rng_states = self._get_rng()
-        self.grads = GradientSync(program, mesh, {n: self.shards[_key(n)] for n in local_params}, bucket_bytes)
+        self.grads = GradientSync(program, mesh, {n: self.shards[_key(n)] for n in local_params},
+                                  bucket_bytes, device=self.device)
         # a parameter's gradient is final after the last backward of the last local chunk that reads
         # it: its data-parallel reduction starts right then, overlapping the remaining backwards
         order = [a.chunk for a in self.schedule.actions[self.stage] if a.kind is Kind.B]
@@ -95,12 +121,9 @@ class RankEngine(nn.Module):
     def _stream_seed(self, mesh: Mesh) -> int:
         """Global rank 0's ``torch.initial_seed()``, offset by this rank's (stage, replica).
         A broadcast over the world: every rank builds its engine (``materialize`` is collective)."""
-        base = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
+        base = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dev = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else base.device
-            moved = base.to(dev)
-            dist.broadcast(moved, src=0)
-            base = moved.cpu()
+            dist.broadcast(base, src=0)
         replica = mesh.dp_rank + mesh.shape.dp * mesh.pp_rank
         return (int(base) + 1_000_003 * replica) % 2**63
 
@@ -132,7 +155,7 @@ class RankEngine(nn.Module):
         self._fwd_in: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._grad_out: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self._grad_in: dict[tuple[int, int], list[torch.Tensor | None]] = {}
-        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._saved: dict[tuple[int, int], int] = {}
         self._param_ptrs = {p.data_ptr() for p in self.shards.values()}
         self.stats = {"bytes_sent": defaultdict(int), "peak_in_flight": 0, "peak_activation_bytes": 0}
@@ -172,6 +195,7 @@ class RankEngine(nn.Module):
         return self._reduce_loss(m)
 
     def _microbatches(self, batch) -> list[list[torch.Tensor]]:
+        """[microbatch][input or target]: this replica's slices, on the engine's device."""
         traced = self.program.traced
         names = traced.input_names + traced.target_names
         if len(batch) != len(names):
@@ -187,7 +211,7 @@ class RankEngine(nn.Module):
                 raise ValueError(
                     f"batch tensor '{name}' has shape {tuple(x.shape)}, but the program expects {full}: "
                     f"{d} data-parallel replica(s) x {m} microbatch(es) of {want} (the example microbatch's shape)")
-            mine = x.narrow(0, self.mesh.dp_rank * want[0] * m, want[0] * m)
+            mine = x.narrow(0, self.mesh.dp_rank * want[0] * m, want[0] * m).to(self.device)
             for i, piece in enumerate(mine.split(want[0], dim=0)):
                 out[i].append(piece)
         return out
@@ -270,7 +294,7 @@ class RankEngine(nn.Module):
                 grads = self._grad_in.pop((a.chunk, a.microbatch))
                 for idx, (g, b) in enumerate(zip(grads, chunk.inputs)):
                     if b.requires_grad:
-                        g = g if g is not None else torch.zeros(b.shape, dtype=b.dtype)
+                        g = g if g is not None else torch.zeros(b.shape, dtype=b.dtype, device=self.device)
                         ops.append(self._send(g, b, peer, _tag(a, idx), a))
             elif a.kind is Kind.RECV_F:
                 bufs, mine = [], []
@@ -336,12 +360,12 @@ class RankEngine(nn.Module):
 
     def _recv(self, b: "Boundary", peer: int, tag: int):
         if self._scatter_gather(b):
-            buf = torch.empty(b.numel // self.tp.size, dtype=b.dtype)
+            buf = torch.empty(b.numel // self.tp.size, dtype=b.dtype, device=self.device)
 
             def finish(buf=buf, b=b):
                 return _all_gather(buf, self.tp, 0, None).reshape(b.shape)
         else:
-            buf = torch.empty(b.shape, dtype=b.dtype)
+            buf = torch.empty(b.shape, dtype=b.dtype, device=self.device)
 
             def finish(buf=buf):
                 return buf
@@ -394,6 +418,7 @@ class RankEngine(nn.Module):
 
     def _gather(self, get, buffers: bool) -> dict[str, torch.Tensor]:
         program = self.program
+        dtypes = self._param_dtypes()
         out = {}
         for name in program.param_names:
             local = self.shards[_key(name)] if _key(name) in self.shards else None
@@ -405,7 +430,10 @@ class RankEngine(nn.Module):
                 value = value.narrow(spec.dim, 0, program.full_shape(name)[spec.dim])
             if self.mesh.shape.pp > 1:
                 owner = program.param_stages[name][0]
-                buf = value.contiguous() if self.stage == owner else torch.empty(program.full_shape(name))
+                if self.stage == owner:
+                    buf = value.to(dtypes[name]).contiguous()
+                else:
+                    buf = torch.empty(program.full_shape(name), dtype=dtypes[name], device=self.device)
                 dist.broadcast(buf, src=self.mesh.peer(owner), group=self.mesh.groups["pp"])
                 value = buf
             for alias in program.traced.aliases.get(name, [name]):
@@ -415,6 +443,12 @@ class RankEngine(nn.Module):
                 if pname in self._feeds:
                     out[bname] = self._feeds[pname].clone()
         return out
+
+    def _param_dtypes(self) -> dict[str, torch.dtype]:
+        """Parameter name -> its dtype as traced (the same on every stage, held or not)."""
+        traced = self.program.traced
+        phs = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+        return {name: phs[ph].meta["val"].dtype for ph, name in traced.param_of.items()}
 
 
 def _tag(a: Action, idx: int) -> int:

@@ -10,6 +10,10 @@
 - Parameters read by chunks on several stages (a tied embedding and LM head):
   this step's gradient is summed across those stages (and averaged over dp).
 - ``clip_norm_``: the global 2-norm over every rank, each parameter counted once.
+
+Every tensor made here lives on the engine's device (``device``, where all the
+parameters are): the buckets are built from the gradients, the norm's
+accumulator is made there, so no collective runs on a CPU tensor under NCCL.
 """
 
 from __future__ import annotations
@@ -32,12 +36,19 @@ __all__ = ["GradientSync"]
 
 class GradientSync:
     def __init__(self, program: "Program", mesh: Mesh, params: dict[str, nn.Parameter],
-                 bucket_bytes: int = 25 * 2**20):
+                 bucket_bytes: int = 25 * 2**20, device: torch.device | str = "cpu"):
         self.program = program
         self.mesh = mesh
         self.params = params
         """Original name -> this rank's shard."""
+        self.device = torch.device(device)
+        """The engine's device; every parameter (and so every gradient) is on it."""
+        elsewhere = [n for n, p in params.items() if p.device != self.device]
+        if elsewhere:
+            raise ValueError(f"parameter(s) {elsewhere[:3]} are on {params[elsewhere[0]].device}, "
+                             f"not on the engine's device {self.device}")
         self.bucket_bytes = bucket_bytes
+        """Flattened gradient bytes after which a bucket's all-reduce is launched."""
         self._works: list = []
         self._tied_before: dict[str, torch.Tensor | None] = {}
         self.stats: dict = {}
@@ -73,6 +84,7 @@ class GradientSync:
             self._launch(bucket, group)
 
     def _launch(self, params: list[nn.Parameter], group) -> None:
+        """All-reduce one bucket: the gradients flattened into one 1-D tensor (on the device)."""
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         work = dist.all_reduce(flat, group=group, async_op=True)
         self._works.append((work, flat, params))
@@ -115,7 +127,7 @@ class GradientSync:
         replicated parameter on tp rank 0, a parameter held by several stages
         on the first of them; data-parallel replicas hold equal gradients.
         """
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self.params.items():
             if p.grad is None:
                 continue

@@ -2,7 +2,9 @@
 
 Collective: every rank of the world calls it (the process groups are created
 here). Each rank keeps only the slices of the parameters its pipeline stage
-reads (``local_slice`` of the full weight along the sharded dim).
+reads (``local_slice`` of the full weight along the sharded dim), on the rank's
+device: the current GPU when the process group is NCCL (it communicates GPU
+tensors only), else the full weights' device. The engine computes there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from autopar.compiler.program import Program
 from autopar.core.comm import local_slice
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
-from autopar.runtime.engine import RankEngine
+from autopar.runtime.engine import RankEngine, rank_device
 
 __all__ = ["materialize"]
 
@@ -32,6 +34,7 @@ def materialize(program: Program, state_dict: dict[str, torch.Tensor] | None = N
                          f"ranks, but the world has {world}: {hint}")
     mesh = Mesh.create(shape, sorted(set(program.tied_params.values())))
     tp_rank, stage = mesh.tp_rank, mesh.pp_rank
+    device = _device(full[n] for n in program.param_names)
     local = {}
     for name in program.param_names:
         if stage not in program.param_stages[name]:
@@ -40,8 +43,15 @@ def materialize(program: Program, state_dict: dict[str, torch.Tensor] | None = N
         w = full[name].detach()
         if isinstance(spec, Shard):
             w = local_slice(w, tp_rank, program.tp, spec.dim, spec.segments)
-        local[name] = w.clone().contiguous()
+        local[name] = w.to(device, copy=True).contiguous()
     return RankEngine(program, mesh, local, _replicated_inputs(program, state_dict))
+
+
+def _device(weights) -> torch.device:
+    """The current GPU under NCCL, else the weights' device (the CPU for none)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return rank_device(w for w in weights)
 
 
 def _full_weights(program: Program, state_dict) -> dict[str, torch.Tensor]:
