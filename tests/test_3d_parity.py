@@ -4,32 +4,33 @@ One spawn of 8 ranks runs all layouts. Each layout trains 3 steps on the same
 16-sequence global batches as the single-device run; the losses and every
 (clipped) gradient must match, data-parallel replicas must hold identical
 parameters, and a parameter held by two stages (the tied embedding / LM head)
-must be identical on both. Tolerances as in test_tp_parity.
+must be identical on both. The data-parallel gradient reduction runs in exactly
+the buckets its rule gives for the gradients each rank holds (none with dp=1).
+Tolerances as in test_tp_parity.
 """
 
 import pytest
 import torch
-from families import SEQ, assert_steps_match, train_steps
+from families import SEQ, train_steps
+from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, spawn_ranks, token_batches
 
-import autopar
 from autopar.reference.models import build
-from autopar.reference.parity import single_device_run
 
 pytestmark = pytest.mark.multiprocess
 LR, CLIP, ROWS, VOCAB, LAYERS = 1e-3, 0.5, 16, 320, 8
 # (tp, pp, dp); interleaved (v=2) where pp > 1 and 8 layers allow p*v chunks
 LAYOUTS = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (2, 4, 1), (4, 2, 1), (2, 1, 4), (1, 2, 4)]
+BUCKET = 2**16
+"""Data-parallel bucket size in these runs (the engine's default is 25 MiB): small, so that the
+gradients a rank holds fill several buckets and the count depends on the bucket size."""
 
 
 def _model():
-    torch.manual_seed(0)
-    return build("gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=LAYERS, n_head=8, d_model=64)
+    return seeded(build, "gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=LAYERS, n_head=8, d_model=64)
 
 
 def _data():
-    g = torch.Generator().manual_seed(3)
-    return [((torch.randint(0, VOCAB, (ROWS, SEQ), generator=g),), (torch.randint(0, VOCAB, (ROWS, SEQ), generator=g),))
-            for _ in range(3)]
+    return token_batches(VOCAB, steps=3, rows=ROWS, seed=3)
 
 
 def _shape(tp, pp, dp):
@@ -38,19 +39,48 @@ def _shape(tp, pp, dp):
     return v, m, ROWS // (dp * m)
 
 
+def _expected_buckets(program, engine) -> int:
+    """The data-parallel all-reduces of one step on this rank, by the rule of runtime/gradients.py.
+
+    A parameter's gradient is final after the last backward of the lowest local chunk that reads
+    it (B(c, i) waits for B(c + p, i), on the same stage): there the gradients that became final
+    are averaged, filling buckets in parameter order, each launched as soon as it holds >= the
+    bucket size in bytes and the rest in one last bucket. A parameter held by several stages (the
+    tied embedding and head) is summed across them apart, in no bucket. Nothing with dp = 1.
+    """
+    if program.config.data_parallel == 1:
+        return 0
+    held = {n: t.numel() * t.element_size() for n, t in engine.named_local_parameters()}
+    local = [c for c in program.split.chunks if c.index % program.pp == engine.stage]
+    final_after: dict[int, list[int]] = {}
+    for name in program.param_names:
+        if name in held and name not in program.tied_params:
+            readers = [c.index for c in local if name in {program.traced.param_of[ph] for ph in c.params}]
+            final_after.setdefault(min(readers), []).append(held[name])
+    buckets = 0
+    for sizes in final_after.values():
+        filled = 0
+        for size in sizes:
+            filled += size
+            if filled >= BUCKET:
+                buckets, filled = buckets + 1, 0
+        buckets += filled > 0
+    return buckets
+
+
 def _run(layout):
     import torch.distributed as dist
 
     tp, pp, dp = layout
     v, m, mb = _shape(*layout)
     data = _data()
-    program = autopar.parallelize(_model(), tp=tp, pp=pp, dp=dp, virtual_stages=v, microbatches=m,
-                                  example_inputs=(data[0][0][0][:mb],), example_targets=data[0][1][0][:mb])
+    program = parallelize_on(_model(), data, mb, tp=tp, pp=pp, dp=dp, virtual_stages=v, microbatches=m)
     engine = program.materialize()
+    engine.grads.bucket_bytes = BUCKET
     losses, grads = train_steps(engine, data, LR, clip=CLIP)
     local = {n: p.detach().clone() for n, p in engine.named_local_parameters()}
-    assert engine.stats.get("dp_buckets", 0) > 0 or dp == 1  # data-parallel reduction ran in buckets
-    return losses, grads, local, engine.mesh.shape.coords(dist.get_rank()), program.tied_params
+    buckets = (engine.stats.get("dp_buckets", 0), _expected_buckets(program, engine), len(engine.chunks))
+    return losses, grads, local, engine.mesh.shape.coords(dist.get_rank()), program.tied_params, buckets
 
 
 def _worker():
@@ -58,13 +88,19 @@ def _worker():
 
 
 def test_every_8_rank_layout_matches_single_device():
-    results = autopar.spawn(_worker, 8, (), timeout_s=1200)
-    ref_losses, ref_grads = single_device_run(_model(), _data(), autopar.lm_cross_entropy, clip_grad_norm=CLIP,
-                                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
+    results = spawn_ranks(_worker, 8, timeout_s=1200)
+    ref = reference_run(_model(), _data(), lr=LR, clip_grad_norm=CLIP)
     for layout in LAYOUTS:
+        assert_ranks_match(ref, [res[layout][:2] for res in results], label=f"(tp, pp, dp)={layout}")
         for rank, res in enumerate(results):
-            losses, grads, _, _, _ = res[layout]
-            assert_steps_match(ref_losses, ref_grads, losses, grads, label=f"(tp, pp, dp)={layout} rank {rank}")
+            # the data-parallel reduction ran in exactly the buckets the rule gives for this rank's
+            # gradients; with dp > 1 more of them than local chunks (the bucket size splits them)
+            ran, expected, chunks = res[layout][5]
+            assert ran == expected, f"{layout} rank {rank}: {ran} data-parallel buckets, expected {expected}"
+            if layout[2] > 1:
+                assert expected > chunks, (layout, rank, expected, chunks)
+            else:
+                assert expected == 0, (layout, rank, expected)
         # after the steps: replicas equal, and a parameter on two stages equal on both
         by_coords = {res[layout][3]: res[layout][2] for res in results}
         tied = results[0][layout][4]
