@@ -32,10 +32,10 @@ Tolerances as in test_tp_parity (fp32; the split only reorders sums).
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_ranks_match, reference_run, seeded, spawn_ranks, token_batches
 
 import autopar
 from autopar.reference.models import build
-from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
 
 pytestmark = pytest.mark.multiprocess
 SEQ, ROWS = 16, 4
@@ -81,13 +81,11 @@ LOSSES = {"label_smoothing": (_smooth, 257), "ignore_index_sum": (_ignore_sum, 2
 
 
 def _model(vocab):
-    torch.manual_seed(0)
-    return build("gpt", vocab_size=vocab, seq_len=SEQ, n_layer=2, n_head=4, d_model=64)
+    return seeded(build, "gpt", vocab_size=vocab, seq_len=SEQ, n_layer=2, n_head=4, d_model=64)
 
 
 def _data(vocab):
-    g = torch.Generator().manual_seed(2)
-    return [((torch.randint(0, vocab, (ROWS, SEQ), generator=g),), (torch.randint(0, vocab, (ROWS, SEQ), generator=g),))]
+    return token_batches(vocab, steps=1, rows=ROWS, seed=2, seq=SEQ)
 
 
 def _worker():
@@ -105,16 +103,14 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def results():
-    return autopar.spawn(_worker, 2, timeout_s=600)
+    return spawn_ranks(_worker, 2, timeout_s=600)
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_loss_matches_one_process(results, name):
     loss_fn, vocab = LOSSES[name]
-    ref_losses, ref_grads = single_device_run(_model(vocab), _data(vocab), loss_fn)
-    for rank, res in enumerate(results):
-        loss, grads, _, _, _ = res[name]
-        assert_parity(ref_losses, ref_grads[0], [loss], grads, label=f"{name} rank {rank}", **FP32_TOLERANCE)
+    per_rank = [([res[name][0]], [res[name][1]]) for res in results]  # one step: (losses, gradients)
+    assert_ranks_match(reference_run(_model(vocab), _data(vocab), loss_fn=loss_fn), per_rank, label=name)
 
 
 VOCAB_KINDS = {"label_smoothing": {"vocab_cross_entropy"}, "ignore_index_sum": {"vocab_cross_entropy"},

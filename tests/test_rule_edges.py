@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import assert_ranks_match, reference_run, seeded, spawn_ranks, token_batches
 
 import autopar
-from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
 
 pytestmark = pytest.mark.multiprocess
 V, E, S, B, H = 96, 64, 8, 2, 4
@@ -119,13 +119,11 @@ class LM(nn.Module):
 
 
 def _model(block):
-    torch.manual_seed(0)
-    return LM(block)
+    return seeded(LM, block)
 
 
 def _data():
-    g = torch.Generator().manual_seed(1)
-    return [((torch.randint(0, V, (B, S), generator=g),), (torch.randint(0, V, (B, S), generator=g),))]
+    return token_batches(V, steps=1, rows=B, seed=1, seq=S)
 
 
 def _worker():
@@ -141,15 +139,13 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def results():
-    return autopar.spawn(_worker, 2, timeout_s=600)
+    return spawn_ranks(_worker, 2, timeout_s=600)
 
 
 @pytest.mark.parametrize("block", list(BLOCKS))
 def test_matches_one_process(results, block):
-    ref_losses, ref_grads = single_device_run(_model(block), _data(), autopar.lm_cross_entropy)
-    for rank, res in enumerate(results):
-        loss, grads, _ = res[block]
-        assert_parity(ref_losses, ref_grads[0], [loss], grads, label=f"{block} rank {rank}", **FP32_TOLERANCE)
+    per_rank = [([res[block][0]], [res[block][1]]) for res in results]  # one step: (losses, gradients)
+    assert_ranks_match(reference_run(_model(block), _data()), per_rank, label=block)
 
 
 @pytest.mark.parametrize("block", ["BaddbmmContracting", "BaddbmmColumns"])

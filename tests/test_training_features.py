@@ -12,9 +12,9 @@
 import pytest
 import torch
 from families import BATCH, batches, make
+from helpers import parallelize_on, reference_run, spawn_ranks
 
-import autopar
-from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
+from autopar.reference.parity import FP32_TOLERANCE, assert_parity
 
 pytestmark = pytest.mark.multiprocess
 LR, M, LAYERS = 1e-3, 4, 4
@@ -23,8 +23,7 @@ LR, M, LAYERS = 1e-3, 4, 4
 def _run(fam, recompute, precision, trace_path=None):
     model, vocab = make(fam, layers=LAYERS)
     data = batches(vocab, rows=BATCH * M)
-    program = autopar.parallelize(model, tp=2, pp=2, microbatches=M, recompute=recompute, precision=precision,
-                                  example_inputs=(data[0][0][0][:BATCH],), example_targets=data[0][1][0][:BATCH])
+    program = parallelize_on(model, data, BATCH, tp=2, pp=2, microbatches=M, recompute=recompute, precision=precision)
     engine = program.materialize()
     opt = torch.optim.AdamW(engine.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
@@ -57,7 +56,7 @@ def trace_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(trace_file):
-    return autopar.spawn(_worker, 4, (trace_file,), timeout_s=900)
+    return spawn_ranks(_worker, 4, trace_file)
 
 
 def test_measured_timeline_is_a_chrome_trace_of_every_action(results, trace_file):
@@ -89,9 +88,7 @@ def test_recompute_same_losses_and_less_activation_memory(results):
 
 def test_bf16_autocast_matches_single_device_bf16(results):
     model, vocab = make("nanogpt", layers=LAYERS)
-    ref_losses, ref_grads = single_device_run(model, batches(vocab, rows=BATCH * M), autopar.lm_cross_entropy,
-                                              precision="bf16",
-                                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
+    ref_losses, ref_grads = reference_run(model, batches(vocab, rows=BATCH * M), lr=LR, precision="bf16")
     for rank, res in enumerate(results):
         losses, grads, _ = res[("nanogpt", "none", "bf16")]
         assert_parity(ref_losses[:1], ref_grads[0], losses[:1], grads[0], rtol=2e-2, atol=1e-3,
