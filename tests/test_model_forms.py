@@ -21,10 +21,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from families import AFTER_ADAMW, train_steps
-
-import autopar
-from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
+from families import train_steps
+from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, spawn_ranks, token_batches
 
 pytestmark = pytest.mark.multiprocess
 V, H, NH, S, L = 128, 64, 4, 16, 4
@@ -162,24 +160,18 @@ VARIANTS = {"complex_rope": lambda: MetaLlama(), "einsum": lambda: MetaLlama(ein
 
 
 def make(name):
-    torch.manual_seed(0)
-    return VARIANTS[name]()
+    return seeded(VARIANTS[name])
 
 
 def data():
-    g = torch.Generator().manual_seed(1)
-    return [
-        ((torch.randint(0, V, (8, S), generator=g),), (torch.randint(0, V, (8, S), generator=g),)) for _ in range(2)
-    ]
+    return token_batches(V, steps=2, rows=8, seed=1, seq=S)
 
 
 def _worker():
     out = {}
     for name in VARIANTS:
         d = data()
-        program = autopar.parallelize(
-            make(name), tp=2, pp=2, microbatches=2, example_inputs=(d[0][0][0][:4],), example_targets=d[0][1][0][:4]
-        )
+        program = parallelize_on(make(name), d, 4, tp=2, pp=2, microbatches=2)
         per_layer = {k: v for k, v in program.collectives(by_layer=True).items() if k[0] is not None}
         out[name] = (
             train_steps(program.materialize(), d, 1e-3),
@@ -193,7 +185,7 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def results():
-    return autopar.spawn(_worker, 4, timeout_s=600)
+    return spawn_ranks(_worker, 4, timeout_s=600)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -205,10 +197,4 @@ def test_split_fully(results, name):
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_matches_one_process(results, name):
-    ref_losses, ref_grads = single_device_run(
-        make(name), data(), autopar.lm_cross_entropy, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)
-    )
-    for rank, res in enumerate(results):
-        (losses, grads), *_ = res[name]
-        assert_parity(ref_losses[:1], ref_grads[0], losses[:1], grads[0], label=f"{name} rank {rank}", **FP32_TOLERANCE)
-        assert_parity(ref_losses, ref_grads[1], losses, grads[1], label=f"{name} rank {rank} step 1", **AFTER_ADAMW)
+    assert_ranks_match(reference_run(make(name), data(), lr=1e-3), [res[name][0] for res in results], label=name)
