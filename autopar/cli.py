@@ -30,10 +30,13 @@ from autopar.planning.cost import (
     get_model,
     layer_ops,
     op_time,
+    simulate_estimate,
 )
 from autopar.planning.hardware import PROFILES, Hardware, get_hardware
 from autopar.planning.planner import Plan, SearchSpace, search
 from autopar.planning.sensitivity import flip_points
+from autopar.planning.simulate import runtime_schedule, simulate_layout_lowered
+from autopar.schedules import Sends, SimResult, generate, simulate
 
 __all__ = ["main", "build_parser"]
 
@@ -152,11 +155,16 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         scheds = ("interleaved",) if args.vp > 1 else ("1f1b",)
     return SearchSpace(
         t=one(args.tp), p=one(args.pp), v=one(args.vp), b=one(args.micro_batch), schedules=scheds,
-        recompute=("full", "none") if args.recompute == "any" else (args.recompute,),
+        recompute=_recompute_choices(args.recompute),
         dp_overlap=args.dp_overlap, pipeline_dp_overlap=args.dp_overlap_pipelined,
         scatter_gather=not args.no_scatter_gather,
         divisible_layers=not args.uneven_layers,
     )
+
+
+def _recompute_choices(flag: str) -> tuple[str, ...]:
+    """The recomputation choices ``--recompute`` allows: 'any' tries both."""
+    return ("full", "none") if flag == "any" else (flag,)
 
 
 GiB = 2**30
@@ -294,54 +302,14 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
-    from autopar.schedules import generate
-    from autopar.planning.simulate import (runtime_schedule, simulate, simulate_estimate, simulate_layout_lowered,
-                                  simulate_lowered)
-    from autopar.planning.viz import timeline_text, write_svg
+    from autopar.planning.viz import timeline_text, write_svg  # noqa: PLC0415  (rich pictures, only here)
 
     spec = _spec(args)
     width = args.width or max(40, console.width - 10)
     if spec is None:
-        if args.pp is None or args.microbatches is None:
-            raise SystemExit("autopar simulate: give a model and cluster, or --pp and --microbatches (unit costs)")
-        v = args.vp or 1
-        name = args.schedule or ("interleaved" if v > 1 else "1f1b")
-        eager = simulate(generate(name, args.pp, v, args.microbatches), 1.0, 2.0)
-        lowered = simulate_lowered(runtime_schedule(name, args.pp, v, args.microbatches), 1.0, 2.0)
-        title = f"{name} p={args.pp} v={v} m={args.microbatches}, unit costs (F = 1, B = 2)"
-        unit = "units"
-        other = lowered if args.eager else eager
-        notes = [f"{'lowered schedule (autopar runtime)' if args.eager else 'eager sends (the planner model)'}: "
-                 f"step {other.step_time:.4g} units, bubble {other.bubble:.1%}"]
+        eager, lowered, title, unit, notes = _simulate_unit_costs(args)
     else:
-        if args.gpus is None or args.batch is None:
-            raise SystemExit("autopar simulate: a model needs --gpus and --batch")
-        cluster = Cluster(args.gpus, _hardware(args), args.batch)
-        space = _space(args)
-        if all(x is not None for x in (args.tp, args.pp, args.micro_batch)):
-            d = args.gpus // (args.tp * args.pp)
-            v = args.vp or 1
-            lay = Layout(t=args.tp, p=args.pp, d=d, b=args.micro_batch, v=v,
-                         schedule=args.schedule or "", recompute="none" if args.recompute == "none" else "full",
-                         scatter_gather=not args.no_scatter_gather, dp_overlap=space.overlap_for(args.pp))
-        else:
-            lay = search(spec, cluster, space, top=1).best.layout
-        if lay.p == 1:
-            console.print(f"[yellow]{lay.short} has no pipeline (p = 1): the timeline is one rank.[/yellow]")
-        est, eager = simulate_estimate(spec, cluster, lay)
-        lowered = simulate_layout_lowered(lay.schedule, lay.p, lay.v, est.m, est.t_chunk_f, est.t_chunk_b,
-                                          est.t_p2p, (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))
-        t_iter_low = est.t_iter - est.t_pipeline + lowered.step_time
-        tflops_low = est.flops / (t_iter_low * cluster.gpus) / 1e12
-        title = f"{spec.label}, {lay.short}, {cluster.gpus} GPUs, batch {cluster.global_batch}"
-        unit = "s"
-        notes = [f"lowered schedule (autopar's runtime): pipeline {lowered.step_time:.4g} s, bubble "
-                 f"{lowered.bubble:.1%}, iteration {t_iter_low:.4g} s, {tflops_low:.1f} TFLOP/s/GPU",
-                 f"eager sends (the planner's model, Megatron-LM-like): pipeline {eager.step_time:.4g} s, bubble "
-                 f"{eager.bubble:.1%}, iteration {est.t_iter:.4g} s, {est.tflops_per_gpu:.1f} TFLOP/s/GPU",
-                 f"per chunk and microbatch: forward {est.t_chunk_f * 1e3:.3g} ms, backward (+recompute) "
-                 f"{est.t_chunk_b * 1e3:.3g} ms, one send {est.t_p2p * 1e3:.3g} ms; drawn: "
-                 + ("eager sends" if args.eager else "the lowered schedule")]
+        eager, lowered, title, unit, notes = _simulate_model(args, spec, console)
     sim = eager if args.eager else lowered
     console.print(title, style="bold", highlight=False)
     for note in notes:
@@ -351,6 +319,52 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
         write_svg(sim, args.svg, title=title, unit=unit, notes=tuple(notes), width=args.svg_width or None)
         console.print(f"wrote {args.svg}")
     return 0
+
+
+def _simulate_unit_costs(args: argparse.Namespace) -> tuple[SimResult, SimResult, str, str, list[str]]:
+    """(eager, lowered, title, unit, notes) of a schedule with F = 1 and B = 2."""
+    if args.pp is None or args.microbatches is None:
+        raise SystemExit("autopar simulate: give a model and cluster, or --pp and --microbatches (unit costs)")
+    v = args.vp or 1
+    name = args.schedule or ("interleaved" if v > 1 else "1f1b")
+    eager = simulate(generate(name, args.pp, v, args.microbatches), 1.0, 2.0, sends=Sends.EAGER)
+    lowered = simulate(runtime_schedule(name, args.pp, v, args.microbatches), 1.0, 2.0, sends=Sends.POSTED)
+    title = f"{name} p={args.pp} v={v} m={args.microbatches}, unit costs (F = 1, B = 2)"
+    other = lowered if args.eager else eager
+    notes = [f"{'lowered schedule (autopar runtime)' if args.eager else 'eager sends (the planner model)'}: "
+             f"step {other.step_time:.4g} units, bubble {other.bubble:.1%}"]
+    return eager, lowered, title, "units", notes
+
+
+def _simulate_model(args: argparse.Namespace, spec: ModelSpec,
+                    console: Console) -> tuple[SimResult, SimResult, str, str, list[str]]:
+    """(eager, lowered, title, unit, notes) of the given layout of ``spec``, or of the planner's best."""
+    if args.gpus is None or args.batch is None:
+        raise SystemExit("autopar simulate: a model needs --gpus and --batch")
+    cluster = Cluster(args.gpus, _hardware(args), args.batch)
+    space = _space(args)
+    if all(x is not None for x in (args.tp, args.pp, args.micro_batch)):
+        lay = Layout(t=args.tp, p=args.pp, d=args.gpus // (args.tp * args.pp), b=args.micro_batch, v=args.vp or 1,
+                     schedule=args.schedule or "", recompute=_recompute_choices(args.recompute)[0],
+                     scatter_gather=not args.no_scatter_gather, dp_overlap=space.overlap_for(args.pp))
+    else:
+        lay = search(spec, cluster, space, top=1).best.layout
+    if lay.p == 1:
+        console.print(f"[yellow]{lay.short} has no pipeline (p = 1): the timeline is one rank.[/yellow]")
+    est, eager = simulate_estimate(spec, cluster, lay)
+    lowered = simulate_layout_lowered(lay.schedule, lay.p, lay.v, est.m, est.t_chunk_f, est.t_chunk_b,
+                                      est.t_p2p, (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))
+    t_iter_low = est.t_iter - est.t_pipeline + lowered.step_time
+    tflops_low = est.flops / (t_iter_low * cluster.gpus) / 1e12
+    title = f"{spec.label}, {lay.short}, {cluster.gpus} GPUs, batch {cluster.global_batch}"
+    notes = [f"lowered schedule (autopar's runtime): pipeline {lowered.step_time:.4g} s, bubble "
+             f"{lowered.bubble:.1%}, iteration {t_iter_low:.4g} s, {tflops_low:.1f} TFLOP/s/GPU",
+             f"eager sends (the planner's model, Megatron-LM-like): pipeline {eager.step_time:.4g} s, bubble "
+             f"{eager.bubble:.1%}, iteration {est.t_iter:.4g} s, {est.tflops_per_gpu:.1f} TFLOP/s/GPU",
+             f"per chunk and microbatch: forward {est.t_chunk_f * 1e3:.3g} ms, backward (+recompute) "
+             f"{est.t_chunk_b * 1e3:.3g} ms, one send {est.t_p2p * 1e3:.3g} ms; drawn: "
+             + ("eager sends" if args.eager else "the lowered schedule")]
+    return eager, lowered, title, "s", notes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""Tier (a): the event simulator against the closed forms and schedules.dry_run."""
+"""Tier (a): the schedule simulator (eager and posted sends) against the closed forms and
+schedules.dry_run (batched sends), and the planner's use of it."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ from fractions import Fraction
 
 import pytest
 
-from autopar.planning.cost import PAPER_RUNS, inflight_units
-from autopar.schedules import dry_run, generate, lower, peak_in_flight
-from autopar.planning.simulate import (
-    runtime_schedule,
-    simulate,
-    simulate_estimate,
-    simulate_layout_costs,
-    simulate_layout_lowered,
-    simulate_lowered,
-)
+from autopar.planning.cost import PAPER_RUNS, inflight_units, simulate_estimate
+from autopar.planning.simulate import runtime_schedule, simulate_layout_costs, simulate_layout_lowered
 from autopar.planning.viz import timeline_svg, timeline_text
+from autopar.schedules import Action, Sends, dry_run, generate, lower, peak_in_flight
+from autopar.schedules import simulate as run_schedule
+
+
+def simulate(schedule, cost_f=1.0, cost_b=2.0, comm=0.0):
+    """The planner's model: a compute-only schedule with eager, blocking sends."""
+    return run_schedule(schedule, cost_f, cost_b, comm, sends=Sends.EAGER)
+
+
+def simulate_lowered(schedule, cost_f=1.0, cost_b=2.0, comm=0.0):
+    """autopar's runtime: a lowered schedule with posted, non-blocking sends."""
+    return run_schedule(schedule, cost_f, cost_b, comm, sends=Sends.POSTED)
 
 GRID = [
     ("gpipe", 4, 1, 4), ("gpipe", 3, 1, 7), ("1f1b", 2, 1, 2), ("1f1b", 4, 1, 8), ("1f1b", 8, 1, 11),
@@ -110,7 +115,7 @@ def test_lowered_exchanges_wait_and_transfer():
     # microbatch 0 crosses the link forward and back: at least 2 transfers on the critical path
     assert sim.step_time >= base.step_time + 2 * 0.25
     comm = [e for e in sim.events[1] if e.kind == "comm"]
-    assert comm and all(e.text and ("RF" in e.text or "SB" in e.text) for e in comm)
+    assert comm and all(e.name.startswith("RF1.") for e in comm)  # the last stage only receives activations
     assert sim.comm[1] == pytest.approx(sum(e.end - e.start for e in comm))
     # stage 1 posts its first receive at 0 and waits for stage 0's forward
     first = sim.events[1][0]
@@ -118,6 +123,73 @@ def test_lowered_exchanges_wait_and_transfer():
     assert sim.idle[1] == pytest.approx(sim.step_time - sim.busy[1] - sim.comm[1])
     with pytest.raises(ValueError, match="lower it first"):
         simulate_lowered(generate("1f1b", 2, 1, 4))
+
+
+def test_one_simulator_three_send_behaviours():
+    """dry_run is the batched simulation; the three behaviours agree without transfer time on a
+    compute-only schedule, and each refuses the schedule or costs it cannot time."""
+    sched = generate("interleaved", 2, 2, 4)
+    batched = run_schedule(sched, Fraction(1), Fraction(2), sends="batched")
+    ref = dry_run(sched, Fraction(1), Fraction(2))
+    assert batched.sends is Sends.BATCHED and batched.step_time == ref.makespan == 27
+    assert batched.start == ref.start and batched.end == ref.end
+    eager = run_schedule(sched, Fraction(1), Fraction(2), sends="eager")
+    assert eager.step_time == batched.step_time and eager.start == batched.start  # exact: Fractions throughout
+    assert simulate_lowered(lower(sched), Fraction(1), Fraction(2)).step_time == 27
+    with pytest.raises(ValueError, match="lower it first"):
+        run_schedule(sched, sends="posted")
+    with pytest.raises(ValueError, match="eager sends are implicit"):
+        run_schedule(lower(sched), sends="eager")
+    with pytest.raises(ValueError, match="take no transfer time"):
+        run_schedule(sched, comm=0.5, sends="batched")
+    with pytest.raises(ValueError, match="'sideways' is not a valid Sends"):
+        run_schedule(sched, sends="sideways")
+
+
+def test_batched_exchanges_wait_where_posted_ones_do_not():
+    """Documented in lower(): with B = 2F the lowered interleaved schedule loses bubble when
+    each batch of sends/receives is waited for whole, and keeps it when sends are posted."""
+    low = lower(generate("interleaved", 2, 2, 4))
+    batched = run_schedule(low, 1, 2, sends="batched")
+    posted = run_schedule(low, 1, 2, sends="posted")
+    assert dry_run(low, 1, 2).bubble_fraction == Fraction(7, 24)
+    assert Fraction(batched.step_time - batched.busy[0], batched.busy[0]) == Fraction(7, 24)
+    assert posted.bubble == pytest.approx(1 / 8)
+    # the time lost is the batches' waits for their partners, each named by the batch's actions
+    waits = [e for evs in batched.events.values() for e in evs if e.kind == "wait"]
+    assert waits and all(Action.parse(x).is_comm for e in waits for x in e.name.split())
+    assert all(batched.idle[s] == sum(e.end - e.start for e in batched.events[s] if e.kind == "wait")
+               + (batched.step_time - batched.end[s][-1]) for s in batched.events)
+
+
+def test_a_posted_schedule_that_cannot_finish_names_what_it_waits_for():
+    from autopar.schedules import ScheduleError, parse_grid
+
+    # stage 1 consumes microbatch 1's activation before it posts that receive
+    broken = parse_grid("custom p=2 v=1 m=2\n"
+                        "stage 0: F0.0 SF0.0>1 F0.1 SF0.1>1 RB0.0<1 B0.0 RB0.1<1 B0.1\n"
+                        "stage 1: RF1.0<0 F1.0 F1.1 RF1.1<0 B1.0 SB1.0>0 B1.1 SB1.1>0")
+    with pytest.raises(ScheduleError, match=r"stage 1 waits at F1\.1 for RF1\.1<0 \(stage 1 step 3\) to finish"):
+        simulate_lowered(broken)
+
+
+def test_simulated_and_measured_steps_share_one_event():
+    from autopar.runtime.timeline import Event as MeasuredEvent
+    from autopar.runtime.timeline import write_chrome_trace
+    from autopar.schedules import Event
+
+    assert MeasuredEvent is Event
+    sim = simulate_lowered(runtime_schedule("1f1b", 2, 1, 2), 1.0, 2.0, comm=0.25)
+    events = [e for evs in sim.events.values() for e in evs]
+    assert {e.kind for e in events} == {"F", "B", "comm", "wait"}
+    assert all(e.action is not None for e in events if e.kind in ("F", "B"))
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as fh:
+        write_chrome_trace(events, fh.name)
+        trace = json.load(open(fh.name))["traceEvents"]
+    assert sorted(x["name"] for x in trace if x.get("ph") == "X") == sorted(e.name for e in events)
 
 
 def test_runtime_keeps_the_bubble_where_f_and_b_differ():

@@ -33,6 +33,7 @@ import sympy as sp
 
 from autopar.core.flops import attention_flops, matmul_flops
 from autopar.planning.hardware import Hardware, get_hardware
+from autopar.planning.simulate import simulate_layout_costs
 
 __all__ = [
     "ModelSpec", "PRESETS", "get_model", "Op", "Layout", "Cluster", "Estimate", "Memory",
@@ -961,8 +962,6 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     sim = None
     inflight = None
     if simulate and p > 1 and 2 * p * v * m <= SIMULATION_LIMIT:
-        from autopar.planning.simulate import simulate_layout_costs  # noqa: PLC0415  (simulate sits beside cost)
-
         sim = simulate_layout_costs(lay.schedule, p, v, m, t_F, t_B, c,
                                     first_extra=(emb_f, emb_b), last_extra=(head_f, head_b))
         t_pipe, bubble = sim.step_time, sim.bubble
@@ -1145,3 +1144,23 @@ def explain(est: Estimate) -> list[Explained]:
         out.insert(4, Explained("bubble_sim", "bubble as simulated (idle / compute, worst stage; "
                                 "includes the LM head's imbalance)", idle / busy, est.bubble))
     return out
+
+
+def simulate_estimate(spec: ModelSpec, cluster: Cluster, layout: Layout) -> tuple[Estimate, "SimResult"]:
+    """(Estimate with the simulated pipeline, its SimResult) for one layout.
+
+    For p = 1 there is no pipeline to simulate; the result is a one-stage run. A
+    pipeline over ``SIMULATION_LIMIT`` actions is simulated here all the same
+    (the Estimate keeps its closed-form pipeline time).
+    """
+    est = estimate(spec, cluster, layout, simulate=True)
+    if est.sim is not None:
+        return est, est.sim
+    lay = est.layout
+    if lay.p > 1:  # over SIMULATION_LIMIT for the planner, but asked for explicitly
+        sim = simulate_layout_costs(lay.schedule, lay.p, lay.v, est.m, est.t_chunk_f, est.t_chunk_b, est.t_p2p,
+                                    (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))
+        return est, sim
+    sim = simulate_layout_costs("1f1b", 1, 1, est.m, est.t_chunk_f, est.t_chunk_b, 0.0,
+                                (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))
+    return est, sim

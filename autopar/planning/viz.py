@@ -12,11 +12,12 @@ and the bubble (a stage with nothing to do) is pale red.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from html import escape
 
 from rich.text import Text
 
-from autopar.planning.simulate import Event, SimResult
+from autopar.schedules import Event, Sends, SimResult
 
 __all__ = ["timeline_text", "timeline_svg", "write_svg"]
 
@@ -27,24 +28,34 @@ _COMM = "#555555"
 _WAIT = "#c8c8c8"
 _IDLE = "#fadbd8"
 
+_HOW = {
+    Sends.POSTED: "lowered: non-blocking sends, receives awaited by their consumer, as autopar's runtime runs it",
+    Sends.EAGER: "eager sends (the planner's model)",
+    Sends.BATCHED: "batched exchanges, each waited for whole (dry run)",
+}
+
+
+def _short(e: Event) -> str:
+    """``chunk.microbatch`` of an F or B event (its name without the kind)."""
+    act = e.action
+    return f"{act.chunk}.{act.microbatch}"
+
 
 def _colour(e: Event, p: int) -> str:
-    local = e.chunk // max(p, 1)
-    if e.kind == "F":
-        return _F_COLOURS[local % len(_F_COLOURS)]
-    if e.kind == "B":
-        return _B_COLOURS[local % len(_B_COLOURS)]
+    """Blue for a forward, green for a backward (darker for a stage's later chunks), grey otherwise."""
     if e.kind == "wait":
         return _WAIT
-    return _COMM
+    if e.kind not in ("F", "B"):
+        return _COMM
+    colours = _F_COLOURS if e.kind == "F" else _B_COLOURS
+    return colours[(e.action.chunk // max(p, 1)) % len(colours)]
 
 
 def _summary(sim: SimResult, unit: str) -> str:
     sched = sim.schedule
-    how = ("lowered: non-blocking sends, receives awaited by their consumer, as autopar's runtime runs it" if sim.lowered
-           else "eager sends (the planner's model)")
-    return (f"{sched.name} p={sched.p} v={sched.v} m={sched.m} ({how}): step {sim.step_time:.4g} {unit}, "
-            f"bubble {sim.bubble:.1%} (idle / compute, worst stage; (p-1)/(v m) = "
+    how = _HOW[sim.sends]
+    return (f"{sched.name} p={sched.p} v={sched.v} m={sched.m} ({how}): step {float(sim.step_time):.4g} {unit}, "
+            f"bubble {float(sim.bubble):.1%} (idle / compute, worst stage; (p-1)/(v m) = "
             f"{(sched.p - 1) / (sched.v * sched.m):.1%})")
 
 
@@ -57,7 +68,7 @@ def timeline_text(sim: SimResult, width: int = 100, unit: str = "s") -> Text:
     ``chunk.microbatch`` label.
     """
     sched = sim.schedule
-    span = sim.step_time or 1.0
+    span = float(sim.step_time or 1.0)
     scale = span / width
     out = Text()
     out.append(_summary(sim, unit) + "\n", style="bold")
@@ -65,15 +76,15 @@ def timeline_text(sim: SimResult, width: int = 100, unit: str = "s") -> Text:
     for s in range(sched.p):
         cells: list[tuple[str, str]] = [("·", "red")] * width
         for e in sim.events[s]:
-            a = int(e.start / scale + 0.5)
-            z = max(int(e.end / scale + 0.5), a + 1 if e.end > e.start else a)
+            a = int(float(e.start) / scale + 0.5)
+            z = max(int(float(e.end) / scale + 0.5), a + 1 if e.end > e.start else a)
             a, z = min(a, width), min(z, width)
             if e.kind == "wait":
                 for k in range(a, z):
                     cells[k] = ("~", "grey50")
                 continue
             style = f"white on {_colour(e, sched.p)}"
-            text = f"{e.chunk}.{e.microbatch}" if e.kind in ("F", "B") else ""
+            text = _short(e) if e.kind in ("F", "B") else ""
             for k in range(a, z):
                 ch = text[k - a] if k - a < len(text) and (z - a) >= len(text) else " "
                 cells[k] = (ch, style)
@@ -120,15 +131,13 @@ def timeline_svg(sim: SimResult, title: str = "", width: int | None = None, row_
     wide (1200 to 16000 px), so labels fit; ``notes`` are extra lines under the
     title.
     """
-    sched = sim.schedule
+    p = sim.schedule.p
     width = width or _auto_width(sim)
-    left, right = 78, 24
     top = 30 + (22 if title else 0) + 16 * len(notes)
-    plot_w = width - left - right
-    span = sim.step_time or 1.0
-    sx = plot_w / span
-    gap = 8
-    height = top + sched.p * (row_h + gap) + 92
+    frame = _Frame(left=78, top=top, plot_w=width - 78 - 24, sx=(width - 78 - 24) / float(sim.step_time or 1.0),
+                   row_h=row_h, gap=8, unit=unit)
+    axis_y = top + p * (row_h + frame.gap)
+    height = axis_y + 92
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'font-family="Helvetica, Arial, sans-serif" font-size="11">',
@@ -137,57 +146,96 @@ def timeline_svg(sim: SimResult, title: str = "", width: int | None = None, row_
         "<line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#9a9a9a\" stroke-width=\"2\"/></pattern></defs>",
         '<rect width="100%" height="100%" fill="white"/>',
     ]
-    y = 20
+    parts += _svg_titles(sim, frame, title, notes)
+    parts += _svg_time_axis(sim, frame, axis_y)
+    for s in range(p):
+        parts += _svg_stage_row(sim, frame, s)
+    parts += _svg_legend(max(sim.schedule.v, 1), frame.left, axis_y + 52)
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """Where the plot sits in the SVG: left edge and top of the rows, plot width, pixels per
+    second, row height and the gap between rows, and the time unit."""
+
+    left: int
+    top: int
+    plot_w: float
+    sx: float
+    row_h: int
+    gap: int
+    unit: str
+
+
+def _svg_titles(sim: SimResult, frame: _Frame, title: str, notes: tuple[str, ...]) -> list[str]:
+    """The title (bold), the summary line and the notes, each on its own line."""
+    parts, y = [], 20
     if title:
-        parts.append(f'<text x="{left}" y="{y}" font-size="15" font-weight="bold">{escape(title)}</text>')
+        parts.append(f'<text x="{frame.left}" y="{y}" font-size="15" font-weight="bold">{escape(title)}</text>')
         y += 20
-    parts.append(f'<text x="{left}" y="{y}" fill="#333">{escape(_summary(sim, unit))}</text>')
+    parts.append(f'<text x="{frame.left}" y="{y}" fill="#333">{escape(_summary(sim, frame.unit))}</text>')
     for note in notes:
         y += 16
-        parts.append(f'<text x="{left}" y="{y}" fill="#333">{escape(note)}</text>')
-    # time grid
+        parts.append(f'<text x="{frame.left}" y="{y}" fill="#333">{escape(note)}</text>')
+    return parts
+
+
+def _svg_time_axis(sim: SimResult, frame: _Frame, axis_y: float) -> list[str]:
+    """Vertical grid lines at round times, the axis under the rows, its ticks and label."""
+    span = float(sim.step_time or 1.0)
     step = _nice_step(span)
-    ya = top + sched.p * (row_h + gap)
-    k = 0
+    left, top, plot_w = frame.left, frame.top, frame.plot_w
+    parts, k = [], 0
     while k * step <= span * (1 + 1e-9):
-        x = left + k * step * sx
-        parts.append(f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{ya}" stroke="#eeeeee"/>')
-        parts.append(f'<line x1="{x:.1f}" y1="{ya}" x2="{x:.1f}" y2="{ya + 5}" stroke="#333"/>')
-        parts.append(f'<text x="{x:.1f}" y="{ya + 17}" text-anchor="middle">{k * step:.4g}</text>')
+        x = left + k * step * frame.sx
+        parts.append(f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{axis_y}" stroke="#eeeeee"/>')
+        parts.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 5}" stroke="#333"/>')
+        parts.append(f'<text x="{x:.1f}" y="{axis_y + 17}" text-anchor="middle">{k * step:.4g}</text>')
         k += 1
-    parts.append(f'<line x1="{left}" y1="{ya}" x2="{left + plot_w}" y2="{ya}" stroke="#333"/>')
-    parts.append(f'<text x="{left + plot_w}" y="{ya + 32}" text-anchor="end">time ({unit})</text>')
-    for s in range(sched.p):
-        y = top + s * (row_h + gap)
-        parts.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 4}" text-anchor="end" '
-                     f'font-weight="bold">stage {s}</text>')
-        parts.append(f'<rect x="{left}" y="{y}" width="{plot_w:.1f}" height="{row_h}" fill="{_IDLE}">'
-                     f'<title>bubble (idle)</title></rect>')
-        for e in sim.events[s]:
-            x, w = left + e.start * sx, max((e.end - e.start) * sx, 0.6)
-            tip = f"{e.label}: {e.start:.4g}-{e.end:.4g} {unit}"
-            if e.kind == "wait":
-                tip = f"waiting for the partner of {e.label}: {e.start:.4g}-{e.end:.4g} {unit}"
-                parts.append(f'<rect x="{x:.2f}" y="{y + 4}" width="{w:.2f}" height="{row_h - 8}" '
-                             f'fill="url(#wait)"><title>{escape(tip)}</title></rect>')
-                continue
-            if e.kind == "comm":
-                parts.append(f'<rect x="{x:.2f}" y="{y + 4}" width="{w:.2f}" height="{row_h - 8}" '
-                             f'fill="{_COMM}"><title>{escape("transfer " + tip)}</title></rect>')
-                continue
-            parts.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" '
-                         f'fill="{_colour(e, sched.p)}" stroke="white" stroke-width="0.7">'
-                         f'<title>{escape(tip)}</title></rect>')
-            full, short = e.label, f"{e.chunk}.{e.microbatch}"
-            for lab, size, cw in ((full, 11, 6.6), (short, 10, 6.0), (short, 8, 4.9)):
-                if w >= cw * len(lab) + 3:
-                    parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + size / 2 - 1:.1f}" '
-                                 f'fill="white" font-size="{size}" text-anchor="middle">{escape(lab)}</text>')
-                    break
-    # legend
-    ly = ya + 52
-    v = max(sched.v, 1)
-    x = left
+    parts.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + plot_w}" y2="{axis_y}" stroke="#333"/>')
+    parts.append(f'<text x="{left + plot_w}" y="{axis_y + 32}" text-anchor="end">time ({frame.unit})</text>')
+    return parts
+
+
+def _svg_stage_row(sim: SimResult, frame: _Frame, s: int) -> list[str]:
+    """One stage: its label, the bubble as background, and a box per event (compute boxes labelled)."""
+    y = frame.top + s * (frame.row_h + frame.gap)
+    row_h, unit = frame.row_h, frame.unit
+    parts = [f'<text x="{frame.left - 8}" y="{y + row_h / 2 + 4}" text-anchor="end" '
+             f'font-weight="bold">stage {s}</text>',
+             f'<rect x="{frame.left}" y="{y}" width="{frame.plot_w:.1f}" height="{row_h}" fill="{_IDLE}">'
+             f'<title>bubble (idle)</title></rect>']
+    for e in sim.events[s]:
+        start, end = float(e.start), float(e.end)
+        x, w = frame.left + start * frame.sx, max((end - start) * frame.sx, 0.6)
+        tip = f"{e.name}: {start:.4g}-{end:.4g} {unit}"
+        if e.kind == "wait":
+            tip = f"waiting for the partner of {e.name}: {start:.4g}-{end:.4g} {unit}"
+            parts.append(f'<rect x="{x:.2f}" y="{y + 4}" width="{w:.2f}" height="{row_h - 8}" '
+                         f'fill="url(#wait)"><title>{escape(tip)}</title></rect>')
+            continue
+        if e.kind == "comm":
+            parts.append(f'<rect x="{x:.2f}" y="{y + 4}" width="{w:.2f}" height="{row_h - 8}" '
+                         f'fill="{_COMM}"><title>{escape("transfer " + tip)}</title></rect>')
+            continue
+        parts.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" '
+                     f'fill="{_colour(e, sim.schedule.p)}" stroke="white" stroke-width="0.7">'
+                     f'<title>{escape(tip)}</title></rect>')
+        full, short = e.name, _short(e)
+        for lab, size, cw in ((full, 11, 6.6), (short, 10, 6.0), (short, 8, 4.9)):
+            if w >= cw * len(lab) + 3:
+                parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + size / 2 - 1:.1f}" '
+                             f'fill="white" font-size="{size}" text-anchor="middle">{escape(lab)}</text>')
+                break
+    return parts
+
+
+def _svg_legend(v: int, left: int, ly: float) -> list[str]:
+    """Swatches for forward and backward (one shade per chunk of a stage), waiting, transfer and
+    the bubble, and a line on how to read the labels."""
+    parts, x = [], left
     for kind, colours, name in (("F", _F_COLOURS, "forward"), ("B", _B_COLOURS, "backward (+recompute)")):
         for k in range(min(v, len(colours))):
             parts.append(f'<rect x="{x + 15 * k}" y="{ly - 11}" width="14" height="14" fill="{colours[k]}"/>')
@@ -203,8 +251,7 @@ def timeline_svg(sim: SimResult, title: str = "", width: int | None = None, row_
               if v > 1 else "")
     parts.append(f'<text x="{left}" y="{ly + 20}" fill="#444">labels: F/B chunk.microbatch; {shades}'
                  f'hover a box for its times</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)
+    return parts
 
 
 def write_svg(sim: SimResult, path: str, title: str = "", unit: str = "s", notes: tuple[str, ...] = (),

@@ -186,7 +186,7 @@ class RankEngine(nn.Module):
                     self._backward(a, m)
                 name, kind = str(a), a.kind.value
                 i += 1
-            self.events.append(Event(rank, name, start, time.perf_counter() - t0, kind))
+            self.events.append(Event(rank, kind, name, start, time.perf_counter() - t0))
 
         for work, _ in self._pending_sends:
             work.wait()

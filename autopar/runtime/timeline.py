@@ -5,29 +5,19 @@ each batch of point-to-point operations. ``write_chrome_trace`` writes the
 events of all ranks (gathered to one) as the Trace Event JSON that
 chrome://tracing and ui.perfetto.dev open: one row per rank, forward and
 backward named like the schedule (``F2.0``, ``B2.0``), so a measured step can
-be laid beside ``autopar simulate``'s predicted one.
+be laid beside ``autopar simulate``'s predicted one. ``Event`` is the one event
+record of ``autopar.schedules`` (the simulator's), re-exported here for the engine.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from autopar.schedules import Event
+
 __all__ = ["Event", "gather_events", "write_chrome_trace"]
-
-
-@dataclass(frozen=True)
-class Event:
-    rank: int
-    name: str
-    """Action text (``F2.0``), or the batch of sends/receives (``SF0.0>1 RB0.0<1``)."""
-    start: float
-    """Seconds since the start of the step."""
-    end: float
-    kind: str
-    """'F', 'B' or 'comm'."""
 
 
 def gather_events(events: list[Event]) -> list[Event]:
@@ -39,16 +29,18 @@ def gather_events(events: list[Event]) -> list[Event]:
     return [e for part in out for e in (part or [])]
 
 
-_COLORS = {"F": "good", "B": "terrible", "comm": "grey"}
+_COLORS = {"F": "good", "B": "terrible", "comm": "grey", "wait": "grey"}
 
 
 def write_chrome_trace(events: list[Event], path: str) -> None:
-    """Write events as Trace Event Format JSON (microseconds)."""
+    """Write events as Trace Event Format JSON (microseconds); measured ones, or a simulated
+    step's (``[e for evs in sim.events.values() for e in evs]``, times in its costs' units)."""
     trace = []
     for rank in sorted({e.rank for e in events}):
         trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
     for e in events:
         trace.append({"name": e.name, "cat": e.kind, "ph": "X", "pid": e.rank, "tid": 0,
-                      "ts": e.start * 1e6, "dur": max(e.end - e.start, 0.0) * 1e6, "cname": _COLORS[e.kind]})
+                      "ts": float(e.start) * 1e6, "dur": max(float(e.end - e.start), 0.0) * 1e6,
+                      "cname": _COLORS[e.kind]})
     with open(path, "w") as f:
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)

@@ -11,7 +11,7 @@ One job per file:
 - ``lowering.py``: ``lower``, the sends and receives of every cross-stage dependency;
 - ``checks.py`` and ``validation.py``: the rules, and ``validate``;
 - ``events.py``: ``Event``, one action of one rank in time (simulated or measured);
-- ``simulate.py``: the one simulator, parameterised by how sends behave, and ``dry_run``.
+- ``simulator.py``: the one simulator, parameterised by how sends behave, and ``dry_run``.
 """
 
 from autopar.core.config import SCHEDULE_NAMES
@@ -21,7 +21,7 @@ from autopar.schedules.generators import generate, gpipe, interleaved_1f1b, one_
 from autopar.schedules.in_flight import num_warmup, peak_in_flight
 from autopar.schedules.lowering import lower
 from autopar.schedules.schedule import Schedule, ScheduleError, parse_grid
-from autopar.schedules.simulate import DryRun, Sends, SimResult, dry_run, simulate
+from autopar.schedules.simulator import DryRun, Sends, SimResult, dry_run, simulate
 from autopar.schedules.validation import validate
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The structural rules of a schedule, one check each; a broken rule raises
 :class:`ScheduleError` with the grid around the failing actions marked.
 
-``simulate.py`` runs the first four before timing a schedule;
+``simulator.py`` runs the first four before timing a schedule;
 ``validation.validate`` runs all of them and then a dry run (no deadlock).
 """
 

@@ -57,12 +57,12 @@ def index(schedule: Schedule) -> dict[Key, Loc]:
     where: dict[Key, Loc] = {}
     for s, acts in schedule.actions.items():
         for t, a in enumerate(acts):
-            if a.key in where:
-                first = where[a.key]
+            key = (a.kind, a.chunk, a.microbatch)  # a.key, without a property call per action
+            if key in where:
                 raise schedule_error(
                     schedule,
                     f"{a.kind.value}{a.chunk}.{a.microbatch} appears twice",
-                    [first, (s, t)],
+                    [where[key], (s, t)],
                 )
-            where[a.key] = (s, t)
+            where[key] = (s, t)
     return where

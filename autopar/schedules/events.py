@@ -1,6 +1,6 @@
 """``Event``: one thing one pipeline rank did, from when to when.
 
-The same record for a simulated step (``autopar.schedules.simulate``), its
+The same record for a simulated step (``autopar.schedules.simulator``), its
 pictures (``autopar.planning.viz``) and a measured one (the runtime's
 ``autopar.runtime.timeline``), so a prediction and a measurement can be laid
 side by side.
@@ -17,7 +17,7 @@ __all__ = ["Event", "EVENT_KINDS"]
 EVENT_KINDS: tuple[str, ...] = ("F", "B", "comm", "wait")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     """One action (or one batch of sends and receives) of one rank in time."""
 

@@ -98,7 +98,7 @@ def interleaved_1f1b(p: int, v: int, m: int) -> Schedule:
     times the point-to-point messages. (That is the compute-only dry run; a
     runtime that blocks on each batch of exchanges, sends included, loses part
     of it when ``t_b != t_f``; autopar's does not block on sends, see the
-    ``posted`` sends of ``autopar.schedules.simulate``.)
+    ``posted`` sends of ``autopar.schedules.simulator``.)
     """
     _check_layout("interleaved", p, v, m)
     actions = {}

@@ -8,7 +8,7 @@ import autopar.schedules.validation as validation
 from autopar.schedules.actions import Action, Key, Kind, Loc
 from autopar.schedules.dependencies import index, producers
 from autopar.schedules.schedule import Schedule
-from autopar.schedules.simulate import Cost, dry_run
+from autopar.schedules.simulator import Cost, dry_run
 
 __all__ = ["lower"]
 

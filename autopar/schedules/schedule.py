@@ -8,7 +8,7 @@ last chunk, which holds the loss)::
 
 A schedule from a generator (``generators.py``) has compute actions only;
 ``lowering.py`` adds the point-to-point communication; ``validation.py``
-checks one; ``simulate.py`` times one. Nothing here touches
+checks one; ``simulator.py`` times one. Nothing here touches
 torch.distributed: the runtime only interprets these lists.
 """
 

@@ -51,7 +51,7 @@ from autopar.schedules.events import Event
 from autopar.schedules.in_flight import peak_in_flight
 from autopar.schedules.schedule import Schedule, ScheduleError, schedule_error
 
-__all__ = ["Sends", "Cost", "SimResult", "simulate", "DryRun", "dry_run"]
+__all__ = ["Sends", "Cost", "SimResult", "simulate", "simulate_checked", "DryRun", "dry_run"]
 
 Cost = Time | Callable[[Action], Time]
 """A duration for every action, or a function of the action (e.g. per-chunk costs)."""
@@ -148,6 +148,13 @@ def simulate(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost = 2, comm: Cost 
     where = index(schedule)
     check_coverage(schedule, where)
     check_matching(schedule, where)
+    return simulate_checked(schedule, where, cost_f, cost_b, comm, sends)
+
+
+def simulate_checked(schedule: Schedule, where: dict[Key, Loc], cost_f: Cost, cost_b: Cost, comm: Cost,
+                     sends: Sends) -> SimResult:
+    """:func:`simulate` for a schedule that already passed the placement, coverage and
+    matching checks; ``where`` is its ``dependencies.index``."""
     return _Run(schedule, _as_cost(cost_f), _as_cost(cost_b), _as_cost(comm), sends, where).result()
 
 
@@ -170,18 +177,23 @@ _Need = tuple[int, int, Loc]
 
 
 class _Run:
-    """One simulation: per stage, units in order; ``step`` times one unit."""
+    """One simulation. Each stage's list is cut into units (one F or B, or a batch of
+    sends/receives); ``needs[s][u]`` says which units of other stages unit ``u`` of stage
+    ``s`` waits for, and the step method of the ``sends`` mode times a unit once they ran."""
 
     def __init__(self, schedule: Schedule, cost_f: Callable[[Action], Time], cost_b: Callable[[Action], Time],
                  comm: Callable[[Action], Time], sends: Sends, where: dict[Key, Loc]) -> None:
-        self.schedule, self.cost_f, self.cost_b, self.comm, self.sends = schedule, cost_f, cost_b, comm, sends
-        self.where = where
+        self.schedule, self.comm, self.sends, self.where = schedule, comm, sends, where
+        self.posted = sends is Sends.POSTED
         self.units = {s: _units(acts) for s, acts in schedule.actions.items()}
         self.unit_of = {(s, t): u for s, us in self.units.items() for u, (a, b) in enumerate(us) for t in range(a, b)}
         # posted: (stage, unit) of an F or B that consumes a received tensor -> (the unit of its
         # receive, stage and unit of the matching send, the F or B whose result travels)
         self.received: dict[tuple[int, int], tuple[int, int, int, Action]] = {}
         self.needs = {s: [self._needs(s, a, b) for a, b in us] for s, us in self.units.items()}
+        # per unit: its first action, and for an F or B its duration and event kind and name
+        self.first = {s: [schedule.actions[s][a] for a, _ in us] for s, us in self.units.items()}
+        self.work = {s: [_work(x, cost_f, cost_b) for x in xs] for s, xs in self.first.items()}
         stages = list(schedule.actions)
         self.pc = dict.fromkeys(stages, 0)
         self.free: dict[int, Time] = dict.fromkeys(stages, 0)
@@ -196,18 +208,18 @@ class _Run:
     # ------------------------------------------------------------------ needs
 
     def _needs(self, s: int, a: int, b: int) -> list[_Need]:
-        acts = self.schedule.actions[s]
+        acts, p = self.schedule.actions[s], self.schedule.p
         if acts[a].is_comm:
-            if self.sends is Sends.POSTED:
+            if self.posted:
                 return []  # posting never waits
             locs = [self.where[partner(self.schedule, x)[0]] for x in acts[a:b]]
             return [(loc[0], self.unit_of[loc], loc) for loc in locs]
         action = acts[a]
         keys = producers(self.schedule, action)
-        if self.sends is not Sends.POSTED:
+        if not self.posted:
             return [self._done(self.where[k]) for k in keys]
-        needs = [self._done(self.where[k]) for k in keys if self.schedule.stage_of(k[1]) == s]
-        remote = [k for k in keys if self.schedule.stage_of(k[1]) != s]
+        needs = [self._done(self.where[k]) for k in keys if k[1] % p == s]
+        remote = [k for k in keys if k[1] % p != s]
         if remote:
             recv_key = (Kind.RECV_F if action.kind is Kind.F else Kind.RECV_B, action.chunk, action.microbatch)
             recv = self.where.get(recv_key)
@@ -227,106 +239,125 @@ class _Run:
         """The needs that keep stage ``s`` from running its current unit."""
         return [n for n in self.needs[s][self.pc[s]] if self.pc[n[0]] < n[1]]
 
-    # ------------------------------------------------------------------ timing
+    # ------------------------------------------------------------------ timing, one unit per mode
+    # A step method times unit u of stage s (its needs have run; the stage is free at
+    # ``self.free[s]``), records its events, and returns (start, end, when the stage is free).
 
-    def step(self, s: int) -> None:
-        """Run stage ``s``'s current unit; its needs are met."""
-        u = self.pc[s]
-        a, b = self.units[s][u]
-        action = self.schedule.actions[s][a]
+    def _compute(self, s: int, u: int, start: Time) -> Time:
+        """Run the F or B of unit ``u`` from ``start``; its end."""
+        dur, kind, name = self.work[s][u]
+        end = start + dur
+        self.busy[s] += dur
+        self.events[s].append(Event(s, kind, name, start, end))
+        return end
+
+    def _step_batched(self, s: int, u: int) -> tuple[Time, Time, Time]:
+        """An F or B starts when its producers have ended; a batch of sends/receives waits
+        until every partner has posted its side."""
         t0 = self.free[s]
-        if action.is_comm:
-            start, end = t0, self._exchange(s, u, t0)
-            free = end
-        else:
-            start = self._compute_start(s, u, action, t0)
-            dur = self.cost_f(action) if action.kind is Kind.F else self.cost_b(action)
-            end = start + dur
-            self.busy[s] += dur
-            self.events[s].append(Event(s, action.kind.value, str(action), start, end))
-            free = self._eager_send(s, u, action, end) if self.sends is Sends.EAGER else end
-        self.unit_start[s][u], self.unit_end[s][u] = start, end
-        self.free[s], self.pc[s] = free, u + 1
-        if u + 1 < len(self.units[s]):
-            self.unit_start[s][u + 1] = free  # posted now, if it is a batch of sends/receives
-
-    def _exchange(self, s: int, u: int, t0: Time) -> Time:
-        """When a batch of sends/receives posted at ``t0`` lets its stage go on."""
-        if self.sends is Sends.POSTED:
-            return t0
-        t1 = max([t0] + [self.unit_start[ns][npc] for ns, npc, _ in self.needs[s][u]])
-        if t1 > t0:
-            a, b = self.units[s][u]
-            names = " ".join(map(str, self.schedule.actions[s][a:b]))
-            self.events[s].append(Event(s, "wait", names, t0, t1))
-        return t1
-
-    def _compute_start(self, s: int, u: int, action: Action, t0: Time) -> Time:
-        """When an F or B can start on stage ``s``, free at ``t0``; records waits and transfers."""
         needs = self.needs[s][u]
-        if self.sends is Sends.BATCHED:
-            return max([t0] + [self.unit_end[ns][npc - 1] for ns, npc, _ in needs])
-        if self.sends is Sends.EAGER:
-            for ns, npc, _ in needs:
-                t0 = max(t0, self.unit_end[ns][npc - 1] if ns == s else self.sent[ns][npc - 1])
-            return t0
-        got = self.received.get((s, u))
-        if got is None:
-            return t0
-        recv_u, send_s, send_u, produced = got
-        met = max(self.unit_start[send_s][send_u], self.unit_start[s][recv_u])
-        ready = met + self.comm(produced)
-        if ready <= t0:
-            return t0
-        name = f"{Kind.RECV_F.value if action.kind is Kind.F else Kind.RECV_B.value}{action.chunk}.{action.microbatch}"
-        if met > t0:
-            self.events[s].append(Event(s, "wait", name, t0, met))
-        if ready > max(t0, met):
-            self.events[s].append(Event(s, "comm", name, max(t0, met), ready))
-            self.transfer[s] += ready - max(t0, met)
-        return ready
+        if self.work[s][u] is None:
+            t1 = max([t0] + [self.unit_start[ns][npc] for ns, npc, _ in needs])
+            if t1 > t0:
+                a, b = self.units[s][u]
+                self.events[s].append(Event(s, "wait", " ".join(map(str, self.schedule.actions[s][a:b])), t0, t1))
+            return t0, t1, t1
+        start = max([t0] + [self.unit_end[ns][npc - 1] for ns, npc, _ in needs])
+        end = self._compute(s, u, start)
+        return start, end, end
 
-    def _eager_send(self, s: int, u: int, action: Action, end: Time) -> Time:
-        """eager: send ``action``'s result if another stage needs it; when the stage is free again."""
-        c, last = action.chunk, self.schedule.num_chunks - 1
-        target = c + 1 if action.kind is Kind.F else c - 1
+    def _step_posted(self, s: int, u: int) -> tuple[Time, Time, Time]:
+        """A batch of sends/receives is posted and the stage goes on; an F or B that consumes
+        a received tensor waits for its arrival, ``comm`` after both sides were posted."""
+        t0 = self.free[s]
+        if self.work[s][u] is None:
+            return t0, t0, t0
+        start = t0
+        got = self.received.get((s, u))
+        if got is not None:
+            recv_u, send_s, send_u, produced = got
+            met = max(self.unit_start[send_s][send_u], self.unit_start[s][recv_u])
+            ready = met + self.comm(produced)
+            if ready > t0:
+                name = ("RF" if self.work[s][u][1] == "F" else "RB") + self.work[s][u][2][1:]
+                if met > t0:
+                    self.events[s].append(Event(s, "wait", name, t0, met))
+                if ready > max(t0, met):
+                    self.events[s].append(Event(s, "comm", name, max(t0, met), ready))
+                    self.transfer[s] += ready - max(t0, met)
+                start = ready
+        end = self._compute(s, u, start)
+        return start, end, end
+
+    def _step_eager(self, s: int, u: int) -> tuple[Time, Time, Time]:
+        """An F or B starts when its inputs arrived (a producer's end on its own stage, the end
+        of its send on another); the stage then sends the result, blocked for ``comm``."""
+        start = self.free[s]
+        for ns, npc, _ in self.needs[s][u]:
+            start = max(start, self.unit_end[ns][npc - 1] if ns == s else self.sent[ns][npc - 1])
+        end = self._compute(s, u, start)
+        action, p = self.first[s][u], self.schedule.p
+        fwd = action.kind is Kind.F
+        target = action.chunk + 1 if fwd else action.chunk - 1
         sent = end
-        if 0 <= target <= last and self.schedule.stage_of(target) != s:
+        if 0 <= target < self.schedule.num_chunks and target % p != s:
             x = self.comm(action)
             sent = end + x
             if x > 0:
                 self.transfer[s] += x
-                kind = Kind.SEND_F if action.kind is Kind.F else Kind.SEND_B
-                name = str(Action(kind, c, action.microbatch, self.schedule.stage_of(target)))
+                name = f"{'SF' if fwd else 'SB'}{action.chunk}.{action.microbatch}>{target % p}"
                 self.events[s].append(Event(s, "comm", name, end, sent))
         self.sent[s][u] = sent
-        return sent
+        return start, end, sent
 
     # ------------------------------------------------------------------ run
 
     def result(self) -> SimResult:
-        """Run every stage to its end; raise ScheduleError on a deadlock."""
+        """Run every stage to its end; raise ScheduleError on a deadlock.
+
+        A stage runs until its current unit waits for another stage, and is put back on
+        the work list when that stage moves."""
+        pc, free = self.pc, self.free
+        step = {Sends.BATCHED: self._step_batched, Sends.POSTED: self._step_posted,
+                Sends.EAGER: self._step_eager}[self.sends]  # a local: a bound method kept on self is a cycle
         waiting: dict[int, list[int]] = {s: [] for s in self.schedule.actions}
         ready = list(self.schedule.actions)
         while ready:
             s = ready.pop()
-            while self.pc[s] < len(self.units[s]):
-                if blocked := self.blockers(s):
-                    waiting[blocked[0][0]].append(s)
+            needs, n_units = self.needs[s], len(self.units[s])
+            unit_start, unit_end = self.unit_start[s], self.unit_end[s]
+            while (u := pc[s]) < n_units:
+                blocker = -1
+                for ns, npc, _ in needs[u]:
+                    if pc[ns] < npc:
+                        blocker = ns
+                        break
+                if blocker >= 0:
+                    waiting[blocker].append(s)
                     break
-                self.step(s)
-                ready += waiting[s]
-                waiting[s] = []
-        stuck = [s for s in self.schedule.actions if self.pc[s] < len(self.units[s])]
+                unit_start[u], unit_end[u], free[s] = step(s, u)
+                pc[s] = u + 1
+                if u + 1 < n_units:
+                    unit_start[u + 1] = free[s]  # posted now, if it is a batch of sends/receives
+                if waiting[s]:
+                    ready += waiting[s]
+                    waiting[s] = []
+        stuck = [s for s in self.schedule.actions if pc[s] < len(self.units[s])]
         if stuck:
             raise self.deadlock(stuck)
-        step_time = max(self.free.values(), default=0)
+        step_time = max(free.values(), default=0)
         return SimResult(self.schedule, self.sends, self.events, self._per_action(self.unit_start),
                          self._per_action(self.unit_end), step_time, self.busy, self.transfer)
 
     def _per_action(self, per_unit: dict[int, list[Time]]) -> dict[int, list[Time]]:
-        return {s: [per_unit[s][u] for u, (a, b) in enumerate(us) for _ in range(a, b)]
-                for s, us in self.units.items()}
+        """Per stage, the time of each action's unit (a batch of sends/receives shares one)."""
+        out = {}
+        for s, us in self.units.items():
+            if len(us) == len(self.schedule.actions[s]):  # one action per unit
+                out[s] = list(per_unit[s])
+            else:
+                out[s] = [per_unit[s][u] for u, (a, b) in enumerate(us) for _ in range(a, b)]
+        return out
 
     def deadlock(self, stuck: list[int]) -> ScheduleError:
         """Explain what each blocked stage waits for."""
@@ -346,6 +377,15 @@ class _Run:
             else:
                 lines.append(f"  stage {s} waits in exchange [{' '.join(map(str, acts_of[s][a:b]))}] for {waits}")
         return schedule_error(self.schedule, "deadlock: no stage can make progress\n" + "\n".join(lines), marks)
+
+
+def _work(action: Action, cost_f: Callable[[Action], Time],
+          cost_b: Callable[[Action], Time]) -> tuple[Time, str, str] | None:
+    """(duration, event kind, event name) of an F or B; None for a send or receive."""
+    if action.is_comm:
+        return None
+    kind = "F" if action.kind is Kind.F else "B"
+    return (cost_f(action) if kind == "F" else cost_b(action)), kind, f"{kind}{action.chunk}.{action.microbatch}"
 
 
 # ---------------------------------------------------------------------------- dry run

@@ -11,7 +11,7 @@ from autopar.schedules.checks import (
 )
 from autopar.schedules.dependencies import index
 from autopar.schedules.schedule import Schedule
-from autopar.schedules.simulate import Sends, simulate
+from autopar.schedules.simulator import Sends, simulate_checked
 
 __all__ = ["validate"]
 
@@ -35,4 +35,4 @@ def validate(schedule: Schedule) -> None:
     check_matching(schedule, where)
     check_order(schedule, where)
     check_in_flight(schedule)
-    simulate(schedule, 1, 1, sends=Sends.BATCHED)
+    simulate_checked(schedule, where, 1, 1, 0, Sends.BATCHED)
