@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from families import FAMILIES, batches, make, make_fallback_model
+from families import BATCH, FAMILIES, batches, make, make_fallback_model
+from helpers import parallelize_on
 
 import autopar
 from autopar.core.placement import Shard
@@ -12,8 +13,7 @@ from autopar.core.placement import Shard
 
 def _program(fam, tp):
     model, vocab = make(fam)
-    data = batches(vocab, steps=1)
-    return autopar.parallelize(model, tp=tp, example_inputs=data[0][0], example_targets=data[0][1]), vocab
+    return parallelize_on(model, batches(vocab, steps=1), BATCH, tp=tp), vocab
 
 
 @pytest.mark.parametrize("fam", list(FAMILIES))
@@ -88,8 +88,7 @@ def test_tied_embedding_and_head_share_one_shard():
 
 def test_code_shows_collectives_and_summary_lists_fallbacks():
     model, vocab = make_fallback_model()
-    data = batches(vocab, steps=1)
-    program = autopar.parallelize(model, tp=2, example_inputs=data[0][0], example_targets=data[0][1])
+    program = parallelize_on(model, batches(vocab, steps=1), BATCH, tp=2)
     code = program.code(rank=1)
     for name in ("copy_to_tp", "reduce_from_tp", "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
                  "gather_from_tp"):
