@@ -27,7 +27,7 @@ from autopar.compiler.model_spec import spec_from_model
 from autopar.compiler.program import Program
 from autopar.compiler.trace import lm_cross_entropy
 from autopar.core.config import ParallelConfig
-from autopar.planning.cost import Cluster, Layout
+from autopar.planning.layout import Cluster, Layout
 from autopar.planning.planner import Plan, SearchSpace, search
 from autopar.runtime.engine import RankEngine
 from autopar.runtime.materialize import materialize

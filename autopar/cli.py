@@ -21,21 +21,16 @@ import sympy as sp
 from rich.console import Console
 from rich.table import Table
 
-from autopar.planning.cost import (
-    Cluster,
-    Estimate,
-    Layout,
-    ModelSpec,
-    explain,
-    get_model,
-    layer_ops,
-    op_time,
-    simulate_estimate,
-)
+from autopar.planning.estimate import Estimate, simulate_estimate
+from autopar.planning.formulas import explain
 from autopar.planning.hardware import PROFILES, Hardware, get_hardware
+from autopar.planning.layout import Cluster, Layout
+from autopar.planning.models import ModelSpec, get_model
+from autopar.planning.op_times import op_time
 from autopar.planning.planner import Plan, SearchSpace, search
 from autopar.planning.sensitivity import flip_points
 from autopar.planning.simulate import runtime_schedule, simulate_layout_lowered
+from autopar.planning.transformer import layer_ops
 from autopar.schedules import Sends, SimResult, generate, simulate
 
 __all__ = ["main", "build_parser"]

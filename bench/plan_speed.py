@@ -20,8 +20,10 @@ import argparse
 import statistics
 import time
 
-from autopar.planning import cost
-from autopar.planning.cost import PAPER_RUNS, Cluster, get_model
+from autopar.planning import op_times as cost  # its shape caches: layer_ops, embedding_ops, head_ops, layer_times
+from autopar.planning.calibration import PAPER_RUNS
+from autopar.planning.layout import Cluster
+from autopar.planning.models import get_model
 from autopar.planning.planner import SearchSpace, search
 
 # the held-out rows of the same table (t, p, GPUs, batch, micro-batch), as in docs/performance-model.md

@@ -6,32 +6,17 @@ import math
 
 import pytest
 
-from autopar.planning.cost import (
-    FORMULAS,
-    PAPER_RUNS,
-    PRESETS,
-    Cluster,
-    Layout,
-    ModelSpec,
-    activation_bytes_per_layer,
-    attention_flops,
-    estimate,
-    explain,
-    gemm_efficiency,
-    get_model,
-    graph_flops,
-    layer_backward_transient,
-    layer_ops,
-    layout_errors,
-    linear_bytes,
-    linear_flops,
-    matmul_flops,
-    memory_per_gpu,
-    paper_flops,
-    param_count,
-    params_per_stage,
-)
+from autopar.planning import cost
+from autopar.planning.calibration import PAPER_RUNS, fit_efficiency
+from autopar.planning.estimate import estimate
+from autopar.planning.formulas import FORMULAS, explain
 from autopar.planning.hardware import get_hardware
+from autopar.planning.layout import Cluster, Layout, layout_errors
+from autopar.planning.memory import activation_bytes_per_layer, layer_backward_transient, memory_per_gpu
+from autopar.planning.models import PRESETS, ModelSpec, get_model, param_count, params_per_stage
+from autopar.planning.op_costs import attention_flops, linear_bytes, linear_flops, matmul_flops
+from autopar.planning.op_times import gemm_efficiency
+from autopar.planning.transformer import graph_flops, layer_ops, paper_flops
 
 A100 = get_hardware("dgx-a100-80gb")
 
@@ -247,9 +232,23 @@ def test_explain_substitutes_the_formulas():
 def test_default_constants_are_the_fit():
     """The two free constants are the least-squares fit on the paper's rows (a local search
     around the defaults, one grid step either way, returns the defaults)."""
-    from autopar.planning.cost import fit_efficiency
-
     e = A100.eff
     g, hb, worst = fit_efficiency(gemm=(e.gemm - 0.02, e.gemm + 0.02, 0.01), hbm=(e.hbm - 0.02, e.hbm + 0.02, 0.01))
     assert (g, hb) == (pytest.approx(e.gemm), pytest.approx(e.hbm))
     assert worst < 0.05
+
+
+def test_cost_module_re_exports_the_model():
+    """``autopar.planning.cost`` keeps every public name of the model importable from one place,
+    each the very object of the file that defines it."""
+    import importlib
+
+    homes = ("calibration", "estimate", "formulas", "layout", "memory", "models", "network", "op_costs",
+             "op_times", "transformer")
+    defined = {}
+    for home in homes:
+        mod = importlib.import_module(f"autopar.planning.{home}")
+        defined.update({name: getattr(mod, name) for name in mod.__all__})
+    for name in cost.__all__:
+        assert getattr(cost, name) is defined.get(name, getattr(cost, name)), name
+    assert set(cost.__all__) - set(defined) == {"inflight_units"}  # the schedules' in_flight_bound

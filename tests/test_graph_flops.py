@@ -3,8 +3,8 @@
 A GPT-shaped model (vocabulary 51200, sequence 2048, hidden 4096, 32 heads,
 4 layers) is built on the meta device and traced by ``autopar.parallelize``;
 every node's FLOPs come from its shapes (``node.meta["val"]``) through
-``autopar.core.flops.node_flops``, which uses ``autopar.planning.cost.matmul_flops`` and
-``attention_flops``.
+``autopar.core.flops.node_flops``, which uses ``autopar.core.flops.matmul_flops`` and
+``attention_flops`` (the ones ``autopar.planning.op_costs`` prices kernels with).
 
 What is counted, as the paper counts it (PAPER.md, "Cost formulas"):
 
@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.planning.cost import ModelSpec, layer_ops, paper_flops
+from autopar.planning.models import ModelSpec
+from autopar.planning.transformer import layer_ops, paper_flops
 from autopar.reference.models import ModelConfig, build
 from autopar.core.flops import node_flops
 
@@ -78,7 +79,7 @@ def iteration_flops_from_graph(gm, node_layer, batch: int, recompute: bool = Tru
 
 
 def paper_formula(batch: int, recompute: bool = True) -> float:
-    """The paper's closed form, written out here (not taken from autopar.planning.cost)."""
+    """The paper's closed form, written out here (not taken from autopar.planning)."""
     if recompute:
         return 96 * batch * S * L * H**2 * (1 + S / (6 * H) + V / (16 * L * H))
     return 72 * batch * S * L * H**2 * (1 + S / (6 * H) + V / (12 * L * H))
@@ -109,7 +110,7 @@ def test_per_layer_forward_is_24bsh2_plus_4bs2h(program):
                 lm_head += node_flops(node)
     assert per_layer == [24 * S * H * H + 4 * S * S * H] * L  # exact: B = 1
     assert lm_head == 2 * S * H * V
-    # the shape-based layer model of autopar.planning.cost counts the same GEMM FLOPs
+    # the shape-based layer model of autopar.planning.transformer counts the same GEMM FLOPs
     spec = ModelSpec(L, H, A, S, V)
     assert sum(o.flops for o in layer_ops(spec, 1, 1).forward if o.kind == "gemm") == per_layer[0]
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.planning.cost import Cluster, get_model
+from autopar.planning.layout import Cluster
+from autopar.planning.models import get_model
 from autopar.compiler.model_spec import SpecError, spec_from_model
 from autopar.reference.models import build
 from autopar.planning.planner import SearchSpace, search

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from autopar.planning.cost import PAPER_RUNS, Cluster, ModelSpec, get_model, layout_errors
+from autopar.planning.calibration import PAPER_RUNS
+from autopar.planning.layout import Cluster, layout_errors
+from autopar.planning.models import ModelSpec, get_model
 from autopar.planning.planner import SearchSpace, candidate_layouts, search, why_differs
 
 

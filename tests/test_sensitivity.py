@@ -7,7 +7,10 @@ import math
 
 import pytest
 
-from autopar.planning.cost import PAPER_RUNS, Cluster, ModelSpec, estimate
+from autopar.planning.calibration import PAPER_RUNS
+from autopar.planning.estimate import estimate
+from autopar.planning.layout import Cluster
+from autopar.planning.models import ModelSpec
 from autopar.planning.planner import SearchSpace, search
 from autopar.planning.sensitivity import KNOBS, flip_lines, flip_points, memory_margin_line
 

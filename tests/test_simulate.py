@@ -9,10 +9,11 @@ from fractions import Fraction
 
 import pytest
 
-from autopar.planning.cost import PAPER_RUNS, inflight_units, simulate_estimate
+from autopar.planning.calibration import PAPER_RUNS
+from autopar.planning.estimate import simulate_estimate
 from autopar.planning.simulate import runtime_schedule, simulate_layout_costs, simulate_layout_lowered
 from autopar.planning.viz import timeline_svg, timeline_text
-from autopar.schedules import Action, Sends, dry_run, generate, lower, peak_in_flight
+from autopar.schedules import Action, Sends, dry_run, generate, in_flight_bound, lower, peak_in_flight
 from autopar.schedules import simulate as run_schedule
 
 
@@ -57,7 +58,7 @@ def test_matches_schedules_dry_run_without_communication(name, p, v, m):
 def test_peak_in_flight_matches_schedule_and_closed_form(name, p, v, m):
     sim = simulate(generate(name, p, v, m), 1.0, 2.0)
     assert sim.peak_in_flight == peak_in_flight(sim.schedule)
-    assert [sim.peak_in_flight[r] for r in range(p)] == [inflight_units(name, p, v, m, r) for r in range(p)]
+    assert [sim.peak_in_flight[r] for r in range(p)] == [in_flight_bound(name, p, v, m, r) for r in range(p)]
 
 
 def test_communication_is_on_the_critical_path():

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.planning.cost import ModelSpec
+from autopar.planning.models import ModelSpec
 from autopar.compiler.trace import lm_cross_entropy, trace
 from passes.layers import find_layers
 from passes.normalize import normalize

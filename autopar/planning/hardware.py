@@ -31,7 +31,7 @@ class Efficiency:
     gemm: float = 0.71
     """Fraction of peak FLOP/s reached by a large, well-shaped fp16 GEMM inside a
     training step (clocks under power load, kernel choice). Fitted on the paper's
-    six rows by ``autopar.planning.cost.fit_efficiency()``."""
+    six rows by ``autopar.planning.calibration.fit_efficiency()``."""
     hbm: float = 0.73
     """Fraction of HBM bandwidth reached by the memory-bound kernels of a 2021
     Megatron step (softmax, dropout, LayerNorm, GeLU, casts, Adam). Fitted with ``gemm``."""

@@ -1,5 +1,5 @@
 """Search over 3D-parallel layouts for a model on a cluster, ranked by the
-performance model (``autopar.planning.cost``).
+performance model (``autopar.planning.estimate``).
 
 The space is (t, p, d, v, micro-batch b, schedule, recomputation):
 
@@ -13,7 +13,7 @@ The space is (t, p, d, v, micro-batch b, schedule, recomputation):
 
 Every candidate is scored with the closed-form pipeline time (the bubble
 (p-1)/(v m)); the best ``simulate_top`` are then re-scored by running their real
-schedule through the event simulator (``autopar.planning.simulate``) and re-ranked.
+schedule through the schedule simulator (``autopar.planning.simulate``) and re-ranked.
 """
 
 from __future__ import annotations
@@ -21,17 +21,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from autopar.planning.cost import (
-    PAPER_RUNS,
-    Cluster,
-    Estimate,
-    Layout,
-    ModelSpec,
-    PaperRun,
-    estimate,
-    layout_errors,
-    params_per_stage,
-)
+from autopar.planning.calibration import PAPER_RUNS, PaperRun
+from autopar.planning.estimate import Estimate, estimate
+from autopar.planning.layout import Cluster, Layout, layout_errors
+from autopar.planning.models import ModelSpec, params_per_stage
 from autopar.planning.sensitivity import flip_lines, memory_margin_line
 
 __all__ = ["SearchSpace", "Plan", "search", "candidate_layouts", "why_differs", "paper_run_for",

@@ -21,8 +21,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from autopar.planning.cost import Cluster, Estimate, estimate
+from autopar.planning.estimate import Estimate, estimate
 from autopar.planning.hardware import Hardware
+from autopar.planning.layout import Cluster
 
 __all__ = ["Knob", "KNOBS", "FlipPoint", "flip_points", "flip_lines", "memory_margin_line"]
 

@@ -18,7 +18,7 @@ from autopar.core.config import SCHEDULE_NAMES
 from autopar.schedules.actions import Action, Kind, Time
 from autopar.schedules.events import Event
 from autopar.schedules.generators import generate, gpipe, interleaved_1f1b, one_f_one_b
-from autopar.schedules.in_flight import num_warmup, peak_in_flight
+from autopar.schedules.in_flight import in_flight_bound, num_warmup, peak_in_flight
 from autopar.schedules.lowering import lower
 from autopar.schedules.schedule import Schedule, ScheduleError, parse_grid
 from autopar.schedules.simulator import DryRun, Sends, SimResult, dry_run, simulate
@@ -27,5 +27,5 @@ from autopar.schedules.validation import validate
 __all__ = [
     "Kind", "Action", "Schedule", "ScheduleError", "DryRun", "Time", "SCHEDULE_NAMES", "num_warmup", "gpipe",
     "one_f_one_b", "interleaved_1f1b", "generate", "lower", "validate", "dry_run", "peak_in_flight", "parse_grid",
-    "Event", "Sends", "SimResult", "simulate",
+    "Event", "Sends", "SimResult", "simulate", "in_flight_bound",
 ]

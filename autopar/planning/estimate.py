@@ -1,0 +1,309 @@
+"""The step estimate: one iteration of a layout, its time, throughput and memory.
+
+``estimate(spec, cluster, layout)`` combines the per-chunk forward, backward
+and recompute times (``op_times.py``), the tensor-parallel all-reduces, the
+pipeline sends (scatter/gather), the pipeline and its bubble (closed form, or
+the schedule simulator through ``simulate.py``), the data-parallel gradient
+all-reduce, the tied-embedding sync and the optimizer step into an iteration
+time, TFLOP/s per GPU (counted as the paper counts) and memory per GPU
+(``memory.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autopar.planning.hardware import Hardware
+from autopar.planning.layout import Cluster, Layout, layout_errors
+from autopar.planning.memory import Memory, memory_per_gpu
+from autopar.planning.models import ModelSpec, params_per_stage
+from autopar.planning.network import (
+    allgather_time,
+    allreduce_time,
+    dp_link,
+    inter_node_bw,
+    intra_node_bw,
+    p2p_time,
+    stage_link,
+)
+from autopar.planning.op_costs import FP16
+from autopar.planning.op_times import PhaseTime, layer_times
+from autopar.planning.simulate import simulate_layout_costs
+from autopar.planning.transformer import iteration_flops
+from autopar.schedules import SimResult
+
+__all__ = ["Estimate", "estimate", "simulate_estimate", "OPTIMIZER_BYTES_PER_PARAM", "DDP_BUCKET_BYTES",
+           "SIMULATION_LIMIT"]
+
+OPTIMIZER_BYTES_PER_PARAM = 52
+"""HBM bytes per parameter of Megatron's mixed-precision Adam step: fp16 grad ->
+fp32 copy (6), unscale + inf check (8), grad-norm (4), fused Adam reading
+grad, param, m, v and writing param, m, v (28), fp32 -> fp16 param copy (6)."""
+
+DDP_BUCKET_BYTES = 25e6
+"""PyTorch DDP's bucket: with overlap, at least the last bucket's all-reduce is exposed."""
+
+SIMULATION_LIMIT = 60_000
+"""Most F/B actions (2 p v m) ``estimate(simulate=True)`` runs through the schedule
+simulator (about a second); bigger pipelines keep the closed form."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted iteration of one layout: times in seconds, memory in bytes."""
+
+    spec: ModelSpec
+    cluster: Cluster
+    layout: Layout
+    m: int
+    """Microbatches per pipeline per step, B / (d b)."""
+    chunk_layers: int
+    """Layers in the largest model chunk."""
+    t_chunk_f: float
+    """Forward of one chunk for one microbatch (incl. its tensor-parallel all-reduces)."""
+    t_chunk_b: float
+    """Backward of one chunk for one microbatch, incl. recomputation."""
+    t_head_f: float
+    t_head_b: float
+    t_emb_f: float
+    t_emb_b: float
+    t_p2p: float
+    """One stage-to-stage send (scatter/gather included), blocking as in Megatron."""
+    t_pipeline: float
+    """Forward/backward of all microbatches through the pipeline, bubble included."""
+    bubble: float
+    """Bubble fraction: idle time / busy time of a stage; (p-1)/(v m) for uniform chunks."""
+    t_dp: float
+    """Data-parallel gradient all-reduce, whole."""
+    t_dp_exposed: float
+    """The part of it not hidden behind the backward."""
+    t_emb_sync: float
+    """All-reduce of the tied word-embedding gradient between the first and last stage."""
+    t_optimizer: float
+    """Optimizer step (memory-bound)."""
+    breakdown: dict[str, float]
+    """Critical-path seconds by cause: gemm, memory, tp_comm, p2p, bubble, dp, optimizer."""
+    memory: Memory
+    flops: float
+    """FLOPs of one iteration as the paper counts them."""
+    sim: SimResult | None = field(default=None, repr=False, compare=False)
+    """The simulated step when ``t_pipeline`` and ``bubble`` come from the schedule
+    simulator (and memory from the schedule's real in-flight peak), else None."""
+
+    @property
+    def simulated(self) -> bool:
+        return self.sim is not None
+
+    @property
+    def t_iter(self) -> float:
+        return self.t_pipeline + self.t_dp_exposed + self.t_emb_sync + self.t_optimizer
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.flops / (self.t_iter * self.cluster.gpus) / 1e12
+
+    @property
+    def frac_peak(self) -> float:
+        return self.tflops_per_gpu * 1e12 / self.cluster.hardware.peak_flops
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.cluster.hardware.usable_bytes
+
+    @property
+    def comm_time(self) -> float:
+        """Exposed communication per iteration: TP all-reduces, p2p, DP, embedding sync."""
+        b = self.breakdown
+        return b["tp_comm"] + b["p2p"] + b["dp"]
+
+    def as_dict(self) -> dict:
+        lay = self.layout
+        return {
+            "model": self.spec.label, "gpus": self.cluster.gpus, "hardware": self.cluster.hardware.name,
+            "global_batch": self.cluster.global_batch,
+            "t": lay.t, "p": lay.p, "d": lay.d, "v": lay.v, "b": lay.b, "m": self.m,
+            "schedule": lay.schedule, "recompute": lay.recompute, "scatter_gather": lay.scatter_gather,
+            "dp_overlap": lay.dp_overlap,
+            "iteration_s": self.t_iter, "tflops_per_gpu": self.tflops_per_gpu, "frac_peak": self.frac_peak,
+            "bubble": self.bubble, "comm_s": self.comm_time, "memory_gib": self.memory.total / 2**30,
+            "fits": self.fits, "breakdown_s": dict(self.breakdown), "simulated": self.simulated,
+            "memory_breakdown_gib": {k: getattr(self.memory, k) / 2**30
+                                     for k in ("weights", "grads", "optimizer", "buffers", "activations")},
+        }
+
+
+def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = False,
+             divisible_layers: bool = True) -> Estimate:
+    """Predict one iteration of ``lay``.
+
+    Closed form (``simulate=False``), with per-chunk forward t_F and backward
+    t_B (recompute included) and a blocking send c per compute action:
+        T_pipe = (m v + p - 1) (t_F + t_B + 2c) + m max(head, embedding)
+    i.e. ideal m v (t_F + t_B) plus the bubble (p-1)/(v m). With
+    ``simulate=True`` the real schedule runs through the schedule simulator
+    (``autopar.planning.simulate``) with the same per-chunk costs instead, unless it has
+    more than ``SIMULATION_LIMIT`` actions (then ``Estimate.simulated`` is False).
+    Then T_iter = T_pipe + exposed DP all-reduce + tied-embedding sync + optimizer.
+    """
+    errs = layout_errors(spec, cluster, lay, divisible_layers)
+    if errs:
+        raise ValueError(f"invalid layout {lay.short} for {spec.label} on {cluster.gpus} GPUs:\n  - "
+                         + "\n  - ".join(errs))
+    hw = cluster.hardware
+    m = cluster.global_batch // (lay.d * lay.b)
+    chunk = _Chunk.of(spec, hw, lay)
+    c = _send_time(spec, hw, lay)
+    t_pipe, bubble, sim = _pipeline(lay, m, chunk, c, simulate)
+    P_max = max(params_per_stage(spec, lay.t, lay.p))
+    t_dp, t_dp_exposed = _dp_allreduce(hw, lay, P_max, chunk.t_B)
+    t_emb = _embedding_sync(spec, hw, lay)
+    t_opt = P_max * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_bw * hw.eff.hbm)
+    breakdown = _breakdown(chunk, lay, m, c, t_pipe, t_dp_exposed + t_emb, t_opt)
+    inflight = [sim.peak_in_flight[r] for r in range(lay.p)] if sim is not None else None
+    return Estimate(
+        spec=spec, cluster=cluster, layout=lay, m=m, chunk_layers=chunk.layers,
+        t_chunk_f=chunk.t_F, t_chunk_b=chunk.t_B, t_head_f=chunk.head_f, t_head_b=chunk.head_b,
+        t_emb_f=chunk.emb_f, t_emb_b=chunk.emb_b, t_p2p=c, t_pipeline=t_pipe, bubble=bubble, t_dp=t_dp,
+        t_dp_exposed=t_dp_exposed, t_emb_sync=t_emb, t_optimizer=t_opt, breakdown=breakdown,
+        memory=memory_per_gpu(spec, lay, m, inflight),
+        flops=iteration_flops(spec, cluster.global_batch, lay.recompute == "full"),
+        sim=sim,
+    )
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One microbatch through one model chunk (the largest), and the work the embedding
+    (first chunk) and the LM head (last chunk) add to it."""
+
+    layers: int
+    forward: PhaseTime
+    backward: PhaseTime
+    """Recomputation included."""
+    times: dict[str, PhaseTime]
+    """One layer's, the embedding's and the head's phases (``op_times.layer_times``)."""
+
+    @classmethod
+    def of(cls, spec: ModelSpec, hw: Hardware, lay: Layout) -> _Chunk:
+        L = math.ceil(spec.layers / (lay.p * lay.v))
+        tm = layer_times(spec, hw, lay.b, lay.t)
+        rc = 1.0 if lay.recompute == "full" else 0.0
+        return cls(L, tm["layer_f"] * L, tm["layer_b"] * L + tm["layer_f"] * (L * rc), tm)
+
+    @property
+    def t_F(self) -> float:
+        return self.forward.total
+
+    @property
+    def t_B(self) -> float:
+        return self.backward.total
+
+    @property
+    def head_f(self) -> float:
+        return self.times["head_f"].total
+
+    @property
+    def head_b(self) -> float:
+        return self.times["head_b"].total
+
+    @property
+    def emb_f(self) -> float:
+        return self.times["emb_f"].total
+
+    @property
+    def emb_b(self) -> float:
+        return self.times["emb_b"].total
+
+    def ends(self, p: int) -> float:
+        """The embedding's and the head's work per microbatch on the critical path: both
+        without a pipeline, the larger of the two (on different stages) with one."""
+        head, emb = self.head_f + self.head_b, self.emb_f + self.emb_b
+        return max(head, emb) if p > 1 else self.head_f + self.head_b + self.emb_f + self.emb_b
+
+    def ends_phases(self, p: int) -> PhaseTime:
+        """``ends`` by kind: the phases of the head and the embedding, or of the slower one."""
+        head_t = self.times["head_f"] + self.times["head_b"]
+        emb_t = self.times["emb_f"] + self.times["emb_b"]
+        if p == 1:
+            return head_t + emb_t
+        return head_t if head_t.total >= emb_t.total else emb_t  # the slower paces the pipeline
+
+
+def _send_time(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
+    """One stage-to-stage send of b s h fp16: 1/t of it per GPU with scatter/gather, then
+    an all-gather over NVLink; 0 without a pipeline."""
+    if lay.p == 1:
+        return 0.0
+    t = lay.t
+    bw, lat = stage_link(hw, t, lay.d)
+    msg = FP16 * lay.b * spec.seq_len * spec.hidden
+    if lay.scatter_gather and t > 1:
+        return p2p_time(msg / t, bw, lat) + allgather_time(msg, t, intra_node_bw(hw), hw.nvlink_latency)
+    return p2p_time(msg, bw, lat)
+
+
+def _pipeline(lay: Layout, m: int, chunk: _Chunk, c: float, simulate: bool) -> tuple[float, float, SimResult | None]:
+    """(pipeline seconds, bubble fraction, the simulated step or None)."""
+    p, v = lay.p, lay.v
+    if simulate and p > 1 and 2 * p * v * m <= SIMULATION_LIMIT:
+        sim = simulate_layout_costs(lay.schedule, p, v, m, chunk.t_F, chunk.t_B, c,
+                                    first_extra=(chunk.emb_f, chunk.emb_b), last_extra=(chunk.head_f, chunk.head_b))
+        return sim.step_time, sim.bubble, sim
+    steps = m * v + p - 1
+    return steps * (chunk.t_F + chunk.t_B + 2 * c) + m * chunk.ends(p), (p - 1) / (v * m), None
+
+
+def _dp_allreduce(hw: Hardware, lay: Layout, P_max: int, t_B: float) -> tuple[float, float]:
+    """(the fullest stage's fp16 gradient all-reduce over d, the part of it not hidden behind
+    the last microbatch's backward)."""
+    d = lay.d
+    bw, lat = dp_link(hw, lay.t, d)
+    t_dp = allreduce_time(FP16 * P_max, d, bw, lat)
+    if lay.dp_overlap and d > 1:
+        window = lay.v * t_B
+        return t_dp, max(t_dp - window, allreduce_time(min(DDP_BUCKET_BYTES, FP16 * P_max), d, bw, lat))
+    return t_dp, t_dp
+
+
+def _embedding_sync(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
+    """All-reduce of the tied word embedding's gradient (V h / t) between the first and the
+    last stage, across nodes; 0 without a pipeline."""
+    if lay.p == 1:
+        return 0.0
+    V_l = math.ceil(spec.vocab / lay.t)
+    return allreduce_time(FP16 * V_l * spec.hidden, 2, inter_node_bw(hw), hw.ib_latency)
+
+
+def _breakdown(chunk: _Chunk, lay: Layout, m: int, c: float, t_pipe: float, t_dp: float,
+               t_opt: float) -> dict[str, float]:
+    """Critical-path seconds by cause; the bubble is what the pipeline takes beyond its work."""
+    v, p = lay.v, lay.p
+    ideal = m * v * (chunk.t_F + chunk.t_B) + m * chunk.ends(p)
+    pipe_work = ideal + m * v * 2 * c
+    work = (chunk.forward + chunk.backward) * (m * v) + chunk.ends_phases(p) * m
+    return {
+        "gemm": work.gemm, "memory": work.memory, "tp_comm": work.comm,
+        "p2p": m * v * 2 * c, "bubble": max(t_pipe - pipe_work, 0.0),
+        "dp": t_dp, "optimizer": t_opt,
+    }
+
+
+def simulate_estimate(spec: ModelSpec, cluster: Cluster, layout: Layout) -> tuple[Estimate, SimResult]:
+    """(Estimate with the simulated pipeline, its SimResult) for one layout.
+
+    For p = 1 there is no pipeline to simulate; the result is a one-stage run. A
+    pipeline over ``SIMULATION_LIMIT`` actions is simulated here all the same
+    (the Estimate keeps its closed-form pipeline time).
+    """
+    est = estimate(spec, cluster, layout, simulate=True)
+    if est.sim is not None:
+        return est, est.sim
+    lay = est.layout
+    if lay.p > 1:  # over SIMULATION_LIMIT for the planner, but asked for explicitly
+        sim = simulate_layout_costs(lay.schedule, lay.p, lay.v, est.m, est.t_chunk_f, est.t_chunk_b, est.t_p2p,
+                                    (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))
+        return est, sim
+    sim = simulate_layout_costs("1f1b", 1, 1, est.m, est.t_chunk_f, est.t_chunk_b, 0.0,
+                                (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))
+    return est, sim

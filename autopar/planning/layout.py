@@ -1,0 +1,111 @@
+"""Where and how to run: the ``Cluster`` (GPUs, node profile, global batch), a ``Layout``
+of it (t, p, d, v, micro-batch, schedule, recomputation) and the rules a layout must keep."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.planning.hardware import Hardware, get_hardware
+from autopar.planning.models import ModelSpec
+
+__all__ = ["Cluster", "Layout", "layout_errors", "SCHEDULES", "RECOMPUTE"]
+
+SCHEDULES = ("1f1b", "interleaved", "gpipe")
+RECOMPUTE = ("full", "none")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: how many GPUs of which kind, and the global batch to train."""
+
+    gpus: int
+    """Total GPUs, n."""
+    hardware: Hardware
+    """Node profile."""
+    global_batch: int
+    """Sequences per optimizer step, B."""
+
+    @classmethod
+    def of(cls, gpus: int, hardware: str | Hardware, global_batch: int) -> Cluster:
+        """``hardware`` by profile name (``hardware.PROFILES``) or given."""
+        hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+        return cls(gpus, hw, global_batch)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run: parallel degrees, micro-batch, schedule, recomputation."""
+
+    t: int
+    """Tensor-parallel degree (inside a node)."""
+    p: int
+    """Pipeline stages."""
+    d: int
+    """Data-parallel replicas."""
+    b: int
+    """Micro-batch size (sequences)."""
+    v: int = 1
+    """Model chunks per pipeline stage (interleaved schedule when > 1)."""
+    schedule: str = ""
+    """``1f1b``, ``interleaved`` or ``gpipe``; empty means interleaved if v > 1 else 1f1b."""
+    recompute: str = "full"
+    """Activation recomputation: ``full`` (every layer) or ``none``."""
+    scatter_gather: bool = True
+    """Send 1/t of each boundary activation and all-gather it over NVLink."""
+    dp_overlap: bool = False
+    """Overlap the data-parallel gradient all-reduce with the last backward."""
+
+    def __post_init__(self) -> None:
+        if not self.schedule:
+            object.__setattr__(self, "schedule", "interleaved" if self.v > 1 else "1f1b")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if min(self.t, self.p, self.d, self.b, self.v) < 1:
+            raise ValueError(f"all degrees must be >= 1: {self}")
+        if self.schedule == "1f1b" and self.v != 1:
+            raise ValueError(f"1f1b runs one chunk per stage (v=1), got v={self.v}; use 'interleaved'")
+
+    @property
+    def short(self) -> str:
+        parts = [f"t={self.t}", f"p={self.p}", f"d={self.d}", f"b={self.b}"]
+        if self.v > 1:
+            parts.append(f"v={self.v}")
+        if self.p > 1:
+            parts.append({"1f1b": "1F1B", "interleaved": "int", "gpipe": "GPipe"}[self.schedule])
+        if self.recompute != "full":
+            parts.append("no-rc")
+        return " ".join(parts)
+
+
+def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_layers: bool = True) -> list[str]:
+    """Every rule ``lay`` breaks, each naming the numbers and the fix (empty if valid)."""
+    errs = []
+    hw = cluster.hardware
+    if lay.t * lay.p * lay.d != cluster.gpus:
+        errs.append(f"t({lay.t}) * p({lay.p}) * d({lay.d}) = {lay.t * lay.p * lay.d}, "
+                    f"but the cluster has {cluster.gpus} GPUs")
+    if lay.t > hw.gpus_per_node or hw.gpus_per_node % lay.t:
+        errs.append(f"t={lay.t} must divide the {hw.gpus_per_node} GPUs of a node (tensor parallelism stays on NVLink)")
+    if spec.heads % lay.t or spec.kv % lay.t:
+        errs.append(f"heads ({spec.heads}, kv {spec.kv}) must be divisible by t={lay.t}")
+    if spec.ffn_size % lay.t:
+        errs.append(f"ffn ({spec.ffn_size}) must be divisible by t={lay.t}")
+    chunks = lay.p * lay.v
+    if spec.layers < chunks:
+        errs.append(f"{spec.layers} layers cannot fill p*v = {lay.p}*{lay.v} = {chunks} chunks")
+    elif divisible_layers and spec.layers % chunks:
+        errs.append(f"layers ({spec.layers}) must be divisible by p*v = {chunks}")
+    if lay.v > 1 and lay.p == 1:
+        errs.append(f"v={lay.v} needs a pipeline (p > 1)")
+    B = cluster.global_batch
+    if B % (lay.d * lay.b):
+        errs.append(f"global batch {B} is not divisible by d*b = {lay.d}*{lay.b} = {lay.d * lay.b}")
+    else:
+        m = B // (lay.d * lay.b)
+        if lay.schedule == "interleaved" and m % lay.p:
+            errs.append(f"interleaved schedule needs microbatches m = B/(d b) = {m} to be a multiple of p = {lay.p}")
+        elif lay.schedule != "gpipe" and m < lay.p:
+            errs.append(f"{lay.schedule} needs at least one microbatch per stage: m = B/(d b) = {m} < p = {lay.p}")
+    return errs
