@@ -19,7 +19,8 @@ import torch.nn as nn
 
 from autopar.compiler.report import render_summary
 from autopar.compiler.local_shapes import param_local_shape, propagate_local_shapes
-from autopar.core import comm
+from autopar.core import comm  # noqa: F401  (its collectives register themselves in the registry read here)
+from autopar.core.collectives import collective_of
 from autopar.core.checkpoint import Checkpointed
 from autopar.core.chunks import PipelineSplit
 from autopar.core.config import ParallelConfig
@@ -48,23 +49,6 @@ def _contracts(node: fx.Node) -> bool:
     if not isinstance(t, torch._ops.OpOverload):
         return True
     return t.namespace != "aten" or t._schema.name.split("::")[-1] in _CONTRACTIONS
-
-
-_COLLECTIVES = {
-    comm.copy_to_tp: ("f (copy_to_tp)", "backward all-reduce"),
-    comm.reduce_from_tp: ("g (reduce_from_tp)", "forward all-reduce"),
-    comm.gather_from_tp: ("gather_from_tp", "forward all-gather"),
-    comm.scatter_to_tp: ("scatter_to_tp", "backward all-gather"),
-    comm.vocab_parallel_embedding: ("vocab_parallel_embedding", "forward all-reduce"),
-    comm.vocab_parallel_cross_entropy: ("vocab_parallel_cross_entropy", "2 forward all-reduces of (N,) tensors"),
-    comm.vocab_parallel_logsumexp: ("vocab_parallel_logsumexp", "2 forward all-reduces of the reduced shape"),
-    comm.vocab_parallel_softmax: ("vocab_parallel_softmax", "2 forward all-reduces, 1 backward, of the reduced shape"),
-    comm.vocab_parallel_log_softmax: ("vocab_parallel_log_softmax",
-                                      "2 forward all-reduces, 1 backward, of the reduced shape"),
-    comm.vocab_parallel_nll_loss: ("vocab_parallel_nll_loss", "1 forward all-reduce of an (N,) tensor"),
-    comm.vocab_parallel_soft_cross_entropy: ("vocab_parallel_soft_cross_entropy",
-                                             "2 forward all-reduces of (N,) tensors"),
-}
 
 
 def _module_code(module: nn.Module) -> str:
@@ -157,25 +141,11 @@ class Program:
             return {}
         out: dict[tuple[str, str], int] = {}
         for node in self.rank_module.graph.nodes:
-            if node.op != "call_function" or node.target not in _COLLECTIVES:
+            spec = collective_of(node.target) if node.op == "call_function" else None
+            if spec is None:
                 continue
-            val = local_val(node)
-            if node.target is comm.vocab_parallel_cross_entropy:
-                rows = local_val(node.args[0]).shape[0]
-                nbytes = 3 * rows * 4
-            elif node.target is comm.vocab_parallel_soft_cross_entropy:
-                nbytes = 4 * local_val(node.args[0]).shape[0] * 4
-            elif node.target is comm.vocab_parallel_nll_loss:
-                nbytes = local_val(node.args[0]).shape[0] * 4
-            elif node.target in (comm.vocab_parallel_logsumexp, comm.vocab_parallel_softmax,
-                                 comm.vocab_parallel_log_softmax):
-                x, dim = local_val(node.args[0]), node.args[2]
-                reduced = x.numel() // x.shape[dim] * 4
-                nbytes = reduced * (2 if node.target is comm.vocab_parallel_logsumexp else 3)
-            else:
-                nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
             where = "layers" if self._layer_of_node(node) is not None else "outside"
-            out[(where, node.target.__name__)] = out.get((where, node.target.__name__), 0) + nbytes
+            out[(where, spec.name)] = out.get((where, spec.name), 0) + spec.nbytes(node)
         return out
 
     def p2p_and_dp_bytes(self) -> dict[tuple[str, str, str], float]:
@@ -217,7 +187,7 @@ class Program:
         """Count the collective calls in the rank program (optionally keyed by layer)."""
         counts: Counter = Counter()
         for node in self.rank_module.graph.nodes:
-            if node.op == "call_function" and node.target in _COLLECTIVES:
+            if node.op == "call_function" and collective_of(node.target) is not None:
                 name = node.target.__name__
                 if by_layer:
                     counts[(self._layer_of_node(node), name)] += 1

@@ -14,6 +14,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
+from autopar.core.collectives import collective_named
 from autopar.core.config import optimizer_bytes_per_param
 from autopar.core.placement import Shard
 from autopar.schedules import dry_run
@@ -22,21 +23,6 @@ from autopar.schedules import dry_run
 # the annotations name it without importing it.
 
 __all__ = ["render_summary", "memory_per_rank", "predicted_bubble"]
-
-_DIRECTION = {
-    "copy_to_tp": "bwd all-reduce",
-    "reduce_from_tp": "fwd all-reduce",
-    "gather_from_tp": "fwd all-gather (fallback)",
-    "scatter_to_tp": "bwd all-gather",
-    "vocab_parallel_embedding": "fwd all-reduce",
-    "vocab_parallel_cross_entropy": "fwd all-reduces: max, then (target logit, sum exp)",
-    "vocab_parallel_logsumexp": "fwd all-reduces: max, then sum exp",
-    "vocab_parallel_softmax": "fwd all-reduces: max, sum exp; bwd all-reduce",
-    "vocab_parallel_log_softmax": "fwd all-reduces: max, sum exp; bwd all-reduce",
-    "vocab_parallel_nll_loss": "fwd all-reduce of the picked log-probabilities",
-    "vocab_parallel_soft_cross_entropy": "fwd all-reduces: max, then (sum exp, sum p z, sum p)",
-}
-
 
 
 def _gib(n: float) -> str:
@@ -171,10 +157,11 @@ def _collectives_table(program: "Program") -> Table:
         (per_layer if layer is not None else outside)[name] += n
     m = program.config.microbatches
     for name, n in sorted(per_layer.items()):
-        coll.add_row("per layer", name, _DIRECTION[name], str(n // max(program.layers.count, 1)),
+        coll.add_row("per layer", name, collective_named(name).direction, str(n // max(program.layers.count, 1)),
                      _gib(nbytes.get(("layers", name), 0) * m))
     for name, n in sorted(outside.items()):
-        coll.add_row("outside layers", name, _DIRECTION[name], str(n), _gib(nbytes.get(("outside", name), 0) * m))
+        coll.add_row("outside layers", name, collective_named(name).direction, str(n),
+                     _gib(nbytes.get(("outside", name), 0) * m))
     for label, value in program.p2p_and_dp_bytes().items():
         coll.add_row(label[0], label[1], label[2], "", _gib(value))
     return coll

@@ -7,8 +7,10 @@ Megatron's two operators, for a group of t ranks:
 - ``gather_from_tp``      forward all-gather,  backward take the local slice
 - ``scatter_to_tp``       forward take the local slice, backward all-gather
 
-plus the vocabulary-parallel embedding and cross-entropy. Each short-circuits
-when the group has one rank. They take the group as an explicit argument (a
+plus the vocabulary-parallel embedding, losses and softmax family. Each
+short-circuits when the group has one rank. Each is registered once with
+``@collective``: its label, direction, kinds and bytes per call
+(``autopar.core.collectives``, which the plan summary and the cost figures read). They take the group as an explicit argument (a
 ``TPGroup``), which the rewritten graphs receive as their first placeholder
 ``tp``: ``print(program.code(rank=1))`` shows every collective by name.
 """
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, collective, fp32_per_reduced, fp32_per_row, output_bytes
 
 __all__ = [
     "TPGroup",
@@ -184,6 +188,7 @@ class _ScatterToTP(torch.autograd.Function):
         return full.narrow(dim, 0, size), None, None, None
 
 
+@collective("f (copy_to_tp)", "bwd all-reduce", ALL_REDUCE, output_bytes)
 def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """f: identity forward; all-reduce of the gradient backward."""
     if tp.size == 1 or not x.requires_grad:
@@ -191,6 +196,7 @@ def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _CopyToTP.apply(x, tp)
 
 
+@collective("g (reduce_from_tp)", "fwd all-reduce", ALL_REDUCE, output_bytes)
 def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """g: all-reduce (sum of partial results) forward; identity backward."""
     if tp.size == 1:
@@ -198,6 +204,7 @@ def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _ReduceFromTP.apply(x, tp)
 
 
+@collective("gather_from_tp", "fwd all-gather (fallback)", ALL_GATHER, output_bytes)
 def gather_from_tp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, ...] | None = None,
                    size: int | None = None) -> torch.Tensor:
     """All-gather a sharded tensor to its full (unpadded ``size``) form; backward keeps the local slice."""
@@ -210,6 +217,7 @@ def gather_from_tp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, 
     return full
 
 
+@collective("scatter_to_tp", "bwd all-gather", ALL_GATHER, output_bytes)
 def scatter_to_tp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, ...] | None = None) -> torch.Tensor:
     """Keep this rank's slice of a replicated tensor; backward all-gathers the gradient."""
     if tp.size == 1:
@@ -217,6 +225,7 @@ def scatter_to_tp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, .
     return _ScatterToTP.apply(x, tp, dim, segments)
 
 
+@collective("vocab_parallel_embedding", "fwd all-reduce", ALL_REDUCE, output_bytes)
 def vocab_parallel_embedding(weight_local: torch.Tensor, ids: torch.Tensor, tp: TPGroup,
                              padding_idx: int = -1) -> torch.Tensor:
     """Embedding with the vocabulary split by rows.
@@ -318,6 +327,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None, None, None
 
 
+@collective("vocab_parallel_cross_entropy", "fwd all-reduces: max, then (target logit, sum exp)", ALL_REDUCE,
+            fp32_per_row(3))
 def vocab_parallel_cross_entropy(
     logits_local: torch.Tensor,
     target: torch.Tensor,
@@ -378,11 +389,14 @@ class _VocabParallelLogSumExp(torch.autograd.Function):
         return (softmax * g.float()).to(ctx.dtype), None, None, None, None
 
 
+@collective("vocab_parallel_logsumexp", "fwd all-reduces: max, then sum exp", ALL_REDUCE, fp32_per_reduced(2))
 def vocab_parallel_logsumexp(x: torch.Tensor, tp: TPGroup, dim: int, size: int, keepdim: bool = False):
     """``torch.logsumexp(x, dim)`` of a value split along ``dim`` (real size ``size``; padding ignored)."""
     return _VocabParallelLogSumExp.apply(x, tp, dim % x.dim(), size, keepdim)
 
 
+@collective("vocab_parallel_softmax", "fwd all-reduces: max, sum exp; bwd all-reduce", ALL_REDUCE,
+            fp32_per_reduced(3))
 def vocab_parallel_softmax(x: torch.Tensor, tp: TPGroup, dim: int, size: int,
                            dtype: torch.dtype | None = None) -> torch.Tensor:
     """``softmax(x, dim)`` of a value split along ``dim``: this rank's columns; padding gets 0."""
@@ -395,6 +409,8 @@ def vocab_parallel_softmax(x: torch.Tensor, tp: TPGroup, dim: int, size: int,
     return z.exp().to(dtype or x.dtype)
 
 
+@collective("vocab_parallel_log_softmax", "fwd all-reduces: max, sum exp; bwd all-reduce", ALL_REDUCE,
+            fp32_per_reduced(3))
 def vocab_parallel_log_softmax(x: torch.Tensor, tp: TPGroup, dim: int, size: int,
                                dtype: torch.dtype | None = None) -> torch.Tensor:
     """``log_softmax(x, dim)`` of a value split along ``dim`` (no padding: the rule asks for it)."""
@@ -452,6 +468,8 @@ class _VocabParallelNLL(torch.autograd.Function):
         return out.to(ctx.dtype), None, None, None, None
 
 
+@collective("vocab_parallel_nll_loss", "fwd all-reduce of the picked log-probabilities", ALL_REDUCE,
+            fp32_per_row(1))
 def vocab_parallel_nll_loss(logp: torch.Tensor, target: torch.Tensor, tp: TPGroup, reduction: int = 1,
                             ignore_index: int = -100) -> torch.Tensor:
     """Negative log-likelihood of (N, C/t) local log-probabilities; reduction 0 none, 1 mean, 2 sum."""
@@ -504,6 +522,8 @@ class _VocabParallelSoftCrossEntropy(torch.autograd.Function):
         return grad_z.to(ctx.dtypes[0]), grad_p, None, None, None, None
 
 
+@collective("vocab_parallel_soft_cross_entropy", "fwd all-reduces: max, then (sum exp, sum p z, sum p)",
+            ALL_REDUCE, fp32_per_row(4))
 def vocab_parallel_soft_cross_entropy(logits_local: torch.Tensor, probs_local: torch.Tensor, tp: TPGroup,
                                       n_classes: int, reduction: int = 1,
                                       label_smoothing: float = 0.0) -> torch.Tensor:

@@ -1,0 +1,127 @@
+"""The collective registry: every tensor-parallel collective of ``comm.py``, registered once.
+
+Each function of ``autopar.core.comm`` that communicates is decorated with
+``@collective(...)``, which records:
+
+- ``label``      how the plan names it (``"f (copy_to_tp)"``),
+- ``direction``  when it communicates, as the summary prints it
+                 (``"bwd all-reduce"``, ``"fwd all-reduces: max, then sum exp"``),
+- ``kinds``      the collectives it runs (all-reduce, all-gather, reduce-scatter),
+- ``nbytes``     a function giving the bytes one call moves per microbatch, from
+                 its node in the rank graph (one rank's shapes, ``local_val``).
+
+Lookups go by the function (``collective_of(node.target)``) or its name
+(``collective_named("copy_to_tp")``). The registry fills when ``comm`` is
+imported, which a rank graph's collectives are functions of.
+
+``wire_factor(kind, n)`` is the fraction of a buffer each rank sends over the
+wire in a ring collective of n ranks: 2(n-1)/n for an all-reduce (a
+reduce-scatter then an all-gather), (n-1)/n for an all-gather or a
+reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.core.graph import local_val
+
+__all__ = ["ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "Collective", "collective", "collective_of",
+           "collective_named", "registered", "wire_factor", "output_bytes", "fp32_per_row", "fp32_per_reduced"]
+
+ALL_REDUCE = "all-reduce"
+ALL_GATHER = "all-gather"
+REDUCE_SCATTER = "reduce-scatter"
+KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
+
+
+@dataclass(frozen=True)
+class Collective:
+    fn: Callable
+    label: str
+    direction: str
+    kinds: tuple[str, ...]
+    nbytes: Callable[[fx.Node], int]
+    """Bytes one call moves per microbatch (each all-reduced buffer counted once), from its node."""
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+
+_BY_FN: dict[Callable, Collective] = {}
+_BY_NAME: dict[str, Collective] = {}
+
+
+def collective(label: str, direction: str, kinds: str | tuple[str, ...],
+               nbytes: Callable[[fx.Node], int]) -> Callable[[Callable], Callable]:
+    """Decorator: register a function of ``comm`` as a collective (returns it unchanged)."""
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"unknown collective kinds {unknown}; use {KINDS}")
+
+    def register(fn: Callable) -> Callable:
+        if fn.__name__ in _BY_NAME:
+            raise ValueError(f"collective {fn.__name__} is registered twice")
+        entry = Collective(fn, label, direction, kinds, nbytes)
+        _BY_FN[fn] = entry
+        _BY_NAME[fn.__name__] = entry
+        return fn
+
+    return register
+
+
+def collective_of(target) -> Collective | None:
+    """The registered collective a graph node calls (its ``target``), or None."""
+    try:
+        return _BY_FN.get(target)
+    except TypeError:  # an unhashable target is no collective
+        return None
+
+
+def collective_named(name: str) -> Collective:
+    return _BY_NAME[name]
+
+
+def registered() -> tuple[Collective, ...]:
+    return tuple(_BY_FN.values())
+
+
+def wire_factor(kind: str, n: int) -> float:
+    """Fraction of a buffer each of ``n`` ranks sends in a ring ``kind`` collective."""
+    if n <= 1:
+        return 0.0
+    if kind == ALL_REDUCE:
+        return 2 * (n - 1) / n
+    if kind in (ALL_GATHER, REDUCE_SCATTER):
+        return (n - 1) / n
+    raise ValueError(f"unknown collective kind {kind!r}; use {KINDS}")
+
+
+# ------------------------------------------------------------------ bytes per call
+
+
+def output_bytes(node: fx.Node) -> int:
+    """The bytes of the node's output (on one rank): what f, g, a gather or a scatter moves."""
+    val = local_val(node)
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def fp32_per_row(buffers: int) -> Callable[[fx.Node], int]:
+    """``buffers`` fp32 values per row of the first argument (an (N, C) loss input: (N,) buffers)."""
+    return lambda node: buffers * local_val(node.args[0]).shape[0] * 4
+
+
+def fp32_per_reduced(buffers: int) -> Callable[[fx.Node], int]:
+    """``buffers`` fp32 tensors of the first argument's shape reduced over dim ``node.args[2]``."""
+
+    def nbytes(node: fx.Node) -> int:
+        x = local_val(node.args[0])
+        return buffers * (x.numel() // x.shape[node.args[2]]) * 4
+
+    return nbytes
