@@ -2,7 +2,7 @@
 
 Every value starts replicated. A linear whose input is replicated is a
 *candidate*: we try it column-parallel (output ``Shard(last)``) and propagate
-placements forward through per-op rules (``passes/sharding_rules.py``). The
+placements forward through per-op rules (the registry of ``passes/rules/``). The
 candidate is kept when its sharded output reaches a consumer that ends the
 sharded region by itself: a linear contracting over the sharded dim (which
 becomes row-parallel: output partial, reduced by g) or a cross-entropy over a
@@ -21,16 +21,10 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from autopar.core.placement import Replicate, Shard
 from autopar.core.graph import TracedModel, module_path, source_line
-from passes.sharding_rules import (
-    Ctx,
-    Decision,
-    NeedSegments,
-    decide,
-    linear_parts,
-    weight_of,
-)
+from autopar.core.placement import Replicate, Shard
+from passes.rules import Ctx, Decision, NeedSegments, decide, linear_parts, out_features, weight_of
+from passes.rules.context import operand
 
 __all__ = ["ShardingPlan", "ShardingError", "Rejected", "analyze_sharding"]
 
@@ -66,9 +60,6 @@ class ShardingPlan:
     @property
     def fallbacks(self) -> list[str]:
         return self.nodes_of_kind("fallback")
-
-    def placement(self, name: str):
-        return self.decisions[name].out
 
 
 class _State:
@@ -165,55 +156,65 @@ def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
     state.run_all()
     if tp == 1:
         return _finish(traced, ctx, state, [])
-
     rejected: list[Rejected] = []
     tried: set[fx.Node] = set()
-    nodes = list(gm.graph.nodes)
-    for node in nodes:
-        if node in tried or not _is_candidate(state, ctx, node):
-            continue
-        # linears reading the same replicated value (Q, K, V; SwiGLU's gate and up) are tried
-        # together first: one f on their common input, no transient narrowing between them
-        x = _operand(node, linear_parts(ctx, node)[0])
-        group = [u for u in nodes if u not in tried and _is_candidate(state, ctx, u)
-                 and _operand(u, linear_parts(ctx, u)[0]) is x]
-        # a weight applied in several places (a block called once per layer, its weights shared)
-        # can only be split everywhere at once: those linears join the group
-        weights = {weight_of(ctx, m).name for m in group}
-        group += [u for u in nodes if u not in tried and u not in group and _is_candidate(state, ctx, u)
-                  and weight_of(ctx, u).name in weights]
-        tried.update(group)
+    for node in state.nodes:
+        if node not in tried and _is_candidate(state, ctx, node):
+            _try_group(state, ctx, _group_of(state, ctx, node, tried), rejected)
+    _unsplit_tables_read_whole(state, ctx, rejected)
+    return _finish(traced, ctx, state, rejected)
+
+
+def _group_of(state: _State, ctx: Ctx, node: fx.Node, tried: set[fx.Node]) -> list[fx.Node]:
+    """The candidates tried with ``node`` (marked tried): linears reading the same replicated value
+    (Q, K, V; SwiGLU's gate and up: one f on their input, no transient narrowing between them), and
+    those sharing a weight with one of them (a block called once per layer, its weights shared: it
+    can only be split everywhere at once)."""
+    x = operand(node, linear_parts(ctx, node).x_path)
+    group = [u for u in state.nodes if u not in tried and _is_candidate(state, ctx, u)
+             and operand(u, linear_parts(ctx, u).x_path) is x]
+    weights = {weight_of(ctx, m).name for m in group}
+    group += [u for u in state.nodes if u not in tried and u not in group and _is_candidate(state, ctx, u)
+              and weight_of(ctx, u).name in weights]
+    tried.update(group)
+    return group
+
+
+def _try_group(state: _State, ctx: Ctx, group: list[fx.Node], rejected: list[Rejected]) -> None:
+    """Try ``group`` column-parallel together; failing that, without the members whose values lead
+    nowhere; then the linears sharing one weight parameter (the experts of a stacked W[e]) as a
+    unit, since one of them split alone would leave the others reading it whole; the rest one by one."""
+    if len(group) > 1:
         dead: list[fx.Node] = []
-        if len(group) > 1:
-            ok, _, errors = _try_column(state, ctx, group, dead)
+        ok, _, _ = _try_column(state, ctx, group, dead)
+        if ok:
+            return
+        live = [m for m in group if m not in dead]
+        if dead and len(live) > 1:
+            ok, _, _ = _try_column(state, ctx, live)
+            if ok:
+                _try_one_by_one(state, ctx, dead, rejected)
+                return
+    units: dict[str, list[fx.Node]] = {}
+    for member in group:
+        units.setdefault(weight_of(ctx, member).name, []).append(member)
+    for unit in units.values():
+        if 1 < len(unit) < len(group) and all(_is_candidate(state, ctx, m) for m in unit):
+            ok, reason, errors = _try_column(state, ctx, unit)
             if ok:
                 continue
-            live = [m for m in group if m not in dead]
-            if dead and len(live) > 1:
-                ok, _, errors = _try_column(state, ctx, live)
-                if ok:
-                    _try_one_by_one(state, ctx, dead, rejected)
-                    continue
-        # then the linears that share one weight parameter (the experts of a stacked W[e]) as a
-        # unit, since one of them split alone would leave the others reading it whole; the rest
-        # one by one
-        units: dict[str, list[fx.Node]] = {}
-        for member in group:
-            units.setdefault(weight_of(ctx, member).name, []).append(member)
-        for unit in units.values():
-            if len(unit) > 1 and len(unit) < len(group) and all(_is_candidate(state, ctx, m) for m in unit):
-                ok, reason, errors = _try_column(state, ctx, unit)
-                if ok:
-                    continue
-                if errors:
-                    raise ShardingError(errors[0])
-                rejected.extend(Rejected(m.name, module_path(m), reason) for m in unit)
-                continue
-            _try_one_by_one(state, ctx, unit, rejected)
-    # A vocabulary-parallel embedding whose (tied) table stayed whole elsewhere
-    # cannot be split: run it replicated and say so.
+            if errors:
+                raise ShardingError(errors[0])
+            rejected.extend(Rejected(m.name, module_path(m), reason) for m in unit)
+            continue
+        _try_one_by_one(state, ctx, unit, rejected)
+
+
+def _unsplit_tables_read_whole(state: _State, ctx: Ctx, rejected: list[Rejected]) -> None:
+    """A vocabulary-parallel embedding whose (tied) table stayed whole elsewhere cannot be split:
+    run it replicated and say so."""
     while conflicts := _param_conflicts(state, ctx):
-        bad = [n for n in gm.graph.nodes if n.name in ctx.vocab_embeddings and any(
+        bad = [n for n in state.nodes if n.name in ctx.vocab_embeddings and any(
             c.startswith(ctx.param_of[n.args[0].name] + ":") for c in conflicts)]
         if not bad:
             raise ShardingError("inconsistent parameter sharding: " + "; ".join(conflicts))
@@ -222,10 +223,9 @@ def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
             rejected.append(Rejected(n.name, module_path(n), "its table is also read whole by another op, so the "
                                      "vocabulary stays unsplit"))
         state.run_all()
-    return _finish(traced, ctx, state, rejected)
 
 
-def _try_one_by_one(state: "_State", ctx: Ctx, members: list[fx.Node], rejected: list[Rejected]) -> None:
+def _try_one_by_one(state: _State, ctx: Ctx, members: list[fx.Node], rejected: list[Rejected]) -> None:
     for member in members:
         if not _is_candidate(state, ctx, member):
             continue
@@ -236,122 +236,168 @@ def _try_one_by_one(state: "_State", ctx: Ctx, members: list[fx.Node], rejected:
             rejected.append(Rejected(member.name, module_path(member), reason))
 
 
-def _is_candidate(state: "_State", ctx: Ctx, node: fx.Node) -> bool:
+def _is_candidate(state: _State, ctx: Ctx, node: fx.Node) -> bool:
     parts = linear_parts(ctx, node)
     return parts is not None and node not in ctx.column and isinstance(
-        state.placement_of(_operand(node, parts[0])), Replicate)
-
-
-def _operand(node: fx.Node, path: tuple) -> fx.Node:
-    if path[0] == "k":
-        return node.kwargs[path[1]]
-    a = node.args[path[1]]
-    return a[path[2]] if len(path) == 3 else a
+        state.placement_of(operand(node, parts.x_path)), Replicate)
 
 
 def _try_column(state: _State, ctx: Ctx, group: list[fx.Node],
                 dead_out: list[fx.Node] | None = None) -> tuple[bool, str, list[str]]:
     """Try the linears of ``group`` column-parallel together; keep them if the region closes.
 
-    Kept when the sharded values reach a consumer that ends the region (a
+    Kept when the split values reach a consumer that ends the region (a
     row-parallel linear, a vocabulary-parallel loss) or join a region already
-    sharded, the loss stays replicated, no parameter is asked to be split two
+    split, the loss stays replicated, no parameter is asked to be split two
     ways, and the region does not leak: a trial that narrows an activation
-    into the sharded region *and* needs fallbacks (the residual stream taken
+    into the split region *and* needs fallbacks (the residual stream taken
     apart and gathered again) is worse than leaving the linears whole.
+    Returns (kept, why not, errors to raise); ``dead_out`` gets the members
+    whose values lead nowhere.
     """
-    segments: dict[fx.Node, tuple[int, ...] | None] = {}
-    padded: dict[fx.Node, bool] = {}
-    for node in group:
-        out_features = ctx.shape(weight_of(ctx, node))[ctx.out_dim_of_weight(node)]
-        padded[node] = out_features % ctx.tp != 0
-        segments[node] = (-(-out_features // ctx.tp) * ctx.tp,) if padded[node] else None
-    node = group[0]
-    pending_error: str | None = None  # a view's error, if splitting into pieces fails too
-    for _attempt in range(2 + len(group)):
-        before = {n: d.kind for n, d in state.dec.items()}
-        conflicts_before = set(_param_conflicts(state, ctx))
-        old: dict = {}
+    return _ColumnTrial(state, ctx, group).run(dead_out)
+
+
+@dataclass
+class _Effects:
+    """What one attempt of a trial changed."""
+
+    sinks: list[fx.Node]
+    """Nodes that now end a split region (and did not before)."""
+    merged: bool
+    """The trial joined a region already split (K and V after Q: scatters removed)."""
+    errors: list[str]
+    new_fallbacks: list[fx.Node]
+    fallback_reason: str
+    """Why the first new fallback runs replicated."""
+    leaking: bool
+    out_ok: bool
+    """The loss stays replicated."""
+    conflicts: list[str]
+    padded_bad: bool
+    """A padded split ends somewhere else than in a vocabulary-parallel kernel."""
+    dead: list[fx.Node]
+
+    @property
+    def accepted(self) -> bool:
+        return ((bool(self.sinks) or self.merged) and self.out_ok and not self.conflicts and not self.errors
+                and not self.padded_bad and not self.leaking and not self.dead)
+
+
+class _ColumnTrial:
+    """The linears of ``group`` tried column-parallel together; retried with segmented splits
+    when a view or split asks for pieces (``NeedSegments``)."""
+
+    def __init__(self, state: _State, ctx: Ctx, group: list[fx.Node]):
+        self.state, self.ctx, self.group = state, ctx, group
+        self.padded = {m: out_features(ctx, m) % ctx.tp != 0 for m in group}
+        self.segments: dict[fx.Node, tuple[int, ...] | None] = {
+            m: (-(-out_features(ctx, m) // ctx.tp) * ctx.tp,) if self.padded[m] else None for m in group}
+        self.pending_error: str | None = None
+        """A view's error, if splitting into pieces fails too."""
+
+    def run(self, dead_out: list[fx.Node] | None) -> tuple[bool, str, list[str]]:
+        for _attempt in range(2 + len(self.group)):
+            before = {n: d.kind for n, d in self.state.dec.items()}
+            conflicts_before = set(_param_conflicts(self.state, self.ctx))
+            try:
+                old = self._apply()
+            except NeedSegments as need:
+                if self._take_segments(need):
+                    continue
+                return False, f"its output is split into {list(need.sizes)} which does not divide by tp={self.ctx.tp}", []
+            effects = self._effects(old, before, conflicts_before)
+            if dead_out is not None:
+                dead_out[:] = effects.dead
+            if effects.accepted:
+                return True, "", []
+            self._undo(old)
+            return self._rejection(effects)
+        return False, "segment search did not converge", []
+
+    def _apply(self) -> dict[fx.Node, Decision | None]:
+        """Make the members column-parallel and propagate; the previous decisions of what changed."""
+        old: dict[fx.Node, Decision | None] = {}
         try:
-            for member in group:
-                ctx.column[member] = segments[member]
-            for member in group:
-                for n, d in state.propagate_from(member).items():
+            for member in self.group:
+                self.ctx.column[member] = self.segments[member]
+            for member in self.group:
+                for n, d in self.state.propagate_from(member).items():
                     old.setdefault(n, d)
-        except NeedSegments as need:
-            state.undo(old)
-            for member in group:
-                ctx.column.pop(member, None)
-            origin = next((m for m in group if m.name == need.origin), None)
-            whole = origin is not None and sum(need.sizes) == ctx.shape(weight_of(ctx, origin))[
-                ctx.out_dim_of_weight(origin)]  # pieces of the linear's own output, not of a slice of it
-            if whole and segments[origin] is None and all(s % ctx.tp == 0 for s in need.sizes):
-                segments[origin] = tuple(need.sizes)
-                pending_error = pending_error or need.error
-                continue
-            return False, f"its output is split into {list(need.sizes)} which does not divide by tp={ctx.tp}", []
+        except NeedSegments:
+            self._undo(old)
+            raise
+        return old
+
+    def _undo(self, old: dict[fx.Node, Decision | None]) -> None:
+        self.state.undo(old)
+        for member in self.group:
+            self.ctx.column.pop(member, None)
+
+    def _take_segments(self, need: NeedSegments) -> bool:
+        """Split the linear that ``need`` names in the pieces asked for, if they are pieces of its own
+        output (not of a slice of it) and each divides by t."""
+        origin = next((m for m in self.group if m.name == need.origin), None)
+        whole = origin is not None and sum(need.sizes) == out_features(self.ctx, origin)
+        if whole and self.segments[origin] is None and all(s % self.ctx.tp == 0 for s in need.sizes):
+            self.segments[origin] = tuple(need.sizes)
+            self.pending_error = self.pending_error or need.error
+            return True
+        return False
+
+    def _effects(self, old: dict, before: dict[fx.Node, str], conflicts_before: set[str]) -> _Effects:
+        state, ctx = self.state, self.ctx
         touched = list(old)
-        # joining a region that is already sharded (K and V after Q) removes its scatters
-        merged = any(old[n] is not None and len(old[n].scatter_in) > len(state.dec[n].scatter_in) for n in touched)
-        sinks = [n for n in touched if _ends_region(state.dec[n]) and before.get(n) != state.dec[n].kind]
-        errors = [state.dec[n].error for n in touched if state.dec[n].error]
-        new_fallbacks = [n for n in touched if state.dec[n].kind == "fallback" and before.get(n) != "fallback"]
-        leaks = [n for n in touched if any(_operand(n, path).name in ctx.requires_grad
-                                           and _operand(n, path).name not in ctx.param_of
-                                           for path, _ in state.dec[n].scatter_in)]
+        dec = state.dec
+        merged = any(old[n] is not None and len(old[n].scatter_in) > len(dec[n].scatter_in) for n in touched)
+        sinks = [n for n in touched if dec[n].ends_region and before.get(n) != dec[n].kind]
+        new_fallbacks = [n for n in touched if dec[n].kind == "fallback" and before.get(n) != "fallback"]
+        leaks = [n for n in touched if any(operand(n, path).name in ctx.requires_grad
+                                           and operand(n, path).name not in ctx.param_of
+                                           for path, _ in dec[n].scatter_in)]
         out_node = state.nodes[-1]
-        out_ok = all(isinstance(p, Replicate) for p in _flat(state.placement_of(out_node.args[0][0])))
-        conflicts = [c for c in _param_conflicts(state, ctx) if c not in conflicts_before]
-        padded_bad = any(padded.values()) and any(not state.dec[n].kind.startswith("vocab_") for n in sinks)
-        leaking = bool(new_fallbacks and leaks)
-        # in a group, a member whose sharded values neither reach a sink nor meet another
-        # member's (a router whose top-k falls back, beside the experts it routes to) would only
-        # add gathers: the group is retried without it
-        dead = _dead_ends(state, group, set(touched), set(sinks)) if len(group) > 1 and new_fallbacks else []
-        if dead_out is not None:
-            dead_out[:] = dead
-        # pieces asked for by a view that could not split otherwise must close the region cleanly:
-        # cutting within attention heads (a head dim) only trades the error for gathers
-        if pending_error and new_fallbacks:
-            leaking = True
-        if (sinks or merged) and out_ok and not conflicts and not errors and not padded_bad and not leaking \
-                and not dead:
-            return True, "", []
-        fb_reason = state.dec[new_fallbacks[0]].reason if new_fallbacks else ""
-        state.undo(old)
-        for member in group:
-            ctx.column.pop(member, None)
-        if pending_error and not errors:
-            errors = [pending_error]
+        # in a group, a member whose split values neither reach a sink nor meet another member's (a
+        # router whose top-k falls back, beside the experts it routes to) would only add gathers:
+        # the group is retried without it
+        dead = (_dead_ends(state, self.group, set(touched), set(sinks))
+                if len(self.group) > 1 and new_fallbacks else [])
+        return _Effects(
+            sinks=sinks,
+            merged=merged,
+            errors=[dec[n].error for n in touched if dec[n].error],
+            new_fallbacks=new_fallbacks,
+            fallback_reason=dec[new_fallbacks[0]].reason if new_fallbacks else "",
+            # pieces asked for by a view that could not split otherwise must close the region
+            # cleanly: cutting within attention heads (a head dim) only trades the error for gathers
+            leaking=bool(new_fallbacks and (leaks or self.pending_error)),
+            out_ok=all(isinstance(p, Replicate) for p in _flat(state.placement_of(out_node.args[0][0]))),
+            conflicts=[c for c in _param_conflicts(state, ctx) if c not in conflicts_before],
+            padded_bad=any(self.padded.values()) and any(not dec[n].kind.startswith("vocab_") for n in sinks),
+            dead=dead,
+        )
+
+    def _rejection(self, effects: _Effects) -> tuple[bool, str, list[str]]:
+        """Why the trial was not kept (after it was undone), and the errors to raise if any."""
+        ctx, node = self.ctx, self.group[0]
+        errors = effects.errors or ([self.pending_error] if self.pending_error else [])
         if errors:
             return False, errors[0], errors
-        if any(padded.values()) and sinks:
-            dim = ctx.shape(weight_of(ctx, node))[ctx.out_dim_of_weight(node)]
+        if any(self.padded.values()) and effects.sinks:
+            dim = out_features(ctx, node)
             return False, "", [
                 f"{_describe(ctx, node)} has {dim} output features, not divisible by tp={ctx.tp}; "
                 f"only a vocabulary (consumed by the cross-entropy) can be padded. "
                 f"Use a tp that divides {dim} ({_divisors(dim)})"
             ]
-        if conflicts:
-            return False, "its weight is also used unsharded elsewhere: " + "; ".join(conflicts), []
-        if new_fallbacks:
-            fb = new_fallbacks[0]
-            return False, f"its output reaches {_describe(ctx, fb)}, which would run replicated: {fb_reason}", []
-        if not out_ok:
+        if effects.conflicts:
+            return False, "its weight is also used unsharded elsewhere: " + "; ".join(effects.conflicts), []
+        if effects.new_fallbacks:
+            fb = effects.new_fallbacks[0]
+            return False, f"its output reaches {_describe(ctx, fb)}, which would run replicated: " \
+                          f"{effects.fallback_reason}", []
+        if not effects.out_ok:
             return False, "its sharded output would reach the loss", []
         return False, "its output never reaches a row-parallel consumer", []
-    return False, "segment search did not converge", []
-
-
-_VOCAB_SINKS = ("vocab_cross_entropy", "vocab_nll", "vocab_gather")
-
-
-def _ends_region(d: Decision) -> bool:
-    """A consumer that turns a sharded value back into a replicated one by itself: a row-parallel
-    linear or a sum over the split dim (g after it), a vocabulary-parallel loss, logsumexp or gather."""
-    if d.kind in ("row", *_VOCAB_SINKS) or d.reduce_out:
-        return True
-    return d.kind == "vocab_softmax" and isinstance(d.out, Replicate)
 
 
 def _dead_ends(state: _State, group: list[fx.Node], touched: set[fx.Node], sinks: set[fx.Node]) -> list[fx.Node]:

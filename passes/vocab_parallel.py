@@ -1,70 +1,51 @@
-"""Vocabulary-parallel embedding, cross-entropy and softmax-family rewrites.
+"""Replace an op by the call its rule names (``Decision.rewrite``).
 
-The embedding table E (V, h) is split by rows: rank i holds
-E[i*V/t : (i+1)*V/t]. A tied LM head uses the same shard, so its logits are
-split by vocabulary, and the cross-entropy is computed from the split logits
-with three all-reduces of (N,)-sized tensors: the full (N, V) logits never
-exist on any rank. A vocabulary not divisible by t is padded to the next
-multiple of t; padded rows are zero, never looked up, and masked to -inf in
-the loss (see ``autopar.core.comm``). ``logsumexp``, ``softmax`` and ``log_softmax``
-over the split vocabulary (a z-loss, distillation, a hand-written loss) run
-on the local columns with two all-reduces of the reduced shape.
+The vocabulary-parallel ops are replaced so: the embedding over a table split
+by rows by ``vocab_parallel_embedding``, the cross-entropy, nll_loss and
+gather over logits split by vocabulary by their kernels, logsumexp, softmax
+and log_softmax over the split dim by theirs (all in ``autopar.core.comm``,
+where each registers its collectives). The table E (V, h) is split by rows:
+rank i holds E[i*V/t : (i+1)*V/t]; a tied LM head uses the same shard, so its
+logits are split by vocabulary, and the losses are computed from the split
+logits with a few all-reduces of (N,)-sized tensors: the full (N, V) logits
+never exist on any rank. A vocabulary not divisible by t is padded to the
+next multiple of t; padded rows are zero, never looked up, and masked to -inf
+in the loss.
+
+A row-parallel linear with a bias is rewritten the same way (to the linear
+without it; the bias is added after g).
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar.core import comm
+from passes.rules.context import operand
+from passes.rules.decision import TP, Operand, Rewrite
 
-__all__ = ["rewrite_embedding", "rewrite_cross_entropy", "rewrite_softmax"]
+__all__ = ["apply_rewrite", "copy_meta"]
 
 
-def _meta(new: fx.Node, like: fx.Node) -> fx.Node:
+def copy_meta(new: fx.Node, like: fx.Node) -> fx.Node:
+    """Mark ``new`` as inserted by the rewrite, at the place of the user's source of ``like``."""
     for key in ("nn_module_stack", "stack_trace"):
         if key in like.meta:
             new.meta[key] = like.meta[key]
+    new.meta["autopar"] = "inserted"
     return new
 
 
-def rewrite_embedding(graph: fx.Graph, node: fx.Node, tp: fx.Node, padding_idx: int = -1) -> fx.Node:
-    """embedding(E, ids) -> vocab_parallel_embedding(E_local, ids, tp[, padding_idx])."""
-    weight, ids = node.args[0], node.args[1]
-    args = (weight, ids, tp) if padding_idx == -1 else (weight, ids, tp, padding_idx)
+def apply_rewrite(graph: fx.Graph, node: fx.Node, rewrite: Rewrite, tp: fx.Node) -> fx.Node:
+    """``node`` replaced by ``rewrite.fn(*args)``: retargeted in place, or a new node; returns it."""
+    args = tuple(tp if a is TP else operand(node, a.path) if isinstance(a, Operand) else a for a in rewrite.args)
+    if rewrite.in_place:
+        node.target, node.args, node.kwargs = rewrite.fn, args, {}
+        return node
     with graph.inserting_after(node):
-        new = _meta(graph.call_function(comm.vocab_parallel_embedding, args), node)
-    node.replace_all_uses_with(new)
-    graph.erase_node(node)
-    return new
-
-
-def rewrite_cross_entropy(graph: fx.Graph, node: fx.Node, tp: fx.Node, extra: dict) -> fx.Node:
-    """cross_entropy_loss(z, y) -> vocab_parallel_cross_entropy(z_local, y, tp, V, ignore, reduction, smoothing)."""
-    logits, target = node.args[0], node.args[1]
-    if extra.get("soft"):  # class probabilities, already sliced like the logits
-        fn = comm.vocab_parallel_soft_cross_entropy
-        args = (logits, target, tp, extra["vocab_size"], extra["reduction"], extra["label_smoothing"])
-    else:
-        fn = comm.vocab_parallel_cross_entropy
-        args = (logits, target, tp, extra["vocab_size"], extra["ignore_index"], extra["reduction"],
-                extra.get("label_smoothing", 0.0))
-    with graph.inserting_after(node):
-        new = _meta(graph.call_function(fn, args), node)
-    node.replace_all_uses_with(new)
-    graph.erase_node(node)
-    return new
-
-
-def rewrite_softmax(graph: fx.Graph, node: fx.Node, tp: fx.Node, extra: dict) -> fx.Node:
-    """logsumexp / softmax / log_softmax over the split dim -> their vocabulary-parallel forms."""
-    x, op, dim, size = node.args[0], extra["op"], extra["dim"], extra["size"]
-    if op == "logsumexp":
-        fn, args = comm.vocab_parallel_logsumexp, (x, tp, dim, size, extra["keepdim"])
-    else:
-        fn = comm.vocab_parallel_softmax if op == "softmax" else comm.vocab_parallel_log_softmax
-        args = (x, tp, dim, size, node.meta["val"].dtype)
-    with graph.inserting_after(node):
-        new = _meta(graph.call_function(fn, args), node)
+        new = graph.call_function(rewrite.fn, args)
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in node.meta:
+            new.meta[key] = node.meta[key]
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new
