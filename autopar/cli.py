@@ -8,6 +8,9 @@
     autopar simulate --model gpt-76b --gpus 1024 --batch 1792 --tp 8 --pp 4 --vp 3 --micro-batch 2 --svg step.svg
     autopar simulate --pp 4 --vp 2 --microbatches 8         # unit costs (F = 1, B = 2)
     autopar simulate ... --eager     # draw the planner's eager-send model instead of the lowered schedule
+
+``--recompute`` takes 'layer' (Megatron's "full" recomputation; 'full' is accepted as an
+alias), 'none' or 'any' (the default: try both).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import sympy as sp
 from rich.console import Console
 from rich.table import Table
 
+from autopar.core.config import Recompute
 from autopar.planning.estimate import Estimate, simulate_estimate
 from autopar.planning.formulas import explain
 from autopar.planning.hardware import PROFILES, Hardware, get_hardware
-from autopar.planning.layout import Cluster, Layout
+from autopar.planning.layout import PRICED_RECOMPUTE, Cluster, Layout
 from autopar.planning.models import ModelSpec, get_model
 from autopar.planning.op_times import op_time
 from autopar.planning.planner import Plan, SearchSpace, search
@@ -34,6 +38,13 @@ from autopar.planning.transformer import layer_ops
 from autopar.schedules import Sends, SimResult, generate, simulate
 
 __all__ = ["main", "build_parser"]
+
+_RECOMPUTE_FLAG: dict[str, tuple[Recompute, ...]] = {
+    "layer": (Recompute.LAYER,),
+    "full": (Recompute.LAYER,),  # Megatron's name for per-layer recomputation, kept as an alias
+    "none": (Recompute.NONE,),
+    "any": PRICED_RECOMPUTE,
+}
 
 
 def _add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -> None:
@@ -64,8 +75,10 @@ def _add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) 
     lay.add_argument("--vp", type=int, help="model chunks per stage v (interleaved when > 1)")
     lay.add_argument("--micro-batch", type=int, help="micro-batch size b")
     lay.add_argument("--schedule", choices=("1f1b", "interleaved", "gpipe"))
-    lay.add_argument("--recompute", choices=("full", "none", "any"), default="any",
-                     help="activation recomputation (default: try both)")
+    lay.add_argument("--recompute", choices=tuple(_RECOMPUTE_FLAG), default="any",
+                     help="activation recomputation: 'layer' keeps each layer's input and recomputes the layer "
+                          "in the backward ('full' is an alias, Megatron's name), 'none' keeps every activation, "
+                          "'any' tries both (default). The cost model does not price 'chunk'.")
     lay.add_argument("--dp-overlap", action="store_true",
                      help="overlap the gradient all-reduce with the backward (PyTorch DDP) in layouts without "
                           "a pipeline (Megatron-LM 2021 could not with one)")
@@ -157,9 +170,9 @@ def _space(args: argparse.Namespace) -> SearchSpace:
     )
 
 
-def _recompute_choices(flag: str) -> tuple[str, ...]:
-    """The recomputation choices ``--recompute`` allows: 'any' tries both."""
-    return ("full", "none") if flag == "any" else (flag,)
+def _recompute_choices(flag: str) -> tuple[Recompute, ...]:
+    """The recomputation modes ``--recompute`` allows."""
+    return _RECOMPUTE_FLAG[flag]
 
 
 GiB = 2**30
@@ -169,7 +182,7 @@ def _row(e: Estimate) -> list[str]:
     lay = e.layout
     sched = {"1f1b": "1F1B", "interleaved": "interleaved", "gpipe": "GPipe"}[lay.schedule] if lay.p > 1 else "-"
     return [str(lay.t), str(lay.p), str(lay.d), str(lay.v), str(lay.b), str(e.m),
-            sched + ("*" if e.simulated else ""), lay.recompute,
+            sched + ("*" if e.simulated else ""), str(lay.recompute),
             f"{e.t_iter:.3f}", f"{e.tflops_per_gpu:.1f}", f"{e.frac_peak:.1%}", f"{e.memory.total / GiB:.1f}",
             f"{e.bubble:.1%}", f"{e.comm_time:.3f}"]
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from autopar.core.config import ParallelConfig, Recompute, microbatch_errors, optimizer_bytes_per_param
 from autopar.planning import cost
 from autopar.planning.calibration import PAPER_RUNS, fit_efficiency
 from autopar.planning.estimate import estimate
@@ -158,10 +159,57 @@ def test_layout_errors_name_each_rule():
     assert errs(t=8, p=1, d=8, b=1).count("heads (12") == 1  # 12 % 8
     assert "layers (30) must be divisible by p*v = 4" in errs(t=2, p=4, d=8, b=1, v=1, schedule="gpipe")
     assert "not divisible by d*b" in errs(t=2, p=1, d=32, b=2)  # 96 % 64
-    assert "multiple of p = 3" in errs(t=1, p=3, d=16, b=3, v=2)  # m = 2
+    # m = 2: the microbatch rules of core.config, with where m comes from
+    mb = [e for e in layout_errors(spec, cl, Layout(t=1, p=3, d=16, b=3, v=2)) if e.startswith("with m")]
+    assert mb == [f"with m = B/(d b) = 96/(16*3) = 2 microbatches, {e}"
+                  for e in microbatch_errors("interleaved", 3, 2, 2)]
+    assert "m=2 < p=3" in mb[0] and "multiple of p" in mb[1] and mb[1].endswith("Use m=3")
     assert "t(4) * p(2) * d(4) = 32" in errs(t=4, p=2, d=4, b=1)
     assert "cannot fill" in errs(t=1, p=2, d=32, b=1, v=16)
     assert errs(t=4, p=2, d=8, b=2, v=3) == ""  # valid: m = 6, 30 % 6 == 0
+
+
+def test_recompute_speaks_the_config_vocabulary():
+    lay = Layout(t=1, p=1, d=1, b=1)
+    assert lay.recompute is Recompute.LAYER  # Megatron's full recomputation, as in every paper run
+    assert Layout(t=1, p=1, d=1, b=1, recompute="none").recompute is Recompute.NONE
+    assert Layout(t=1, p=1, d=1, b=1, recompute="layer") == lay
+    with pytest.raises(ValueError, match=r"got 'full' \('full', Megatron's name, is 'layer'\)"):
+        Layout(t=1, p=1, d=1, b=1, recompute="full")
+    with pytest.raises(ValueError, match="prices recompute 'layer' or 'none', not 'chunk'"):
+        Layout(t=1, p=1, d=1, b=1, recompute=Recompute.CHUNK)
+
+
+def test_layout_from_config():
+    config = ParallelConfig(tp=4, pp=2, virtual_stages=3, microbatches=8, schedule="interleaved", dp=4,
+                            recompute="layer", scatter_gather=False)
+    lay = Layout.from_config(config, micro_batch_size=2)
+    assert lay == Layout(t=4, p=2, d=4, b=2, v=3, schedule="interleaved", recompute=Recompute.LAYER,
+                         scatter_gather=False, dp_overlap=True)
+    # on a cluster of t p d GPUs with B = m d b, the estimate runs the config's microbatches
+    est = estimate(ModelSpec(layers=12, hidden=1024, heads=16), Cluster.of(32, "dgx-a100-80gb", 8 * 4 * 2), lay)
+    assert est.m == config.microbatches
+    plain = Layout.from_config(ParallelConfig(world_size=8), micro_batch_size=1)
+    assert (plain.t, plain.p, plain.d, plain.v, plain.schedule, plain.recompute) == (1, 1, 8, 1, "1f1b",
+                                                                                      Recompute.NONE)
+    with pytest.raises(ValueError, match="not 'chunk'"):
+        Layout.from_config(ParallelConfig(recompute="chunk"), micro_batch_size=1)
+
+
+def test_optimizer_state_and_step_traffic_are_two_numbers():
+    """16 bytes of state per parameter (weights, gradients, then Adam's 12); the step moves 52."""
+    from autopar.planning.estimate import OPTIMIZER_STEP_TRAFFIC_PER_PARAM
+
+    spec, lay = get_model("gpt-1.7b"), Layout(t=1, p=1, d=32, b=16)
+    P = params_per_stage(spec, 1, 1)[0]
+    mem = memory_per_gpu(spec, lay, m=1)
+    assert mem.optimizer == optimizer_bytes_per_param(2) * P == 12 * P  # 16-bit parameters: mixed precision
+    assert mem.weights + mem.grads + mem.optimizer == 16 * P
+    assert OPTIMIZER_STEP_TRAFFIC_PER_PARAM == (2 + 4) + (4 + 4) + 4 + (4 * 4 + 3 * 4) + (4 + 2) == 52
+    run = PAPER_RUNS[0]
+    est = run.predict()
+    hw = run.cluster().hardware
+    assert est.t_optimizer == pytest.approx(P * 52 / (hw.hbm_bw * hw.eff.hbm), rel=1e-12)
 
 
 def test_tensor_parallel_limited_to_a_node():

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from autopar.core.config import Recompute
 from autopar.planning.calibration import PAPER_RUNS
 from autopar.planning.layout import Cluster, layout_errors
 from autopar.planning.models import ModelSpec, get_model
@@ -73,7 +74,7 @@ def test_full_search_is_fast():
 @pytest.mark.parametrize("run", PAPER_RUNS, ids=lambda r: r.model)
 def test_paper_tp_pp_best_or_within_3_percent(run):
     """With the paper's (t, p) fixed, its micro-batch and v are best or within 3%."""
-    space = SearchSpace(t=(run.t,), p=(run.p,), recompute=("full",), dp_overlap=run.dp_overlap)
+    space = SearchSpace(t=(run.t,), p=(run.p,), recompute=("layer",), dp_overlap=run.dp_overlap)
     plan = search(run.spec, run.cluster(), space)
     assert plan.reference is not None and plan.reference.fits
     gain = plan.reference.t_iter / plan.best.t_iter - 1
@@ -103,7 +104,7 @@ MODEL_PREFERS_OTHER_LAYOUT = {
 )
 def test_full_search_best_is_paper_or_within_3_percent(run, capsys):
     """The issue's criterion, over the whole space (full recomputation, as in every paper run)."""
-    space = SearchSpace(recompute=("full",), dp_overlap=run.dp_overlap)
+    space = SearchSpace(recompute=("layer",), dp_overlap=run.dp_overlap)
     plan = search(run.spec, run.cluster(), space)
     gain = plan.reference.t_iter / plan.best.t_iter - 1
     gib = 2**30
@@ -118,7 +119,7 @@ def test_full_search_best_is_paper_or_within_3_percent(run, capsys):
 @pytest.mark.parametrize("run", [r for r in PAPER_RUNS if r.model in MODEL_PREFERS_OTHER_LAYOUT],
                          ids=lambda r: r.model)
 def test_disagreements_are_explained(run):
-    space = SearchSpace(recompute=("full",), dp_overlap=run.dp_overlap)
+    space = SearchSpace(recompute=("layer",), dp_overlap=run.dp_overlap)
     plan = search(run.spec, run.cluster(), space)
     why = plan.why()
     assert why[0].startswith(f"best {plan.best.layout.short} is predicted +")
@@ -132,7 +133,7 @@ def test_paper_layout_wins_because_faster_ones_do_not_fit():
     """3.6B: t=1 would be faster, but with PyTorch DDP (buckets, 2 B/param) and the optimizer
     step's fp32 gradient copy (4 B/param) it needs 22 B/param = 73.0 GiB > 72.0 GiB."""
     run = next(r for r in PAPER_RUNS if r.model == "gpt-3.6b")
-    plan = search(run.spec, run.cluster(), SearchSpace(recompute=("full",), dp_overlap=run.dp_overlap))
+    plan = search(run.spec, run.cluster(), SearchSpace(recompute=("layer",), dp_overlap=run.dp_overlap))
     assert plan.best.layout == plan.reference.layout
     why = plan.why()
     assert why[0] == f"the best layout is the reference layout ({run.layout().short})"
@@ -143,10 +144,10 @@ def test_paper_layout_wins_because_faster_ones_do_not_fit():
 def test_pipelined_layouts_do_not_overlap_the_gradient_all_reduce_by_default():
     # Megatron-LM 2021: PyTorch DDP (overlap) only without a pipeline; local DDP after the flush otherwise
     run = PAPER_RUNS[3]
-    plan = search(run.spec, run.cluster(), SearchSpace(recompute=("full",), dp_overlap=True), top=30)
+    plan = search(run.spec, run.cluster(), SearchSpace(recompute=("layer",), dp_overlap=True), top=30)
     assert {e.layout.dp_overlap for e in plan.ranked if e.layout.p > 1} == {False}
     assert {e.layout.dp_overlap for e in plan.ranked if e.layout.p == 1} <= {True}
-    both = search(run.spec, run.cluster(), SearchSpace(recompute=("full",), dp_overlap=True,
+    both = search(run.spec, run.cluster(), SearchSpace(recompute=("layer",), dp_overlap=True,
                                                        pipeline_dp_overlap=True), top=30)
     assert {e.layout.dp_overlap for e in both.ranked} == {True}
 
@@ -154,7 +155,7 @@ def test_pipelined_layouts_do_not_overlap_the_gradient_all_reduce_by_default():
 def test_no_recompute_wins_when_it_fits_and_says_so():
     run = PAPER_RUNS[0]  # 1.7B: 80 GB holds the full activations at a small micro-batch
     plan = search(run.spec, run.cluster(), SearchSpace(dp_overlap=True))
-    assert plan.best.layout.recompute == "none" and plan.best.fits
+    assert plan.best.layout.recompute is Recompute.NONE and plan.best.fits
     why = plan.why()
     assert "faster" in why[0] and any("no recomputation" in line for line in why)
 
@@ -168,10 +169,15 @@ def test_why_for_identical_layouts():
 def test_cli_plan_json_and_fixed_layout(capsys):
     from autopar.cli import main
 
-    rc = main(["plan", "--model", "gpt-76b", "--gpus", "1024", "--batch", "1792", "--tp", "8", "--pp", "4",
-               "--vp", "3", "--micro-batch", "2", "--recompute", "full", "--json", "--explain"])
+    args = ["plan", "--model", "gpt-76b", "--gpus", "1024", "--batch", "1792", "--tp", "8", "--pp", "4",
+            "--vp", "3", "--micro-batch", "2", "--recompute", "layer", "--json", "--explain"]
+    rc = main(args)
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
+    # 'full' (Megatron's name) is an alias of 'layer': the same plan, spoken in the config's words
+    assert main([a if a != "layer" else "full" for a in args]) == 0
+    alias = json.loads(capsys.readouterr().out)
+    assert alias["ranked"] == out["ranked"] and out["ranked"][0]["recompute"] == "layer"
     assert out["evaluated"] == 1
     row = out["ranked"][0]
     assert (row["t"], row["p"], row["d"], row["v"], row["b"], row["m"]) == (8, 4, 32, 3, 2, 28)

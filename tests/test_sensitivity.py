@@ -25,7 +25,7 @@ def _ratio_at(chosen, other, knob, factor):
 
 
 def _plan(run):
-    return search(run.spec, run.cluster(), SearchSpace(recompute=("full",), dp_overlap=run.dp_overlap))
+    return search(run.spec, run.cluster(), SearchSpace(recompute=("layer",), dp_overlap=run.dp_overlap))
 
 
 @pytest.mark.parametrize("model", ["gpt-7.5b", "gpt-18b", "gpt-39b"])
@@ -71,7 +71,7 @@ def test_seven_b_needs_impossible_nvlink_and_is_tight_on_memory():
 
 def test_without_a_reference_the_runner_up_has_another_decomposition():
     spec = ModelSpec(layers=32, hidden=4096, heads=32)  # not a paper row: no reference
-    plan = search(spec, Cluster.of(64, "dgx-a100-80gb", 512), SearchSpace(recompute=("full",)))
+    plan = search(spec, Cluster.of(64, "dgx-a100-80gb", 512), SearchSpace(recompute=("layer",)))
     assert plan.reference is None
     other, label = plan.compared_with()
     assert label == "the runner-up"
@@ -107,7 +107,7 @@ def test_seven_b_with_one_percent_more_headroom_picks_the_paper_layout_and_names
     run = next(r for r in PAPER_RUNS if r.model == "gpt-7.5b")
     hw = replace(run.cluster().hardware, memory_headroom=0.89)
     plan = search(run.spec, Cluster(run.gpus, hw, run.batch),
-                  SearchSpace(recompute=("full",), dp_overlap=run.dp_overlap))
+                  SearchSpace(recompute=("layer",), dp_overlap=run.dp_overlap))
     assert plan.best.layout == plan.reference.layout
     near = [ln for ln in plan.why() if "faster but does not fit" in ln]
     # the nearest miss among all faster layouts, not only the fastest few

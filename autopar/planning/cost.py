@@ -23,7 +23,7 @@ from __future__ import annotations
 from autopar.planning.calibration import PAPER_RUNS, PaperRun, fit_efficiency
 from autopar.planning.estimate import (
     DDP_BUCKET_BYTES,
-    OPTIMIZER_BYTES_PER_PARAM,
+    OPTIMIZER_STEP_TRAFFIC_PER_PARAM,
     SIMULATION_LIMIT,
     Estimate,
     estimate,
@@ -72,6 +72,6 @@ __all__ = [
     "PhaseOps", "layer_ops", "embedding_ops", "head_ops", "graph_flops", "paper_flops", "param_count",
     "SIMULATION_LIMIT", "Explained", "params_per_stage", "layout_errors", "estimate", "memory_per_gpu",
     "activation_bytes_per_layer", "layer_backward_transient",
-    "inflight_units", "FORMULAS", "explain", "simulate_estimate", "OPTIMIZER_BYTES_PER_PARAM",
+    "inflight_units", "FORMULAS", "explain", "simulate_estimate", "OPTIMIZER_STEP_TRAFFIC_PER_PARAM",
     "DDP_BUCKET_BYTES",
 ]

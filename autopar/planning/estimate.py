@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from autopar.core.config import Recompute
 from autopar.planning.hardware import Hardware
 from autopar.planning.layout import Cluster, Layout, layout_errors
 from autopar.planning.memory import Memory, memory_per_gpu
@@ -33,13 +34,23 @@ from autopar.planning.simulate import simulate_layout_costs
 from autopar.planning.transformer import iteration_flops
 from autopar.schedules import SimResult
 
-__all__ = ["Estimate", "estimate", "simulate_estimate", "OPTIMIZER_BYTES_PER_PARAM", "DDP_BUCKET_BYTES",
+__all__ = ["Estimate", "estimate", "simulate_estimate", "OPTIMIZER_STEP_TRAFFIC_PER_PARAM", "DDP_BUCKET_BYTES",
            "SIMULATION_LIMIT"]
 
-OPTIMIZER_BYTES_PER_PARAM = 52
-"""HBM bytes per parameter of Megatron's mixed-precision Adam step: fp16 grad ->
-fp32 copy (6), unscale + inf check (8), grad-norm (4), fused Adam reading
-grad, param, m, v and writing param, m, v (28), fp32 -> fp16 param copy (6)."""
+OPTIMIZER_STEP_TRAFFIC_PER_PARAM = 52
+"""HBM bytes the optimizer step moves per local parameter: its time, not its memory (the
+optimizer's *state* is ``core.config.optimizer_bytes_per_param``, 12 bytes in mixed
+precision). Megatron's mixed-precision Adam step, kernel by kernel:
+
+- fp16 gradient -> fp32 copy: read 2 + write 4 = 6
+- unscale and inf/nan check of the fp32 gradient: read 4 + write 4 = 8
+- gradient norm (for clipping): read 4 = 4
+- fused Adam: read the fp32 gradient, master weight, m and v (16), write the master
+  weight, m and v (12) = 28
+- fp32 master weight -> fp16 weight: read 4 + write 2 = 6
+
+6 + 8 + 4 + 28 + 6 = 52. The step is memory-bound: its time is
+``P * 52 / (achieved HBM bandwidth)``."""
 
 DDP_BUCKET_BYTES = 25e6
 """PyTorch DDP's bucket: with overlap, at least the last bucket's all-reduce is exposed."""
@@ -123,7 +134,7 @@ class Estimate:
             "model": self.spec.label, "gpus": self.cluster.gpus, "hardware": self.cluster.hardware.name,
             "global_batch": self.cluster.global_batch,
             "t": lay.t, "p": lay.p, "d": lay.d, "v": lay.v, "b": lay.b, "m": self.m,
-            "schedule": lay.schedule, "recompute": lay.recompute, "scatter_gather": lay.scatter_gather,
+            "schedule": lay.schedule, "recompute": str(lay.recompute), "scatter_gather": lay.scatter_gather,
             "dp_overlap": lay.dp_overlap,
             "iteration_s": self.t_iter, "tflops_per_gpu": self.tflops_per_gpu, "frac_peak": self.frac_peak,
             "bubble": self.bubble, "comm_s": self.comm_time, "memory_gib": self.memory.total / 2**30,
@@ -158,7 +169,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     P_max = max(params_per_stage(spec, lay.t, lay.p))
     t_dp, t_dp_exposed = _dp_allreduce(hw, lay, P_max, chunk.t_B)
     t_emb = _embedding_sync(spec, hw, lay)
-    t_opt = P_max * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_bw * hw.eff.hbm)
+    t_opt = P_max * OPTIMIZER_STEP_TRAFFIC_PER_PARAM / (hw.hbm_bw * hw.eff.hbm)
     breakdown = _breakdown(chunk, lay, m, c, t_pipe, t_dp_exposed + t_emb, t_opt)
     inflight = [sim.peak_in_flight[r] for r in range(lay.p)] if sim is not None else None
     return Estimate(
@@ -167,7 +178,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
         t_emb_f=chunk.emb_f, t_emb_b=chunk.emb_b, t_p2p=c, t_pipeline=t_pipe, bubble=bubble, t_dp=t_dp,
         t_dp_exposed=t_dp_exposed, t_emb_sync=t_emb, t_optimizer=t_opt, breakdown=breakdown,
         memory=memory_per_gpu(spec, lay, m, inflight),
-        flops=iteration_flops(spec, cluster.global_batch, lay.recompute == "full"),
+        flops=iteration_flops(spec, cluster.global_batch, lay.recompute is Recompute.LAYER),
         sim=sim,
     )
 
@@ -188,7 +199,7 @@ class _Chunk:
     def of(cls, spec: ModelSpec, hw: Hardware, lay: Layout) -> _Chunk:
         L = math.ceil(spec.layers / (lay.p * lay.v))
         tm = layer_times(spec, hw, lay.b, lay.t)
-        rc = 1.0 if lay.recompute == "full" else 0.0
+        rc = 1.0 if lay.recompute is Recompute.LAYER else 0.0  # each layer's forward again in its backward
         return cls(L, tm["layer_f"] * L, tm["layer_b"] * L + tm["layer_f"] * (L * rc), tm)
 
     @property

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from autopar.core.config import Recompute
 from autopar.planning.estimate import Estimate
 
 __all__ = ["FORMULAS", "Explained", "explain"]
@@ -22,7 +23,7 @@ _P_EXPR = 12 * l_ * h_**2 * (1 + sp.Rational(13, 12) / h_ + (V_ + s_) / (12 * l_
 
 FORMULAS: dict[str, tuple[str, sp.Expr]] = {
     "P": ("parameters", _P_EXPR),
-    "F": ("FLOPs per iteration, full recomputation (72 instead of 96 without)",
+    "F": ("FLOPs per iteration, layer (the paper's full) recomputation (72 instead of 96 without)",
           96 * B_ * s_ * l_ * h_**2 * (1 + s_ / (6 * h_) + V_ / (16 * l_ * h_))),
     "m": ("microbatches per pipeline", B_ / (d_ * b_)),
     "bubble": ("pipeline bubble fraction (uniform chunks)", (p_ - 1) / (v_ * m_)),
@@ -59,7 +60,7 @@ def explain(est: Estimate) -> list[Explained]:
             TIT_: est.t_iter, F_: est.flops}
     out = []
     for key, (desc, expr) in FORMULAS.items():
-        if key == "F" and lay.recompute != "full":
+        if key == "F" and lay.recompute is not Recompute.LAYER:
             expr = 72 * B_ * s_ * l_ * h_**2 * (1 + s_ / (6 * h_) + V_ / (12 * l_ * h_))
         val = float(expr.subs(subs))
         if key == "X":

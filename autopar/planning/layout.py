@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.core.config import RECOMPUTE, SCHEDULE_NAMES, ParallelConfig, Recompute, microbatch_errors
 from autopar.planning.hardware import Hardware, get_hardware
 from autopar.planning.models import ModelSpec
 
-__all__ = ["Cluster", "Layout", "layout_errors", "SCHEDULES", "RECOMPUTE"]
+__all__ = ["Cluster", "Layout", "layout_errors", "PRICED_RECOMPUTE"]
 
-SCHEDULES = ("1f1b", "interleaved", "gpipe")
-RECOMPUTE = ("full", "none")
+PRICED_RECOMPUTE: tuple[Recompute, ...] = (Recompute.LAYER, Recompute.NONE)
+"""The recomputation modes the cost model prices. ``chunk`` (the whole chunk re-materialised in
+its backward, embedding and LM head included) is not: its memory and time differ from
+``layer``'s in ways the model does not follow, so a layout asking for it is refused."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,10 @@ class Layout:
     """Model chunks per pipeline stage (interleaved schedule when > 1)."""
     schedule: str = ""
     """``1f1b``, ``interleaved`` or ``gpipe``; empty means interleaved if v > 1 else 1f1b."""
-    recompute: str = "full"
-    """Activation recomputation: ``full`` (every layer) or ``none``."""
+    recompute: Recompute | str = Recompute.LAYER
+    """Activation recomputation, ``core.config.Recompute``: ``layer`` (each layer's input kept,
+    the layer recomputed in its backward: Megatron's "full" recomputation, as in every paper
+    run) or ``none``. ``chunk`` is refused (``PRICED_RECOMPUTE``)."""
     scatter_gather: bool = True
     """Send 1/t of each boundary activation and all-gather it over NVLink."""
     dp_overlap: bool = False
@@ -58,14 +63,36 @@ class Layout:
     def __post_init__(self) -> None:
         if not self.schedule:
             object.__setattr__(self, "schedule", "interleaved" if self.v > 1 else "1f1b")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"schedule must be one of {SCHEDULE_NAMES}, got {self.schedule!r}")
         if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+            alias = " ('full', Megatron's name, is 'layer')" if self.recompute == "full" else ""
+            raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}{alias}")
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
+        if self.recompute not in PRICED_RECOMPUTE:
+            raise ValueError(f"the cost model prices recompute 'layer' or 'none', not {str(self.recompute)!r}: "
+                             "re-materialising a whole chunk (embedding and LM head included) in its backward "
+                             "changes its memory and time in ways it does not model")
         if min(self.t, self.p, self.d, self.b, self.v) < 1:
             raise ValueError(f"all degrees must be >= 1: {self}")
         if self.schedule == "1f1b" and self.v != 1:
             raise ValueError(f"1f1b runs one chunk per stage (v=1), got v={self.v}; use 'interleaved'")
+
+    @classmethod
+    def from_config(cls, config: ParallelConfig, micro_batch_size: int) -> Layout:
+        """The layout a program compiled with ``config`` runs, micro-batches of ``micro_batch_size``.
+
+        d is ``config.data_parallel``; the gradient all-reduce overlaps the backward
+        (autopar's runtime reduces each bucket as soon as its last gradient is made).
+        Estimate it on a cluster of t p d GPUs with a global batch of
+        ``config.microbatches * d * micro_batch_size`` sequences, so that m is the
+        config's. The cost model prices mixed precision (16-bit weights and activations,
+        fp32 master weights and Adam state) whatever ``config.precision`` says, and
+        refuses ``recompute='chunk'`` (``PRICED_RECOMPUTE``).
+        """
+        return cls(t=config.tp, p=config.pp, d=config.data_parallel, b=micro_batch_size, v=config.virtual_stages,
+                   schedule=config.schedule, recompute=config.recompute, scatter_gather=config.scatter_gather,
+                   dp_overlap=True)
 
     @property
     def short(self) -> str:
@@ -74,7 +101,7 @@ class Layout:
             parts.append(f"v={self.v}")
         if self.p > 1:
             parts.append({"1f1b": "1F1B", "interleaved": "int", "gpipe": "GPipe"}[self.schedule])
-        if self.recompute != "full":
+        if self.recompute is Recompute.NONE:
             parts.append("no-rc")
         return " ".join(parts)
 
@@ -104,8 +131,6 @@ def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_laye
         errs.append(f"global batch {B} is not divisible by d*b = {lay.d}*{lay.b} = {lay.d * lay.b}")
     else:
         m = B // (lay.d * lay.b)
-        if lay.schedule == "interleaved" and m % lay.p:
-            errs.append(f"interleaved schedule needs microbatches m = B/(d b) = {m} to be a multiple of p = {lay.p}")
-        elif lay.schedule != "gpipe" and m < lay.p:
-            errs.append(f"{lay.schedule} needs at least one microbatch per stage: m = B/(d b) = {m} < p = {lay.p}")
+        errs += [f"with m = B/(d b) = {B}/({lay.d}*{lay.b}) = {m} microbatches, {e}"
+                 for e in microbatch_errors(lay.schedule, lay.p, lay.v, m)]
     return errs

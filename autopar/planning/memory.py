@@ -11,12 +11,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autopar.core.config import Recompute, optimizer_bytes_per_param
 from autopar.planning.layout import Layout
 from autopar.planning.models import ModelSpec, params_per_stage
 from autopar.planning.op_costs import FP16, FP32
 from autopar.schedules import in_flight_bound
 
 __all__ = ["Memory", "activation_bytes_per_layer", "layer_backward_transient", "memory_per_gpu"]
+
+OPTIMIZER_STATE = optimizer_bytes_per_param(FP16)
+"""Adam's state per 16-bit parameter (mixed precision): m and v, and the fp32 master weights,
+12 bytes."""
 
 
 def activation_bytes_per_layer(spec: ModelSpec, b: int, t: int) -> float:
@@ -87,13 +92,13 @@ def memory_per_gpu(spec: ModelSpec, lay: Layout, m: int, inflight: list[int] | N
 
     Activations at their peak = what the in-flight microbatches keep + the
     larger of two working sets that never coexist:
-      - stored: with ``recompute=full`` each in-flight chunk-microbatch keeps
+      - stored: with ``recompute='layer'`` each in-flight chunk-microbatch keeps
         its layers' inputs (2 b s h bytes each); with ``none`` every in-flight
         layer keeps all its activations (``activation_bytes_per_layer``); in a
         pipeline each in-flight chunk also keeps its output (2 b s h) until its
         backward (Megatron-LM 2021 backpropagates from it; the last chunk's
         output is the loss);
-      - a layer's backward: (recompute=full) the layer re-materialised,
+      - a layer's backward: (recompute='layer') the layer re-materialised,
         plus ``layer_backward_transient``, plus the incoming and outgoing
         gradients (2 x 2 b s h);
       - the loss (last stage): the fp32 softmax of the vocabulary-parallel
@@ -115,7 +120,7 @@ def memory_per_gpu(spec: ModelSpec, lay: Layout, m: int, inflight: list[int] | N
         units = inflight[r] if inflight is not None else in_flight_bound(lay.schedule, p, lay.v, m, r)
         P = params[r]
         act = max(_activations(spec, lay, r, units), FP32 * P)
-        cand = Memory(FP16 * P, FP16 * P, 12.0 * P, act, r, buffers=ddp * P)
+        cand = Memory(FP16 * P, FP16 * P, float(OPTIMIZER_STATE) * P, act, r, buffers=ddp * P)
         if best is None or cand.total > best.total:
             best = cand
     return best
@@ -131,7 +136,7 @@ def _activations(spec: ModelSpec, lay: Layout, r: int, units: int) -> float:
     full_layer = activation_bytes_per_layer(spec, b, t)
     transient = layer_backward_transient(spec, b, t)
     ckpt = FP16 * T * spec.hidden
-    if lay.recompute == "full":
+    if lay.recompute is Recompute.LAYER:
         stored = units * chunk_layers * ckpt
         working = full_layer + transient + 2 * ckpt
     else:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 
 from autopar.planning.calibration import PAPER_RUNS, PaperRun
 from autopar.planning.estimate import Estimate, estimate
-from autopar.planning.layout import Cluster, Layout, layout_errors
+from autopar.core.config import Recompute
+from autopar.planning.layout import PRICED_RECOMPUTE, Cluster, Layout, layout_errors
 from autopar.planning.models import ModelSpec, params_per_stage
 from autopar.planning.sensitivity import flip_lines, memory_margin_line
 
@@ -49,8 +50,8 @@ class SearchSpace:
     """Micro-batch sizes to try (None: every divisor of B/d up to ``max_micro_batch``)."""
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
     """Pipeline schedules to consider ('gpipe' too if asked: same time as 1F1B, more memory)."""
-    recompute: tuple[str, ...] = ("full", "none")
-    """Activation recomputation choices."""
+    recompute: tuple[Recompute | str, ...] = PRICED_RECOMPUTE
+    """Activation recomputation choices (``core.config.Recompute``): 'layer' and 'none'."""
     dp_overlap: bool = False
     """Whether layouts without a pipeline (p = 1) overlap the gradient all-reduce
     with the backward (PyTorch DDP does; Megatron's 2021 local DDP did not)."""
@@ -159,7 +160,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
     rej = rejected if rejected is not None else {}
 
     def reject(errs: list[str]) -> None:
-        key = _rule_of(errs[0])
+        key = _rule_of(errs)
         rej[key] = rej.get(key, 0) + 1
 
     ts = space.t or tuple(t for t in _divisors(G) if n % t == 0)
@@ -215,11 +216,12 @@ _RULES = (
 )
 
 
-def _rule_of(message: str) -> str:
+def _rule_of(errors: list[str]) -> str:
+    """The first rule of ``_RULES`` that one of ``errors`` breaks (else the first message)."""
     for needle, rule in _RULES:
-        if needle in message:
+        if any(needle in message for message in errors):
             return rule
-    return message
+    return errors[0]
 
 
 def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace(), top: int = 10,
@@ -291,7 +293,7 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
         why = []
         if la.recompute != lb.recompute:
             why.append("no recomputation saves one forward per layer (a quarter of the FLOPs)"
-                       if la.recompute == "none" else "recomputation adds one forward per layer")
+                       if la.recompute is Recompute.NONE else "recomputation adds one forward per layer")
         if la.t != lb.t:
             why.append(f"t={la.t} vs {lb.t}: GEMMs split t ways, LayerNorm/dropout/residual are not"
                        if part == "memory" else f"t={la.t} vs {lb.t} changes the GEMM shapes (N = h/t)")
