@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import xml.etree.ElementTree as ET
 from fractions import Fraction
+from html import escape
 
 import pytest
 
@@ -236,15 +237,32 @@ def test_cli_simulate_writes_svg(tmp_path, capsys):
     from autopar.cli import main
 
     path = tmp_path / "step.svg"
-    assert main(["simulate", "--pp", "4", "--vp", "2", "--microbatches", "8", "--svg", str(path), "--width", "60"]) == 0
-    out = capsys.readouterr().out
-    assert "lowered" in out and "bubble 18.8%" in out  # the runtime's schedule, drawn
-    assert "eager sends" in out and "bubble 18.8%" in out  # 3 / (2 * 8), the planner's model
+    args = ["simulate", "--pp", "4", "--vp", "2", "--microbatches", "8", "--svg", str(path), "--width", "60"]
+    lowered = simulate_lowered(runtime_schedule("interleaved", 4, 2, 8))
+    eager = simulate(generate("interleaved", 4, 2, 8))
+    assert lowered.bubble == eager.bubble == pytest.approx(3 / 16)  # (p-1)/(v m) both ways
+    assert lowered.step_time == eager.step_time == (2 * 8 + 3) * 3  # F = 1, B = 2
+
+    def words(text: str) -> str:  # rich wraps long lines at the console's width
+        return " ".join(text.split())
+
+    drawn_lowered = (f"interleaved p=4 v=2 m=8 (lowered: non-blocking sends, receives awaited by their consumer, "
+                     f"as autopar's runtime runs it): step {lowered.step_time:.4g} units, bubble {lowered.bubble:.1%}")
+    drawn_eager = (f"interleaved p=4 v=2 m=8 (eager sends (the planner's model)): step {eager.step_time:.4g} units, "
+                   f"bubble {eager.bubble:.1%}")
+    assert main(args) == 0
+    out = words(capsys.readouterr().out)
+    assert drawn_lowered in out  # the runtime's schedule is drawn
+    assert f"eager sends (the planner model): step {eager.step_time:.4g} units, bubble {eager.bubble:.1%}" in out
     svg = path.read_text()
     ET.fromstring(svg)
-    assert "RF" in svg and "F7.3" in svg  # waits on receives and compute boxes of the lowered schedule
-    assert main(["simulate", "--pp", "4", "--vp", "2", "--microbatches", "8", "--svg", str(path), "--eager"]) == 0
-    assert "eager sends (the planner" in path.read_text()
+    assert escape(drawn_lowered) in svg and "waiting for the partner of RF" in svg and ">F7.3<" in svg
+    assert main(args + ["--eager"]) == 0
+    out = words(capsys.readouterr().out)
+    assert drawn_eager in out
+    assert f"lowered schedule (autopar runtime): step {lowered.step_time:.4g} units, bubble {lowered.bubble:.1%}" in out
+    svg = path.read_text()
+    assert escape(drawn_eager) in svg and "waiting for the partner of" not in svg and ">F7.3<" in svg
 
 
 def test_cli_simulate_model_layout(tmp_path, capsys):
