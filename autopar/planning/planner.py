@@ -178,29 +178,36 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
                 reject([f"global batch {B} is not divisible by d*b"])
                 continue
             bs = space.b or tuple(b for b in _divisors(B // d) if b <= space.max_micro_batch)
-            if p == 1:
-                vs: tuple[int, ...] = (1,)
-            elif space.v:
-                vs = space.v
-            elif space.divisible_layers:
-                vs = tuple(_divisors(spec.layers // p)) if spec.layers % p == 0 else (1,)
-            else:
-                vs = tuple(range(1, spec.layers // p + 1))
-            for b in bs:
-                for v in vs:
-                    scheds = [s for s in space.schedules if (s == "interleaved") == (v > 1) or s == "gpipe"]
-                    if p == 1:
-                        scheds = ["1f1b"]
-                    for sched in scheds:
-                        for rc in space.recompute:
-                            lay = Layout(t=t, p=p, d=d, b=b, v=v, schedule=sched, recompute=rc,
-                                         scatter_gather=space.scatter_gather,
-                                         dp_overlap=space.overlap_for(p))
-                            errs = layout_errors(spec, cluster, lay, space.divisible_layers)
-                            if errs:
-                                reject(errs)
-                            else:
-                                yield lay
+            vs = _chunks_per_stage(spec, p, space)
+            for b, v in ((b, v) for b in bs for v in vs):
+                for sched, rc in ((s, rc) for s in _schedules_for(p, v, space) for rc in space.recompute):
+                    lay = Layout(t=t, p=p, d=d, b=b, v=v, schedule=sched, recompute=rc,
+                                 scatter_gather=space.scatter_gather, dp_overlap=space.overlap_for(p))
+                    errs = layout_errors(spec, cluster, lay, space.divisible_layers)
+                    if errs:
+                        reject(errs)
+                    else:
+                        yield lay
+
+
+def _chunks_per_stage(spec: ModelSpec, p: int, space: SearchSpace) -> tuple[int, ...]:
+    """The v to try with p stages: 1 without a pipeline, the space's, or every v whose p v
+    chunks divide the layers (fill them, with ``divisible_layers=False``)."""
+    if p == 1:
+        return (1,)
+    if space.v:
+        return space.v
+    if space.divisible_layers:
+        return tuple(_divisors(spec.layers // p)) if spec.layers % p == 0 else (1,)
+    return tuple(range(1, spec.layers // p + 1))
+
+
+def _schedules_for(p: int, v: int, space: SearchSpace) -> list[str]:
+    """The space's schedules that can run v chunks per stage (interleaved exactly when v > 1,
+    GPipe always); 1F1B alone without a pipeline."""
+    if p == 1:
+        return ["1f1b"]
+    return [s for s in space.schedules if (s == "interleaved") == (v > 1) or s == "gpipe"]
 
 
 _RULES = (
