@@ -6,7 +6,7 @@ whole default space (every t, p, v, micro-batch, schedule, with and without
 recomputation), scoring every candidate with the closed form and re-scoring the
 best 8 plus the paper's layout with the event simulator, and prints the median
 wall time of ``--repeat`` runs. Before each run the per-shape caches of
-``autopar.planning.cost`` are cleared, so every run is a cold search (the planner as a
+``autopar.planning.op_times`` are cleared, so every run is a cold search (the planner as a
 user meets it); ``--warm`` keeps them.
 
     .venv/bin/python bench/plan_speed.py [--repeat 5] [--warm]
@@ -32,14 +32,14 @@ HELD_OUT = (("gpt-145b", 8, 8, 1536, 2304), ("gpt-310b", 8, 16, 1920, 2160),
 
 
 def _clear_caches() -> None:
-    for fn in (cost.layer_ops, cost.embedding_ops, cost.head_ops, cost._times):
+    for fn in (cost.layer_ops, cost.embedding_ops, cost.head_ops, cost.layer_times):
         fn.cache_clear()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5, help="runs per configuration (median reported)")
-    ap.add_argument("--warm", action="store_true", help="keep autopar.planning.cost's shape caches between runs")
+    ap.add_argument("--warm", action="store_true", help="keep autopar.planning.op_times's shape caches between runs")
     args = ap.parse_args()
 
     configs = [(r.model, r.gpus, r.batch, r.dp_overlap) for r in PAPER_RUNS]

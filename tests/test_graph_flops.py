@@ -6,7 +6,7 @@ every node's FLOPs come from its shapes (``node.meta["val"]``) through
 ``autopar.core.flops.node_flops``, which uses ``autopar.core.flops.matmul_flops`` and
 ``attention_flops`` (the ones ``autopar.planning.op_costs`` prices kernels with).
 
-What is counted, as the paper counts it (PAPER.md, "Cost formulas"):
+What is counted, as the paper counts it (docs/megatron.md, section 2, "Cost formulas"):
 
 - matrix products only: ``linear`` / ``mm`` / ``bmm`` / ``matmul`` / ``addmm``
   (2 M N K, bias adds not counted) and ``scaled_dot_product_attention``
