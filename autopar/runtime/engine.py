@@ -1,16 +1,29 @@
 """One rank's training engine: its chunks' parameter shards and the schedule interpreter.
 
 ``train_step(*inputs, *targets)`` takes the whole batch (the same on every
-rank), keeps this data-parallel replica's slice, cuts it into microbatches and
-runs this stage's actions from the lowered schedule (``autopar/schedules.py``):
+rank), keeps this data-parallel replica's slice, moves it to the engine's
+device, cuts it into microbatches and runs this stage's actions from the
+lowered schedule (``autopar/schedules/``). A table maps each action kind to its
+handler:
 
 - ``F c.i``  forward of chunk c on microbatch i; inputs that arrived from the
              previous stage become leaves that require grad; the context is
              kept until ``B c.i`` (the last chunk scales its loss by 1/m);
 - ``B c.i``  backward of the kept outputs with the received output gradients;
              the gradients of the inputs are what the previous stage needs;
-- ``SF/RF/SB/RB``  point-to-point; a run of consecutive ones is posted as one
+- ``SF/RF/SB/RB``  point-to-point; each handler adds its operations to the
+             open batch, and a run of consecutive ones is posted as one
              ``batch_isend_irecv`` so no ordering of pairs can deadlock.
+
+What a step holds between actions (kept contexts, arrived tensors, receives in
+flight, the loss) lives in one ``StepState``, made per step and dropped after
+it. An action that raises is re-raised as ``ActionError`` naming the rank, its
+(pp, dp, tp) coordinates and the action, with the schedule grid around it (the
+action marked ``[..]``).
+
+Every tensor the engine makes lives on its device (``self.device``: the device
+of its parameters; the current GPU when the process group is NCCL), so no
+collective ever runs on a CPU tensor under NCCL.
 
 With tensor parallelism, a boundary tensor that is identical on the t ranks of
 a stage is sent as 1/t slices (rank j of stage s to rank j of stage s+1) and
@@ -34,8 +47,9 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +67,35 @@ if TYPE_CHECKING:
     from autopar.compiler.program import Program
     from autopar.core.chunks import Boundary, Chunk
 
-__all__ = ["RankEngine", "rank_device"]
+__all__ = ["RankEngine", "StepState", "ActionError", "rank_device"]
+
+Key = tuple[int, int]
+"""(chunk, microbatch)."""
+
+Finish = Callable[[], torch.Tensor]
+"""Turns a filled receive buffer into the boundary tensor (all-gathers a scattered one)."""
+
+
+class ActionError(RuntimeError):
+    """An action of this rank's schedule raised; ``__cause__`` is the original exception.
+
+    The message names the rank, its (pp, dp, tp) coordinates and the action(s),
+    and ends with the schedule grid around them, marked ``[..]``.
+    """
+
+    def __init__(self, message: str, rank: int, coords: tuple[int, int, int],
+                 actions: Iterable[Action], marks: Iterable[tuple[int, int]]) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.coords = coords
+        """(pp, dp, tp) of the rank."""
+        self.actions = tuple(actions)
+        """The failing action, or the run of sends/receives that was being posted."""
+        self.marks = tuple(marks)
+        """(stage, index in the stage's action list) of each failing action."""
+
+    def __reduce__(self):
+        return type(self), (str(self), self.rank, self.coords, self.actions, self.marks)
 
 
 def rank_device(tensors: Iterable[torch.Tensor]) -> torch.device:
@@ -71,6 +113,81 @@ def rank_device(tensors: Iterable[torch.Tensor]) -> torch.device:
 
 def _nccl() -> bool:
     return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+@dataclass
+class _Receive:
+    """The receives of one RF/RB action in flight: its own works and how to finish each buffer."""
+
+    works: list
+    finishes: list[Finish | None]
+    """One per boundary; None where nothing is received (no gradient flows)."""
+
+    def wait(self) -> list[torch.Tensor | None]:
+        for work in self.works:
+            work.wait()
+        return [f() if f is not None else None for f in self.finishes]
+
+
+@dataclass
+class _CommBatch:
+    """The point-to-point operations of a run of consecutive SF/RF/SB/RB actions."""
+
+    ops: list = field(default_factory=list)
+    """``dist.P2POp`` in the order the handlers added them."""
+    receives: list[tuple[Action, list[int], list[Finish | None]]] = field(default_factory=list)
+    """(RF/RB action, indices of its ops in ``ops``, one finish per boundary)."""
+
+
+@dataclass
+class StepState:
+    """What one ``train_step`` holds between actions; made per step, dropped after it.
+
+    Keyed by ``(chunk, microbatch)``. Boundary tensors are one microbatch's,
+    local to this tensor-parallel rank (shapes as the chunk's ``Boundary.shape``),
+    on the engine's device.
+    """
+
+    micro: list[list[torch.Tensor]]
+    """[microbatch][input or target]: this replica's slices of the batch."""
+    m: int
+    """Microbatches per step."""
+    loss_sum: torch.Tensor
+    """Float64 scalar: the sum of the last chunk's microbatch losses."""
+    param_ptrs: set[int]
+    """Storage addresses of the parameters: weights autograd saves are not activations."""
+    events: list[Event] = field(default_factory=list)
+    """Measured timeline of the step (``engine.events``)."""
+    ctx: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    """F done, B pending: (the chunk's inputs as leaves, its outputs; the last chunk's: [loss / m])."""
+    saved: dict[Key, int] = field(default_factory=dict)
+    """Bytes autograd keeps for each pending backward."""
+    fwd_in: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    """Inputs of a coming F: received, or handed over by the previous chunk on this stage."""
+    grad_out: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
+    """Gradients of a chunk's outputs for its coming B (None where no gradient flows)."""
+    grad_in: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
+    """Gradients of a chunk's inputs, for SB to send to the previous stage."""
+    b_done: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Chunk -> backwards run; at m its parameters' gradients are final."""
+    comm: _CommBatch = field(default_factory=_CommBatch)
+    """The batch the communication handlers of the current run add to."""
+    pending_sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    """(work, tensor) of sends in flight: the tensor must live until the work completes."""
+    pending_recv: dict[tuple[Kind, int, int], _Receive] = field(default_factory=dict)
+    """RF/RB ``action.key`` -> its receives in flight, waited for by the F or B that consumes them."""
+
+    def store(self, kind: Kind) -> dict[Key, list]:
+        """Where an RF (``fwd_in``) or RB (``grad_out``) puts what it receives."""
+        return self.fwd_in if kind is Kind.RECV_F else self.grad_out
+
+    def take(self, kind: Kind, key: Key) -> list:
+        """The tensors of the RF/RB ``kind`` for ``key``; waits for them if still in flight."""
+        store = self.store(kind)
+        pending = self.pending_recv.pop((kind, *key), None)
+        if pending is not None:
+            store[key] = pending.wait()
+        return store.pop(key)
 
 
 class RankEngine(nn.Module):
@@ -97,6 +214,8 @@ class RankEngine(nn.Module):
         """Buffers and constants by placeholder, on the engine's device."""
         self.schedule = program.schedule
         self.stats: dict = {}
+        self.events: list[Event] = []
+        """The last step's measured timeline."""
         self.runnables = {c: ch.module for c, ch in self.chunks.items()}
         """Chunk -> what runs it: its graph, with recomputation applied at compile time."""
         self.random_seed = self._stream_seed(mesh)
@@ -107,16 +226,37 @@ class RankEngine(nn.Module):
             self._rng_states = self._get_rng()
         self.grads = GradientSync(program, mesh, {n: self.shards[_key(n)] for n in local_params},
                                   bucket_bytes, device=self.device)
-        # a parameter's gradient is final after the last backward of the last local chunk that reads
-        # it: its data-parallel reduction starts right then, overlapping the remaining backwards
+        self._ready_after = self._gradients_ready_after(local_params)
+
+    def _handlers(self) -> dict[Kind, Callable[[Action, StepState], None]]:
+        """Action kind -> its handler, called ``handler(action, state)``; a communication handler
+        adds its operations to ``state.comm``. Made at the start of each step from the engine's
+        methods, so a method wrapped on the instance (instrumentation) is the one dispatched to."""
+        return {
+            Kind.F: self._forward,
+            Kind.B: self._backward,
+            Kind.SEND_F: self._send_outputs,
+            Kind.RECV_F: self._recv_inputs,
+            Kind.SEND_B: self._send_input_grads,
+            Kind.RECV_B: self._recv_output_grads,
+        }
+
+    def _gradients_ready_after(self, local_params) -> dict[int, list[str]]:
+        """Chunk -> the parameters whose gradients are final after that chunk's last backward.
+
+        A parameter's gradient is final after the last backward of the last local chunk that
+        reads it: its data-parallel reduction starts right then, overlapping the remaining backwards.
+        """
+        program = self.program
         order = [a.chunk for a in self.schedule.actions[self.stage] if a.kind is Kind.B]
         last_b = {c: i for i, c in enumerate(order)}
-        self._ready_after: dict[int, list[str]] = defaultdict(list)
+        ready: dict[int, list[str]] = defaultdict(list)
         for name in program.param_names:
             if name in local_params and name not in program.tied_params:
                 users = [c for c, ch in self.chunks.items()
                          if any(program.traced.param_of[ph] == name for ph in ch.params)]
-                self._ready_after[max(users, key=last_b.__getitem__)].append(name)
+                ready[max(users, key=last_b.__getitem__)].append(name)
+        return ready
 
     def _stream_seed(self, mesh: Mesh) -> int:
         """Global rank 0's ``torch.initial_seed()``, offset by this rank's (stage, replica).
@@ -148,51 +288,74 @@ class RankEngine(nn.Module):
         return self.train_step(*batch)
 
     def train_step(self, *batch: torch.Tensor) -> float:
-        """Forward and backward of one global batch; returns the mean loss (same on every rank)."""
-        micro = self._microbatches(batch)
+        """Forward and backward of one global batch; returns the mean loss (same on every rank).
+
+        ``batch``: the model's inputs then its targets, each of shape (d * m * b, ...) for d
+        data-parallel replicas, m microbatches and the example microbatch's leading size b;
+        on any device (this replica's slice is moved to the engine's).
+        """
         m = self.program.microbatches
-        self._ctx: dict[tuple[int, int], tuple] = {}
-        self._fwd_in: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._grad_out: dict[tuple[int, int], list[torch.Tensor | None]] = {}
-        self._grad_in: dict[tuple[int, int], list[torch.Tensor | None]] = {}
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._saved: dict[tuple[int, int], int] = {}
-        self._param_ptrs = {p.data_ptr() for p in self.shards.values()}
+        st = StepState(micro=self._microbatches(batch), m=m,
+                       loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
+                       param_ptrs={p.data_ptr() for p in self.shards.values()})
         self.stats = {"bytes_sent": defaultdict(int), "peak_in_flight": 0, "peak_activation_bytes": 0}
         self.grads.begin_step(self.stats)
-        self._b_done: dict[int, int] = defaultdict(int)
-        self._pending_sends: list = []
-        self._pending_recv: dict = {}
+        self.events = st.events
+        self._run_actions(st, self.schedule.actions[self.stage])
+        for work, _ in st.pending_sends:
+            work.wait()
+        st.pending_sends = []
+        self.grads.end_step()
+        return self._reduce_loss(st)
 
-        actions = self.schedule.actions[self.stage]
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self.events: list[Event] = []
+    def _run_actions(self, st: StepState, actions: list[Action]) -> None:
+        """Run this stage's actions in order, recording each compute action and each batch of
+        point-to-point operations in ``st.events``."""
+        rank = self.mesh.rank
+        handlers = self._handlers()
         t0 = time.perf_counter()
         i = 0
         while i < len(actions):
-            a = actions[i]
-            start = time.perf_counter() - t0
-            if a.is_comm:
-                j = i
+            j = i + 1
+            if actions[i].is_comm:
                 while j < len(actions) and actions[j].is_comm:
                     j += 1
-                self._communicate(actions[i:j])
-                name, kind = " ".join(map(str, actions[i:j])), "comm"
-                i = j
-            else:
-                if a.kind is Kind.F:
-                    self._forward(a, micro, m)
-                else:
-                    self._backward(a, m)
-                name, kind = str(a), a.kind.value
-                i += 1
+            start = time.perf_counter() - t0
+            name, kind = self._run(st, handlers, actions, i, j)
             self.events.append(Event(rank, kind, name, start, time.perf_counter() - t0))
+            i = j
 
-        for work, _ in self._pending_sends:
-            work.wait()
-        self._pending_sends = []
-        self.grads.end_step()
-        return self._reduce_loss(m)
+    def _run(self, st: StepState, handlers: dict, actions: list[Action], i: int, j: int) -> tuple[str, str]:
+        """Run ``actions[i:j]``: one compute action, or a run of communication actions posted as
+        one batch. Returns the event's (name, kind); a failure is re-raised as ``ActionError``."""
+        at = [i]
+        try:
+            if actions[i].is_compute:
+                handlers[actions[i].kind](actions[i], st)
+                return str(actions[i]), actions[i].kind.value
+            st.comm = _CommBatch()
+            for k in range(i, j):
+                at = [k]
+                handlers[actions[k].kind](actions[k], st)
+            at = list(range(i, j))  # posting the batch: it is the run's, not one action's
+            self._post(st)
+            return " ".join(map(str, actions[i:j])), "comm"
+        except Exception as e:
+            raise self._failure(e, at) from e
+
+    def _failure(self, e: Exception, steps: list[int]) -> ActionError:
+        """``e`` with context: the rank, its coordinates, the action(s) at ``steps`` (indices in this
+        stage's action list) and the schedule grid around them, marked."""
+        actions = [self.schedule.actions[self.stage][t] for t in steps]
+        marks = [(self.stage, t) for t in steps]
+        coords = self.mesh.shape.coords(self.mesh.rank)
+        pp, dp, tp = coords
+        what = " ".join(map(str, actions))
+        where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+        grid = self.schedule.format_grid(marks, columns=(steps[0] - 8, steps[-1] + 9))
+        message = (f"rank {self.mesh.rank} (pp={pp}, dp={dp}, tp={tp}) failed running {what} "
+                   f"(stage {self.stage}, {where}, marked [..] below): {type(e).__name__}: {e}\n{grid}")
+        return ActionError(message, self.mesh.rank, coords, actions, marks)
 
     def _microbatches(self, batch) -> list[list[torch.Tensor]]:
         """[microbatch][input or target]: this replica's slices, on the engine's device."""
@@ -217,6 +380,7 @@ class RankEngine(nn.Module):
         return out
 
     def _chunk_args(self, chunk: "Chunk", micro_i: list[torch.Tensor], inputs: list[torch.Tensor]) -> list:
+        """The chunk's graph arguments: the tp group, its parameter shards, its feeds, its inputs."""
         traced = self.program.traced
         batch = dict(zip(traced.input_names + traced.target_names, micro_i))
         args = [self.tp]
@@ -226,126 +390,133 @@ class RankEngine(nn.Module):
             args.append(batch[name] if name in batch else self._feeds[name])
         return args + inputs
 
-    def _forward(self, a: Action, micro, m: int) -> None:
+    # ------------------------------------------------------------------ compute
+    def _forward(self, a: Action, st: StepState) -> None:
+        """``F c.i``: run the chunk, keep its context for ``B c.i``; hand the outputs to the next
+        chunk when it lives on this stage (else ``SF`` sends them)."""
         chunk = self.chunks[a.chunk]
         key = (a.chunk, a.microbatch)
-        if a.chunk == 0:
-            inputs = []
+        inputs = [] if a.chunk == 0 else [
+            t.detach().requires_grad_(b.requires_grad) for t, b in zip(st.take(Kind.RECV_F, key), chunk.inputs)]
+        outs = self._run_chunk(st, key, self._chunk_args(chunk, st.micro[a.microbatch], inputs))
+        if a.chunk == self.program.split.n - 1:
+            loss = outs[0]
+            st.loss_sum += loss.detach().double()
+            st.ctx[key] = (inputs, [loss / st.m])
         else:
-            received = self._take(self._fwd_in, key)
-            inputs = [t.detach().requires_grad_(b.requires_grad) for t, b in zip(received, chunk.inputs)]
-        saved = [0]
+            st.ctx[key] = (inputs, list(outs))
+            if (a.chunk + 1) in self.chunks:  # next chunk on this stage: hand over directly
+                st.fwd_in[(a.chunk + 1, a.microbatch)] = [o.detach().to(b.dtype) for o, b in zip(outs, chunk.outputs)]
+        self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(st.ctx))
+        held = sum(st.saved.values())  # bytes autograd keeps for the pending backwards
+        self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], held)
+
+    def _run_chunk(self, st: StepState, key: Key, args: list):
+        """Run chunk ``key[0]`` under autocast and the random stream; count in ``st.saved[key]`` the
+        activation bytes autograd keeps for its backward (checkpointed regions: their kept inputs)."""
+        saved = 0
 
         def pack(t: torch.Tensor):
-            if t.data_ptr() not in self._param_ptrs:  # weights are not activations
-                saved[0] += t.numel() * t.element_size()
+            nonlocal saved
+            if t.data_ptr() not in st.param_ptrs:  # weights are not activations
+                saved += t.numel() * t.element_size()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self._autocast(), \
                 self._random_stream(), count_kept_bytes() as kept:
-            outs = self.runnables[a.chunk](*self._chunk_args(chunk, micro[a.microbatch], inputs))
-        self._saved[key] = saved[0] + kept.nbytes
-        if a.chunk == self.program.split.n - 1:
-            loss = outs[0]
-            self._loss_sum += loss.detach().double()
-            self._ctx[key] = (inputs, [loss / m])
-        else:
-            self._ctx[key] = (inputs, list(outs))
-            nxt = (a.chunk + 1, a.microbatch)
-            if (a.chunk + 1) in self.chunks:  # next chunk on this stage: hand over directly
-                self._fwd_in[nxt] = [o.detach().to(b.dtype) for o, b in zip(outs, chunk.outputs)]
-        self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(self._ctx))
-        held = sum(self._saved.values())  # bytes autograd keeps for the pending backwards
-        self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], held)
+            outs = self.runnables[key[0]](*args)
+        st.saved[key] = saved + kept.nbytes
+        return outs
 
-    def _backward(self, a: Action, m: int) -> None:
+    def _backward(self, a: Action, st: StepState) -> None:
+        """``B c.i``: backward of the kept outputs with their gradients; the inputs' gradients go
+        to the previous chunk (directly when it lives on this stage, else by ``SB``)."""
         key = (a.chunk, a.microbatch)
-        inputs, outs = self._ctx.pop(key)
-        self._saved.pop(key, None)
+        inputs, outs = st.ctx.pop(key)
+        st.saved.pop(key, None)
         chunk = self.chunks[a.chunk]
         if a.chunk == self.program.split.n - 1:
             tensors, grads = outs, [None]
         else:
-            got = self._take(self._grad_out, key)
+            got = st.take(Kind.RECV_B, key)
             pairs = [(o, g) for o, g, b in zip(outs, got, chunk.outputs) if b.requires_grad and o.requires_grad]
             tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
         if tensors:
             torch.autograd.backward(tensors, grads)
-        self._b_done[a.chunk] += 1
-        if self._b_done[a.chunk] == m:
+        st.b_done[a.chunk] += 1
+        if st.b_done[a.chunk] == st.m:
             self.grads.start(self._ready_after.get(a.chunk, []))
         in_grads = [x.grad if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
         if a.chunk > 0 and (a.chunk - 1) in self.chunks:
-            self._grad_out[(a.chunk - 1, a.microbatch)] = in_grads
+            st.grad_out[(a.chunk - 1, a.microbatch)] = in_grads
         elif a.chunk > 0:
-            self._grad_in[key] = in_grads
+            st.grad_in[key] = in_grads
 
     # ------------------------------------------------------------ point-to-point
-    def _communicate(self, comm_actions: list[Action]) -> None:
-        ops, after = [], []
-        for a in comm_actions:
-            chunk = self.chunks[a.chunk]
-            peer = self.mesh.peer(a.peer)
-            if a.kind is Kind.SEND_F:
-                _, outs = self._ctx[(a.chunk, a.microbatch)]
-                for idx, (t, b) in enumerate(zip(outs, chunk.outputs)):
-                    ops.append(self._send(t.detach(), b, peer, _tag(a, idx), a))
-            elif a.kind is Kind.SEND_B:
-                grads = self._grad_in.pop((a.chunk, a.microbatch))
-                for idx, (g, b) in enumerate(zip(grads, chunk.inputs)):
-                    if b.requires_grad:
-                        g = g if g is not None else torch.zeros(b.shape, dtype=b.dtype, device=self.device)
-                        ops.append(self._send(g, b, peer, _tag(a, idx), a))
-            elif a.kind is Kind.RECV_F:
-                bufs, mine = [], []
-                for idx, b in enumerate(chunk.inputs):
-                    op, finish = self._recv(b, peer, _tag(a, idx))
-                    mine.append(len(ops))
-                    ops.append(op)
-                    bufs.append(finish)
-                after.append((self._fwd_in, (a.chunk, a.microbatch), bufs, mine))
-            else:  # RECV_B: gradients of this chunk's outputs
-                bufs, mine = [], []
-                for idx, b in enumerate(chunk.outputs):
-                    if b.requires_grad:
-                        op, finish = self._recv(b, peer, _tag(a, idx))
-                        mine.append(len(ops))
-                        ops.append(op)
-                        bufs.append(finish)
-                    else:
-                        bufs.append(None)
-                after.append((self._grad_out, (a.chunk, a.microbatch), bufs, mine))
-        if not ops:
-            for store, key, finishes, _ in after:
-                store[key] = [None for _ in finishes]
+    def _send_outputs(self, a: Action, st: StepState) -> None:
+        """``SF c.i``: the chunk's outputs (kept in the context of ``F c.i``) to the next stage."""
+        _, outs = st.ctx[(a.chunk, a.microbatch)]
+        peer = self.mesh.peer(a.peer)
+        for idx, (t, b) in enumerate(zip(outs, self.chunks[a.chunk].outputs)):
+            st.comm.ops.append(self._send(t.detach(), b, peer, _tag(a, idx), a))
+
+    def _send_input_grads(self, a: Action, st: StepState) -> None:
+        """``SB c.i``: the gradients of the chunk's inputs to the previous stage; zeros (on the
+        engine's device) for an input that got no gradient."""
+        grads = st.grad_in.pop((a.chunk, a.microbatch))
+        peer = self.mesh.peer(a.peer)
+        for idx, (g, b) in enumerate(zip(grads, self.chunks[a.chunk].inputs)):
+            if b.requires_grad:
+                g = g if g is not None else torch.zeros(b.shape, dtype=b.dtype, device=self.device)
+                st.comm.ops.append(self._send(g, b, peer, _tag(a, idx), a))
+
+    def _recv_inputs(self, a: Action, st: StepState) -> None:
+        """``RF c.i``: the chunk's inputs from the previous stage."""
+        self._add_receive(st, a, list(self.chunks[a.chunk].inputs))
+
+    def _recv_output_grads(self, a: Action, st: StepState) -> None:
+        """``RB c.i``: the gradients of the chunk's outputs (those that carry one) from the next stage."""
+        self._add_receive(st, a, [b if b.requires_grad else None for b in self.chunks[a.chunk].outputs])
+
+    def _add_receive(self, st: StepState, a: Action, boundaries: list["Boundary | None"]) -> None:
+        peer = self.mesh.peer(a.peer)
+        mine, finishes = [], []
+        for idx, b in enumerate(boundaries):
+            if b is None:
+                finishes.append(None)
+                continue
+            op, finish = self._recv(b, peer, _tag(a, idx))
+            mine.append(len(st.comm.ops))
+            st.comm.ops.append(op)
+            finishes.append(finish)
+        st.comm.receives.append((a, mine, finishes))
+
+    def _post(self, st: StepState) -> None:
+        """Post the run's operations as one ``batch_isend_irecv``.
+
+        Sends complete in the background (waited for at the end of the step); an action's
+        receives are waited for only by the F or B that consumes them, so peers never meet in
+        lock-step.
+        """
+        batch = st.comm
+        if not batch.ops:
+            for a, _, finishes in batch.receives:
+                st.store(a.kind)[(a.chunk, a.microbatch)] = [None for _ in finishes]
             return
-        works = dist.batch_isend_irecv(ops)
-        if len(works) != len(ops):  # NCCL coalesces a batch into one work: wait for it here
+        works = dist.batch_isend_irecv(batch.ops)
+        if len(works) != len(batch.ops):  # NCCL coalesces a batch into one work: wait for it here
             for work in works:
                 work.wait()
-            for store, key, finishes, _ in after:
-                store[key] = [f() if f is not None else None for f in finishes]
+            for a, _, finishes in batch.receives:
+                st.store(a.kind)[(a.chunk, a.microbatch)] = _Receive([], finishes).wait()
             return
-        # sends complete in the background (waited for at the end of the step); a receive is
-        # waited for only by the F or B that consumes it, so peers never meet in lock-step
-        for op, work in zip(ops, works):
+        for op, work in zip(batch.ops, works):
             if op.op is dist.isend:
-                self._pending_sends.append((work, op.tensor))
-        for store, key, finishes, mine in after:
+                st.pending_sends.append((work, op.tensor))
+        for a, mine, finishes in batch.receives:
             # only this action's own receives: waiting on the batch's others could wait on a
             # tensor the peer sends only after it gets something from us
-            self._pending_recv[(id(store), key)] = ([works[i] for i in mine], finishes)
-            store[key] = None  # placeholder until taken
-
-    def _take(self, store: dict, key: tuple[int, int]) -> list:
-        """The tensors for ``key``: wait for their receive if it is still in flight."""
-        pending = self._pending_recv.pop((id(store), key), None)
-        if pending is not None:
-            works, finishes = pending
-            for work in works:
-                work.wait()
-            store[key] = [f() if f is not None else None for f in finishes]
-        return store.pop(key)
+            st.pending_recv[a.key] = _Receive([works[i] for i in mine], finishes)
 
     def _scatter_gather(self, b: "Boundary") -> bool:
         return (self.program.config.scatter_gather and self.tp.size > 1 and b.replicated
@@ -358,7 +529,9 @@ class RankEngine(nn.Module):
         self.stats["bytes_sent"][(self.stage, a.peer)] += t.numel() * t.element_size()
         return dist.P2POp(dist.isend, t, peer, tag=tag)
 
-    def _recv(self, b: "Boundary", peer: int, tag: int):
+    def _recv(self, b: "Boundary", peer: int, tag: int) -> tuple[Any, Finish]:
+        """A receive of boundary ``b`` into a buffer on the engine's device: ``b.shape``, or its
+        1/t slice (flat, ``b.numel // t``) all-gathered over tp by the finish."""
         if self._scatter_gather(b):
             buf = torch.empty(b.numel // self.tp.size, dtype=b.dtype, device=self.device)
 
@@ -381,8 +554,9 @@ class RankEngine(nn.Module):
         """Clip all gradients by their global 2-norm over every rank; returns the norm before clipping."""
         return self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
 
-    def _reduce_loss(self, m: int) -> float:
-        loss = (self._loss_sum / m).float().reshape(1)
+    def _reduce_loss(self, st: StepState) -> float:
+        """The mean loss: from the last stage to the others, averaged over the replicas."""
+        loss = (st.loss_sum / st.m).float().reshape(1)
         p = self.mesh.shape.pp
         if p > 1:
             last = self.mesh.peer(p - 1)
@@ -417,6 +591,8 @@ class RankEngine(nn.Module):
         return self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p), buffers=False)
 
     def _gather(self, get, buffers: bool) -> dict[str, torch.Tensor]:
+        """``get(shard)`` of every parameter, whole, on every rank, on the engine's device:
+        all-gathered over tp (sharded ones), then broadcast over pp from the first stage holding it."""
         program = self.program
         dtypes = self._param_dtypes()
         out = {}
@@ -429,13 +605,7 @@ class RankEngine(nn.Module):
                     value = _all_gather(value, self.tp, spec.dim, spec.segments)
                 value = value.narrow(spec.dim, 0, program.full_shape(name)[spec.dim])
             if self.mesh.shape.pp > 1:
-                owner = program.param_stages[name][0]
-                if self.stage == owner:
-                    buf = value.to(dtypes[name]).contiguous()
-                else:
-                    buf = torch.empty(program.full_shape(name), dtype=dtypes[name], device=self.device)
-                dist.broadcast(buf, src=self.mesh.peer(owner), group=self.mesh.groups["pp"])
-                value = buf
+                value = self._from_owner(name, value, dtypes[name])
             for alias in program.traced.aliases.get(name, [name]):
                 out[alias] = value.clone()
         if buffers:
@@ -443,6 +613,17 @@ class RankEngine(nn.Module):
                 if pname in self._feeds:
                     out[bname] = self._feeds[pname].clone()
         return out
+
+    def _from_owner(self, name: str, value: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter ``name`` (full shape, ``dtype``) broadcast over pp from the first stage holding
+        it; ``value`` is this rank's copy on that stage, ignored elsewhere."""
+        owner = self.program.param_stages[name][0]
+        if self.stage == owner:
+            buf = value.to(dtype).contiguous()
+        else:
+            buf = torch.empty(self.program.full_shape(name), dtype=dtype, device=self.device)
+        dist.broadcast(buf, src=self.mesh.peer(owner), group=self.mesh.groups["pp"])
+        return buf
 
     def _param_dtypes(self) -> dict[str, torch.dtype]:
         """Parameter name -> its dtype as traced (the same on every stage, held or not)."""
