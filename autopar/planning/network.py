@@ -9,6 +9,7 @@ apart.
 
 from __future__ import annotations
 
+from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, wire_factor
 from autopar.planning.hardware import Hardware
 
 __all__ = ["intra_node_bw", "inter_node_bw", "allreduce_time", "allgather_time", "p2p_time", "dp_link",
@@ -26,17 +27,18 @@ def inter_node_bw(hw: Hardware) -> float:
 
 
 def allreduce_time(nbytes: float, n: int, bw: float, latency: float) -> float:
-    """Ring all-reduce of ``nbytes`` over n ranks: 2 (n-1)/n * bytes / bw + 2 (n-1) latency."""
+    """Ring all-reduce of ``nbytes`` over n ranks: 2 (n-1)/n * bytes / bw + 2 (n-1) latency
+    (the wire factor is the collective registry's, ``autopar.core.collectives.wire_factor``)."""
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * latency
+    return wire_factor(ALL_REDUCE, n) * nbytes / bw + 2 * (n - 1) * latency
 
 
 def allgather_time(nbytes: float, n: int, bw: float, latency: float) -> float:
     """Ring all-gather of a tensor of ``nbytes`` in total: (n-1)/n * bytes / bw + (n-1) latency."""
     if n <= 1:
         return 0.0
-    return (n - 1) / n * nbytes / bw + (n - 1) * latency
+    return wire_factor(ALL_GATHER, n) * nbytes / bw + (n - 1) * latency
 
 
 def p2p_time(nbytes: float, bw: float, latency: float) -> float:
