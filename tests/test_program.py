@@ -72,3 +72,14 @@ def test_recomputation_is_applied_at_compile_time_and_shown(recompute, regions):
     assert shown == regions
     if recompute == "layer":
         assert sorted(m.label for m in found) == [f"layer {i}" for i in range(LAYERS)]
+
+
+def test_the_shipped_corpus_is_found():
+    """The main example trains on the repository's own text: it must be found wherever the module lives."""
+    from autopar.reference.data import CorpusBatches, corpus
+
+    data = corpus()
+    assert data.numel() > 100_000 and int(data.max()) < 256
+    x, y = CorpusBatches(2, 16).next()
+    assert x.shape == y.shape == (2, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1])

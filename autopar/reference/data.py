@@ -12,7 +12,8 @@ import torch
 
 __all__ = ["corpus", "CorpusBatches"]
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
+"""The repository root (autopar/reference/data.py is two packages down)."""
 
 
 def corpus(max_bytes: int = 1 << 20) -> torch.Tensor:
