@@ -44,12 +44,12 @@ def _transposed_param(n, params: set[str]) -> fx.Node | None:
         return None
     if w.meta["val"].dim() != 2:
         return None
-    t = n.target
-    if t in (aten.t.default, aten.numpy_T.default):
+    target = n.target
+    if target in (aten.t.default, aten.numpy_T.default):
         return w
-    if t == aten.transpose.int and sorted(d % 2 for d in n.args[1:3]) == [0, 1]:
+    if target == aten.transpose.int and sorted(d % 2 for d in n.args[1:3]) == [0, 1]:
         return w
-    if t == aten.permute.default and [d % 2 for d in n.args[1]] == [1, 0]:
+    if target == aten.permute.default and [d % 2 for d in n.args[1]] == [1, 0]:
         return w
     return None
 

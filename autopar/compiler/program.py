@@ -17,15 +17,15 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.compiler.report import render_summary
 from autopar.compiler.local_shapes import param_local_shape, propagate_local_shapes
+from autopar.compiler.report import render_summary
 from autopar.core import comm  # noqa: F401  (its collectives register themselves in the registry read here)
-from autopar.core.collectives import collective_of
 from autopar.core.checkpoint import Checkpointed
 from autopar.core.chunks import PipelineSplit
+from autopar.core.collectives import collective_of
 from autopar.core.config import ParallelConfig
-from autopar.core.graph import TracedModel, local_val, module_path, source_line
-from autopar.core.placement import Replicate, Shard, local_size
+from autopar.core.graph import TracedModel, module_path, source_line
+from autopar.core.placement import Replicate, Shard
 from autopar.schedules import Schedule
 from passes.layers import LayerInfo, layer_of_node, layer_of_param
 from passes.sharding import ShardingPlan
@@ -45,10 +45,10 @@ _CONTRACTIONS = {"mm", "bmm", "matmul", "addmm", "baddbmm", "linear", "einsum", 
 
 def _contracts(node: fx.Node) -> bool:
     """A matmul-like or convolution op, or one of another library (its weights are its business)."""
-    t = node.target
-    if not isinstance(t, torch._ops.OpOverload):
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
         return True
-    return t.namespace != "aten" or t._schema.name.split("::")[-1] in _CONTRACTIONS
+    return target.namespace != "aten" or target._schema.name.split("::")[-1] in _CONTRACTIONS
 
 
 def _module_code(module: nn.Module) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 from collections import Counter
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -19,8 +20,9 @@ from autopar.core.config import optimizer_bytes_per_param
 from autopar.core.placement import Shard
 from autopar.schedules import dry_run
 
-# Reads a ``Program`` (compiler/program.py), which imports this module for ``summary()``:
-# the annotations name it without importing it.
+Program = Any
+"""A ``autopar.compiler.program.Program``: it imports this module for ``summary()``, so this
+module names it without importing it (an import back would be a cycle)."""
 
 __all__ = ["render_summary", "memory_per_rank", "predicted_bubble"]
 
@@ -33,7 +35,7 @@ def _gib(n: float) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def memory_per_rank(program: "Program") -> list[dict[str, float]]:
+def memory_per_rank(program: Program) -> list[dict[str, float]]:
     """Per pipeline stage: bytes of weights, gradients, optimizer state (Adam,
     ``optimizer_bytes_per_param``) and activations at peak.
 
@@ -61,14 +63,14 @@ def memory_per_rank(program: "Program") -> list[dict[str, float]]:
     return out
 
 
-def predicted_bubble(program: "Program") -> float:
+def predicted_bubble(program: Program) -> float:
     """Bubble fraction of the schedule with the chunks' estimated costs (backward = 2x forward)."""
     costs = {c.index: max(c.cost, 1.0) for c in program.split.chunks}
     run = dry_run(program.schedule, cost_f=lambda a: costs[a.chunk], cost_b=lambda a: 2 * costs[a.chunk])
     return float(run.bubble_fraction)
 
 
-def render_summary(program: "Program", width: int = 120) -> str:
+def render_summary(program: Program, width: int = 120) -> str:
     """The plan as text: header, stages and memory, parameters, collectives, and whatever
     runs slower than it could (fallbacks, weights left whole, linears left replicated)."""
     console = Console(record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None)
@@ -87,7 +89,7 @@ def render_summary(program: "Program", width: int = 120) -> str:
     return console.export_text()
 
 
-def _header(program: "Program") -> str:
+def _header(program: Program) -> str:
     cfg, mesh, layers = program.config, program.config.mesh, program.layers
     total = sum(math.prod(program.full_shape(n)) for n in program.param_names)
     return (
@@ -100,7 +102,7 @@ def _header(program: "Program") -> str:
     )
 
 
-def _stages_table(program: "Program") -> Table:
+def _stages_table(program: Program) -> Table:
     mesh = program.config.mesh
     stages = Table(title="Pipeline stages: layers per chunk, memory per rank")
     for col in ("stage", "ranks", "chunks: layers", "params/rank", "weights", "grads", "optimizer",
@@ -118,7 +120,7 @@ def _stages_table(program: "Program") -> Table:
     return stages
 
 
-def _stage_notes(program: "Program") -> list[str]:
+def _stage_notes(program: Program) -> list[str]:
     cfg, mesh = program.config, program.config.mesh
     per_chunk = f"layers per chunk: {[len(c.layers) for c in program.split.chunks]}"
     if mesh.pp > 1:
@@ -131,7 +133,7 @@ def _stage_notes(program: "Program") -> list[str]:
     return lines
 
 
-def _params_table(program: "Program") -> Table:
+def _params_table(program: Program) -> Table:
     """Every parameter's split; layer 0 stands for every layer."""
     params = Table(title="Parameters (tensor-parallel split; layers 1.. as layer 0)")
     for col in ("parameter", "full shape", "placement", "local shape", "role"):
@@ -146,7 +148,7 @@ def _params_table(program: "Program") -> Table:
     return params
 
 
-def _collectives_table(program: "Program") -> Table:
+def _collectives_table(program: Program) -> Table:
     coll = Table(title="Collectives per step")
     for col in ("where", "collective", "direction", "count / microbatch", "bytes / step / rank (all layers)"):
         coll.add_column(col)
@@ -167,7 +169,7 @@ def _collectives_table(program: "Program") -> Table:
     return coll
 
 
-def _padding_notes(program: "Program") -> list[str]:
+def _padding_notes(program: Program) -> list[str]:
     out = []
     for name in program.param_names:
         spec = program.param_spec(name)
@@ -178,7 +180,7 @@ def _padding_notes(program: "Program") -> list[str]:
     return out
 
 
-def _fallbacks_table(program: "Program") -> Table | str:
+def _fallbacks_table(program: Program) -> Table | str:
     fallbacks = program.fallbacks()
     if not fallbacks:
         return "fallbacks: none (every op on a sharded value has a rule)"
@@ -190,7 +192,7 @@ def _fallbacks_table(program: "Program") -> Table | str:
     return fb
 
 
-def _unsplit_weights_table(program: "Program") -> Table | None:
+def _unsplit_weights_table(program: Program) -> Table | None:
     whole = program.replicated_weights()
     if not whole:
         return None
@@ -208,7 +210,7 @@ def _unsplit_weights_table(program: "Program") -> Table | None:
     return wt
 
 
-def _rejected_table(program: "Program") -> Table | None:
+def _rejected_table(program: Program) -> Table | None:
     """Linears left replicated, one row per module of the layer with the layers it covers."""
     if not program.plan.rejected:
         return None
@@ -238,7 +240,7 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]},{ranks[1]},...,{ranks[-1]}"
 
 
-def _roles(program: "Program") -> dict[str, str]:
+def _roles(program: Program) -> dict[str, str]:
     plan, traced = program.plan, program.traced
     nodes = {n.name: n for n in traced.gm.graph.nodes}
     roles: dict[str, str] = {}

@@ -16,10 +16,8 @@ microbatch fixes batch size and sequence length, as in Megatron.
 
 from __future__ import annotations
 
-import re
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.export.graph_signature import InputKind, OutputKind
 
-from autopar.core.graph import WRAPPER_PREFIX, TracedModel, strip_wrapper
+from autopar.core.graph import TracedModel, strip_wrapper
 
 __all__ = ["TraceError", "trace", "default_logits", "lm_cross_entropy"]
 

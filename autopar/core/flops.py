@@ -47,14 +47,14 @@ def node_flops(node: fx.Node) -> float:
     """Forward FLOPs of a node (backward is about twice this)."""
     if node.op != "call_function":
         return 0.0
-    t = node.target
+    target = node.target
     out = _shape(node)
-    if t in (aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default):
-        a = node.args[1] if t == aten.addmm.default else node.args[0]
+    if target in (aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default):
+        a = node.args[1] if target == aten.addmm.default else node.args[0]
         k = _shape(a)[-1] if _shape(a) else 0
         rows = math.prod(out[:-1]) if out else 0
         return float(matmul_flops(1, rows, out[-1] if out else 0, k))
-    if t == aten.scaled_dot_product_attention.default:
+    if target == aten.scaled_dot_product_attention.default:
         q, kk = _shape(node.args[0]), _shape(node.args[1])
         if len(q) == 4 and len(kk) == 4:
             return float(attention_flops(q[0], q[1], q[2], kk[2], q[3]))
