@@ -1,45 +1,60 @@
 """Which graph nodes belong to which repeated block (transformer layer).
 
-A model's layers are the children of a container indexed by integers
-(``h.0``, ``h.1`` ... or ``model.layers.0`` ...). We find, among all module
-paths in the graph, the ``prefix.<int>`` pattern with the most distinct
-indices: that prefix is the layer stack. A model that applies one block
-several times (weights shared across layers, as ALBERT or a universal
-transformer) has no such container: then the layers are the calls of the
-module called most often (export numbers them ``block``, ``block@1``, ...).
-Nothing here depends on names.
+A layer is one module call whose run of nodes repeats: the same module
+classes called in the same order on the same shapes. The traced graph records,
+for every node, the stack of module calls it ran in
+(``node.meta["nn_module_stack"]``: call key -> (module path, class); a module
+called again gets the key ``path@1``, ``path@2`` ...). Every module call gets
+a signature from its nodes (op, classes of the calls below it, shape); calls
+sharing a signature, at least two of them, are a candidate stack. The stack is
+the candidate covering the most nodes (then the one with more calls, then the
+outermost). So the blocks may sit anywhere: a ModuleList, a ModuleDict with
+any keys, separate attributes, nested containers, an ``nn.Sequential`` with
+the embedding and head around them, or one block called several times
+(weights shared across layers, as ALBERT). Layer i is the i-th call met in
+graph order. Nothing here depends on names or container types.
 """
 
 from __future__ import annotations
 
-import re
+import os
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
-from autopar.core.graph import module_path, user_path
+from autopar.core.graph import user_path
 
-__all__ = ["LayerInfo", "find_layers", "layer_of_node", "layer_of_param"]
+__all__ = ["LOOKED_FOR", "LayerInfo", "find_layers", "layer_of_node", "layer_of_param"]
 
-_INDEXED = re.compile(r"^(.*?)\.?(\d+)(?:\.|$)")
+LOOKED_FOR = ("a module call repeated at least twice with the same module classes called in the same order on "
+              "the same shapes (blocks held in any container or attribute, or one block called repeatedly)")
+"""What ``find_layers`` looks for, for the messages of the features that need layers."""
 
 
 @dataclass(frozen=True)
 class LayerInfo:
     prefix: str
-    """Module path of the layer container (``h``, ``model.layers``); '' if none found."""
+    """Module path the layers share (``h``, ``model.layers``); '' if they share none or none was found."""
     count: int
     """Number of layers."""
     node_layer: dict[str, int]
     """Node name -> layer index, for nodes inside a layer."""
     by_calls: bool = False
-    """The layers are the calls of one module (weights shared across layers)."""
+    """The layers are calls of one module (weights shared across layers)."""
     offset: int = 0
-    """Index in the container of layer 0 (an ``nn.Sequential`` of embedding, blocks and head
-    starts its blocks at 1)."""
+    """Index in the container of layer 0 when the layers are ``prefix.<int>`` children (an
+    ``nn.Sequential`` of embedding, blocks and head starts its blocks at 1); else 0."""
+    paths: tuple[str, ...] = ()
+    """Module path of each layer, in layer order (the same path repeated when one block is called again)."""
+    keys: dict[str, int] = field(default_factory=dict)
+    """Module-call key of ``nn_module_stack`` -> layer index (nodes added by later passes carry the keys)."""
 
     def label(self, i: int) -> str:
+        """Layer i as the user's model names it (its module path)."""
+        if self.paths:
+            return self.paths[i]
         return f"{self.prefix}.{i + self.offset}" if self.prefix else str(i + self.offset)
 
     def layer_at(self, index: int) -> int | None:
@@ -47,105 +62,81 @@ class LayerInfo:
         i = index - self.offset
         return i if 0 <= i < self.count else None
 
+    def describe(self) -> str:
+        """What was found, in words (the summary's header)."""
+        if self.count == 0:
+            return f"no repeated layers (looked for {LOOKED_FOR})"
+        where = f"'{self.paths[0]}' .. '{self.paths[-1]}'" if self.paths else f"'{self.prefix}'"
+        shared = ", one block called repeatedly" if self.by_calls else ""
+        return f"{self.count} layers ({where}{shared})"
 
-def _indexed_prefixes(path: str) -> list[tuple[str, int]]:
-    parts = path.split(".") if path else []
-    return [(".".join(parts[:i]), int(p)) for i, p in enumerate(parts) if p.isdigit()]
+
+def _signature(node: fx.Node, depth: int) -> tuple:
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    val = node.meta.get("val")
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
+    return str(node.target), tuple(str(cls) for _, cls in stack[depth + 1:]), shape
 
 
 def find_layers(gm: fx.GraphModule) -> LayerInfo:
     """Find the layer stack of a traced graph and map each node to its layer."""
-    indices: dict[str, set[int]] = defaultdict(set)
-    paths = {}
+    members: dict[str, list[str]] = defaultdict(list)  # call key -> its node names, in graph order
+    sigs: dict[str, list[tuple]] = defaultdict(list)
+    call: dict[str, tuple[str, str, int]] = {}  # call key -> (path, class, depth)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        paths[node.name] = module_path(node)
-        for prefix, idx in _indexed_prefixes(paths[node.name]):
-            indices[prefix].add(idx)
-    if not indices or max(len(v) for v in indices.values()) < 2:
-        repeated = _repeated_calls(gm)
-        if repeated is not None:
-            return repeated
-    if not indices:
+        for depth, (key, (path, cls)) in enumerate((node.meta.get("nn_module_stack") or {}).items()):
+            if not user_path(path):
+                continue  # the traced wrapper and the model itself
+            call.setdefault(key, (user_path(path), str(cls), depth))
+            members[key].append(node.name)
+            sigs[key].append(_signature(node, depth))
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for key, sig in sigs.items():
+        groups[(call[key][1], tuple(sig))].append(key)
+    candidates = [keys for keys in groups.values() if len(keys) >= 2]
+    if not candidates:
         return LayerInfo("", 0, {})
-    prefix = max(indices, key=lambda p: (len(indices[p]), -p.count(".")))
-    first, last = _blocks(gm, prefix, indices[prefix])
-    node_layer = {}
-    for name, path in paths.items():
-        for pre, idx in _indexed_prefixes(path):
-            if pre == prefix:
-                if first <= idx <= last:
-                    node_layer[name] = idx - first
-                break
-    return LayerInfo(prefix, last - first + 1, node_layer, offset=first)
+    best = max(candidates, key=lambda ks: (len(ks) * len(members[ks[0]]), len(ks), -call[ks[0]][2]))
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    best = sorted(best, key=lambda k: order[members[k][0]])
+    node_layer = {name: i for i, key in enumerate(best) for name in members[key]}
+    paths = tuple(call[k][0] for k in best)
+    prefix, offset = _container(paths)
+    return LayerInfo(prefix, len(best), node_layer, by_calls=len(set(paths)) < len(paths), offset=offset,
+                     paths=paths, keys={k: i for i, k in enumerate(best)})
 
 
-def _blocks(gm: fx.GraphModule, prefix: str, indices: set[int]) -> tuple[int, int]:
-    """The children of the container that are the repeated block: those of its most common class,
-    when they form one run (an ``nn.Sequential(embedding, *blocks, head)``); else all of them."""
-    kind: dict[int, str] = {}
-    for node in gm.graph.nodes:
-        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
-            for pre, idx in _indexed_prefixes(user_path(path)):
-                if pre == prefix and user_path(path) == (f"{prefix}.{idx}" if prefix else str(idx)):
-                    kind.setdefault(idx, str(cls))
-    counts: dict[str, int] = defaultdict(int)
-    for cls in kind.values():
-        counts[cls] += 1
-    everything = (min(indices), max(indices))
-    if not counts:
-        return everything
-    common = max(counts, key=counts.get)
-    run = sorted(i for i, c in kind.items() if c == common)
-    if len(run) >= 2 and run == list(range(run[0], run[-1] + 1)) and len(run) < len(indices):
-        return run[0], run[-1]
-    return everything
-
-
-_CALL = re.compile(r"@(\d+)$")
-
-
-def _repeated_calls(gm: fx.GraphModule) -> LayerInfo | None:
-    """Layers as the calls of the module called most often (at least twice), outermost first."""
-    calls: dict[str, set[int]] = defaultdict(set)
-    for node in gm.graph.nodes:
-        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
-            m = _CALL.search(key)
-            calls[user_path(path)].add(int(m.group(1)) if m else 0)
-    calls = {p: c for p, c in calls.items() if len(c) >= 2 and p}
-    if not calls:
-        return None
-    prefix = max(calls, key=lambda p: (len(calls[p]), -p.count(".")))
-    node_layer = {}
-    for node in gm.graph.nodes:
-        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
-            if user_path(path) == prefix:
-                m = _CALL.search(key)
-                node_layer[node.name] = int(m.group(1)) if m else 0
-                break
-    return LayerInfo(prefix, max(calls[prefix]) + 1, node_layer, by_calls=True)
+def _container(paths: tuple[str, ...]) -> tuple[str, int]:
+    """The module path the layers share, and the index of layer 0 when they are its integer children."""
+    if len(set(paths)) == 1:
+        return paths[0], 0
+    split = [p.split(".") for p in paths]
+    common = os.path.commonprefix(split)
+    prefix = ".".join(common)
+    rest = [s[len(common):] for s in split]
+    if all(len(r) == 1 and r[0].isdigit() for r in rest):
+        return prefix, int(rest[0][0])
+    return prefix, 0
 
 
 def layer_of_node(node: fx.Node, info: LayerInfo) -> int | None:
     """Layer index of any node carrying the traced module stack (also nodes added by the passes)."""
     if info.count == 0:
         return None
-    if info.by_calls:
-        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
-            if user_path(path) == info.prefix:
-                m = _CALL.search(key)
-                return int(m.group(1)) if m else 0
-        return None
-    for pre, idx in _indexed_prefixes(module_path(node)):
-        if pre == info.prefix:
-            return info.layer_at(idx)
+    for key in node.meta.get("nn_module_stack") or {}:
+        if key in info.keys:
+            return info.keys[key]
     return None
 
 
 def layer_of_param(name: str, info: LayerInfo) -> int | None:
-    """Layer index of a parameter name like ``h.3.attn.q.weight``, or None."""
+    """Layer index of a parameter name like ``h.3.attn.q.weight`` (the first layer whose module
+    holds it), or None: outside the layers, or held by a block every layer calls."""
     if info.by_calls:
         return None
-    m = re.match((re.escape(info.prefix) + r"\." if info.prefix else "") + r"(\d+)\.", name)
-    return info.layer_at(int(m.group(1))) if m else None
+    for i, path in enumerate(info.paths):
+        if name.startswith(path + "."):
+            return i
+    return None
