@@ -29,7 +29,7 @@ import torch.fx as fx
 from autopar.core import comm
 from autopar.core.chunks import Boundary, Chunk, PipelineSplit
 from autopar.core.graph import local_val
-from passes.layers import LayerInfo, layer_of_node
+from passes.layers import LOOKED_FOR, LayerInfo, layer_of_node
 from autopar.core.flops import node_cost
 
 __all__ = ["PipelineError", "balance", "split_pipeline"]
@@ -83,10 +83,14 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
     free = _parameter_free(nodes, param_phs)
     node_layer = {n.name: layer for n in nodes if n.op == "call_function"
                   and (layer := layers.node_layer.get(n.name, layer_of_node(n, layers))) is not None}
-    unit = _layer_costs(nodes, free, node_layer, layers.count, param_phs)
-    starts = balance(unit, n_chunks)
-    chunk_of_layer = {layer: c for c, s in enumerate(starts)
-                      for layer in range(s, starts[c + 1] if c + 1 < n_chunks else layers.count)}
+    if layers.count == 0:  # one chunk holds everything: nothing to cut between
+        unit = [sum(node_cost(n, param_phs) for n in nodes if n.op == "call_function" and n.name not in free)]
+        chunk_of_layer: dict[int, int] = {}
+    else:
+        unit = _layer_costs(nodes, free, node_layer, layers.count, param_phs)
+        starts = balance(unit, n_chunks)
+        chunk_of_layer = {layer: c for c, s in enumerate(starts)
+                          for layer in range(s, starts[c + 1] if c + 1 < n_chunks else layers.count)}
     chunk_of = _assign_chunks(nodes, free, node_layer, chunk_of_layer, n_chunks)
     live = _live_values(nodes, chunk_of, n_chunks)
 
@@ -100,22 +104,25 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
         ins = [_boundary(by_name[nm], requires_grad, global_shapes) for nm in live[k]]
         outs = [_boundary(by_name[nm], requires_grad, global_shapes) for nm in live[k + 1]] if k + 1 < n_chunks else []
         chunk_layers = sorted(layer for layer, c in chunk_of_layer.items() if c == k)
-        cost = sum(unit[layer] for layer in chunk_layers)
+        cost = sum(unit[layer] for layer in chunk_layers) if layers.count else unit[0]
         chunks.append(Chunk(k, gm, params, feeds, ins, outs, chunk_layers, cost))
     return PipelineSplit(chunks, [c.layers for c in chunks], [c.cost for c in chunks])
 
 
 def _check_layer_count(layers: LayerInfo, n_chunks: int) -> None:
+    """One chunk needs no layers; more need at least one layer each."""
+    if n_chunks == 1:
+        return
     if layers.count == 0:
         raise PipelineError(
-            f"pp * virtual_stages = {n_chunks} chunks need a stack of repeated layers to cut between, and the "
-            f"model has none: no integer-indexed container of blocks (nn.ModuleList, nn.Sequential) and no "
-            f"block called more than once. Fix: hold the blocks in an nn.ModuleList, or use pp=1")
+            f"pipeline parallelism (pp * virtual_stages = {n_chunks} chunks) cuts between repeated layers, and "
+            f"none were found: looked for {LOOKED_FOR}. Fix: use pp=1 and virtual_stages=1 (tensor and data "
+            f"parallelism need no layers), or give the model a stack of blocks of one structure")
     if layers.count < n_chunks:
         raise PipelineError(
             f"the model has {layers.count} layers (under '{layers.prefix}') but pp * virtual_stages = "
             f"{n_chunks} chunks need at least one layer each. Fix: use pp * virtual_stages <= {layers.count}"
-            + (f" (e.g. pp={layers.count}, virtual_stages=1)" if layers.count > 0 else "")
+            f" (e.g. pp={layers.count}, virtual_stages=1)"
         )
 
 

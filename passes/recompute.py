@@ -18,9 +18,13 @@ import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 
 from autopar.core.checkpoint import Checkpointed
-from passes.layers import LayerInfo, layer_of_node
+from passes.layers import LOOKED_FOR, LayerInfo, layer_of_node
 
-__all__ = ["checkpoint_layers", "with_recompute"]
+__all__ = ["RecomputeError", "checkpoint_layers", "with_recompute"]
+
+
+class RecomputeError(ValueError):
+    """Recomputation cannot be applied as asked; the message says why and what to use instead."""
 
 
 def checkpoint_layers(gm: fx.GraphModule, layers: LayerInfo) -> fx.GraphModule:
@@ -55,5 +59,9 @@ def with_recompute(gm: fx.GraphModule, mode: str, layers: LayerInfo) -> nn.Modul
     if mode == "chunk":
         return Checkpointed(gm, "chunk")
     if mode == "layer":
+        if layers.count == 0:
+            raise RecomputeError(
+                f"recompute='layer' checkpoints each repeated layer, and none were found: looked for {LOOKED_FOR}. "
+                f"Fix: use recompute='chunk' (one checkpoint per pipeline chunk) or recompute='none'")
         return checkpoint_layers(gm, layers)
     raise ValueError(f"unknown recompute mode {mode!r}")

@@ -143,5 +143,6 @@ def test_a_model_without_repeated_layers_cannot_be_pipelined_and_says_what_to_do
             return self.l(self.e(x))
 
     x = torch.randint(0, 50, (2, 8))
-    with pytest.raises(PipelineError, match=r"stack of repeated layers.*nn\.ModuleList, or use pp=1"):
+    with pytest.raises(PipelineError, match=r"cuts between repeated layers, and none were found: "
+                                            r"looked for a module call repeated.*Fix: use pp=1"):
         autopar.parallelize(Flat(), pp=2, microbatches=2, example_inputs=(x,), example_targets=x)

@@ -94,7 +94,7 @@ def _header(program: Program) -> str:
     total = sum(math.prod(program.full_shape(n)) for n in program.param_names)
     return (
         f"[bold]autopar program[/bold]: {program.traced.model_name}, {total:,} parameters, "
-        f"{layers.count} layers under '{layers.prefix}'\n"
+        f"{layers.describe()}\n"
         f"mesh: tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} = {mesh.world} ranks "
         f"(rank = tp + dp*{mesh.tp} + pp*{mesh.tp * mesh.dp}); schedule {cfg.schedule}, "
         f"virtual stages {cfg.virtual_stages}, {cfg.microbatches} microbatches per replica; "
