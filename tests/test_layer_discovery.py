@@ -1,0 +1,195 @@
+"""Layers found from the graph's module calls, wherever the blocks are held; and a model with none.
+
+A Llama whose blocks sit in an ``nn.ModuleDict`` keyed by names, in separate
+attributes, or in nested containers (``decoder.stages[i].blocks[j]``): the
+same four layers are found (count, nodes and parameters per layer, per-layer
+collectives, per-layer checkpoints), and tp=2, pp=2 and pp=2 with
+recompute='layer' match one device. A model with no repeated structure
+compiles at pp=1 (and matches one device at tp=2); pp=2 and recompute='layer'
+are refused with a message naming what was looked for and a different layout.
+"""
+
+from collections import Counter
+
+import pytest
+import torch.nn as nn
+import torch.nn.functional as F
+from families import train_steps
+from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, spawn_ranks, token_batches
+from test_model_forms import TB, RMSNorm, precompute_freqs_cis
+
+from autopar.core.checkpoint import Checkpointed
+from passes.pipeline_split import PipelineError
+from passes.recompute import RecomputeError, with_recompute
+
+V, H, S, L = 128, 64, 16, 4
+D = 16
+
+
+class _Llama(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(V, H)
+        self.norm = RMSNorm(H)
+        self.output = nn.Linear(H, V, bias=False)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(D, S * 2), persistent=False)
+
+    def blocks(self):
+        raise NotImplementedError
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        fc = self.freqs_cis[: tokens.shape[1]]
+        for block in self.blocks():
+            h = block(h, fc)
+        return self.output(self.norm(h)).float()
+
+
+class DictLlama(_Llama):
+    """Blocks in an nn.ModuleDict keyed by names."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({f"layer{i}": TB(False) for i in range(L)})
+
+    def blocks(self):
+        return self.layers.values()
+
+
+class AttrLlama(_Llama):
+    """Blocks as separate attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.block_a, self.block_b, self.block_c, self.block_d = (TB(False) for _ in range(L))
+
+    def blocks(self):
+        return [self.block_a, self.block_b, self.block_c, self.block_d]
+
+
+class Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([TB(False) for _ in range(2)])
+
+    def forward(self, h, fc):
+        for block in self.blocks:
+            h = block(h, fc)
+        return h
+
+
+class Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList([Stage() for _ in range(L // 2)])
+
+
+class NestedLlama(_Llama):
+    """Blocks at decoder.stages[i].blocks[j]."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder = Decoder()
+
+    def blocks(self):
+        return list(self.decoder.stages)
+
+
+class Flat(nn.Module):
+    """No repeated structure: embedding, an MLP of two different linears, the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.up, self.down = nn.Linear(H, 96), nn.Linear(96, H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        return self.head(h + self.down(F.gelu(self.up(h))))
+
+
+FORMS = {
+    "module_dict": (DictLlama, [f"layers.layer{i}" for i in range(L)]),
+    "attributes": (AttrLlama, [f"block_{c}" for c in "abcd"]),
+    "nested": (NestedLlama, [f"decoder.stages.{i // 2}.blocks.{i % 2}" for i in range(L)]),
+}
+
+
+def data():
+    return token_batches(V, steps=2, rows=8, seed=3, seq=S)
+
+
+def _compile(model, **config):
+    return parallelize_on(model, data(), 8 // config.get("microbatches", 1), **config)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_layers_found_with_their_nodes_and_parameters(form):
+    factory, paths = FORMS[form]
+    program = _compile(seeded(factory), tp=2, pp=2, microbatches=2, world_size=4)
+    layers = program.layers
+    assert layers.count == L and list(layers.paths) == paths and not layers.by_calls
+    assert [layers.label(i) for i in range(L)] == paths
+    per_layer_nodes = Counter(layers.node_layer.values())
+    assert sorted(per_layer_nodes) == list(range(L)) and len(set(per_layer_nodes.values())) == 1
+    for i, path in enumerate(paths):
+        assert program.layer_params(f"{path}.attention.wq.weight") == i
+        assert program.layer_params(f"{path}.feed_forward.w2.weight") == i
+    assert program.layer_params("tok_embeddings.weight") is None and program.layer_params("output.weight") is None
+    owned = Counter(program.layer_params(n) for n in program.param_names)
+    assert owned[None] == 3 and {owned[i] for i in range(L)} == {owned[0]}
+    per_layer = {k: n for k, n in program.collectives(by_layer=True).items() if k[0] is not None}
+    assert per_layer == {(i, kind): 2 for i in range(L) for kind in ("copy_to_tp", "reduce_from_tp")}
+    assert [c.layers for c in program.split.chunks] == [[0, 1], [2, 3]]
+    for chunk in program.split.chunks:
+        wrapped = with_recompute(chunk.gm, "layer", layers)
+        assert sum(isinstance(m, Checkpointed) for m in wrapped.children()) == len(chunk.layers)
+    assert f"{L} layers ('{paths[0]}' .. '{paths[-1]}')" in program.summary()
+
+
+def test_no_repeated_structure_compiles_at_pp1_and_is_refused_where_layers_are_needed():
+    program = _compile(seeded(Flat), tp=2, world_size=2)
+    assert program.layers.count == 0 and [c.layers for c in program.split.chunks] == [[]]
+    assert program.fallbacks() == [] and program.replicated_weights() == []
+    assert "no repeated layers (looked for a module call repeated" in program.summary()
+    chunk = _compile(seeded(Flat), tp=2, world_size=2, recompute="chunk")
+    assert isinstance(chunk.split.chunks[0].module, Checkpointed)
+    with pytest.raises(PipelineError, match=r"pipeline parallelism \(pp \* virtual_stages = 2 chunks\) cuts between "
+                                            r"repeated layers.*looked for a module call repeated at least twice.*"
+                                            r"Fix: use pp=1 and virtual_stages=1"):
+        _compile(seeded(Flat), pp=2, microbatches=2, world_size=2)
+    with pytest.raises(RecomputeError, match=r"recompute='layer' checkpoints each repeated layer.*looked for a "
+                                             r"module call repeated.*Fix: use recompute='chunk'.*or recompute='none'"):
+        _compile(seeded(Flat), tp=2, world_size=2, recompute="layer")
+
+
+LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2, "microbatches": 2},
+           "pp2_layer": {"pp": 2, "microbatches": 2, "recompute": "layer"}}
+RUNS = [(form, layout) for form in FORMS for layout in LAYOUTS] + [("flat", "tp2")]
+
+
+def _model(form):
+    return seeded(Flat if form == "flat" else FORMS[form][0])
+
+
+def _worker():
+    out = {}
+    for form, layout in RUNS:
+        d = data()
+        cfg = LAYOUTS[layout]
+        program = parallelize_on(_model(form), d, 8 // cfg.get("microbatches", 1), **cfg)
+        out[(form, layout)] = train_steps(program.materialize(), d, 1e-3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn_ranks(_worker, 2, timeout_s=900)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("form,layout", RUNS)
+def test_matches_one_device(results, form, layout):
+    assert_ranks_match(reference_run(_model(form), data(), lr=1e-3), [r[(form, layout)] for r in results],
+                       label=f"{form} {layout}")
