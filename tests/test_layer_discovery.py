@@ -145,7 +145,11 @@ def test_layers_found_with_their_nodes_and_parameters(form):
     for chunk in program.split.chunks:
         wrapped = with_recompute(chunk.gm, "layer", layers)
         assert sum(isinstance(m, Checkpointed) for m in wrapped.children()) == len(chunk.layers)
-    assert f"{L} layers ('{paths[0]}' .. '{paths[-1]}')" in program.summary()
+    summary = program.summary()
+    assert f"{L} layers ('{paths[0]}' .. '{paths[-1]}')" in summary
+    # the summary's layer table: each layer's module and its node range, in graph order
+    names = [n.name for n in program.traced.gm.graph.nodes if layers.node_layer.get(n.name) == L - 1]
+    assert f"{names[0]} .. {names[-1]}" in summary and all(path in summary for path in paths)
 
 
 def test_no_repeated_structure_compiles_at_pp1_and_is_refused_where_layers_are_needed():
@@ -153,6 +157,7 @@ def test_no_repeated_structure_compiles_at_pp1_and_is_refused_where_layers_are_n
     assert program.layers.count == 0 and [c.layers for c in program.split.chunks] == [[]]
     assert program.fallbacks() == [] and program.replicated_weights() == []
     assert "no repeated layers (looked for a module call repeated" in program.summary()
+    assert "Layers: the repeated module calls" not in program.summary()
     chunk = _compile(seeded(Flat), tp=2, world_size=2, recompute="chunk")
     assert isinstance(chunk.split.chunks[0].module, Checkpointed)
     with pytest.raises(PipelineError, match=r"pipeline parallelism \(pp \* virtual_stages = 2 chunks\) cuts between "

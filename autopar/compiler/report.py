@@ -75,6 +75,8 @@ def render_summary(program: Program, width: int = 120) -> str:
     runs slower than it could (fallbacks, weights left whole, linears left replicated)."""
     console = Console(record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None)
     console.print(_header(program))
+    if program.layers.count:
+        console.print(_layers_table(program))
     console.print(_stages_table(program))
     for line in _stage_notes(program):
         console.print(line)
@@ -100,6 +102,23 @@ def _header(program: Program) -> str:
         f"virtual stages {cfg.virtual_stages}, {cfg.microbatches} microbatches per replica; "
         f"recompute {program.recompute}; precision {program.precision}"
     )
+
+
+def _layers_table(program: Program) -> Table:
+    """Which traced nodes became which layer: its module, its first and last node, how many."""
+    layers = program.layers
+    nodes: dict[int, list[str]] = {}
+    for node in program.traced.gm.graph.nodes:
+        if (layer := layers.node_layer.get(node.name)) is not None:
+            nodes.setdefault(layer, []).append(node.name)
+    table = Table(title="Layers: the repeated module calls, in graph order")
+    for col in ("layer", "module", "nodes (first .. last)", "count"):
+        table.add_column(col)
+    for i in range(layers.count):
+        names = nodes.get(i, [])
+        span = f"{names[0]} .. {names[-1]}" if names else "-"
+        table.add_row(str(i), layers.label(i), span, str(len(names)))
+    return table
 
 
 def _stages_table(program: Program) -> Table:
