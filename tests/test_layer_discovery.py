@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from families import train_steps
 from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, spawn_ranks, token_batches
-from test_model_forms import TB, RMSNorm, precompute_freqs_cis
+from test_model_forms import FF, TB, RMSNorm, precompute_freqs_cis
 
 from autopar.core.checkpoint import Checkpointed
 from passes.pipeline_split import PipelineError
@@ -95,6 +95,39 @@ class NestedLlama(_Llama):
         return list(self.decoder.stages)
 
 
+class MLPBlock(nn.Module):
+    """A block of another structure: a gated MLP alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.feed_forward = RMSNorm(H), FF()
+
+    def forward(self, h, fc):
+        return h + self.feed_forward(self.norm(h))
+
+
+class Alternating(_Llama):
+    """Attention blocks and MLP blocks alternate in one ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([TB(False) if i % 2 == 0 else MLPBlock() for i in range(L)])
+
+    def blocks(self):
+        return self.layers
+
+
+class FirstDiffers(_Llama):
+    """A ModuleDict whose first block is an MLP block, the others attention blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({"first": MLPBlock(), **{f"b{i}": TB(False) for i in range(1, L)}})
+
+    def blocks(self):
+        return self.layers.values()
+
+
 class Flat(nn.Module):
     """No repeated structure: embedding, an MLP of two different linears, the head."""
 
@@ -152,6 +185,32 @@ def test_layers_found_with_their_nodes_and_parameters(form):
     assert f"{names[0]} .. {names[-1]}" in summary and all(path in summary for path in paths)
 
 
+HETERO = {  # model, layer paths, kinds (each layer's first layer of its structure), the MLP-block layers
+    "alternating": (Alternating, [f"layers.{i}" for i in range(L)], (0, 1, 0, 1), {1, 3}),
+    "first_differs": (FirstDiffers, ["layers.first", "layers.b1", "layers.b2", "layers.b3"], (0, 1, 1, 1), {0}),
+}
+
+
+@pytest.mark.parametrize("form", list(HETERO))
+def test_blocks_of_two_kinds_are_layers_each_shown_once(form):
+    """Blocks of another structure in the same container are layers too, of their own kind: the
+    pipeline cut and the per-layer counts see them, the summary shows each kind's first layer."""
+    factory, paths, kinds, mlp = HETERO[form]
+    program = _compile(seeded(factory), tp=2, pp=2, microbatches=2, world_size=4)
+    layers = program.layers
+    assert layers.count == L and list(layers.paths) == paths and layers.kinds == kinds
+    sizes = Counter(layers.node_layer.values())
+    assert len({sizes[i] for i in mlp}) == 1 and len({sizes[i] for i in set(range(L)) - mlp}) == 1
+    for i, path in enumerate(paths):
+        assert program.layer_params(f"{path}.feed_forward.w2.weight") == i
+    per_layer = {k: n for k, n in program.collectives(by_layer=True).items() if k[0] is not None}
+    assert per_layer == {(i, kind): 1 if i in mlp else 2 for i in range(L) for kind in ("copy_to_tp", "reduce_from_tp")}
+    assert [c.layers for c in program.split.chunks] == [[0, 1], [2, 3]]
+    summary = program.summary()
+    shown = {i for i in range(L) if f"{paths[i]}.feed_forward.w2.weight" in summary}
+    assert shown == {layers.stands_for(i) for i in range(L)} == {0, 1}
+
+
 def test_no_repeated_structure_compiles_at_pp1_and_is_refused_where_layers_are_needed():
     program = _compile(seeded(Flat), tp=2, world_size=2)
     assert program.layers.count == 0 and [c.layers for c in program.split.chunks] == [[]]
@@ -171,11 +230,12 @@ def test_no_repeated_structure_compiles_at_pp1_and_is_refused_where_layers_are_n
 
 LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2, "microbatches": 2},
            "pp2_layer": {"pp": 2, "microbatches": 2, "recompute": "layer"}}
-RUNS = [(form, layout) for form in FORMS for layout in LAYOUTS] + [("flat", "tp2")]
+RUNS = [(form, layout) for form in FORMS for layout in LAYOUTS] + [("flat", "tp2"), ("alternating", "pp2_layer"),
+                                                                   ("first_differs", "pp2")]
 
 
 def _model(form):
-    return seeded(Flat if form == "flat" else FORMS[form][0])
+    return seeded(Flat if form == "flat" else {**FORMS, **HETERO}[form][0])
 
 
 def _worker():

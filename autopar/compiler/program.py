@@ -270,7 +270,9 @@ class Program:
                  f"chunks {[c.index for c in chunks]}; shards (each chunk's later layers alike):"]
         rank = tp_rank
         used = {self.traced.param_of[p] for c in chunks for p in c.params}
-        first_layers = {c.layers[0] for c in chunks if c.layers}
+        kinds = self.layers.kinds
+        first_layers = {i for c in chunks for i in c.layers  # the first layer of each kind in each chunk
+                        if not kinds or all(kinds[j] != kinds[i] for j in c.layers if j < i)}
         for name in self.param_names:
             layer = self.layer_params(name)
             if name not in used or (layer is not None and layer not in first_layers):

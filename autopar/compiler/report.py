@@ -154,13 +154,13 @@ def _stage_notes(program: Program) -> list[str]:
 
 def _params_table(program: Program) -> Table:
     """Every parameter's split; layer 0 stands for every layer."""
-    params = Table(title="Parameters (tensor-parallel split; layers 1.. as layer 0)")
+    params = Table(title="Parameters (tensor-parallel split; each layer as the first of its kind)")
     for col in ("parameter", "full shape", "placement", "local shape", "role"):
         params.add_column(col)
     roles = _roles(program)
     for name in program.param_names:
         layer = program.layer_params(name)
-        if layer is not None and layer > 0:
+        if layer is not None and program.layers.stands_for(layer) != layer:
             continue
         params.add_row(name, str(list(program.full_shape(name))), repr(program.param_spec(name)),
                        str(list(program.local_shape(name))), roles.get(name, ""))
@@ -219,11 +219,11 @@ def _unsplit_weights_table(program: Program) -> Table | None:
     n_whole = sum(n for _, n, _ in whole)
     wt = Table(title=f"Weights not split: {n_whole:,} parameters ({n_whole / total_params:.0%} of the model) "
                      f"held whole by every tp rank — more memory, computed {program.tp} times")
-    for col in ("parameter (layers 1.. as layer 0)", "elements", "why"):
+    for col in ("parameter (each layer as the first of its kind)", "elements", "why"):
         wt.add_column(col)
     for name, n, why in whole:
         layer = program.layer_params(name)
-        if layer is not None and layer > 0:
+        if layer is not None and program.layers.stands_for(layer) != layer:
             continue
         wt.add_row(name, f"{n:,}", why)
     return wt
