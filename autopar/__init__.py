@@ -17,6 +17,7 @@ __all__ = [
     "ParallelConfig",
     "ShardingError",
     "PipelineError",
+    "RecomputeError",
     "TraceError",
     "RankError",
     "spawn",
@@ -30,6 +31,7 @@ _WHERE = {
     "ParallelConfig": "autopar.core.config",
     "ShardingError": "passes.sharding",
     "PipelineError": "passes.pipeline_split",
+    "RecomputeError": "passes.recompute",
     "TraceError": "autopar.compiler.trace",
     "lm_cross_entropy": "autopar.compiler.trace",
     "RankError": "autopar.runtime.launch",
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from autopar.core.config import ParallelConfig
     from autopar.runtime.launch import RankError, spawn
     from passes.pipeline_split import PipelineError
+    from passes.recompute import RecomputeError
     from passes.sharding import ShardingError
 
 

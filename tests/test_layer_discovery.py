@@ -18,9 +18,10 @@ from families import train_steps
 from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, spawn_ranks, token_batches
 from test_model_forms import FF, TB, RMSNorm, precompute_freqs_cis
 
+import autopar
 from autopar.core.checkpoint import Checkpointed
 from passes.pipeline_split import PipelineError
-from passes.recompute import RecomputeError, with_recompute
+from passes.recompute import with_recompute
 
 V, H, S, L = 128, 64, 16, 4
 D = 16
@@ -223,7 +224,7 @@ def test_no_repeated_structure_compiles_at_pp1_and_is_refused_where_layers_are_n
                                             r"repeated layers.*looked for a module call repeated at least twice.*"
                                             r"Fix: use pp=1 and virtual_stages=1"):
         _compile(seeded(Flat), pp=2, microbatches=2, world_size=2)
-    with pytest.raises(RecomputeError, match=r"recompute='layer' checkpoints each repeated layer.*looked for a "
+    with pytest.raises(autopar.RecomputeError, match=r"recompute='layer' checkpoints each repeated layer.*looked for a "
                                              r"module call repeated.*Fix: use recompute='chunk'.*or recompute='none'"):
         _compile(seeded(Flat), tp=2, world_size=2, recompute="layer")
 
