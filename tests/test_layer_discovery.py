@@ -4,9 +4,15 @@ A Llama whose blocks sit in an ``nn.ModuleDict`` keyed by names, in separate
 attributes, or in nested containers (``decoder.stages[i].blocks[j]``): the
 same four layers are found (count, nodes and parameters per layer, per-layer
 collectives, per-layer checkpoints), and tp=2, pp=2 and pp=2 with
-recompute='layer' match one device. A model with no repeated structure
-compiles at pp=1 (and matches one device at tp=2); pp=2 and recompute='layer'
-are refused with a message naming what was looked for and a different layout.
+recompute='layer' match one device. Blocks reached through a plain list built
+in forward, or a plain dict of blocks registered with ``add_module`` under
+arbitrary names: the same layers, matching one device at tp=2 and pp=2. One
+block called four times: four layers, matching one device at pp=2. The
+ModuleDict form interleaved (pp=2, virtual_stages=2, one layer per chunk),
+with and without recompute='layer', matches one device. A model with no
+repeated structure compiles at pp=1 (and matches one device at tp=2); pp=2 and
+recompute='layer' are refused with a message naming what was looked for and a
+different layout.
 """
 
 from collections import Counter
@@ -96,6 +102,46 @@ class NestedLlama(_Llama):
         return list(self.decoder.stages)
 
 
+class RuntimeListLlama(_Llama):
+    """Blocks in a ModuleList, run through a plain Python list built in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack = nn.ModuleList([TB(False) for _ in range(L)])
+
+    def blocks(self):
+        picked = []
+        for i in range(len(self.stack)):
+            picked.append(self.stack[i])
+        return picked
+
+
+class PlainDictLlama(_Llama):
+    """Blocks registered with add_module under arbitrary names, run from a plain dict attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = {}
+        for name in ("zeta", "alpha", "q7", "mid"):
+            block = TB(False)
+            self.add_module(name, block)
+            self.pool[name] = block
+
+    def blocks(self):
+        return list(self.pool.values())
+
+
+class ReusedLlama(_Llama):
+    """One block called L times in forward (weights shared across the layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = TB(False)
+
+    def blocks(self):
+        return [self.block] * L
+
+
 class MLPBlock(nn.Module):
     """A block of another structure: a gated MLP alone."""
 
@@ -147,7 +193,10 @@ FORMS = {
     "module_dict": (DictLlama, [f"layers.layer{i}" for i in range(L)]),
     "attributes": (AttrLlama, [f"block_{c}" for c in "abcd"]),
     "nested": (NestedLlama, [f"decoder.stages.{i // 2}.blocks.{i % 2}" for i in range(L)]),
+    "runtime_list": (RuntimeListLlama, [f"stack.{i}" for i in range(L)]),
+    "plain_dict": (PlainDictLlama, ["zeta", "alpha", "q7", "mid"]),
 }
+BLOCK_PARAMS = 9  # wq, wk, wv, wo, w1, w2, w3 and two norms
 
 
 def data():
@@ -184,6 +233,41 @@ def test_layers_found_with_their_nodes_and_parameters(form):
     # the summary's layer table: each layer's module and its node range, in graph order
     names = [n.name for n in program.traced.gm.graph.nodes if layers.node_layer.get(n.name) == L - 1]
     assert f"{names[0]} .. {names[-1]}" in summary and all(path in summary for path in paths)
+
+
+@pytest.mark.parametrize("form", ["runtime_list", "plain_dict"])
+def test_blocks_chosen_at_run_time_are_counted_like_a_module_dict(form):
+    """Blocks reached through a list or dict built outside any module container: the same layer count,
+    nodes per layer and parameters per layer as the ModuleDict form."""
+    want = _compile(seeded(DictLlama), tp=2, pp=2, microbatches=2, world_size=4)
+    program = _compile(seeded(FORMS[form][0]), tp=2, pp=2, microbatches=2, world_size=4)
+    nodes = Counter(want.layers.node_layer.values())
+    assert program.layers.count == want.layers.count == L
+    assert Counter(program.layers.node_layer.values()) == nodes and len(set(nodes.values())) == 1 and nodes[0] > 0
+    owned = Counter(program.layer_params(n) for n in program.param_names)
+    assert owned == {**{i: BLOCK_PARAMS for i in range(L)}, None: 3}
+    assert len(program.param_names) == L * BLOCK_PARAMS + 3
+
+
+def test_one_block_called_four_times_is_four_layers():
+    want = _compile(seeded(DictLlama), tp=2, pp=2, microbatches=2, world_size=4)
+    program = _compile(seeded(ReusedLlama), tp=2, pp=2, microbatches=2, world_size=4)
+    layers = program.layers
+    assert layers.count == L and layers.by_calls and list(layers.paths) == ["block"] * L
+    assert Counter(layers.node_layer.values()) == Counter(want.layers.node_layer.values())
+    assert len(program.param_names) == BLOCK_PARAMS + 3
+    assert all(program.layer_params(n) is None for n in program.param_names)  # every layer calls the block
+    assert [c.layers for c in program.split.chunks] == [[0, 1], [2, 3]]
+    assert f"{L} layers ('block' .. 'block', one block called repeatedly)" in program.summary()
+
+
+def test_interleaved_pipeline_takes_one_layer_per_chunk():
+    program = _compile(seeded(DictLlama), pp=2, virtual_stages=2, schedule="interleaved", microbatches=2,
+                       world_size=2)
+    assert [c.layers for c in program.split.chunks] == [[0], [1], [2], [3]]
+    for chunk in program.split.chunks:
+        wrapped = with_recompute(chunk.gm, "layer", program.layers)
+        assert sum(isinstance(m, Checkpointed) for m in wrapped.children()) == 1
 
 
 HETERO = {  # model, layer paths, kinds (each layer's first layer of its structure), the MLP-block layers
@@ -229,14 +313,18 @@ def test_no_repeated_structure_compiles_at_pp1_and_is_refused_where_layers_are_n
         _compile(seeded(Flat), tp=2, world_size=2, recompute="layer")
 
 
+INTERLEAVED = {"pp": 2, "virtual_stages": 2, "schedule": "interleaved", "microbatches": 2}
 LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2, "microbatches": 2},
-           "pp2_layer": {"pp": 2, "microbatches": 2, "recompute": "layer"}}
-RUNS = [(form, layout) for form in FORMS for layout in LAYOUTS] + [("flat", "tp2"), ("alternating", "pp2_layer"),
-                                                                   ("first_differs", "pp2")]
+           "pp2_layer": {"pp": 2, "microbatches": 2, "recompute": "layer"},
+           "pp2_v2": INTERLEAVED, "pp2_v2_layer": {**INTERLEAVED, "recompute": "layer"}}
+RUNS = [(form, layout) for form in ("module_dict", "attributes", "nested") for layout in ("tp2", "pp2", "pp2_layer")]
+RUNS += [(form, layout) for form in ("runtime_list", "plain_dict") for layout in ("tp2", "pp2")]
+RUNS += [("reused", "pp2"), ("module_dict", "pp2_v2"), ("module_dict", "pp2_v2_layer")]
+RUNS += [("flat", "tp2"), ("alternating", "pp2_layer"), ("first_differs", "pp2")]
 
 
 def _model(form):
-    return seeded(Flat if form == "flat" else {**FORMS, **HETERO}[form][0])
+    return seeded({"flat": Flat, "reused": ReusedLlama, **{k: v[0] for k, v in {**FORMS, **HETERO}.items()}}[form])
 
 
 def _worker():
