@@ -63,13 +63,13 @@ def make(family: str, seed: int = 0, layers: int = 2) -> tuple[nn.Module, int]:
     return factory(vocab, layers), vocab
 
 
-def batches(vocab: int, steps: int = 3, seed: int = 1, rows: int = BATCH):
-    """``steps`` batches of ``rows`` sequences: (inputs, targets) each."""
+def batches(vocab: int, steps: int = 3, seed: int = 1, rows: int = BATCH, seq: int = SEQ):
+    """``steps`` batches of ``rows`` random sequences of ``seq`` token ids: ``[((inputs,), (targets,))]``."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        x = torch.randint(0, vocab, (rows, SEQ), generator=g)
-        y = torch.randint(0, vocab, (rows, SEQ), generator=g)
+        x = torch.randint(0, vocab, (rows, seq), generator=g)
+        y = torch.randint(0, vocab, (rows, seq), generator=g)
         out.append(((x,), (y,)))
     return out
 

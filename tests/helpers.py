@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from families import SEQ, assert_steps_match
+from families import SEQ, assert_steps_match, batches
 
 import autopar
 from autopar.reference.parity import single_device_run
@@ -32,14 +32,8 @@ def seeded(factory: Callable, *args, seed: int = 0, **kwargs):
 
 
 def token_batches(vocab: int, steps: int, rows: int, seed: int, seq: int = SEQ) -> Batches:
-    """``steps`` global batches of ``rows`` random sequences of ``seq`` token ids: ``[((inputs,), (targets,))]``."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        x = torch.randint(0, vocab, (rows, seq), generator=g)
-        y = torch.randint(0, vocab, (rows, seq), generator=g)
-        out.append(((x,), (y,)))
-    return out
+    """``steps`` global batches of ``rows`` random sequences of ``seq`` token ids (``families.batches``)."""
+    return batches(vocab, steps, seed, rows, seq)
 
 
 def parallelize_on(model, data: Batches, rows: int, **config) -> autopar.ParallelProgram:

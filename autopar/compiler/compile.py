@@ -55,8 +55,7 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
     layers = find_layers(traced.gm)
     plan = analyze_sharding(traced, config.tp)
     rank_module = apply_tensor_parallel(traced, plan)
-    annotate_local_shapes(rank_module, config.tp, traced.param_of,
-                          lambda name: _local_shape(traced, plan, config.tp, name))
+    annotate_local_shapes(rank_module, config.tp, traced.param_of, _param_local_shapes(traced, plan, config.tp).__getitem__)
     split = _split(traced, rank_module, config, layers)
     schedule = _schedule(config)
     param_names = tuple(traced.param_of[n.name] for n in traced.gm.graph.nodes if n.name in traced.param_of)
@@ -67,10 +66,12 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
         tied_params={n: s for n, s in param_stages.items() if len(s) > 1})
 
 
-def _local_shape(traced, plan: ShardingPlan, tp: int, name: str) -> tuple[int, ...]:
-    placeholder = next(ph for ph, n in traced.param_of.items() if n == name)
-    node = next(n for n in traced.gm.graph.nodes if n.name == placeholder)
-    return param_local_shape(tuple(node.meta["val"].shape), plan.param_specs.get(placeholder, Replicate()), tp)
+def _param_local_shapes(traced, plan: ShardingPlan, tp: int) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> its shape on one tensor-parallel rank."""
+    placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+    return {name: param_local_shape(tuple(placeholders[ph].meta["val"].shape),
+                                    plan.param_specs.get(ph, Replicate()), tp)
+            for ph, name in traced.param_of.items()}
 
 
 def _split(traced, rank_module, config: ParallelConfig, layers: LayerInfo) -> PipelineSplit:

@@ -24,6 +24,7 @@ from autopar.core.checkpoint import Checkpointed
 from autopar.core.chunks import PipelineSplit
 from autopar.core.collectives import collective_of
 from autopar.core.config import ParallelConfig
+from autopar.core.flops import node_bytes
 from autopar.core.graph import TracedModel, module_path, source_line
 from autopar.core.placement import Replicate, Shard
 from autopar.schedules import Schedule
@@ -121,8 +122,6 @@ class Program:
         recomputation materialises at a time (the chunk, or one layer). Float
         values count 2 bytes per element under bf16 autocast.
         """
-        from autopar.core.flops import node_bytes
-
         scale = 0.5 if self.precision == "bf16" else 1.0
         values = [n for n in chunk.gm.graph.nodes if n.op == "call_function" and n.target not in _VIEWS]
         total = scale * sum(node_bytes(n) for n in values)
