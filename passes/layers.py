@@ -6,16 +6,26 @@ for every node, the stack of module calls it ran in
 (``node.meta["nn_module_stack"]``: call key -> (module path, class); a module
 called again gets the key ``path@1``, ``path@2`` ...). Every module call gets
 a signature from its nodes (op, classes of the calls below it, shape); calls
-sharing a signature, at least two of them, are a candidate stack. The stack is
-the candidate covering the most nodes (then the one with more calls, then the
-outermost). Calls of another structure join the stack as layers of their own
-kind when they sit beside its calls: under the same parent call and between
-the stack's first and last call (blocks of two kinds that alternate; a call
-holding fewer than a quarter of a block's nodes, a norm between blocks, does
-not), or in the same container when nothing calls that container (a ModuleList
-or ModuleDict whose first or last block differs). So the blocks may sit anywhere: a ModuleList, a ModuleDict with
-any keys, separate attributes, nested containers, an ``nn.Sequential`` with
-the embedding and head around them, or one block called several times
+sharing a signature, at least two of them, each a block (two ops or more, one
+of them a contraction: a lone linear or norm repeated is not a layer), are a
+candidate stack. The stack is the candidate covering the most nodes: the
+outermost repetition, since what repeats inside a block (heads, experts, the
+two norms of a block) covers less; then the one with more calls, then the
+outermost.
+
+Calls of another structure join the stack as layers of their own kind when
+they sit beside its calls (same parent call, same depth) and are blocks like
+them: they run a sub-block (a call of two ops or more holding a contraction,
+an attention or an MLP) of the same signature as one inside the stack's
+blocks (a dense first layer before mixture-of-experts layers, a local-attention
+block between global ones, a different last block, held as a plain attribute
+or in a called ``nn.Sequential``), or they are children of the container
+holding the stack when nothing calls that container (a ModuleList or
+ModuleDict whose first block differs entirely, as T5's first block). The
+embedding, the final norm and the head share no sub-block with the layers
+and stay outside. So the blocks may sit anywhere: a ModuleList, a ModuleDict
+with any keys, separate attributes, nested containers, an ``nn.Sequential``
+with the embedding and head around them, or one block called several times
 (weights shared across layers, as ALBERT). Layer i is the i-th call met in
 graph order. Nothing here depends on names or container types.
 """
@@ -34,7 +44,8 @@ from autopar.core.graph import user_path
 __all__ = ["LOOKED_FOR", "LayerInfo", "find_layers", "layer_of_node", "layer_of_param"]
 
 LOOKED_FOR = ("a module call repeated at least twice with the same module classes called in the same order on "
-              "the same shapes (blocks held in any container or attribute, or one block called repeatedly)")
+              "the same shapes, each running two ops or more with a matmul among them (blocks held in any "
+              "container or attribute, or one block called repeatedly)")
 """What ``find_layers`` looks for, for the messages of the features that need layers."""
 
 
@@ -92,12 +103,42 @@ def _signature(node: fx.Node, depth: int) -> tuple:
     return str(node.target), tuple(str(cls) for _, cls in stack[depth + 1:]), shape
 
 
-def find_layers(gm: fx.GraphModule) -> LayerInfo:
-    """Find the layer stack of a traced graph and map each node to its layer."""
-    members: dict[str, list[str]] = defaultdict(list)  # call key -> its node names, in graph order
-    sigs: dict[str, list[tuple]] = defaultdict(list)
-    call: dict[str, tuple[str, str, int]] = {}  # call key -> (path, class, depth)
-    parent: dict[str, str] = {}  # call key -> the key of the call it ran in
+CONTRACTIONS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "linear", "mm", "matmul", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product_attention", "_grouped_mm")
+    if hasattr(torch.ops.aten, name))
+"""Ops that contract a dimension (the weight GEMMs and attention): a block holds at least one."""
+
+
+@dataclass
+class _Calls:
+    """The module calls of a traced graph: per call key, its nodes, signature, path, class, depth and parent."""
+
+    members: dict[str, list[fx.Node]] = field(default_factory=lambda: defaultdict(list))
+    sigs: dict[str, list[tuple]] = field(default_factory=lambda: defaultdict(list))
+    call: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+    parent: dict[str, str] = field(default_factory=dict)
+    kind: dict[str, int] = field(default_factory=dict)
+    """Call key -> its structure: calls of one kind have one class and one signature."""
+    children: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+
+    def is_block(self, key: str) -> bool:
+        """Two ops or more, a contraction among them: a lone linear, a norm or an activation is not."""
+        nodes = self.members[key]
+        return len(nodes) >= 2 and any(n.target in CONTRACTIONS for n in nodes)
+
+    def sub_blocks(self, key: str) -> set[int]:
+        """The kinds of the blocks called inside this call (its attention, its MLP)."""
+        out, todo = set(), list(self.children.get(key, ()))
+        while todo:
+            k = todo.pop()
+            if self.is_block(k):
+                out.add(self.kind[k])
+            todo.extend(self.children.get(k, ()))
+        return out
+
+
+def _module_calls(gm: fx.GraphModule) -> _Calls:
+    calls = _Calls()
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -105,47 +146,59 @@ def find_layers(gm: fx.GraphModule) -> LayerInfo:
         for depth, (key, (path, cls)) in enumerate(stack):
             if not user_path(path):
                 continue  # the traced wrapper and the model itself
-            call.setdefault(key, (user_path(path), str(cls), depth))
-            parent.setdefault(key, stack[depth - 1][0])
-            members[key].append(node.name)
-            sigs[key].append(_signature(node, depth))
+            calls.call.setdefault(key, (user_path(path), str(cls), depth))
+            calls.parent.setdefault(key, stack[depth - 1][0])
+            calls.members[key].append(node)
+            calls.sigs[key].append(_signature(node, depth))
     groups: dict[tuple, list[str]] = defaultdict(list)
-    for key, sig in sigs.items():
-        groups[(call[key][1], tuple(sig))].append(key)
-    kind_of = {key: g for g, keys in enumerate(groups.values()) for key in keys}
-    candidates = [keys for keys in groups.values() if len(keys) >= 2]
+    for key, sig in calls.sigs.items():
+        groups[(calls.call[key][1], tuple(sig))].append(key)
+    calls.kind = {key: g for g, keys in enumerate(groups.values()) for key in keys}
+    for key, up in calls.parent.items():
+        calls.children[up].append(key)
+    return calls
+
+
+def find_layers(gm: fx.GraphModule) -> LayerInfo:
+    """Find the layer stack of a traced graph and map each node to its layer."""
+    calls = _module_calls(gm)
+    groups: dict[int, list[str]] = defaultdict(list)
+    for key, kind in calls.kind.items():
+        groups[kind].append(key)
+    candidates = [keys for keys in groups.values() if len(keys) >= 2 and calls.is_block(keys[0])]
     if not candidates:
         return LayerInfo("", 0, {})
-    best = max(candidates, key=lambda ks: (len(ks) * len(members[ks[0]]), len(ks), -call[ks[0]][2]))
+    size, depth = (lambda k: len(calls.members[k])), (lambda k: calls.call[k][2])
+    best = max(candidates, key=lambda ks: (len(ks) * size(ks[0]), len(ks), -depth(ks[0])))
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
-    best = sorted(best + _beside(best, call, parent, members, order), key=lambda k: order[members[k][0]])
-    node_layer = {name: i for i, key in enumerate(best) for name in members[key]}
-    paths = tuple(call[k][0] for k in best)
+    start = lambda k: order[calls.members[k][0].name]  # noqa: E731
+    best = sorted(best + _beside(best, calls), key=start)
+    node_layer = {n.name: i for i, key in enumerate(best) for n in calls.members[key]}
+    paths = tuple(calls.call[k][0] for k in best)
     prefix, offset = _container(paths)
-    kinds = {kind_of[k]: i for i, k in reversed(list(enumerate(best)))}  # kind -> its first layer
+    first = {calls.kind[k]: i for i, k in reversed(list(enumerate(best)))}  # kind -> its first layer
     return LayerInfo(prefix, len(best), node_layer, by_calls=len(set(paths)) < len(paths), offset=offset,
                      paths=paths, keys={k: i for i, k in enumerate(best)},
-                     kinds=tuple(kinds[kind_of[k]] for k in best))
+                     kinds=tuple(first[calls.kind[k]] for k in best))
 
 
-def _beside(stack: list[str], call: dict, parent: dict, members: dict, order: dict) -> list[str]:
-    """Calls of another structure that are layers too: beside the stack's calls (same parent call,
-    same depth) and between its first and last call, or children of the container holding them
-    when nothing calls it."""
-    first, last = order[members[stack[0]][0]], order[members[stack[-1]][-1]]
-    parents, depth = {parent[k] for k in stack}, call[stack[0]][2]
-    paths = [call[k][0] for k in stack]
+def _beside(stack: list[str], calls: _Calls) -> list[str]:
+    """Calls of another structure that are layers too: beside the stack's calls (same parent call, same
+    depth) and running a sub-block like the stack's, or children of the container holding the stack when
+    nothing calls it."""
+    parents, depth = {calls.parent[k] for k in stack}, calls.call[stack[0]][2]
+    shared = set().union(*(calls.sub_blocks(k) for k in stack))
+    paths = [calls.call[k][0] for k in stack]
     holder = _container(tuple(paths))[0] if len(set(paths)) == len(paths) else ""
-    if holder and any(path == holder for path, _, _ in call.values()):
+    if holder and any(path == holder for path, _, _ in calls.call.values()):
         holder = ""  # a called container (an nn.Sequential) holds the embedding and head too
-    size = len(members[stack[0]])
     out = []
-    for key, (path, _, d) in call.items():
-        if key in stack or d != depth or parent[key] not in parents:
+    for key, (path, _, d) in calls.call.items():
+        if key in stack or d != depth or calls.parent[key] not in parents:
             continue
-        inside = first < order[members[key][0]] < last and 4 * len(members[key]) >= size
+        alike = calls.is_block(key) and bool(calls.sub_blocks(key) & shared)
         held = bool(holder) and path.rpartition(".")[0] == holder
-        if inside or held:
+        if alike or held:
             out.append(key)
     return out
 

@@ -175,6 +175,48 @@ class FirstDiffers(_Llama):
         return self.layers.values()
 
 
+class FirstAttr(_Llama):
+    """A different first block held as a plain attribute beside a ModuleList of the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = MLPBlock()
+        self.layers = nn.ModuleList([TB(False) for _ in range(1, L)])
+
+    def blocks(self):
+        return [self.first, *self.layers]
+
+
+class SeqTB(TB):
+    """An attention block taking the hidden state alone (for an nn.Sequential), its rotary table a buffer."""
+
+    def __init__(self):
+        super().__init__(False)
+        self.register_buffer("fc", precompute_freqs_cis(D, S * 2)[:S], persistent=False)
+
+    def forward(self, h):
+        return super().forward(h, self.fc)
+
+
+class SeqMLP(MLPBlock):
+    def forward(self, h):
+        return super().forward(h, None)
+
+
+class LastInSequential(nn.Module):
+    """Blocks inside a called nn.Sequential whose last block is an MLP block; embedding and head outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(V, H)
+        self.body = nn.Sequential(*[SeqTB() for _ in range(L - 1)], SeqMLP())
+        self.norm = RMSNorm(H)
+        self.output = nn.Linear(H, V, bias=False)
+
+    def forward(self, tokens):
+        return self.output(self.norm(self.body(self.tok_embeddings(tokens)))).float()
+
+
 class Flat(nn.Module):
     """No repeated structure: embedding, an MLP of two different linears, the head."""
 
@@ -187,6 +229,22 @@ class Flat(nn.Module):
     def forward(self, x):
         h = self.emb(x)
         return self.head(h + self.down(F.gelu(self.up(h))))
+
+
+class FlatSameShapes(nn.Module):
+    """No repeated block, though single modules repeat: two linears of one shape, two norms, the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.norm_a, self.norm_b = RMSNorm(H), RMSNorm(H)
+        self.fc_a, self.fc_b = nn.Linear(H, H), nn.Linear(H, H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.fc_b(F.gelu(self.fc_a(self.norm_a(h))))
+        return self.head(self.norm_b(h))
 
 
 FORMS = {
@@ -273,6 +331,8 @@ def test_interleaved_pipeline_takes_one_layer_per_chunk():
 HETERO = {  # model, layer paths, kinds (each layer's first layer of its structure), the MLP-block layers
     "alternating": (Alternating, [f"layers.{i}" for i in range(L)], (0, 1, 0, 1), {1, 3}),
     "first_differs": (FirstDiffers, ["layers.first", "layers.b1", "layers.b2", "layers.b3"], (0, 1, 1, 1), {0}),
+    "first_attribute": (FirstAttr, ["first", "layers.0", "layers.1", "layers.2"], (0, 1, 1, 1), {0}),
+    "last_in_sequential": (LastInSequential, [f"body.{i}" for i in range(L)], (0, 0, 0, 3), {3}),
 }
 
 
@@ -293,24 +353,25 @@ def test_blocks_of_two_kinds_are_layers_each_shown_once(form):
     assert [c.layers for c in program.split.chunks] == [[0, 1], [2, 3]]
     summary = program.summary()
     shown = {i for i in range(L) if f"{paths[i]}.feed_forward.w2.weight" in summary}
-    assert shown == {layers.stands_for(i) for i in range(L)} == {0, 1}
+    assert shown == {layers.stands_for(i) for i in range(L)} == set(kinds)
 
 
-def test_no_repeated_structure_compiles_at_pp1_and_is_refused_where_layers_are_needed():
-    program = _compile(seeded(Flat), tp=2, world_size=2)
+@pytest.mark.parametrize("flat", [Flat, FlatSameShapes])
+def test_no_repeated_structure_compiles_at_pp1_and_is_refused_where_layers_are_needed(flat):
+    program = _compile(seeded(flat), tp=2, world_size=2)
     assert program.layers.count == 0 and [c.layers for c in program.split.chunks] == [[]]
     assert program.fallbacks() == [] and program.replicated_weights() == []
     assert "no repeated layers (looked for a module call repeated" in program.summary()
     assert "Layers: the repeated module calls" not in program.summary()
-    chunk = _compile(seeded(Flat), tp=2, world_size=2, recompute="chunk")
+    chunk = _compile(seeded(flat), tp=2, world_size=2, recompute="chunk")
     assert isinstance(chunk.split.chunks[0].module, Checkpointed)
     with pytest.raises(PipelineError, match=r"pipeline parallelism \(pp \* virtual_stages = 2 chunks\) cuts between "
                                             r"repeated layers.*looked for a module call repeated at least twice.*"
                                             r"Fix: use pp=1 and virtual_stages=1"):
-        _compile(seeded(Flat), pp=2, microbatches=2, world_size=2)
+        _compile(seeded(flat), pp=2, microbatches=2, world_size=2)
     with pytest.raises(autopar.RecomputeError, match=r"recompute='layer' checkpoints each repeated layer.*looked for a "
                                              r"module call repeated.*Fix: use recompute='chunk'.*or recompute='none'"):
-        _compile(seeded(Flat), tp=2, world_size=2, recompute="layer")
+        _compile(seeded(flat), tp=2, world_size=2, recompute="layer")
 
 
 INTERLEAVED = {"pp": 2, "virtual_stages": 2, "schedule": "interleaved", "microbatches": 2}
@@ -321,6 +382,7 @@ RUNS = [(form, layout) for form in ("module_dict", "attributes", "nested") for l
 RUNS += [(form, layout) for form in ("runtime_list", "plain_dict") for layout in ("tp2", "pp2")]
 RUNS += [("reused", "pp2"), ("module_dict", "pp2_v2"), ("module_dict", "pp2_v2_layer")]
 RUNS += [("flat", "tp2"), ("alternating", "pp2_layer"), ("first_differs", "pp2")]
+RUNS += [("first_attribute", "pp2_layer"), ("last_in_sequential", "pp2"), ("last_in_sequential", "tp2")]
 
 
 def _model(form):
