@@ -59,6 +59,7 @@ from autopar.core.checkpoint import count_kept_bytes
 from autopar.core.comm import TPGroup, _all_gather, seed_forked
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
+from autopar.runtime.checkpoint import Checkpointer, SaveHandle
 from autopar.runtime.gradients import GradientSync
 from autopar.runtime.timeline import Event, gather_events, write_chrome_trace
 from autopar.schedules import Action, Kind
@@ -630,6 +631,41 @@ class RankEngine(nn.Module):
         traced = self.program.traced
         phs = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
         return {name: phs[ph].meta["val"].dtype for ph, name in traced.param_of.items()}
+
+    # --------------------------------------------------------------- checkpoints
+    def save(self, root: str, optimizer: torch.optim.Optimizer | None = None, *, step: int, scheduler=None,
+             extra: Any = None, async_save: bool = False) -> SaveHandle:
+        """Save the training state as ``root/step-<step>`` with ``torch.distributed.checkpoint``.
+
+        Collective: every rank calls it. Stored: the parameters in their full
+        shapes (loadable at any layout), ``optimizer``'s state by parameter name,
+        ``scheduler``'s state, the random streams, the persistent buffers, ``step``
+        and ``extra`` (a dict of plain values, e.g. the data position; rank 0's is
+        kept). The checkpoint becomes ``root/step-N`` and ``root/latest`` only once
+        every rank finished writing. ``async_save``: return once the state is copied
+        to host memory while a thread writes it; ``handle.wait()`` (or the next
+        save or load) waits for it. Wait before the process group is destroyed.
+        """
+        return self._checkpoints().save(root, optimizer, step=step, scheduler=scheduler, extra=extra,
+                                        async_save=async_save)
+
+    def load(self, path: str, optimizer: torch.optim.Optimizer | None = None, scheduler=None) -> tuple[int, Any]:
+        """Load a checkpoint saved at any layout; returns ``(step, extra)``.
+
+        Collective: every rank calls it. ``path``: a checkpoint root (its
+        ``latest``) or one ``step-N`` directory. Parameters and ``optimizer``'s
+        state are resharded to this program's layout; the random streams continue
+        where they were when the layout is the same. Nothing is read until the
+        checkpoint has been checked against this program; a problem any rank finds
+        raises ``CheckpointError`` on every rank.
+        """
+        return self._checkpoints().load(path, optimizer, scheduler)
+
+    def _checkpoints(self) -> Checkpointer:
+        """This engine's checkpoints, made at the first save or load (collective: creates their group)."""
+        if "_checkpointer" not in self.__dict__:
+            self._checkpointer = Checkpointer(self)
+        return self._checkpointer
 
 
 def _tag(a: Action, idx: int) -> int:

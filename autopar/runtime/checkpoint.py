@@ -1,0 +1,204 @@
+"""Save and load an engine's training state with ``torch.distributed.checkpoint`` (DCP).
+
+``engine.save(root, optimizer, step=N, ...)`` and ``engine.load(path, optimizer, ...)``
+call ``Checkpointer.save`` and ``Checkpointer.load``. Collective: every rank
+calls them. What is stored (``docs/training.md``, "Checkpoints"):
+
+- every parameter in its full, unpadded shape as in the user's model, each rank
+  writing its shard's pieces at their global offsets (``checkpoint_state``),
+  so a program of any layout (tp, pp, v, dp) reads the pieces that overlap its
+  own shards: DCP reshards on load;
+- the optimizer's state by parameter name, resharded with the parameters, and
+  its hyperparameters (``checkpoint_optim``); the LR scheduler's state;
+- the engine's random streams (dropout continues identically after a resume at
+  the same layout), the persistent buffers, the step and a user dict ``extra``.
+
+A save writes into ``step-N.partial/`` and becomes ``step-N/`` and ``latest``
+only once every rank finished (``checkpoint_files``); an asynchronous save
+copies the state to host memory and returns while DCP writes in a thread.
+A load checks the checkpoint against the program before reading anything, and
+every rank fails together on a problem any rank finds (``checkpoint_checks``).
+
+The checkpoint's collectives run over a process group of their own (gloo: DCP
+exchanges Python objects, and an asynchronous save's thread must not interleave
+its collectives with training's on the same group).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from autopar.runtime.checkpoint_checks import agree, param_errors, read_metadata, target_errors, truncation_errors
+from autopar.runtime.checkpoint_dcp import HostStager, PieceLoadPlanner, PieceSavePlanner
+from autopar.runtime.checkpoint_files import (CheckpointError, PublishingWriter, clear_partial, read_description,
+                                              resolve, save_errors)
+from autopar.runtime.checkpoint_optim import (apply_loaded, initialise_state, optimizer_entries, optimizer_errors,
+                                              optimizer_targets)
+from autopar.runtime.checkpoint_state import (buffer_entries, describe, model_entries, restore_rng, rng_entries,
+                                              rng_targets, same_streams)
+
+if TYPE_CHECKING:
+    from autopar.runtime.engine import RankEngine
+
+__all__ = ["Checkpointer", "SaveHandle", "CheckpointError"]
+
+
+class SaveHandle:
+    """A save: ``path`` is where the checkpoint is visible once ``wait()`` returns."""
+
+    def __init__(self, path: Path, future: Future) -> None:
+        self.path = path
+        """``ROOT/step-N``: complete once the save is done."""
+        self._future = future
+
+    def done(self) -> bool:
+        """Whether the save finished (successfully or not)."""
+        return self._future.done()
+
+    def wait(self) -> Path:
+        """Block until the checkpoint is visible on every rank; raise ``CheckpointError`` if the save failed."""
+        try:
+            self._future.result()
+        except Exception as e:  # noqa: BLE001 - DCP reports every rank's failure as one exception
+            raise CheckpointError(f"saving checkpoint {self.path} failed: {type(e).__name__}: {e}") from e
+        return self.path
+
+
+def _completed(run) -> Future:
+    """A future already holding ``run()``'s result or exception (a synchronous save)."""
+    future: Future = Future()
+    try:
+        future.set_result(run())
+    except Exception as e:  # noqa: BLE001 - handed to SaveHandle.wait, which names the checkpoint
+        future.set_exception(e)
+    return future
+
+
+class Checkpointer:
+    """One engine's checkpoints: their process group and the asynchronous save in flight.
+
+    Made at the engine's first save or load (collective: the group is created here).
+    """
+
+    def __init__(self, engine: "RankEngine") -> None:
+        self.engine = engine
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        """All ranks, gloo: only checkpoints talk over it."""
+        self.pending: SaveHandle | None = None
+        """The asynchronous save still writing, waited for before the next save or load."""
+
+    def _rank0(self) -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight, if any (raises if it failed)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
+
+    # ---------------------------------------------------------------------- save
+    def save(self, root: str | Path, optimizer=None, *, step: int, scheduler=None, extra: Any = None,
+             async_save: bool = False) -> SaveHandle:
+        """Write ``ROOT/step-N`` (see ``RankEngine.save``)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int (it names ROOT/step-N), got {step!r}")
+        self.wait()
+        root = Path(root)
+        errors, state = save_errors(root, step), {}
+        try:
+            state = self._state(optimizer, scheduler, extra)
+            if not errors and self._rank0():
+                clear_partial(root, step)
+        except (CheckpointError, OSError) as e:
+            errors.append(str(e))
+        agree(errors, self.group, f"cannot save step {step} under {root}")
+        writer = PublishingWriter(root, step, describe(self.engine.program, step))
+        if async_save:
+            future = dcp.async_save(state, storage_writer=writer, planner=PieceSavePlanner(),
+                                    process_group=self.group, async_stager=HostStager())
+            self.pending = SaveHandle(writer.final, future)
+            return self.pending
+        handle = SaveHandle(writer.final, _completed(lambda: dcp.save(
+            state, storage_writer=writer, planner=PieceSavePlanner(), process_group=self.group)))
+        handle.wait()
+        return handle
+
+    def _state(self, optimizer, scheduler, extra) -> dict:
+        """This rank's DCP state dict: views of its tensors (a synchronous save writes them as they are)."""
+        engine = self.engine
+        state: dict = {**model_entries(engine), **buffer_entries(engine), **rng_entries(engine)}
+        if optimizer is not None:
+            state.update(optimizer_entries(engine, optimizer))
+        if self._rank0():  # the same on every rank: stored once
+            state["extra"] = extra
+            if scheduler is not None:
+                state["scheduler"] = scheduler.state_dict()
+        return state
+
+    # ---------------------------------------------------------------------- load
+    def load(self, path: str | Path, optimizer=None, scheduler=None) -> tuple[int, Any]:
+        """Read a checkpoint into the engine (see ``RankEngine.load``); returns (step, extra)."""
+        self.wait()
+        step_dir, description, metadata = self._open(path)
+        targets = self._prepare(optimizer, scheduler, description, metadata, step_dir)
+        try:
+            dcp.load(targets, storage_reader=dcp.FileSystemReader(step_dir), planner=PieceLoadPlanner(),
+                     process_group=self.group)
+        except Exception as e:  # noqa: BLE001 - DCP raises the same on every rank
+            raise CheckpointError(f"cannot load checkpoint {step_dir}: {type(e).__name__}: {e}") from e
+        if optimizer is not None:
+            apply_loaded(self.engine, optimizer, targets)
+        if scheduler is not None:
+            scheduler.load_state_dict(targets["scheduler"])
+        restore_rng(self.engine, targets, description["step"])
+        return description["step"], targets.get("extra")
+
+    def _open(self, path) -> tuple[Path, dict, Any]:
+        """The complete checkpoint ``path`` names, its ``autopar.json`` and DCP metadata, checked
+        against the program on every rank before anything is read."""
+        errors, found = [], (Path(path), {}, None)
+        try:
+            step_dir = resolve(path)
+            found = (step_dir, read_description(step_dir), read_metadata(step_dir))
+            errors = truncation_errors(step_dir, found[2]) + param_errors(self.engine.program, found[2])
+        except CheckpointError as e:
+            errors = [str(e)]
+        agree(errors, self.group, f"cannot load checkpoint {found[0]}")
+        return found
+
+    def _prepare(self, optimizer, scheduler, description: dict, metadata, step_dir: Path) -> dict:
+        """Where each value read goes, checked on every rank: the engine's and the optimizer's own
+        tensors (DCP writes into them), None for stored objects. On a problem the optimizer is left
+        as it was."""
+        saved = metadata.state_dict_metadata.keys()
+        fresh = []
+        try:
+            fresh = initialise_state(optimizer) if optimizer is not None else []
+            targets, errors = self._targets(optimizer, scheduler, description, saved)
+            errors += target_errors(metadata, targets)
+        except CheckpointError as e:
+            targets, errors = {}, [str(e)]
+        if errors:
+            for p in fresh:
+                optimizer.state.pop(p, None)
+        agree(errors, self.group, f"cannot load checkpoint {step_dir}")
+        return targets
+
+    def _targets(self, optimizer, scheduler, description: dict, saved) -> tuple[dict, list[str]]:
+        engine = self.engine
+        targets: dict = {**model_entries(engine), **buffer_entries(engine)}
+        if same_streams(engine, description["layout"], saved):
+            targets.update(rng_targets(engine))
+        errors = optimizer_errors(engine, optimizer, saved) if optimizer is not None else []
+        if optimizer is not None and not errors:
+            targets.update(optimizer_targets(engine, optimizer, saved))
+        if scheduler is not None:
+            targets["scheduler"] = None
+        if "extra" in saved:
+            targets["extra"] = None
+        return targets, errors

@@ -1,0 +1,141 @@
+"""The checkpoint directory's life: a save is never visible half-written.
+
+::
+
+    ROOT/
+      latest                   the name of the newest complete checkpoint ("step-00000120")
+      step-00000120/           complete: DCP's files (.metadata, *.distcp) and autopar.json
+      step-00000130.partial/   a save in progress or interrupted: never loaded, never "latest"
+
+Every rank writes its files into ``step-N.partial/``. DCP's coordinator calls
+``PublishingWriter.finish`` only once every rank has reported its writes done
+(also for an asynchronous save, in its write thread); there the metadata is
+written, then ``autopar.json``, then the directory is renamed to ``step-N/``
+and ``latest`` is replaced atomically (a temporary file, ``os.replace``).
+A rank killed mid-save leaves only ``step-N.partial/``, which ``resolve``
+never picks: ``latest`` still names the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemWriter
+
+__all__ = ["CheckpointError", "FORMAT", "DESCRIPTION", "LATEST", "PARTIAL", "step_dir_name", "resolve",
+           "save_errors", "clear_partial", "PublishingWriter", "read_description"]
+
+FORMAT = 1
+"""Version of the layout of ``autopar.json`` and of the DCP keys (``docs/training.md``)."""
+DESCRIPTION = "autopar.json"
+LATEST = "latest"
+PARTIAL = ".partial"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; raised on every rank, naming the checkpoint."""
+
+
+def step_dir_name(step: int) -> str:
+    """``step-00000120``: zero-padded so names sort by step."""
+    return f"step-{step:08d}"
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The complete checkpoint ``path`` names: a root's ``latest``, or a ``step-N/`` directory itself."""
+    path = Path(path)
+    if path.name.endswith(PARTIAL):
+        raise CheckpointError(f"{path} is an unfinished or interrupted save ('{PARTIAL}'), never loadable: "
+                              f"load its root {path.parent} for the newest complete checkpoint")
+    if (path / LATEST).is_file():
+        name = (path / LATEST).read_text().strip()
+        target = path / name
+        if not (target / DESCRIPTION).is_file():
+            raise CheckpointError(f"{path / LATEST} names '{name}', but {target} is not a complete checkpoint "
+                                  f"(no {DESCRIPTION}): it was removed or moved")
+        return target
+    if (path / DESCRIPTION).is_file():
+        return path
+    if path.is_dir():
+        partial = sorted(p.name for p in path.glob(f"*{PARTIAL}"))
+        seen = f"; only interrupted saves: {partial}" if partial else ""
+        raise CheckpointError(f"no complete checkpoint in {path}: neither a '{LATEST}' file nor "
+                              f"{DESCRIPTION}{seen}")
+    raise CheckpointError(f"checkpoint {path} does not exist")
+
+
+def read_description(step_dir: Path) -> dict:
+    """``autopar.json`` of a complete checkpoint."""
+    try:
+        description = json.loads((step_dir / DESCRIPTION).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {step_dir}: {DESCRIPTION} is unreadable ({e}); the checkpoint is "
+                              f"damaged") from e
+    if description.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {step_dir} has format {description.get('format')!r}; this autopar "
+                              f"reads format {FORMAT}")
+    return description
+
+
+def save_errors(root: Path, step: int) -> list[str]:
+    """Why ``step`` cannot be saved under ``root`` (empty when it can)."""
+    if root.exists() and not root.is_dir():
+        return [f"checkpoint root {root} is a file, not a directory"]
+    final = root / step_dir_name(step)
+    if final.exists():
+        return [f"{final} already exists: a step is saved once. Remove it, or save under another step"]
+    return []
+
+
+def clear_partial(root: Path, step: int) -> Path:
+    """Make ``root`` and an empty ``step-N.partial/`` (what an interrupted save left is removed)."""
+    partial = root / (step_dir_name(step) + PARTIAL)
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    return partial
+
+
+class PublishingWriter(FileSystemWriter):
+    """DCP's file writer into ``step-N.partial/`` that publishes the checkpoint once complete.
+
+    ``finish`` runs on the coordinator after every rank's writes succeeded: the
+    metadata is written, then ``autopar.json``, the rename to ``step-N/`` and
+    the new ``latest``, each durable (fsync) before the next.
+    """
+
+    def __init__(self, root: Path, step: int, description: dict) -> None:
+        super().__init__(root / (step_dir_name(step) + PARTIAL), overwrite=False)
+        self.root = root
+        self.final = root / step_dir_name(step)
+        self.description = description
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        partial = Path(self.path)
+        _write_durably(partial / DESCRIPTION, json.dumps(self.description, indent=1))
+        os.rename(partial, self.final)
+        _sync_dir(self.root)
+        _write_durably(self.root / LATEST, self.final.name + "\n")
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Replace ``path`` atomically by ``text``: a temporary file, fsync, ``os.replace``, fsync of the directory."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _sync_dir(path.parent)
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

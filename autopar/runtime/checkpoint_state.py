@@ -1,0 +1,155 @@
+"""What a rank puts into a checkpoint and takes back out: its shards as pieces of the full
+parameters, the persistent buffers, its random stream, and ``autopar.json``.
+
+Keys (DCP's flat state dict):
+
+- ``model.<name>``   each parameter in its full, unpadded shape as in the user's
+                     model (``program.full_shape``), this rank's shard as pieces
+                     at their global offsets (``shard_pieces``);
+- ``buffer.<name>``  each persistent buffer, whole (every rank holds it; DCP
+                     writes it once);
+- ``rng.<stage>.<replica>.<i>``  the engine's random stream (generator i: the
+                     CPU's, then the GPU's), one per (pipeline stage, dp replica):
+                     the t ranks of a stage draw alike, so tp rank 0 saves it.
+
+The optimizer's keys are ``checkpoint_optim``'s.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import torch
+
+from autopar.core.comm import seed_forked
+from autopar.core.placement import Shard
+from autopar.runtime.checkpoint_dcp import Pieces
+from autopar.runtime.checkpoint_files import FORMAT
+
+if TYPE_CHECKING:
+    from autopar.compiler.program import Program
+    from autopar.runtime.engine import RankEngine
+
+__all__ = ["shard_pieces", "as_pieces", "model_entries", "buffer_entries", "persistent_buffers", "rng_entries",
+           "rng_targets", "restore_rng", "describe", "same_streams"]
+
+_GOLDEN = 0x9E3779B97F4A7C15
+"""Mixes the step into a reseeded stream (an odd constant: consecutive steps land far apart)."""
+
+
+def shard_pieces(local: torch.Tensor, spec, full_shape: tuple[int, ...], rank: int,
+                 t: int) -> list[tuple[torch.Size, torch.Tensor]]:
+    """Tensor-parallel rank ``rank``'s shard ``local`` as (global offsets, view) pieces of the full tensor.
+
+    ``Shard(dim, segments)``: rank r holds every segment's r-th 1/t, so one
+    piece per segment; rows past the full size (vocabulary padding) belong to
+    no piece. ``Replicate``: the whole tensor at offset 0.
+    """
+    zeros = [0] * len(full_shape)
+    if not isinstance(spec, Shard) or t == 1 and spec.segments is None:
+        return [(torch.Size(zeros), local)]
+    dim, full = spec.dim, full_shape[spec.dim]
+    pieces, local_start, global_start = [], 0, 0
+    for size in spec.segments or (full,):
+        n = size // t
+        first = global_start + rank * n
+        rows = min(n, full - first)
+        if rows > 0:
+            offsets = list(zeros)
+            offsets[dim] = first
+            pieces.append((torch.Size(offsets), local.narrow(dim, local_start, rows)))
+        local_start += n
+        global_start += size
+    return pieces
+
+
+def as_pieces(program: "Program", name: str, local: torch.Tensor, tp_rank: int) -> Pieces:
+    """A tensor shaped like parameter ``name``'s shard (the shard, a moment) as pieces of its full shape."""
+    full = program.full_shape(name)
+    return Pieces(torch.Size(full), shard_pieces(local.detach(), program.param_spec(name), full, tp_rank,
+                                                 program.tp))
+
+
+def model_entries(engine: "RankEngine") -> dict[str, Pieces]:
+    """``model.<name>`` for every parameter this rank holds (views of its shards)."""
+    return {f"model.{name}": as_pieces(engine.program, name, shard, engine.mesh.tp_rank)
+            for name, shard in engine.named_local_parameters()}
+
+
+def persistent_buffers(program: "Program") -> dict[str, str]:
+    """Placeholder -> name of each buffer the model saves in its ``state_dict`` (persistent)."""
+    saved = set(program.model.state_dict(keep_vars=True))
+    return {ph: name for ph, name in program.traced.buffer_of.items() if name in saved}
+
+
+def buffer_entries(engine: "RankEngine") -> dict[str, torch.Tensor]:
+    """``buffer.<name>`` for every persistent buffer: the engine's own tensor (load writes into it)."""
+    return {f"buffer.{name}": engine._feeds[ph] for ph, name in persistent_buffers(engine.program).items()
+            if isinstance(engine._feeds.get(ph), torch.Tensor)}
+
+
+def _stream_keys(engine: "RankEngine") -> list[str]:
+    """``rng.<stage>.<replica>.<i>`` of each generator of this rank's stream."""
+    return [f"rng.{engine.mesh.pp_rank}.{engine.mesh.dp_rank}.{i}" for i in range(len(engine._rng_states))]
+
+
+def rng_entries(engine: "RankEngine") -> dict[str, torch.Tensor]:
+    """The random stream of this rank's (stage, replica), from tp rank 0 only, on the engine's device."""
+    if engine.mesh.tp_rank != 0:
+        return {}
+    return {k: state.to(engine.device, copy=True) for k, state in zip(_stream_keys(engine), engine._rng_states)}
+
+
+def same_streams(engine: "RankEngine", layout: dict, saved_keys) -> bool:
+    """Whether the checkpoint holds this rank's own stream: saved with as many pipeline stages and
+    replicas, and as many generators (a CPU run's stream does not continue on a GPU)."""
+    shape = engine.mesh.shape
+    prefix = _stream_keys(engine)[0].rpartition(".")[0] + "."
+    saved = [k for k in saved_keys if k.startswith(prefix)]
+    return layout.get("pp") == shape.pp and layout.get("dp") == shape.dp and len(saved) == len(engine._rng_states)
+
+
+def rng_targets(engine: "RankEngine") -> dict[str, torch.Tensor]:
+    """Tensors on the engine's device that a load fills with this rank's saved stream."""
+    return {k: torch.empty_like(state, device=engine.device) for k, state in zip(_stream_keys(engine),
+                                                                                   engine._rng_states)}
+
+
+def restore_rng(engine: "RankEngine", loaded: dict, step: int) -> None:
+    """Continue the saved stream (``loaded`` holds ``rng_targets`` filled), or, at another layout
+    where this rank's stream was never saved, reseed it from its own seed and the step: the masks
+    after a resume then differ from the first steps' instead of repeating them."""
+    keys = _stream_keys(engine)
+    if all(k in loaded for k in keys):
+        engine._rng_states = [loaded[k].cpu() for k in keys]
+        return
+    seed = (engine.random_seed + _GOLDEN * (step + 1)) % 2**63
+    with torch.random.fork_rng(devices=engine._rng_devices):
+        seed_forked(seed, engine._rng_devices)
+        engine._rng_states = engine._get_rng()
+
+
+def describe(program: "Program", step: int) -> dict:
+    """``autopar.json``: what a reader without a process group needs (``docs/training.md``)."""
+    values = {n.name: n.meta["val"] for n in program.traced.placeholders()}
+    buffers = {name: list(values[ph].shape) for ph, name in persistent_buffers(program).items()}
+    config = program.config
+    return {
+        "format": FORMAT,
+        "step": step,
+        "params": {name: list(program.full_shape(name)) for name in program.param_names},
+        "aliases": {name: list(program.traced.aliases.get(name, [name])) for name in program.param_names},
+        "buffers": buffers,
+        "hf_config": _hf_config(program.model),
+        "layout": {"tp": config.tp, "pp": config.pp, "dp": config.data_parallel,
+                   "virtual_stages": config.virtual_stages},
+    }
+
+
+def _hf_config(model) -> dict | None:
+    """The model's HuggingFace config as a dict, when it has one; values JSON cannot hold become strings."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return None
+    return json.loads(json.dumps(config.to_dict(), default=str))
