@@ -20,6 +20,7 @@ __all__ = [
     "RecomputeError",
     "TraceError",
     "RankError",
+    "CheckpointError",
     "spawn",
     "lm_cross_entropy",
 ]
@@ -36,12 +37,14 @@ _WHERE = {
     "lm_cross_entropy": "autopar.compiler.trace",
     "RankError": "autopar.runtime.launch",
     "spawn": "autopar.runtime.launch",
+    "CheckpointError": "autopar.runtime.checkpoint_files",
 }
 
 if TYPE_CHECKING:
     from autopar.api import ParallelProgram, parallelize, plan
     from autopar.compiler.trace import TraceError, lm_cross_entropy
     from autopar.core.config import ParallelConfig
+    from autopar.runtime.checkpoint_files import CheckpointError
     from autopar.runtime.launch import RankError, spawn
     from passes.pipeline_split import PipelineError
     from passes.recompute import RecomputeError

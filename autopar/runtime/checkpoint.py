@@ -26,6 +26,7 @@ its collectives with training's on the same group).
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,9 @@ from autopar.runtime.checkpoint_state import (buffer_entries, describe, model_en
 
 if TYPE_CHECKING:
     from autopar.runtime.engine import RankEngine
+
+_SINGLE_PROCESS_NOTE = (r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
+                        r"(save|load) in a single process")
 
 __all__ = ["Checkpointer", "SaveHandle", "CheckpointError"]
 
@@ -88,7 +92,9 @@ class Checkpointer:
     def __init__(self, engine: "RankEngine") -> None:
         self.engine = engine
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        """All ranks, gloo: only checkpoints talk over it."""
+        """All ranks, gloo: only checkpoints talk over it. None in a process without a process group."""
+        if self.group is None:  # DCP says it assumes one process; here that is a fact, not news
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE)
         self.pending: SaveHandle | None = None
         """The asynchronous save still writing, waited for before the next save or load."""
 

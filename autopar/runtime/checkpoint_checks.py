@@ -44,21 +44,22 @@ def _what(key: str) -> str:
 
 
 def param_errors(program, metadata: Metadata) -> list[str]:
-    """Every parameter of the program in the checkpoint, in its full shape; no parameter the program lacks."""
+    """Every parameter of the program in the checkpoint, in its full shape; no parameter the program
+    lacks. Shape mismatches first: they say most about what went wrong."""
     saved = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
-    errors = []
+    shapes, missing = [], []
     for name in program.param_names:
         want = tuple(program.full_shape(name))
         if name not in saved:
-            errors.append(f"has no parameter {name} (shape {want} in this program)")
+            missing.append(f"has no parameter {name} (shape {want} in this program)")
         elif tuple(saved[name].size) != want:
-            errors.append(f"parameter {name} has shape {tuple(saved[name].size)} in the checkpoint but {want} "
+            shapes.append(f"parameter {name} has shape {tuple(saved[name].size)} in the checkpoint but {want} "
                           f"in this program")
     extra = sorted(set(saved) - set(program.param_names))
     if extra:
-        errors.append(f"holds {len(extra)} parameter(s) this program does not have, e.g. "
-                      f"{[(n, tuple(saved[n].size)) for n in extra[:3]]}: a checkpoint of another model?")
-    return errors
+        missing.append(f"holds {len(extra)} parameter(s) this program does not have, e.g. "
+                       f"{[(n, tuple(saved[n].size)) for n in extra[:3]]}: a checkpoint of another model?")
+    return shapes + missing
 
 
 def truncation_errors(step_dir: Path, metadata: Metadata) -> list[str]:
