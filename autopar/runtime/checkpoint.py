@@ -29,22 +29,37 @@ from __future__ import annotations
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from autopar.runtime.checkpoint_checks import agree, param_errors, read_metadata, target_errors, truncation_errors
 from autopar.runtime.checkpoint_dcp import HostStager, PieceLoadPlanner, PieceSavePlanner
-from autopar.runtime.checkpoint_files import (CheckpointError, PublishingWriter, clear_partial, read_description,
-                                              resolve, save_errors)
-from autopar.runtime.checkpoint_optim import (apply_loaded, initialise_state, optimizer_entries, optimizer_errors,
-                                              optimizer_targets)
-from autopar.runtime.checkpoint_state import (buffer_entries, describe, model_entries, restore_rng, rng_entries,
-                                              rng_targets, same_streams)
-
-if TYPE_CHECKING:
-    from autopar.runtime.engine import RankEngine
+from autopar.runtime.checkpoint_files import (
+    CheckpointError,
+    PublishingWriter,
+    clear_partial,
+    read_description,
+    resolve,
+    save_errors,
+)
+from autopar.runtime.checkpoint_optim import (
+    apply_loaded,
+    initialise_state,
+    optimizer_entries,
+    optimizer_errors,
+    optimizer_targets,
+)
+from autopar.runtime.checkpoint_state import (
+    buffer_entries,
+    describe,
+    model_entries,
+    restore_rng,
+    rng_entries,
+    rng_targets,
+    same_streams,
+)
 
 _SINGLE_PROCESS_NOTE = (r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
                         r"(save|load) in a single process")
@@ -86,10 +101,11 @@ def _completed(run) -> Future:
 class Checkpointer:
     """One engine's checkpoints: their process group and the asynchronous save in flight.
 
-    Made at the engine's first save or load (collective: the group is created here).
+    Made by the ``RankEngine`` at its first save or load (collective: the group is
+    created here); ``engine`` is left unannotated because the engine imports this module.
     """
 
-    def __init__(self, engine: "RankEngine") -> None:
+    def __init__(self, engine) -> None:
         self.engine = engine
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         """All ranks, gloo: only checkpoints talk over it. None in a process without a process group."""

@@ -16,20 +16,17 @@ keeps them (``step`` on the CPU for Adam, on the GPU when capturable):
 ``initialise_state`` makes them the way ``torch.distributed.checkpoint``'s own
 state-dict helpers do, with one step of zero gradients at learning rate 0,
 which leaves every parameter unchanged; the load then overwrites every value.
+``engine`` is a ``RankEngine`` (unannotated: the engine imports this code).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 
 from autopar.runtime.checkpoint_dcp import Pieces
 from autopar.runtime.checkpoint_files import CheckpointError
 from autopar.runtime.checkpoint_state import as_pieces
-
-if TYPE_CHECKING:
-    from autopar.runtime.engine import RankEngine
 
 __all__ = ["named_params", "optimizer_entries", "initialise_state", "optimizer_targets", "saved_state_keys",
            "optimizer_errors", "apply_loaded", "GROUP_KEY"]
@@ -38,7 +35,7 @@ GROUP_KEY = "param_group"
 """``optim.<name>.param_group``: the hyperparameters of the parameter's group."""
 
 
-def named_params(engine: "RankEngine", optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, dict]]:
+def named_params(engine, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, dict]]:
     """(parameter name, shard, its param group) of every tensor the optimizer updates, in its order."""
     names = {id(p): n for n, p in engine.named_local_parameters()}
     out = []
@@ -55,7 +52,7 @@ def _hyperparameters(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def optimizer_entries(engine: "RankEngine", optimizer: torch.optim.Optimizer) -> dict:
+def optimizer_entries(engine, optimizer: torch.optim.Optimizer) -> dict:
     """``optim.*`` entries of every parameter this rank's optimizer updates."""
     out = {}
     for name, p, group in named_params(engine, optimizer):
@@ -65,7 +62,7 @@ def optimizer_entries(engine: "RankEngine", optimizer: torch.optim.Optimizer) ->
     return out
 
 
-def _entry(engine: "RankEngine", name: str, shard: torch.Tensor, key: str, value):
+def _entry(engine, name: str, shard: torch.Tensor, key: str, value):
     """One state value as saved: pieces when shaped like the shard, a 0-d tensor whole, else the value."""
     if not isinstance(value, torch.Tensor):
         return value
@@ -102,7 +99,7 @@ def initialise_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return fresh
 
 
-def optimizer_targets(engine: "RankEngine", optimizer: torch.optim.Optimizer, saved_keys) -> dict:
+def optimizer_targets(engine, optimizer: torch.optim.Optimizer, saved_keys) -> dict:
     """Where a load puts each ``optim.*`` value the checkpoint holds: views of the optimizer's own
     state tensors (DCP writes into them), None for stored objects (DCP puts the value in its place).
     A parameter without saved state gets only its ``param_group``."""
@@ -119,7 +116,7 @@ def optimizer_targets(engine: "RankEngine", optimizer: torch.optim.Optimizer, sa
     return out
 
 
-def optimizer_errors(engine: "RankEngine", optimizer: torch.optim.Optimizer, saved_keys) -> list[str]:
+def optimizer_errors(engine, optimizer: torch.optim.Optimizer, saved_keys) -> list[str]:
     """Why the checkpoint's optimizer state does not fit this optimizer (empty when it does)."""
     errors = []
     for name, p, _ in named_params(engine, optimizer):
@@ -140,7 +137,7 @@ def saved_state_keys(saved_keys, name: str) -> set[str]:
     return {k for k in rest if "." not in k and k != GROUP_KEY}
 
 
-def apply_loaded(engine: "RankEngine", optimizer: torch.optim.Optimizer, loaded: dict) -> None:
+def apply_loaded(engine, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
     """After DCP filled ``loaded`` (``optimizer_targets``): the stored values into the state, each
     group's hyperparameters, and no state for a parameter the checkpoint holds none for (it had
     had no gradient yet when saved)."""

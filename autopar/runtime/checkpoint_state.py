@@ -12,7 +12,8 @@ Keys (DCP's flat state dict):
                      CPU's, then the GPU's), one per (pipeline stage, dp replica):
                      the t ranks of a stage draw alike, so tp rank 0 saves it.
 
-The optimizer's keys are ``checkpoint_optim``'s.
+The optimizer's keys are ``checkpoint_optim``'s. ``engine`` is always a ``RankEngine``
+(left unannotated: the engine imports the checkpoint code, not the other way round).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from autopar.runtime.checkpoint_files import FORMAT
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
-    from autopar.runtime.engine import RankEngine
 
 __all__ = ["shard_pieces", "as_pieces", "model_entries", "buffer_entries", "persistent_buffers", "rng_entries",
            "rng_targets", "restore_rng", "describe", "same_streams"]
@@ -71,7 +71,7 @@ def as_pieces(program: "Program", name: str, local: torch.Tensor, tp_rank: int) 
                                                  program.tp))
 
 
-def model_entries(engine: "RankEngine") -> dict[str, Pieces]:
+def model_entries(engine) -> dict[str, Pieces]:
     """``model.<name>`` for every parameter this rank holds (views of its shards)."""
     return {f"model.{name}": as_pieces(engine.program, name, shard, engine.mesh.tp_rank)
             for name, shard in engine.named_local_parameters()}
@@ -83,25 +83,25 @@ def persistent_buffers(program: "Program") -> dict[str, str]:
     return {ph: name for ph, name in program.traced.buffer_of.items() if name in saved}
 
 
-def buffer_entries(engine: "RankEngine") -> dict[str, torch.Tensor]:
+def buffer_entries(engine) -> dict[str, torch.Tensor]:
     """``buffer.<name>`` for every persistent buffer: the engine's own tensor (load writes into it)."""
     return {f"buffer.{name}": engine._feeds[ph] for ph, name in persistent_buffers(engine.program).items()
             if isinstance(engine._feeds.get(ph), torch.Tensor)}
 
 
-def _stream_keys(engine: "RankEngine") -> list[str]:
+def _stream_keys(engine) -> list[str]:
     """``rng.<stage>.<replica>.<i>`` of each generator of this rank's stream."""
     return [f"rng.{engine.mesh.pp_rank}.{engine.mesh.dp_rank}.{i}" for i in range(len(engine._rng_states))]
 
 
-def rng_entries(engine: "RankEngine") -> dict[str, torch.Tensor]:
+def rng_entries(engine) -> dict[str, torch.Tensor]:
     """The random stream of this rank's (stage, replica), from tp rank 0 only, on the engine's device."""
     if engine.mesh.tp_rank != 0:
         return {}
     return {k: state.to(engine.device, copy=True) for k, state in zip(_stream_keys(engine), engine._rng_states)}
 
 
-def same_streams(engine: "RankEngine", layout: dict, saved_keys) -> bool:
+def same_streams(engine, layout: dict, saved_keys) -> bool:
     """Whether the checkpoint holds this rank's own stream: saved with as many pipeline stages and
     replicas, and as many generators (a CPU run's stream does not continue on a GPU)."""
     shape = engine.mesh.shape
@@ -110,13 +110,13 @@ def same_streams(engine: "RankEngine", layout: dict, saved_keys) -> bool:
     return layout.get("pp") == shape.pp and layout.get("dp") == shape.dp and len(saved) == len(engine._rng_states)
 
 
-def rng_targets(engine: "RankEngine") -> dict[str, torch.Tensor]:
+def rng_targets(engine) -> dict[str, torch.Tensor]:
     """Tensors on the engine's device that a load fills with this rank's saved stream."""
     return {k: torch.empty_like(state, device=engine.device) for k, state in zip(_stream_keys(engine),
                                                                                    engine._rng_states)}
 
 
-def restore_rng(engine: "RankEngine", loaded: dict, step: int) -> None:
+def restore_rng(engine, loaded: dict, step: int) -> None:
     """Continue the saved stream (``loaded`` holds ``rng_targets`` filled), or, at another layout
     where this rank's stream was never saved, reseed it from its own seed and the step: the masks
     after a resume then differ from the first steps' instead of repeating them."""

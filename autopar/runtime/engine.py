@@ -59,7 +59,6 @@ from autopar.core.checkpoint import count_kept_bytes
 from autopar.core.comm import TPGroup, _all_gather, seed_forked
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
-from autopar.runtime.checkpoint import Checkpointer, SaveHandle
 from autopar.runtime.gradients import GradientSync
 from autopar.runtime.timeline import Event, gather_events, write_chrome_trace
 from autopar.schedules import Action, Kind
@@ -67,6 +66,7 @@ from autopar.schedules import Action, Kind
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
     from autopar.core.chunks import Boundary, Chunk
+    from autopar.runtime.checkpoint import Checkpointer, SaveHandle
 
 __all__ = ["RankEngine", "StepState", "ActionError", "rank_device"]
 
@@ -634,7 +634,7 @@ class RankEngine(nn.Module):
 
     # --------------------------------------------------------------- checkpoints
     def save(self, root: str, optimizer: torch.optim.Optimizer | None = None, *, step: int, scheduler=None,
-             extra: Any = None, async_save: bool = False) -> SaveHandle:
+             extra: Any = None, async_save: bool = False) -> "SaveHandle":
         """Save the training state as ``root/step-<step>`` with ``torch.distributed.checkpoint``.
 
         Collective: every rank calls it. Stored: the parameters in their full
@@ -661,8 +661,11 @@ class RankEngine(nn.Module):
         """
         return self._checkpoints().load(path, optimizer, scheduler)
 
-    def _checkpoints(self) -> Checkpointer:
-        """This engine's checkpoints, made at the first save or load (collective: creates their group)."""
+    def _checkpoints(self) -> "Checkpointer":
+        """This engine's checkpoints, made at the first save or load (collective: creates their group).
+        Imported here: ``torch.distributed.checkpoint`` takes a second to import, and most runs never save."""
+        from autopar.runtime.checkpoint import Checkpointer
+
         if "_checkpointer" not in self.__dict__:
             self._checkpointer = Checkpointer(self)
         return self._checkpointer
