@@ -88,6 +88,11 @@ class SaveHandle:
         return self.path
 
 
+def _problem(e: Exception) -> str:
+    """An exception as one line of a ``CheckpointError``: ours as they are, others with their type."""
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
 def _completed(run) -> Future:
     """A future already holding ``run()``'s result or exception (a synchronous save)."""
     future: Future = Future()
@@ -136,8 +141,8 @@ class Checkpointer:
             state = self._state(optimizer, scheduler, extra)
             if not errors and self._rank0():
                 clear_partial(root, step)
-        except (CheckpointError, OSError) as e:
-            errors.append(str(e))
+        except Exception as e:  # noqa: BLE001 - whatever one rank meets, every rank must hear of it
+            errors.append(_problem(e))
         agree(errors, self.group, f"cannot save step {step} under {root}")
         writer = PublishingWriter(root, step, describe(self.engine.program, step))
         if async_save:
@@ -188,8 +193,8 @@ class Checkpointer:
             step_dir = resolve(path)
             found = (step_dir, read_description(step_dir), read_metadata(step_dir))
             errors = truncation_errors(step_dir, found[2]) + param_errors(self.engine.program, found[2])
-        except CheckpointError as e:
-            errors = [str(e)]
+        except Exception as e:  # noqa: BLE001 - whatever one rank meets, every rank must hear of it
+            errors = [_problem(e)]
         agree(errors, self.group, f"cannot load checkpoint {found[0]}")
         return found
 
@@ -203,8 +208,8 @@ class Checkpointer:
             fresh = initialise_state(optimizer) if optimizer is not None else []
             targets, errors = self._targets(optimizer, scheduler, description, saved)
             errors += target_errors(metadata, targets)
-        except CheckpointError as e:
-            targets, errors = {}, [str(e)]
+        except Exception as e:  # noqa: BLE001 - whatever one rank meets, every rank must hear of it
+            targets, errors = {}, [_problem(e)]
         if errors:
             for p in fresh:
                 optimizer.state.pop(p, None)
@@ -212,6 +217,8 @@ class Checkpointer:
         return targets
 
     def _targets(self, optimizer, scheduler, description: dict, saved) -> tuple[dict, list[str]]:
+        """(key -> destination, problems): parameters and buffers always; this rank's random stream
+        when the checkpoint holds it; the optimizer's state when it fits; the scheduler and extra."""
         engine = self.engine
         targets: dict = {**model_entries(engine), **buffer_entries(engine)}
         if same_streams(engine, description["layout"], saved):

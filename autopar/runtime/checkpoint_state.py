@@ -47,7 +47,7 @@ def shard_pieces(local: torch.Tensor, spec, full_shape: tuple[int, ...], rank: i
     no piece. ``Replicate``: the whole tensor at offset 0.
     """
     zeros = [0] * len(full_shape)
-    if not isinstance(spec, Shard) or t == 1 and spec.segments is None:
+    if not isinstance(spec, Shard) or (t == 1 and spec.segments is None):
         return [(torch.Size(zeros), local)]
     dim, full = spec.dim, full_shape[spec.dim]
     pieces, local_start, global_start = [], 0, 0
