@@ -21,7 +21,6 @@ which leaves every parameter unchanged; the load then overwrites every value.
 
 from __future__ import annotations
 
-
 import torch
 
 from autopar.runtime.checkpoint_dcp import Pieces
