@@ -45,7 +45,7 @@ from helpers import parallelize_on, seeded, spawn_ranks, token_batches
 
 import autopar
 from autopar.core.placement import Replicate, Shard
-from autopar.reference.models import build
+from autopar.reference.models import GPT, ModelConfig, build
 from autopar.runtime.checkpoint_files import CheckpointError, PublishingWriter, resolve
 from autopar.runtime.checkpoint_state import shard_pieces
 
@@ -356,24 +356,43 @@ def test_resolve_explains_what_is_missing(tmp_path):
         resolve(tmp_path)
 
 
+class _BufferedGPT(GPT):
+    """A GPT whose forward reads a persistent buffer (saved) and a non-persistent one (not), with a
+    HuggingFace config beside it (``autopar.json`` keeps it)."""
+
+    def __init__(self, scale: float):
+        import transformers  # here, not at the top: every spawned rank imports this module
+
+        super().__init__(ModelConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, d_model=32))
+        self.register_buffer("logit_scale", torch.tensor(scale))
+        self.register_buffer("ones", torch.ones(VOCAB), persistent=False)
+        self.config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4)
+
+    def forward(self, idx):
+        return super().forward(idx) * self.logit_scale * self.ones
+
+
 def test_one_process_engine_saves_and_loads(tmp_path):
-    """Without a process group: an asynchronous save, a fresh engine loads it and trains on exactly
-    alike; a step saved twice and a negative step are refused before anything is written."""
-    model = seeded(build, "gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, d_model=32)
+    """Without a process group: an asynchronous save; a program of the same model with another buffer
+    value loads it (the saved buffer with it) and trains on exactly alike; a step saved twice and a
+    negative step are refused before anything is written."""
     data = _data(VOCAB, rows=2)
-    program = parallelize_on(model, data, 2)
-    engine = program.materialize()
+    engine = parallelize_on(seeded(_BufferedGPT, 0.7), data, 2).materialize()
     optimizer, scheduler = _optimizer(engine)
     _train(engine, optimizer, scheduler, data[:1])
     handle = engine.save(tmp_path, optimizer, step=1, scheduler=scheduler, extra={"epoch": 0}, async_save=True)
     assert handle.wait() == tmp_path / "step-00000001"
+    description = json.loads((handle.path / "autopar.json").read_text())
+    assert description["buffers"] == {"logit_scale": []}
+    assert (description["hf_config"]["n_embd"], description["layout"]["tp"]) == (32, 1)
     with pytest.raises(CheckpointError, match="step-00000001 already exists: a step is saved once"):
         engine.save(tmp_path, optimizer, step=1)
     with pytest.raises(ValueError, match="step must be a non-negative int"):
         engine.save(tmp_path, step=-1)
-    fresh = program.materialize()
+    fresh = parallelize_on(seeded(_BufferedGPT, 0.5), data, 2).materialize()
     fresh_optimizer, fresh_scheduler = _optimizer(fresh)
     assert fresh.load(tmp_path, fresh_optimizer, fresh_scheduler) == (1, {"epoch": 0})
     _assert_bitwise(fresh.full_state_dict(), engine.full_state_dict(), "one process")
+    assert fresh.full_state_dict()["logit_scale"].item() == pytest.approx(0.7)
     assert _train(fresh, fresh_optimizer, fresh_scheduler, data[1:3]) == _train(engine, optimizer, scheduler,
                                                                                  data[1:3])
