@@ -61,7 +61,7 @@ class _Call:
     """The node is ``tp_rng_call(op, tp, *args)``."""
 
     @staticmethod
-    def of(node: fx.Node) -> "_Call | None":
+    def of(node: fx.Node) -> _Call | None:
         if node.op != "call_function":
             return None
         if node.target is comm.tp_rng_call:

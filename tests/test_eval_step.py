@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from eval_ranks import LAYOUTS, batch, model, results
 
 import autopar
+from autopar.runtime.engine import ActionError
 from autopar.schedules import (
     Action,
     Kind,
@@ -204,6 +205,20 @@ def test_random_op_left_is_listed_and_leaves_the_stream_alone():
     assert with_eval.train_step(x, y) == plain.train_step(x, y)
 
 
+def test_a_failing_evaluation_is_marked_on_the_forward_only_grid():
+    _, program, x, y = _one_rank(_TrainingNoise)
+    engine = program.materialize()
+
+    def broken(*args):
+        raise RuntimeError("no evaluation today")
+
+    engine.eval_runnables[0] = broken
+    with pytest.raises(ActionError, match=r"(?s)failed running F0\.0 \(stage 0, step 0.*RuntimeError: no evaluation "
+                                          r"today\n1f1b p=1 v=1 m=2 forward-only\n.*\[F0\.0\] F0\.1$"):
+        engine.eval_step(x, y)
+    engine.train_step(x, y)  # the training graphs are others
+
+
 # ---------------------------------------------------------------- 4 gloo ranks
 @pytest.fixture(scope="module")
 def ranks():
@@ -229,7 +244,7 @@ def test_eval_loss_matches_one_device_in_eval_mode(ranks, eval_reference, layout
     for rank, r in enumerate(ranks):
         got = r[layout]
         for loss in [got["eval_fresh"], *got["eval_after_train"]]:
-            torch.testing.assert_close(loss, want, **LOSS_TOLERANCE, msg=lambda m: f"rank {rank}: {m}")
+            torch.testing.assert_close(loss, want, **LOSS_TOLERANCE, msg=lambda m, rank=rank: f"rank {rank}: {m}")
         # dropout 0.5 in training mode: the training loss is off the eval loss by far more than
         # the tolerance (the untrained model's logits are small, so 0.02 or so, not more)
         assert abs(got["train_a"][0] - want) > 100 * LOSS_TOLERANCE["rtol"] * want, (rank, got["train_a"][0], want)

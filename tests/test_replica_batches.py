@@ -13,9 +13,10 @@ the two forms are the same and the message names one shape.
 import pytest
 import torch
 import torch.nn.functional as F
-from eval_ranks import LAYOUTS, M, MB, SEQ, batch, model, results
+from eval_ranks import LAYOUTS, MB, SEQ, M, batch, model, results
 
 import autopar
+
 
 @pytest.fixture(scope="module")
 def replicas():
@@ -53,7 +54,7 @@ def test_distributed_sampler_from_the_engine(replicas):
     for rank, r in enumerate(replicas):
         # fp32 on both sides; the parallel run only reorders sums (microbatch and replica means
         # of equal-size parts): within 1e-5 relative of a loss of about 6
-        torch.testing.assert_close(r["eval_loader"], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(r["eval_loader"], want, rtol=1e-5, atol=1e-6, msg=lambda m, rank=rank: f"rank {rank}: {m}")
 
 
 @pytest.mark.multiprocess

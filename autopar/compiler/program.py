@@ -263,7 +263,7 @@ class Program:
         return [(name, self.plan.decisions[name].reason, source_line(nodes[name]))
                 for name in self.plan.fallbacks]
 
-    def code(self, rank: int = 0, chunk: int | None = None, eval: bool = False) -> str:  # noqa: A002
+    def code(self, rank: int = 0, chunk: int | None = None, eval: bool = False) -> str:
         """The generated program of one rank (its chunks, or one of them), shard ranges as a header.
 
         ``eval=True``: the graphs an evaluation step runs (``engine.eval_step``), each chunk's
