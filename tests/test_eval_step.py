@@ -200,7 +200,7 @@ def test_random_op_left_is_listed_and_leaves_the_stream_alone():
     assert "draws in evaluation too" in program.code(0, eval=True)
     with_eval, plain = program.materialize(), program.materialize()
     first = [with_eval.eval_step(x, y), with_eval.eval_step(x, y)]
-    assert first[0] == first[1]  # a copy of the stream each time: evaluations repeat
+    assert first[0] == first[1]  # the stream is put back after each: evaluations repeat
     assert with_eval.train_step(x, y) == plain.train_step(x, y)
     assert with_eval.train_step(x, y) == plain.train_step(x, y)
 

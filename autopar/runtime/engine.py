@@ -45,8 +45,8 @@ their different samples (as one device drawing for the whole batch would), and
 the t ranks of a stage draw identically for the values they all hold (split
 values get per-rank streams from ``comm.tp_rng_call``). Recomputation replays
 the same masks: the checkpoint saves and restores this stream's state. An
-evaluation step runs on a copy of the stream and leaves it as it was, so a
-training step draws the same masks with or without evaluations before it.
+evaluation step puts the stream back as it found it, so a training step draws
+the same masks with or without evaluations before it (and evaluations repeat).
 """
 
 from __future__ import annotations
@@ -288,9 +288,8 @@ class RankEngine(nn.Module):
         return [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in self._rng_devices]
 
     @contextlib.contextmanager
-    def _random_stream(self, advance: bool = True):
-        """Run random ops on this rank's stream; the process's default generator is left untouched.
-        ``advance=False``: on a copy of the stream, which is left where it was (an evaluation)."""
+    def _random_stream(self):
+        """Run random ops on this rank's stream; the process's default generator is left untouched."""
         with torch.random.fork_rng(devices=self._rng_devices):
             torch.set_rng_state(self._rng_states[0])
             for d, st in zip(self._rng_devices, self._rng_states[1:]):
@@ -298,8 +297,7 @@ class RankEngine(nn.Module):
             try:
                 yield
             finally:
-                if advance:
-                    self._rng_states = self._get_rng()
+                self._rng_states = self._get_rng()
 
     # ------------------------------------------------------------------ stepping
     @property
@@ -343,8 +341,12 @@ class RankEngine(nn.Module):
         training steps is left where it was.
         """
         st = self._new_step(batch, self.eval_schedule, training=False)
-        with torch.no_grad():
-            self._run_actions(st)
+        stream = self._rng_states  # random ops left in the evaluation graphs draw from a copy
+        try:
+            with torch.no_grad():
+                self._run_actions(st)
+        finally:
+            self._rng_states = stream
         self._wait_sends(st)
         return self._reduce_loss(st)
 
@@ -498,7 +500,7 @@ class RankEngine(nn.Module):
         random stream; count in ``st.saved[key]`` the activation bytes autograd keeps for its
         backward (checkpointed regions: their kept inputs)."""
         if not st.training:
-            with self._autocast(), self._random_stream(advance=False):
+            with self._autocast(), self._random_stream():
                 return self.eval_runnables[key[0]](*args)
         saved = 0
 
