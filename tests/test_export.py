@@ -42,6 +42,7 @@ import autopar
 from autopar.cli import main as cli_main
 
 FAMILIES = ("hf-llama", "hf-gpt2")
+SPAWNED = FAMILIES + ("buffers",)
 TP, PP, MICROBATCHES, ROWS = 2, 2, 2, 2
 LR = 1e-3
 # The loaded model's loss (one device, eval mode) against the engine's loss on the same batch
@@ -50,10 +51,38 @@ LR = 1e-3
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
+class BufferedModel(nn.Module):
+    """Not a HuggingFace model: a persistent buffer (exported), a non-persistent one (not), a
+    parameter the forward never reads (exported as the model holds it), two blocks."""
+
+    def __init__(self, vocab: int = 64, width: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+                                    for _ in range(2))
+        self.unused = nn.Linear(4, 4)
+        self.head = nn.Linear(width, vocab)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width))
+        self.register_buffer("offset", torch.linspace(-1.0, 1.0, width), persistent=False)
+
+    def forward(self, ids):
+        h = self.emb(ids) * self.scale + self.offset
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _make(family: str) -> tuple[nn.Module, int]:
+    if family == "buffers":
+        torch.manual_seed(0)
+        return BufferedModel(), 64
+    return make(family)
+
+
 def _train_and_save(family: str, out_dir: str) -> dict:
     """On one rank: one AdamW step at tp=2 x pp=2, ``save_pretrained``, the full state dict and the
     engine's loss on an evaluation batch (a forward and backward, no optimizer step)."""
-    model, vocab = make(family)
+    model, vocab = _make(family)
     data = token_batches(vocab, steps=2, rows=ROWS, seed=1)
     program = parallelize_on(model, data, ROWS // MICROBATCHES, tp=TP, pp=PP, microbatches=MICROBATCHES)
     engine = program.materialize()
@@ -69,12 +98,12 @@ def _train_and_save(family: str, out_dir: str) -> dict:
 
 
 def _worker(root: str) -> dict:
-    return {family: _train_and_save(family, os.path.join(root, family)) for family in FAMILIES}
+    return {family: _train_and_save(family, os.path.join(root, family)) for family in SPAWNED}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """Both families trained and saved on one set of 4 ranks: (root, each rank's results)."""
+    """Every spawned family trained and saved on one set of 4 ranks: (root, each rank's results)."""
     root = tmp_path_factory.mktemp("export")
     return root, spawn_ranks(_worker, TP * PP, str(root), timeout_s=600)
 
@@ -150,3 +179,183 @@ def test_save_pretrained_loads_bitwise(saved, family):
         loss = autopar.lm_cross_entropy(loaded(x).logits, y)
     for res in ranks:
         torch.testing.assert_close(torch.tensor(res[family]["loss"]), loss, **LOSS_TOLERANCE)
+
+
+@pytest.mark.multiprocess
+def test_save_pretrained_buffers_and_untraced_parameters(saved):
+    """A model that is not HuggingFace's: its state_dict exactly, in two stage files, no config;
+    strict ``load_state_dict`` of the files reproduces the engine's weights and loss."""
+    from safetensors.torch import load_file
+
+    root, ranks = saved
+    out, state = root / "buffers", ranks[0]["buffers"]["state"]
+    model, vocab = _make("buffers")
+    assert sorted(os.listdir(out)) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                       "model.safetensors.index.json"]
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert list(state) == list(model.state_dict()) and set(weight_map) == set(state) and len(state) == 14
+    assert "offset" not in weight_map  # non-persistent
+    assert {weight_map[k] for k in ("scale", "emb.weight", "unused.weight")} == {"model-00001-of-00002.safetensors"}
+    assert weight_map["head.weight"] == "model-00002-of-00002.safetensors"
+    files = {}
+    for name in set(weight_map.values()):
+        files.update(load_file(out / name))
+    fresh, _ = _make("buffers")
+    result = fresh.load_state_dict(files, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for name, value in state.items():
+        assert torch.equal(files[name], value), name
+    assert torch.equal(files["unused.weight"], model.unused.weight.detach())  # never trained, as the model holds it
+    (x,), (y,) = token_batches(vocab, steps=2, rows=ROWS, seed=1)[1]
+    with torch.no_grad():
+        loss = autopar.lm_cross_entropy(fresh(x), y)
+    torch.testing.assert_close(torch.tensor(ranks[0]["buffers"]["loss"]), loss, **LOSS_TOLERANCE)
+
+
+# ------------------------------------------------------------------ autopar export CKPT --to-hf DIR
+def _contract_checkpoint(model: nn.Module, root: Path, step: int = 3) -> dict[str, torch.Tensor]:
+    """A checkpoint as the checkpoint contract lays it out, of ``model`` with its weights moved off
+    their initial values: DCP (no process group) of full tensors under ``model.<name>``, persistent
+    buffers under ``buffer.<name>``, optimizer state under ``optim.*``; ``autopar.json``; ``latest``;
+    and an interrupted later save beside it. Returns the saved tensors by every name the model uses."""
+    torch.manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    params = dict(model.named_parameters())
+    buffers = {k: v for k, v in model.state_dict().items() if k in dict(model.named_buffers())}
+    tensors = {f"model.{k}": v.detach().clone() for k, v in params.items()}
+    tensors.update({f"buffer.{k}": v.clone() for k, v in buffers.items()})
+    tensors.update({f"optim.{k}.exp_avg": torch.zeros_like(v) for k, v in params.items()})
+    tensors.update({f"optim.{k}.step": torch.tensor(float(step)) for k in params})
+    step_dir = root / f"step-{step:08d}"
+    with warnings.catch_warnings():  # DCP says it saves in one process: the contract's no_dist save
+        warnings.simplefilter("ignore")
+        dcp.save(tensors, checkpoint_id=step_dir, no_dist=True)
+    config = getattr(model, "config", None)
+    manifest = {"format": 1, "step": step, "params": {k: list(v.shape) for k, v in params.items()},
+                "aliases": {group[0]: group for group in names.values()},
+                "buffers": {k: list(v.shape) for k, v in buffers.items()},
+                "hf_config": config.to_dict() if config is not None else None,
+                "layout": {"tp": 2, "pp": 2, "dp": 1, "virtual_stages": 1}}
+    (step_dir / "autopar.json").write_text(json.dumps(manifest))
+    (root / "latest").write_text(step_dir.name)
+    (root / f"step-{step + 10:08d}.partial").mkdir()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _export(capsys, *argv) -> tuple[int, list[str]]:
+    """``autopar export ...``: its exit code and output lines."""
+    code = cli_main(["export", *map(str, argv)])
+    return code, capsys.readouterr().out.splitlines()
+
+
+def test_cli_export_gpt2_in_several_files(tmp_path, capsys):
+    """A tied GPT-2 cut into files of at most 150 KB: an index, one progress line per file, the
+    keys HuggingFace writes, and from_pretrained loading it strictly and bitwise."""
+    model, _ = make("hf-gpt2")
+    saved = _contract_checkpoint(model, tmp_path / "ckpt")
+    code, lines = _export(capsys, tmp_path / "ckpt", "--to-hf", tmp_path / "hf", "--max-shard-size", "150KB")
+    assert code == 0, lines
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 3 and all((tmp_path / "hf" / f).stat().st_size <= 150_000 + 30_000 for f in files)
+    assert len([line for line in lines if re.match(r"\[\d+/\d+\] model-", line)]) == len(files)
+    assert set(index["weight_map"]) == _hf_saved_keys(model, tmp_path / "hf-own")
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for k, v in saved.items() if k != "lm_head.weight")
+    loaded, info = _from_pretrained(tmp_path / "hf")
+    _assert_loads_strictly(info, "gpt2 export")
+    got = loaded.state_dict()
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())
+
+
+@pytest.mark.parametrize("family", ["hf-llama", "buffers"])
+def test_cli_export_one_file(family, tmp_path, capsys):
+    """A step directory named directly, default size: one ``model.safetensors`` holding the
+    state_dict's tensors (persistent buffers, never-read parameters; config.json for a HF model)."""
+    from safetensors.torch import load_file
+
+    model, _ = _make(family)
+    saved = _contract_checkpoint(model, tmp_path / "ckpt", step=7)
+    code, lines = _export(capsys, tmp_path / "ckpt" / "step-00000007", "--to-hf", tmp_path / "hf")
+    assert code == 0, lines
+    written = sorted(os.listdir(tmp_path / "hf"))
+    if family == "buffers":
+        assert written == ["model.safetensors"]
+        tensors = load_file(tmp_path / "hf" / "model.safetensors")
+        assert sorted(tensors) == sorted(saved) and "offset" not in tensors
+        assert all(torch.equal(tensors[k], v) for k, v in saved.items())
+        return
+    assert written == ["config.json", "generation_config.json", "model.safetensors"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    loaded, info = _from_pretrained(tmp_path / "hf")
+    _assert_loads_strictly(info, "llama export")
+    got = loaded.state_dict()
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())
+
+
+def test_cli_export_refuses_bad_input(tmp_path, capsys):
+    """Each bad input: exit code 2, a message naming what is wrong, nothing written."""
+    model, _ = _make("buffers")
+    _contract_checkpoint(model, tmp_path / "ckpt")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "latest").write_text("step-00000009")
+    mismatched = tmp_path / "mismatched"
+    _contract_checkpoint(_make("buffers")[0], mismatched)
+    manifest_path = mismatched / "step-00000003" / "autopar.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["params"]["head.weight"] = [64, 17]
+    manifest_path.write_text(json.dumps(manifest))
+    cases = [
+        (tmp_path / "ckpt" / "step-00000013.partial", "save in progress or an interrupted one"),
+        (tmp_path, "neither autopar.json"),
+        (broken, "names 'step-00000009'"),
+        (mismatched, "'model.head.weight' has shape [64, 16], autopar.json says [64, 17]"),
+    ]
+    for path, why in cases:
+        code, lines = _export(capsys, path, "--to-hf", tmp_path / "out")
+        assert code == 2 and why in " ".join(lines), (path, lines)
+    code, lines = _export(capsys, tmp_path / "ckpt", "--to-hf", tmp_path / "out", "--max-shard-size", "5 parsecs")
+    assert code == 2 and "is not a size" in " ".join(lines)
+    assert not (tmp_path / "out").exists()
+
+
+_PEAK_MEMORY = """
+import sys
+from autopar.runtime.export_checkpoint import export_checkpoint
+
+def kib(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field))
+
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) restarts from the current size
+before = kib("VmRSS")
+export_checkpoint(sys.argv[1], sys.argv[2])
+print((kib("VmHWM") - before) * 1024)
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc peak-memory reset")
+def test_cli_export_memory_stays_near_the_largest_tensor(tmp_path):
+    """12 tensors of 16 MiB (192 MiB): the export's peak memory grows by far less than the model
+    (measured about twice the largest tensor: DCP's read buffer and the tensor it fills)."""
+    n, rows, cols = 12, 4096, 1024
+    params = {f"layers.{i}.weight": torch.randn(rows, cols) for i in range(n)}
+    step = tmp_path / "step-00000001"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({f"model.{k}": v for k, v in params.items()}, checkpoint_id=step, no_dist=True)
+    (step / "autopar.json").write_text(json.dumps({"format": 1, "step": 1, "aliases": {}, "buffers": {},
+                                                   "params": {k: [rows, cols] for k in params}, "hf_config": None}))
+    total, largest = n * rows * cols * 4, rows * cols * 4
+    del params
+    run = subprocess.run([sys.executable, "-c", _PEAK_MEMORY, str(step), str(tmp_path / "hf")], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    growth = int(run.stdout.split()[-1])
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_size > total
+    assert growth < total / 2, f"peak memory grew by {growth / 2**20:.0f} MiB for a {total / 2**20:.0f} MiB model"
+    assert growth < 3 * largest + 32 * 2**20, f"{growth / 2**20:.0f} MiB, largest tensor {largest / 2**20:.0f} MiB"
