@@ -94,7 +94,30 @@ def _train_and_save(family: str, out_dir: str) -> dict:
     state = {k: v.cpu() for k, v in engine.full_state_dict().items()}
     loss = engine.train_step(*data[1][0], *data[1][1])
     coords = engine.mesh.shape.coords(engine.mesh.rank)
-    return {"written": written, "loss": loss, "coords": coords, "state": state if coords == (0, 0, 0) else None}
+    failures = _failures(engine, out_dir) if family == "buffers" else None
+    return {"written": written, "loss": loss, "coords": coords, "state": state if coords == (0, 0, 0) else None,
+            "failures": failures}
+
+
+def _failures(engine, out_dir: str) -> list[str]:
+    """What each rank raises from ``save_pretrained`` into a file (refused before any work) and into
+    a directory where stage 1's weight file is a directory (its writer fails after the gathers)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    as_file, blocked = f"{out_dir}-file", f"{out_dir}-blocked"
+    if rank == 0:
+        Path(as_file).write_text("not a directory")
+        os.makedirs(os.path.join(blocked, "model-00002-of-00002.safetensors"))
+    dist.barrier()
+    out = []
+    for path in (as_file, blocked):
+        try:
+            engine.save_pretrained(path)
+            out.append("")
+        except (ValueError, RuntimeError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
 
 
 def _worker(root: str) -> dict:
@@ -359,3 +382,16 @@ def test_cli_export_memory_stays_near_the_largest_tensor(tmp_path):
     assert (tmp_path / "hf" / "model.safetensors").stat().st_size > total
     assert growth < total / 2, f"peak memory grew by {growth / 2**20:.0f} MiB for a {total / 2**20:.0f} MiB model"
     assert growth < 3 * largest + 32 * 2**20, f"{growth / 2**20:.0f} MiB, largest tensor {largest / 2**20:.0f} MiB"
+
+
+@pytest.mark.multiprocess
+def test_save_pretrained_failures_reach_every_rank(saved):
+    """A path that is a file: every rank refuses before any gather. A writer that fails mid-way (its
+    file's name taken by a directory): every rank raises ExportError naming that rank (2: stage 1,
+    tp rank 0), none is left waiting on it."""
+    _, ranks = saved
+    for res in ranks:
+        as_file, blocked = res["buffers"]["failures"]
+        assert as_file.startswith("ValueError") and "is a file" in as_file and "rank 0" in as_file, as_file
+        assert blocked.startswith("ExportError") and "rank 2: IsADirectoryError" in blocked, blocked
+        assert "rank 0" not in blocked and "rank 1" not in blocked and "rank 3" not in blocked, blocked

@@ -34,9 +34,18 @@ import torch.distributed as dist
 from autopar.core.comm import TPGroup, _all_gather
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
-from autopar.runtime.hf_layout import (FILE_METADATA, HFFile, check_output_dir, ignored_on_save,
-                                       remove_stale_weight_files, tied_duplicates, tied_weight_patterns,
-                                       weight_file_name, write_configs, write_index)
+from autopar.runtime.hf_layout import (
+    FILE_METADATA,
+    HFFile,
+    check_output_dir,
+    ignored_on_save,
+    remove_stale_weight_files,
+    tied_duplicates,
+    tied_weight_patterns,
+    weight_file_name,
+    write_configs,
+    write_index,
+)
 from autopar.runtime.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
 from autopar.runtime.state_keys import StateSource, state_sources, untraced_value
 
@@ -79,7 +88,7 @@ def save_pretrained(path: str, rank: RankHoldings) -> list[str]:
         error = _write_file(os.path.join(path, file.name), file, lambda e: _whole(rank, sources[e.name]), writer)
         written = [file.name] if writer and error is None else []
     if _global_rank() == 0 and error is None:
-        error, extra = _guarded(lambda: _write_directory_files(path, program, files))
+        error, extra = _guarded(_write_directory_files, path, program, files)
         written += extra or []
     _raise_if_any(error, ExportError)
     return written
@@ -139,11 +148,11 @@ def _write_file(path: str, file: HFFile, whole: Callable[[TensorEntry], torch.Te
     has run, so the stage's other ranks are never left waiting."""
     stream, error = None, None
     if writes:
-        error, stream = _guarded(lambda: SafetensorsStream(path, list(file.entries), FILE_METADATA))
+        error, stream = _guarded(SafetensorsStream, path, list(file.entries), FILE_METADATA)
     for entry in file.entries:
         value = whole(entry)
         if stream is not None and error is None:
-            error, _ = _guarded(lambda: stream.write(entry.name, value))
+            error, _ = _guarded(stream.write, entry.name, value)
     if stream is not None:
         failed, _ = _guarded(stream.abort if error else stream.close)
         error = error or failed
@@ -161,11 +170,11 @@ def _write_directory_files(path: str, program: "Program", files: list[HFFile]) -
     return written + write_configs(path, program.model, dtypes[0] if dtypes else None)
 
 
-def _guarded(action: Callable):
-    """(error message or None, the action's result or None)."""
+def _guarded(action: Callable, *args):
+    """(error message or None, ``action(*args)`` or None)."""
     try:
-        return None, action()
-    except Exception as e:  # noqa: BLE001 - reported to every rank by _raise_if_any
+        return None, action(*args)
+    except Exception as e:
         return f"{type(e).__name__}: {e}", None
 
 

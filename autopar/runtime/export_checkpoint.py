@@ -36,9 +36,18 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from autopar.runtime.hf_layout import (FILE_METADATA, HFFile, check_output_dir, ignored_on_save,
-                                       remove_stale_weight_files, tied_duplicates, tied_weight_patterns,
-                                       weight_file_name, write_configs, write_index)
+from autopar.runtime.hf_layout import (
+    FILE_METADATA,
+    HFFile,
+    check_output_dir,
+    ignored_on_save,
+    remove_stale_weight_files,
+    tied_duplicates,
+    tied_weight_patterns,
+    weight_file_name,
+    write_configs,
+    write_index,
+)
 from autopar.runtime.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
 
 __all__ = ["CheckpointError", "Manifest", "resolve_checkpoint", "read_manifest", "export_checkpoint"]
@@ -81,13 +90,17 @@ def export_checkpoint(checkpoint: str, out: str, max_shard_bytes: int = DEFAULT_
         raise CheckpointError(problem)
     remove_stale_weight_files(out, [f.name for f in files])
     progress(f"{manifest.step_dir}: {sum(len(f.entries) for f in files)} tensors, "
-             f"{sum(f.nbytes for f in files) / 2**30:.2f} GiB -> {out}, {len(files)} file(s)")
+             f"{_size(sum(f.nbytes for f in files))} -> {out}, {len(files)} file(s)")
     for k, file in enumerate(files, 1):
         with SafetensorsStream(os.path.join(out, file.name), list(file.entries), FILE_METADATA) as stream:
             for entry in file.entries:
                 stream.write(entry.name, _read(reader, read_as[entry.name]))
-        progress(f"[{k}/{len(files)}] {file.name}: {len(file.entries)} tensors, {file.nbytes / 2**20:.1f} MiB")
+        progress(f"[{k}/{len(files)}] {file.name}: {len(file.entries)} tensors, {_size(file.nbytes)}")
     return [f.name for f in files] + _directory_files(out, manifest, files, model)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -185,12 +198,21 @@ def _files(manifest: Manifest, sources: dict[str, _Source], model: nn.Module | N
                 check_dtype(name, source.dtype)
                 entries.append(TensorEntry(name, source.shape, source.dtype))
                 read_as[name] = source
-    groups: list[list[TensorEntry]] = [[]]
-    for entry in entries:
-        if groups[-1] and sum(e.nbytes for e in groups[-1]) + entry.nbytes > max_shard_bytes:
-            groups.append([])
-        groups[-1].append(entry)
+    groups = _cut_by_size(entries, max_shard_bytes)
     return [HFFile(weight_file_name(k, len(groups)), tuple(g)) for k, g in enumerate(groups, 1)], read_as
+
+
+def _cut_by_size(entries: list[TensorEntry], max_bytes: int) -> list[list[TensorEntry]]:
+    """Consecutive runs of at most ``max_bytes`` each; a larger tensor alone in its run."""
+    groups: list[list[TensorEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        if groups[-1] and size + entry.nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += entry.nbytes
+    return groups
 
 
 def _read(reader: dcp.FileSystemReader, source: _Source) -> torch.Tensor:
@@ -225,7 +247,7 @@ def _model_skeleton(manifest: Manifest) -> tuple[nn.Module | None, str | None]:
     if manifest.hf_config is None:
         return None, None
     try:
-        import transformers  # noqa: PLC0415  (only a checkpoint of a HuggingFace model needs it)
+        import transformers  # only a checkpoint of a HuggingFace model needs it
 
         fields = dict(manifest.hf_config)
         config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -233,15 +255,16 @@ def _model_skeleton(manifest: Manifest) -> tuple[nn.Module | None, str | None]:
         cls = getattr(transformers, arch, None) if arch else None
         with torch.device("meta"):
             model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
-    except Exception as e:  # noqa: BLE001 - the export goes on without the model, and says so
-        return None, f"note: cannot build the model from hf_config ({type(e).__name__}: {e}); tied weights " \
-                     "keep their first name and config.json is hf_config as saved"
+    except Exception as e:
+        return None, (f"note: cannot build the model from hf_config ({type(e).__name__}: {e}); tied weights "
+                      "keep their first name and config.json is hf_config as saved")
     expected = {n: s for name, shape in manifest.params.items() for n, s in
                 ((alias, shape) for alias in manifest.aliases[name])}
     expected.update(manifest.buffers)
     built = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if built != expected:
         diff = sorted(set(built.items()) ^ set(expected.items()))[:3]
-        return None, f"note: {type(model).__name__} built from hf_config does not have the checkpoint's " \
-                     f"tensors (e.g. {diff}); tied weights keep their first name and config.json is hf_config as saved"
+        return None, (f"note: {type(model).__name__} built from hf_config does not have the checkpoint's "
+                      f"tensors (e.g. {diff}); tied weights keep their first name and config.json is hf_config "
+                      "as saved")
     return model, None

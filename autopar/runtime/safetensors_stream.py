@@ -85,13 +85,17 @@ class SafetensorsStream:
         self._next += 1
 
     def close(self) -> None:
-        """Finish the file: every declared tensor must have been written."""
-        self._file.close()
-        if self._next != len(self.entries):
-            os.remove(self._tmp)
-            raise ValueError(f"{self.path}: {len(self.entries) - self._next} declared tensor(s) never written, "
-                             f"from '{self.entries[self._next].name}' on")
-        os.replace(self._tmp, self.path)
+        """Finish the file: every declared tensor must have been written. On a failure the
+        partial file is removed."""
+        try:
+            self._file.close()
+            if self._next != len(self.entries):
+                raise ValueError(f"{self.path}: {len(self.entries) - self._next} declared tensor(s) never "
+                                 f"written, from '{self.entries[self._next].name}' on")
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
         """Drop the partial file."""
