@@ -3,7 +3,7 @@
 
 One spawn of 4 gloo ranks trains a tiny HuggingFace Llama and GPT-2 (tied
 embedding and LM head, on the first and last stages) one AdamW step at tp=2 x
-pp=2 and saves each. Checked: one weight file per stage, written by that
+pp=2, and a plain model with buffers at pp=2 x dp=2, and saves each. Checked: one weight file per stage, written by that
 stage's tp rank 0 (rank 0 adds the index and configs); the index's keys are the
 keys HuggingFace's own ``save_pretrained`` writes for the model (its
 ``state_dict`` less non-persistent buffers and tied duplicates; ``inv_freq``
@@ -42,8 +42,10 @@ import autopar
 from autopar.cli import main as cli_main
 
 FAMILIES = ("hf-llama", "hf-gpt2")
-SPAWNED = FAMILIES + ("buffers",)
-TP, PP, MICROBATCHES, ROWS = 2, 2, 2, 2
+LAYOUTS = {"hf-llama": {"tp": 2, "pp": 2, "dp": 1}, "hf-gpt2": {"tp": 2, "pp": 2, "dp": 1},
+           "buffers": {"tp": 1, "pp": 2, "dp": 2}}
+"""Each family spawned and its layout on the 4 ranks."""
+MICROBATCHES = 2
 LR = 1e-3
 # The loaded model's loss (one device, eval mode) against the engine's loss on the same batch
 # (tp=2 x pp=2): the same fp32 weights, bitwise; only the order of sums differs (split matmuls,
@@ -79,12 +81,17 @@ def _make(family: str) -> tuple[nn.Module, int]:
     return make(family)
 
 
+def _batches(family: str, vocab: int):
+    """A training batch and an evaluation batch: one sequence per microbatch and replica."""
+    return token_batches(vocab, steps=2, rows=LAYOUTS[family]["dp"] * MICROBATCHES, seed=1)
+
+
 def _train_and_save(family: str, out_dir: str) -> dict:
-    """On one rank: one AdamW step at tp=2 x pp=2, ``save_pretrained``, the full state dict and the
-    engine's loss on an evaluation batch (a forward and backward, no optimizer step)."""
+    """On one rank: one AdamW step in the family's layout, ``save_pretrained``, the full state dict
+    and the engine's loss on the evaluation batch (a forward and backward, no optimizer step)."""
     model, vocab = _make(family)
-    data = token_batches(vocab, steps=2, rows=ROWS, seed=1)
-    program = parallelize_on(model, data, ROWS // MICROBATCHES, tp=TP, pp=PP, microbatches=MICROBATCHES)
+    data = _batches(family, vocab)
+    program = parallelize_on(model, data, 1, microbatches=MICROBATCHES, **LAYOUTS[family])
     engine = program.materialize()
     optimizer = torch.optim.AdamW(engine.parameters(), lr=LR)
     engine.train_step(*data[0][0], *data[0][1])
@@ -121,14 +128,14 @@ def _failures(engine, out_dir: str) -> list[str]:
 
 
 def _worker(root: str) -> dict:
-    return {family: _train_and_save(family, os.path.join(root, family)) for family in SPAWNED}
+    return {family: _train_and_save(family, os.path.join(root, family)) for family in LAYOUTS}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Every spawned family trained and saved on one set of 4 ranks: (root, each rank's results)."""
     root = tmp_path_factory.mktemp("export")
-    return root, spawn_ranks(_worker, TP * PP, str(root), timeout_s=600)
+    return root, spawn_ranks(_worker, 4, str(root), timeout_s=600)
 
 
 def _from_pretrained(path):
@@ -196,7 +203,7 @@ def test_save_pretrained_loads_bitwise(saved, family):
     for name, value in state.items():
         assert torch.equal(got[name], value), f"{family} {name} differs from engine.full_state_dict()"
     assert not torch.equal(state[next(iter(state))], model.state_dict()[next(iter(state))])  # trained
-    (x,), (y,) = token_batches(vocab, steps=2, rows=ROWS, seed=1)[1]
+    (x,), (y,) = _batches(family, vocab)[1]
     loaded.eval()
     with torch.no_grad():
         loss = autopar.lm_cross_entropy(loaded(x).logits, y)
@@ -206,8 +213,9 @@ def test_save_pretrained_loads_bitwise(saved, family):
 
 @pytest.mark.multiprocess
 def test_save_pretrained_buffers_and_untraced_parameters(saved):
-    """A model that is not HuggingFace's: its state_dict exactly, in two stage files, no config;
-    strict ``load_state_dict`` of the files reproduces the engine's weights and loss."""
+    """A model that is not HuggingFace's, at pp=2 x dp=2: its state_dict exactly, in two stage files
+    written by replica 0's ranks only, no config; strict ``load_state_dict`` of the files
+    reproduces the engine's weights and loss."""
     from safetensors.torch import load_file
 
     root, ranks = saved
@@ -215,6 +223,10 @@ def test_save_pretrained_buffers_and_untraced_parameters(saved):
     model, vocab = _make("buffers")
     assert sorted(os.listdir(out)) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                                        "model.safetensors.index.json"]
+    assert [res["buffers"]["coords"] for res in ranks] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+    assert [res["buffers"]["written"] for res in ranks] == [
+        ["model-00001-of-00002.safetensors", "model.safetensors.index.json"], [],
+        ["model-00002-of-00002.safetensors"], []]
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert list(state) == list(model.state_dict()) and set(weight_map) == set(state) and len(state) == 14
     assert "offset" not in weight_map  # non-persistent
@@ -229,7 +241,7 @@ def test_save_pretrained_buffers_and_untraced_parameters(saved):
     for name, value in state.items():
         assert torch.equal(files[name], value), name
     assert torch.equal(files["unused.weight"], model.unused.weight.detach())  # never trained, as the model holds it
-    (x,), (y,) = token_batches(vocab, steps=2, rows=ROWS, seed=1)[1]
+    (x,), (y,) = _batches("buffers", vocab)[1]
     with torch.no_grad():
         loss = autopar.lm_cross_entropy(fresh(x), y)
     torch.testing.assert_close(torch.tensor(ranks[0]["buffers"]["loss"]), loss, **LOSS_TOLERANCE)
