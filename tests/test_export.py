@@ -310,11 +310,15 @@ def test_cli_export_gpt2_in_several_files(tmp_path, capsys):
 @pytest.mark.parametrize("family", ["hf-llama", "buffers"])
 def test_cli_export_one_file(family, tmp_path, capsys):
     """A step directory named directly, default size: one ``model.safetensors`` holding the
-    state_dict's tensors (persistent buffers, never-read parameters; config.json for a HF model)."""
+    state_dict's tensors (persistent buffers, never-read parameters; config.json for a HF model);
+    the weight files and index of an earlier export into the directory removed."""
     from safetensors.torch import load_file
 
     model, _ = _make(family)
     saved = _contract_checkpoint(model, tmp_path / "ckpt", step=7)
+    (tmp_path / "hf").mkdir()
+    for stale in ("model-00001-of-00003.safetensors", "model.safetensors.index.json"):
+        (tmp_path / "hf" / stale).write_text("an earlier export")
     code, lines = _export(capsys, tmp_path / "ckpt" / "step-00000007", "--to-hf", tmp_path / "hf")
     assert code == 0, lines
     written = sorted(os.listdir(tmp_path / "hf"))
@@ -375,9 +379,10 @@ print((kib("VmHWM") - before) * 1024)
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc peak-memory reset")
 def test_cli_export_memory_stays_near_the_largest_tensor(tmp_path):
-    """12 tensors of 16 MiB (192 MiB): the export's peak memory grows by far less than the model
-    (measured about twice the largest tensor: DCP's read buffer and the tensor it fills)."""
-    n, rows, cols = 12, 4096, 1024
+    """24 tensors of 8 MiB (192 MiB): the export's peak memory grows by a few times the largest
+    tensor, not by the model (measured 36-44 MiB: DCP's read buffer, the tensor it deserialises
+    and the one it fills, and the allocator's reuse of them)."""
+    n, rows, cols = 24, 2048, 1024
     params = {f"layers.{i}.weight": torch.randn(rows, cols) for i in range(n)}
     step = tmp_path / "step-00000001"
     with warnings.catch_warnings():
@@ -388,22 +393,10 @@ def test_cli_export_memory_stays_near_the_largest_tensor(tmp_path):
     total, largest = n * rows * cols * 4, rows * cols * 4
     del params
     run = subprocess.run([sys.executable, "-c", _PEAK_MEMORY, str(step), str(tmp_path / "hf")], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300)
+                         text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300,
+                         check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     growth = int(run.stdout.split()[-1])
     assert (tmp_path / "hf" / "model.safetensors").stat().st_size > total
-    assert growth < total / 2, f"peak memory grew by {growth / 2**20:.0f} MiB for a {total / 2**20:.0f} MiB model"
-    assert growth < 3 * largest + 32 * 2**20, f"{growth / 2**20:.0f} MiB, largest tensor {largest / 2**20:.0f} MiB"
-
-
-@pytest.mark.multiprocess
-def test_save_pretrained_failures_reach_every_rank(saved):
-    """A path that is a file: every rank refuses before any gather. A writer that fails mid-way (its
-    file's name taken by a directory): every rank raises ExportError naming that rank (2: stage 1,
-    tp rank 0), none is left waiting on it."""
-    _, ranks = saved
-    for res in ranks:
-        as_file, blocked = res["buffers"]["failures"]
-        assert as_file.startswith("ValueError") and "is a file" in as_file and "rank 0" in as_file, as_file
-        assert blocked.startswith("ExportError") and "rank 2: IsADirectoryError" in blocked, blocked
-        assert "rank 0" not in blocked and "rank 1" not in blocked and "rank 3" not in blocked, blocked
+    assert growth < 8 * largest, (f"peak memory grew by {growth / 2**20:.0f} MiB for a {total / 2**20:.0f} MiB "
+                                  f"model of {largest / 2**20:.0f} MiB tensors (the bound: a third of the model)")

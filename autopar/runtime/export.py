@@ -75,13 +75,10 @@ class RankHoldings:
 
 def save_pretrained(path: str, rank: RankHoldings) -> list[str]:
     """Write the HuggingFace directory ``path``; the names of the files this rank wrote."""
-    program, mesh = rank.program, rank.mesh
+    program, mesh, path = rank.program, rank.mesh, str(path)
     files, sources = stage_files(program)
     writer = mesh.dp_rank == 0 and mesh.tp_rank == 0
-    _raise_if_any(check_output_dir(str(path)) if writer else None, ValueError)
-    path = str(path)
-    if _global_rank() == 0:
-        remove_stale_weight_files(path, [f.name for f in files])
+    _raise_if_any(check_output_dir(path) if writer else None, ValueError)
     written, error = [], None
     if mesh.dp_rank == 0:
         file = files[mesh.pp_rank]
@@ -160,7 +157,9 @@ def _write_file(path: str, file: HFFile, whole: Callable[[TensorEntry], torch.Te
 
 
 def _write_directory_files(path: str, program: "Program", files: list[HFFile]) -> list[str]:
-    """The index (more than one file) and the HuggingFace configs: what rank 0 writes."""
+    """The index (more than one file) and the HuggingFace configs: what rank 0 writes after its
+    stage's file; weight files of an earlier save in ``path`` (never this save's) removed."""
+    remove_stale_weight_files(path, [f.name for f in files])
     written = []
     if len(files) > 1:
         total_parameters = sum(p.numel() for p in program.model.parameters())

@@ -3,7 +3,8 @@
 One process, no process group: each tensor is read through DCP
 (``torch.distributed.checkpoint.load(..., no_dist=True)``) into a tensor of its
 full shape and streamed into its safetensors file, one at a time, so memory
-holds the largest parameter, never the model.
+grows by a few copies of the largest parameter (DCP reads the bytes,
+deserialises them, copies into ours), never by the model.
 
 The checkpoint contract read here (the checkpoint writer's):
 

@@ -130,7 +130,7 @@ def write_configs(path: str, model: nn.Module, dtype: torch.dtype | None) -> lis
 def check_output_dir(path: str) -> str | None:
     """Why ``path`` cannot receive an export (a file, not writable), or None; creates it."""
     if os.path.isfile(path):
-        return f"'{path}' is a file: save_pretrained writes a directory; name a directory"
+        return f"'{path}' is a file: a HuggingFace export is a directory; name a directory"
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
