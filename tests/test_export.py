@@ -247,6 +247,18 @@ def test_save_pretrained_buffers_and_untraced_parameters(saved):
     torch.testing.assert_close(torch.tensor(ranks[0]["buffers"]["loss"]), loss, **LOSS_TOLERANCE)
 
 
+@pytest.mark.multiprocess
+def test_save_pretrained_failures_reach_every_rank(saved):
+    """A path that is a file: every rank refuses before any gather. A writer that fails mid-way (its
+    file's name taken by a directory): every rank raises ExportError naming that rank (2: stage 1's
+    writer), none is left waiting on it."""
+    _, ranks = saved
+    for res in ranks:
+        as_file, blocked = res["buffers"]["failures"]
+        assert as_file.startswith("ValueError") and "is a file" in as_file and "rank 0" in as_file, as_file
+        assert blocked.startswith("ExportError") and "rank 2: IsADirectoryError" in blocked, blocked
+        assert "rank 0" not in blocked and "rank 1" not in blocked and "rank 3" not in blocked, blocked
+
 # ------------------------------------------------------------------ autopar export CKPT --to-hf DIR
 def _contract_checkpoint(model: nn.Module, root: Path, step: int = 3) -> dict[str, torch.Tensor]:
     """A checkpoint as the checkpoint contract lays it out, of ``model`` with its weights moved off
