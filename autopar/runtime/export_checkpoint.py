@@ -256,11 +256,10 @@ def _model_skeleton(manifest: Manifest) -> tuple[nn.Module | None, str | None]:
         cls = getattr(transformers, arch, None) if arch else None
         with torch.device("meta"):
             model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
-    except Exception as e:
+    except Exception as e:  # any failure to build: the export goes on without the model, and says so
         return None, (f"note: cannot build the model from hf_config ({type(e).__name__}: {e}); tied weights "
                       "keep their first name and config.json is hf_config as saved")
-    expected = {n: s for name, shape in manifest.params.items() for n, s in
-                ((alias, shape) for alias in manifest.aliases[name])}
+    expected = {alias: shape for name, shape in manifest.params.items() for alias in manifest.aliases[name]}
     expected.update(manifest.buffers)
     built = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if built != expected:
