@@ -71,6 +71,7 @@ class Manifest:
     step_dir: str
     params: dict[str, tuple[int, ...]]
     aliases: dict[str, list[str]]
+    """Parameter -> every name the model gives it, its own first."""
     buffers: dict[str, tuple[int, ...]]
     hf_config: dict | None
 
@@ -141,10 +142,10 @@ def read_manifest(step_dir: str) -> Manifest:
     if not isinstance(raw.get("params"), dict) or not raw["params"]:
         raise CheckpointError(f"{where} lists no parameters ('params': {{name: shape}})")
     params = {name: tuple(shape) for name, shape in raw["params"].items()}
-    aliases = {name: list(raw.get("aliases", {}).get(name) or [name]) for name in params}
-    bad = [name for name, names in aliases.items() if names[0] != name]
-    if bad:
-        raise CheckpointError(f"{where}: the aliases of {bad[:3]} do not start with the parameter's own name")
+    listed = raw.get("aliases") or {}
+    if not isinstance(listed, dict):
+        raise CheckpointError(f"{where}: 'aliases' is a {type(listed).__name__}, not {{name: [names]}}")
+    aliases = {name: [name] + [n for n in listed.get(name) or () if n != name] for name in params}
     hf_config = raw.get("hf_config")
     if hf_config is not None and not isinstance(hf_config, dict):
         raise CheckpointError(f"{where}: 'hf_config' is a {type(hf_config).__name__}, not a dict or null")
