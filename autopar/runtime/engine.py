@@ -67,7 +67,9 @@ from autopar.core.comm import TPGroup, _all_gather, seed_forked
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
 from autopar.runtime.device_graphs import on_device
+from autopar.runtime.export import RankHoldings, save_pretrained
 from autopar.runtime.gradients import GradientSync
+from autopar.runtime.state_keys import state_sources, untraced_value
 from autopar.runtime.timeline import Event, gather_events, write_chrome_trace
 from autopar.schedules import Action, Kind, Schedule
 
@@ -673,14 +675,26 @@ class RankEngine(nn.Module):
                 yield name, self.shards[_key(name)]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters under every original name (gathered over tp, then over pp), on every rank."""
-        return self._gather(lambda p: p.detach(), buffers=True)
+        """The model's ``state_dict()``, whole, on every rank, on the engine's device: exactly its keys
+        in its order. Parameters under every name the model gives them (tied weights twice),
+        gathered over tp, then over pp; persistent buffers; non-persistent buffers (a rotary
+        ``inv_freq``) are not part of it, as in the model's own ``state_dict()``."""
+        params = self._gather(lambda p: p.detach())
+        out = {}
+        for source in state_sources(self.program):
+            if source.kind == "param":
+                out[source.key] = params[source.key]
+            elif source.kind == "buffer":
+                out[source.key] = self._feeds[source.name].clone()
+            else:
+                out[source.key] = untraced_value(self.program, source, self.device)
+        return out
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full gradients under every original parameter name, on every rank."""
-        return self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p), buffers=False)
+        return self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
 
-    def _gather(self, get, buffers: bool) -> dict[str, torch.Tensor]:
+    def _gather(self, get) -> dict[str, torch.Tensor]:
         """``get(shard)`` of every parameter, whole, on every rank, on the engine's device:
         all-gathered over tp (sharded ones), then broadcast over pp from the first stage holding it."""
         program = self.program
@@ -698,10 +712,6 @@ class RankEngine(nn.Module):
                 value = self._from_owner(name, value, dtypes[name])
             for alias in program.traced.aliases.get(name, [name]):
                 out[alias] = value.clone()
-        if buffers:
-            for pname, bname in program.traced.buffer_of.items():
-                if pname in self._feeds:
-                    out[bname] = self._feeds[pname].clone()
         return out
 
     def _from_owner(self, name: str, value: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -720,6 +730,18 @@ class RankEngine(nn.Module):
         traced = self.program.traced
         phs = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
         return {name: phs[ph].meta["val"].dtype for ph, name in traced.param_of.items()}
+
+    # ------------------------------------------------------------------ export
+    def save_pretrained(self, path: str) -> list[str]:
+        """Write the model as a HuggingFace directory that ``from_pretrained`` loads: safetensors
+        with the model's names and shapes, one file per pipeline stage written by that stage
+        (``autopar/runtime/export.py``), and ``config.json`` for a HuggingFace model.
+
+        Collective: every rank calls it. Returns the names of the files this rank wrote.
+        """
+        holdings = RankHoldings(self.program, self.mesh, self.tp, dict(self.named_local_parameters()),
+                                self._feeds, self.device)
+        return save_pretrained(path, holdings)
 
 
 def _tag(a: Action, idx: int) -> int:
