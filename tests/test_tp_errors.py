@@ -70,7 +70,7 @@ def test_untraceable_model_names_the_line():
 def test_tp_larger_than_world():
     model = build("gpt", ModelConfig(vocab_size=256))
     x, y = _xy()
-    with pytest.raises(ValueError, match=r"tp=4 does not fit a world of 2 ranks.*\[1, 2\]"):
+    with pytest.raises(ValueError, match=r"tp=4 x pp=1 needs a multiple of 4 ranks, the world has 2.*Fix: start 4, 8, 12.*tp=2 x pp=1"):
         autopar.parallelize(model, tp=4, example_inputs=x, example_targets=y, world_size=2)
 
 
