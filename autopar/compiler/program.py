@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from autopar.compiler.local_shapes import param_local_shape, propagate_local_shapes
 from autopar.compiler.report import render_summary
+from autopar.compiler.tp_traffic import tp_traffic
 from autopar.core import comm  # noqa: F401  (its collectives register themselves in the registry read here)
 from autopar.core.checkpoint import Checkpointed
 from autopar.core.chunks import PipelineSplit
@@ -50,12 +51,6 @@ def _contracts(node: fx.Node) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
         return True
     return target.namespace != "aten" or target._schema.name.split("::")[-1] in _CONTRACTIONS
-
-
-def _collective_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, object]]:
-    """(node, registered collective) of every collective call in ``gm``."""
-    found = ((n, collective_of(n.target)) for n in gm.graph.nodes if n.op == "call_function")
-    return [(n, spec) for n, spec in found if spec is not None]
 
 
 def _module_code(module: nn.Module) -> str:
@@ -142,53 +137,11 @@ class Program:
 
     def tp_communication(self, stage: int) -> dict[tuple[str, str], tuple[int, int]]:
         """What one rank of pipeline stage ``stage`` moves over its tensor-parallel group per step, by
-        (where, what): (calls per microbatch, bytes per step).
+        (where, what): (calls per microbatch, bytes per step). Its own chunks only, recomputation's
+        replays and the boundary all-gathers included (``autopar/compiler/tp_traffic.py``)."""
+        return tp_traffic(self, stage)
 
-        A rank runs its own stage's chunks, not the whole model: each collective of those chunks
-        once per microbatch (where: 'layers' or 'outside layers'); its forward part again where a
-        checkpointed region replays it ('replayed by recompute'); and the all-gather of every
-        boundary value that arrives as 1/t slices ('boundary', with scatter/gather). Bytes count
-        each buffer once, as the collective registry does. Empty when tp = 1.
-        """
-        out: dict[tuple[str, str], tuple[int, int]] = {}
-
-        def add(key: tuple[str, str], nbytes: int) -> None:
-            calls, total = out.get(key, (0, 0))
-            out[key] = (calls + 1, total + nbytes * self.microbatches)
-
-        if self.tp == 1:
-            return out
-        for c in self.split.chunks:
-            if c.index % self.pp != stage:
-                continue
-            for node, spec in _collective_nodes(c.gm):
-                add(("layers" if self._layer_of_node(node) is not None else "outside layers", spec.name),
-                    spec.nbytes(node))
-            for region in c.module.modules():
-                if isinstance(region, Checkpointed) and isinstance(region.inner, fx.GraphModule):
-                    for node, spec in _collective_nodes(region.inner):
-                        if spec.forward_bytes(node):
-                            add(("replayed by recompute", spec.name), spec.forward_bytes(node))
-        for key, nbytes in self._boundary_gathers(stage):
-            add(key, nbytes)
-        return out
-
-    def _boundary_gathers(self, stage: int) -> list[tuple[tuple[str, str], int]]:
-        """The all-gathers a rank of ``stage`` runs on boundary values that arrive as 1/t slices: an
-        activation into its chunk, a gradient back into the chunk before."""
-        out = []
-        for c in self.split.chunks[1:]:
-            before, after = (c.index - 1) % self.pp, c.index % self.pp
-            for b in c.inputs if before != after else ():
-                if not self._sent_sliced(b):
-                    continue
-                if after == stage:
-                    out.append((("boundary", "all-gather (activation in)"), b.nbytes))
-                if b.requires_grad and before == stage:
-                    out.append((("boundary", "all-gather (gradient in)"), b.nbytes))
-        return out
-
-    def _sent_sliced(self, b) -> bool:
+    def sent_sliced(self, b) -> bool:
         """A boundary value sent as 1/t slices and all-gathered on arrival (scatter/gather)."""
         return self.config.scatter_gather and self.tp > 1 and b.replicated and b.numel % self.tp == 0
 
@@ -198,8 +151,8 @@ class Program:
         t, m = self.tp, self.microbatches
         sg = self.config.scatter_gather and t > 1
         for c in self.split.chunks[1:]:
-            fwd = sum(b.nbytes / (t if self._sent_sliced(b) else 1) for b in c.inputs)
-            bwd = sum(b.nbytes / (t if self._sent_sliced(b) else 1) for b in c.inputs if b.requires_grad)
+            fwd = sum(b.nbytes / (t if self.sent_sliced(b) else 1) for b in c.inputs)
+            bwd = sum(b.nbytes / (t if self.sent_sliced(b) else 1) for b in c.inputs if b.requires_grad)
             if self.pp > 1:
                 label = f"chunk {c.index - 1} -> {c.index}"
                 out[(label, "p2p send", "activation fwd, gradient bwd" + (", 1/t each" if sg else ""))] = (fwd + bwd) * m

@@ -10,8 +10,11 @@ where ``torch.fx.symbolic_trace`` does not, and every node comes with
 - ``meta["stack_trace"]``     the user's source line.
 
 Parameters are lifted to placeholders; ``TracedModel.param_of`` maps each one
-to the parameter's name in the user's model. Shapes are static: the example
-microbatch fixes batch size and sequence length, as in Megatron.
+to the parameter's name in the user's model. The batch tensors are passed by
+name, the forward's and the loss's parameter names (``input_ids``,
+``target``; ``compiler/signatures.py``, which also checks both signatures
+first). Shapes are static: the example microbatch fixes batch size and
+sequence length, as in Megatron.
 """
 
 from __future__ import annotations
