@@ -192,7 +192,7 @@ def _split_sizes(node: fx.Node, placement) -> tuple[int, ...]:
     vals = node.meta.get("val")
     vals = vals if isinstance(vals, (tuple, list)) else (vals,)
     sizes = []
-    for p, v in zip(_flat(placement), vals):
+    for p, v in zip(_flat(placement), vals, strict=False):  # an output without a value has no size
         if isinstance(p, Shard) and isinstance(v, torch.Tensor):
             sizes.extend(p.segments if p.segments is not None else (int(v.shape[p.dim]),))
     return tuple(sizes)

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from families import SEQ, batches
+from helpers import spawn_ranks
 
 import autopar
 from autopar.reference.models import ModelConfig, build
@@ -275,8 +276,6 @@ ACTIVATION = 2 * 2 * SEQ * 64 * 4
 
 @pytest.mark.multiprocess
 def test_the_summary_counts_the_collective_bytes_a_rank_really_moves():
-    from helpers import spawn_ranks
-
     results = spawn_ranks(_measure_tp_bytes, 4)
     for rank, result in enumerate(results):
         stage = rank // 2  # tp=2 x pp=2: ranks 0, 1 on stage 0

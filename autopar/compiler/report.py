@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import math
-from collections import Counter
 from typing import Any
 
 from rich.console import Console

@@ -110,7 +110,7 @@ def trace(
         raise TraceError("\n".join(errors))
     input_names, target_names = batch_names(model, loss_fn, len(inputs), len(targets))
     wrapper = _LossWrapper(model, loss_fn, output_fn or default_logits, input_names, target_names)
-    ep = _export(model, wrapper, dict(zip(input_names + target_names, inputs + targets)))
+    ep = _export(model, wrapper, dict(zip(input_names + target_names, inputs + targets, strict=True)))
     param_of, buffer_of, constant_of, user = _placeholders(ep)
     _check_outputs(ep)
     aliases = _aliases(model)
