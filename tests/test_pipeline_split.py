@@ -133,7 +133,7 @@ def test_fewer_microbatches_than_stages():
 
 def test_world_size_must_match_the_mesh():
     model, _ = make("nanogpt", layers=4)
-    with pytest.raises(ValueError, match=r"tp\(2\) \* pp\(2\) \* dp\(3\) = 12, but the world size is 8"):
+    with pytest.raises(ValueError, match=r"tp=2 x pp=2 x dp=3 needs 12 ranks, the world has 8\. Fix: dp=2"):
         _program(model, tp=2, pp=2, dp=3, microbatches=2, world_size=8)
 
 

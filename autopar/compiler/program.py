@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from autopar.compiler.local_shapes import param_local_shape, propagate_local_shapes
 from autopar.compiler.report import render_summary
+from autopar.compiler.tp_traffic import tp_traffic
 from autopar.core import comm  # noqa: F401  (its collectives register themselves in the registry read here)
 from autopar.core.checkpoint import Checkpointed
 from autopar.core.chunks import PipelineSplit
@@ -144,18 +145,15 @@ class Program:
             return inputs, total
         return inputs + layer_input * (n_layers - 1), total / n_layers
 
-    def collective_bytes(self) -> dict[tuple[str, str], int]:
-        """Bytes each tensor-parallel collective moves per microbatch, by (layers|outside, name)."""
-        if self.tp == 1:
-            return {}
-        out: dict[tuple[str, str], int] = {}
-        for node in self.rank_module.graph.nodes:
-            spec = collective_of(node.target) if node.op == "call_function" else None
-            if spec is None:
-                continue
-            where = "layers" if self._layer_of_node(node) is not None else "outside"
-            out[(where, spec.name)] = out.get((where, spec.name), 0) + spec.nbytes(node)
-        return out
+    def tp_communication(self, stage: int) -> dict[tuple[str, str], tuple[int, int]]:
+        """What one rank of pipeline stage ``stage`` moves over its tensor-parallel group per step, by
+        (where, what): (calls per microbatch, bytes per step). Its own chunks only, recomputation's
+        replays and the boundary all-gathers included (``autopar/compiler/tp_traffic.py``)."""
+        return tp_traffic(self, stage)
+
+    def sent_sliced(self, b) -> bool:
+        """A boundary value sent as 1/t slices and all-gathered on arrival (scatter/gather)."""
+        return self.config.scatter_gather and self.tp > 1 and b.replicated and b.numel % self.tp == 0
 
     def p2p_and_dp_bytes(self) -> dict[tuple[str, str, str], float]:
         """Bytes per step of pipeline point-to-point (per boundary) and data-parallel gradient reduction."""
@@ -163,9 +161,8 @@ class Program:
         t, m = self.tp, self.microbatches
         sg = self.config.scatter_gather and t > 1
         for c in self.split.chunks[1:]:
-            fwd = sum(b.nbytes / (t if sg and b.replicated and b.numel % t == 0 else 1) for b in c.inputs)
-            bwd = sum(b.nbytes / (t if sg and b.replicated and b.numel % t == 0 else 1)
-                      for b in c.inputs if b.requires_grad)
+            fwd = sum(b.nbytes / (t if self.sent_sliced(b) else 1) for b in c.inputs)
+            bwd = sum(b.nbytes / (t if self.sent_sliced(b) else 1) for b in c.inputs if b.requires_grad)
             if self.pp > 1:
                 label = f"chunk {c.index - 1} -> {c.index}"
                 out[(label, "p2p send", "activation fwd, gradient bwd" + (", 1/t each" if sg else ""))] = (fwd + bwd) * m
