@@ -31,6 +31,7 @@ from autopar.core.config import ParallelConfig
 from autopar.planning.layout import Cluster, Layout
 from autopar.planning.planner import Plan, SearchSpace, search
 from autopar.runtime.engine import RankEngine
+from autopar.runtime.launch import launched_world
 from autopar.runtime.materialize import materialize
 from passes.pipeline_split import PipelineError
 from passes.sharding import ShardingError
@@ -89,8 +90,8 @@ def parallelize(
     """
     if example_inputs is None:
         raise ValueError("parallelize() needs example_inputs: one microbatch with the real shapes")
-    if world_size is None and dist.is_initialized():
-        world_size = dist.get_world_size()
+    if world_size is None:  # the world this process runs in: its group's, or the one a launcher started
+        world_size = dist.get_world_size() if dist.is_initialized() else launched_world()
     config = ParallelConfig(
         tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches or pp,
         schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,

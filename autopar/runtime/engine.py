@@ -59,6 +59,7 @@ from autopar.core.checkpoint import count_kept_bytes
 from autopar.core.comm import TPGroup, _all_gather, seed_forked
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
+from autopar.runtime.device_graphs import on_device
 from autopar.runtime.gradients import GradientSync
 from autopar.runtime.timeline import Event, gather_events, write_chrome_trace
 from autopar.schedules import Action, Kind
@@ -216,8 +217,9 @@ class RankEngine(nn.Module):
         self.stats: dict = {}
         self.events: list[Event] = []
         """The last step's measured timeline."""
-        self.runnables = {c: ch.module for c, ch in self.chunks.items()}
-        """Chunk -> what runs it: its graph, with recomputation applied at compile time."""
+        self.runnables = {c: on_device(ch.module, self.device) for c, ch in self.chunks.items()}
+        """Chunk -> what runs it: its graph, with recomputation applied at compile time, making its
+        tensors on the engine's device."""
         self.random_seed = self._stream_seed(mesh)
         """Seed of this rank's random stream (dropout); equal on the t ranks of a stage."""
         self._rng_devices = [self.device.index] if self.device.type == "cuda" else []

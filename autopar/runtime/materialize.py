@@ -1,7 +1,9 @@
 """From a compiled program to one rank's engine: its mesh groups and its parameter shards.
 
 Collective: every rank of the world calls it (the process groups are created
-here). Each rank keeps only the slices of the parameters its pipeline stage
+here). A process started by ``autopar run`` or torchrun that is in no process
+group yet joins the one they set up (``launch.join_from_env``): NCCL on
+``cuda:LOCAL_RANK`` where GPUs exist, gloo on the CPU elsewhere. Each rank keeps only the slices of the parameters its pipeline stage
 reads (``local_slice`` of the full weight along the sharded dim), on the rank's
 device: the current GPU when the process group is NCCL (it communicates GPU
 tensors only), else the full weights' device. The engine computes there.
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from autopar.compiler.program import Program
 from autopar.core.mesh import Mesh
 from autopar.runtime.engine import RankEngine, rank_device
+from autopar.runtime.launch import join_from_env
 from autopar.runtime.weight_plan import plan_weights
 
 __all__ = ["materialize"]
@@ -46,12 +49,12 @@ def materialize(program: Program, state_dict: dict[str, torch.Tensor] | None = N
     """
     weights = plan_weights(program, state_dict, checkpoint)
     shape = program.config.mesh
+    if shape.world > 1:
+        join_from_env()
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != shape.world:
-        hint = "start ranks with autopar.spawn(...) or torchrun" if not dist.is_initialized() else \
-            f"compile with tp * pp * dp = {world}"
         raise ValueError(f"the program needs tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world} "
-                         f"ranks, but the world has {world}: {hint}")
+                         f"ranks, but {_world_hint(world, shape.world)}")
     mesh = Mesh.create(shape, sorted(set(program.tied_params.values())))
     device = _device(weights.given.values())
     base_seed = _rank0_seed(seed, device)
@@ -90,6 +93,16 @@ def _rank0_seed(seed: int | None, device: torch.device) -> int:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(base, src=0)
     return int(base)
+
+
+def _world_hint(world: int, want: int) -> str:
+    if dist.is_initialized():
+        return (f"the process group has {world}: start {want} ranks, or compile for this world "
+                f"(parallelize(..., world_size={world}) with tp * pp dividing {world})")
+    return (f"this process is in no process group (it was not started by a launcher): start {want} ranks with "
+            f"`autopar run --nproc {want} script.py` or `torchrun --nproc-per-node {want} script.py` "
+            f"(materialize joins the group they set up), or run a function on {want} local ranks with "
+            f"autopar.spawn(fn, {want})")
 
 
 def _device(weights) -> torch.device:
