@@ -71,7 +71,8 @@ def _program(model: nn.Module, layout: str, vocab: int = 320) -> autopar.Paralle
 
 # ------------------------------------------------------------------ memory
 def _resident() -> dict[str, int]:
-    status = open("/proc/self/status").read()
+    with open("/proc/self/status") as f:
+        status = f.read()
     return {key: int(re.search(rf"{key}:\s+(\d+) kB", status).group(1)) * 1024 for key in ("VmRSS", "VmHWM")}
 
 

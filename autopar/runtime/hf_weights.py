@@ -84,7 +84,7 @@ class HFCheckpoint:
         self._open: dict[Path, object] = {}
 
     @classmethod
-    def open(cls, path: str | Path) -> "HFCheckpoint":
+    def open(cls, path: str | Path) -> HFCheckpoint:
         files = _weight_files(path)
         entries = {}
         for file in sorted(set(files.values())):
@@ -109,7 +109,7 @@ class HFCheckpoint:
             tries += [n[len(prefix) + 1:] if n.startswith(prefix + ".") else f"{prefix}.{n}" for n in names]
         return next((self.entries[n] for n in tries if n in self.entries), None)
 
-    def match(self, program: "Program") -> dict[str, Entry]:
+    def match(self, program: Program) -> dict[str, Entry]:
         """Parameter -> its tensor; a ``CheckpointError`` listing every one missing or mis-shaped."""
         prefix = getattr(program.model, "base_model_prefix", "") or ""
         found, problems = {}, []

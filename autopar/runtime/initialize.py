@@ -93,9 +93,32 @@ def initialise_modules(model: nn.Module, seed: int, device: torch.device, params
 
 def _make_module(model: nn.Module, path: str, module: nn.Module, seed: int, device: torch.device,
                  params: set[str], buffers: set[str]) -> dict[str, torch.Tensor]:
-    """The module's ``params`` and ``buffers``, made by its initialisation with its own
-    parameters (and meta buffers) fresh on ``device``; the module is left as it was."""
+    """The module's ``params`` and ``buffers`` (full names), made by its initialisation on
+    ``device``; the module is left as it was."""
     prefix = f"{path}." if path else ""
+    wanted = params | buffers
+    shapes = {prefix + n: tuple(t.shape) for n, t in _own(module) if t is not None}
+    steps = init_steps(model, path)
+    with _fresh(module, prefix, device) as fresh, _seeded(seed, device), torch.no_grad():
+        versions = {name: t._version for name, t in fresh.items()}
+        for _, step in steps:
+            step()
+        now = {prefix + n: t for n, t in _own(module)}
+        untouched = [n for n in wanted if now[n] is fresh[n] and now[n]._version == versions[n]]
+        now.update(_rebuilt_buffers(module, prefix, [n for n in untouched if n in buffers], device))
+        untouched = [n for n in untouched if now[n] is fresh[n]]
+        return _checked(path, module, [label for label, _ in steps], {n: now[n] for n in wanted}, shapes, untouched)
+
+
+def _own(module: nn.Module) -> list[tuple[str, torch.Tensor | None]]:
+    """The module's own parameters and buffers, by local name."""
+    return list(module._parameters.items()) + list(module._buffers.items())
+
+
+@contextlib.contextmanager
+def _fresh(module: nn.Module, prefix: str, device: torch.device):
+    """Inside: the module's own parameters and buffers replaced by new tensors on ``device`` (empty;
+    a real buffer copied, so the model's stays untouched), yielded by full name; restored after."""
     saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
     fresh: dict[str, torch.Tensor] = {}
     try:
@@ -104,23 +127,10 @@ def _make_module(model: nn.Module, path: str, module: nn.Module, seed: int, devi
                 fresh[prefix + name] = module._parameters[name] = nn.Parameter(
                     torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
         for name, b in saved_buffers.items():
-            if b is not None:  # the model's real buffers stay untouched: the initialisation writes a copy
-                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device) if b.is_meta \
-                    else b.clone()
-                fresh[prefix + name] = module._buffers[name]
-        versions = {name: t._version for name, t in fresh.items()}
-        steps = init_steps(model, path)
-        with _seeded(seed, device), torch.no_grad():
-            for _, step in steps:
-                step()
-            now = {prefix + n: t for n, t in list(module._parameters.items()) + list(module._buffers.items())}
-            untouched = [n for n in params | buffers if now[n] is fresh[n] and now[n]._version == versions[n]]
-            now.update(_rebuilt_buffers(module, prefix, [n for n in untouched if n in buffers], device))
-        untouched = [n for n in untouched if now[n] is fresh[n]]
-        shapes = {prefix + n: tuple(t.shape) for n, t in list(saved_params.items()) + list(saved_buffers.items())
-                  if t is not None}
-        return _checked(path, module, [label for label, _ in steps], {n: now[n] for n in params | buffers},
-                        shapes, untouched)
+            if b is not None:
+                fresh[prefix + name] = module._buffers[name] = \
+                    torch.empty(b.shape, dtype=b.dtype, device=device) if b.is_meta else b.to(device, copy=True)
+        yield fresh
     finally:
         module._parameters.update(saved_params)
         module._buffers.update(saved_buffers)
