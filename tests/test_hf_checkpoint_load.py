@@ -105,7 +105,7 @@ class _Counting:
 def _load_counting(program, path: Path) -> tuple:
     log: list = []
     original = hf_weights.safe_open
-    hf_weights.safe_open = lambda file, framework: _Counting(original(file, framework=framework), log)
+    hf_weights.safe_open = lambda file, **kwargs: _Counting(original(file, **kwargs), log)
     try:
         engine = program.materialize(checkpoint=path)
     finally:

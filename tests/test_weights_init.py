@@ -17,7 +17,8 @@ In this process: ``init_weights`` is reproducible, follows the models'
 distributions (GPT-2's depth-scaled projections included), gives a real model
 the same weights as a meta one; modules with no initialisation, or buffers that
 cannot be rebuilt, are refused by name before any work, and a buffer given in
-``state_dict`` is used.
+``state_dict`` is used; a shard assembled piece by piece (segments, padding)
+is ``local_slice``'s.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ from families import BATCH, SEQ, _hf_gpt2, _hf_llama, batches, train_steps
 from helpers import assert_ranks_match, reference_run, spawn_ranks
 
 import autopar
+from autopar.core.comm import local_slice
+from autopar.core.placement import Shard
 from autopar.reference.models import build
 from autopar.runtime.initialize import module_seed
+from autopar.runtime.shards import assemble, narrow_reader
 
 SEED = 1234
 X = torch.randint(0, 257, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
@@ -307,3 +311,12 @@ def test_what_nothing_can_make_is_refused_by_name_before_any_work():
     assert torch.equal(engine.full_state_dict()["bias_table"], table)
     assert torch.equal(engine.full_state_dict()["out.weight"],
                        autopar.init_weights(_meta(Tiny), SEED).state_dict()["out.weight"])
+
+
+@pytest.mark.parametrize("size,segments,tp", [(12, None, 2), (12, (4, 4, 4), 2), (10, (12,), 4), (7, (4, 4), 2)])
+def test_shards_assembled_piece_by_piece_are_local_slice(size, segments, tp):
+    full = torch.arange(size * 3, dtype=torch.float32).reshape(size, 3)
+    spec = Shard(0, segments)
+    for rank in range(tp):  # segments summing past the size: a padded dimension, zeros after the end
+        got = assemble(narrow_reader(full, spec), tuple(full.shape), spec, rank, tp, torch.float32, full.device)
+        assert torch.equal(got, local_slice(full, rank, tp, 0, segments)), (rank, got)

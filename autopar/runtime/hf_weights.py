@@ -82,9 +82,13 @@ class HFCheckpoint:
         self.root = root
         self.entries = entries
         self._open: dict[Path, object] = {}
+        self._device = torch.device("cpu")
+        """Where reads land (``opened(device)``)."""
 
     @classmethod
     def open(cls, path: str | Path) -> HFCheckpoint:
+        """The checkpoint at ``path`` (a directory, ``model.safetensors`` or its index), from the
+        headers of its files; a missing file is an error."""
         files = _weight_files(path)
         entries = {}
         for file in sorted(set(files.values())):
@@ -144,8 +148,10 @@ class HFCheckpoint:
 
     # ---------------------------------------------------------------- reads
     @contextlib.contextmanager
-    def opened(self):
-        """Keep the files open while reading (each opened once, on first use)."""
+    def opened(self, device: torch.device):
+        """Keep the files open while reading (each opened once, on first use), reads landing on
+        ``device`` (safetensors copies each slice there)."""
+        self._device = device
         try:
             yield self
         finally:
@@ -153,7 +159,7 @@ class HFCheckpoint:
 
     def _file(self, entry: Entry):
         if entry.file not in self._open:
-            self._open[entry.file] = safe_open(str(entry.file), framework="pt")
+            self._open[entry.file] = safe_open(str(entry.file), framework="pt", device=str(self._device))
         return self._open[entry.file]
 
     def read(self, entry: Entry, dtype: torch.dtype) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 
 from autopar.core.placement import Replicate, Shard
 
-__all__ = ["Piece", "shard_pieces", "assemble", "narrow_reader"]
+__all__ = ["Piece", "Reader", "shard_pieces", "assemble", "narrow_reader"]
 
 Reader = Callable[[int, int], torch.Tensor]
 """``read(start, stop)``: rows ``[start, stop)`` of the full tensor along the sharded dim

@@ -33,7 +33,7 @@ from autopar.compiler.program import Program
 from autopar.runtime.hf_weights import Entry, HFCheckpoint
 from autopar.runtime.initialize import initialise_modules
 from autopar.runtime.module_init import check_initialisable
-from autopar.runtime.shards import assemble, narrow_reader
+from autopar.runtime.shards import Reader, assemble, narrow_reader
 
 __all__ = ["WeightPlan", "plan_weights"]
 
@@ -57,25 +57,33 @@ class WeightPlan:
     def load(self, stage: int, tp_rank: int, device: torch.device, seed: int
              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(this rank's parameter shards in the program's order, the graph's buffers), on ``device``."""
-        program = self.program
-        held = [n for n in program.param_names if stage in program.param_stages[n]]
-        local = {n: self._shard(n, narrow_reader(self.given[n].detach(), program.param_spec(n)),
-                                self.given[n].dtype, tp_rank, device) for n in held if n in self.given}
+        held = [n for n in self.program.param_names if stage in self.program.param_stages[n]]
+        local: dict[str, torch.Tensor] = {}
         buffers = {n: b.detach().to(device, copy=True) for n, b in self.given_buffers.items()}
+        for n in held:
+            if n in self.given:
+                local[n] = self._shard(n, narrow_reader(self.given[n].detach(), self.program.param_spec(n)),
+                                       self.given[n].dtype, tp_rank, device)
         if self.checkpoint is not None:
-            with self.checkpoint.opened() as ckpt:
-                for n in (n for n in held if n in self.entries):
-                    dtype = program.model.get_parameter(n).dtype
-                    local[n] = self._shard(n, ckpt.reader(self.entries[n], program.param_spec(n), dtype), dtype,
-                                           tp_rank, device)
-                for n, entry in self.checkpoint_buffers.items():
-                    buffers[n] = ckpt.read(entry, program.model.get_buffer(n).dtype).to(device)
+            self._read_checkpoint([n for n in held if n in self.entries], local, buffers, tp_rank, device)
         params = self.init_params & set(held)
         if params or self.init_buffers:
-            for made in initialise_modules(program.model, seed, device, params, self.init_buffers):
+            for made in initialise_modules(self.program.model, seed, device, params, self.init_buffers):
                 self._keep(made, params, local, buffers, tp_rank, device)
                 made = None  # the module's full tensors go before the next module's are made
         return {n: local[n] for n in held}, buffers
+
+    def _read_checkpoint(self, names: list[str], local: dict, buffers: dict, tp_rank: int,
+                         device: torch.device) -> None:
+        """This rank's slices of ``names`` and the checkpoint's buffers, in the model's dtypes."""
+        model = self.program.model
+        with self.checkpoint.opened(device) as ckpt:
+            for n in names:
+                dtype = model.get_parameter(n).dtype
+                read = ckpt.reader(self.entries[n], self.program.param_spec(n), dtype)
+                local[n] = self._shard(n, read, dtype, tp_rank, device)
+            for n, entry in self.checkpoint_buffers.items():
+                buffers[n] = ckpt.read(entry, model.get_buffer(n).dtype).to(device)
 
     def _keep(self, made: dict[str, torch.Tensor], params: set[str], local: dict, buffers: dict, tp_rank: int,
               device: torch.device) -> None:
@@ -87,7 +95,9 @@ class WeightPlan:
             else:
                 buffers[n] = value
 
-    def _shard(self, name: str, read, dtype: torch.dtype, tp_rank: int, device: torch.device) -> torch.Tensor:
+    def _shard(self, name: str, read: Reader, dtype: torch.dtype, tp_rank: int,
+               device: torch.device) -> torch.Tensor:
+        """This rank's shard of parameter ``name`` from ``read``, as ``dtype`` on ``device``."""
         program = self.program
         return assemble(read, program.full_shape(name), program.param_spec(name), tp_rank, program.tp, dtype,
                         device)
