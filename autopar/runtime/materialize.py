@@ -11,7 +11,7 @@ tensors only), else the full weights' device. The engine computes there.
 The weights come from a ``state_dict``, a HuggingFace safetensors
 ``checkpoint`` read slice by slice, the model's own parameters, or, for a
 model on the meta device, its own initialisation made one module at a time
-(``weight_plan`` decides and checks, before any collective); with no full
+(``weight_plan`` decides and checks, before any other work); with no full
 weights given, the rank's device is the CPU (the GPU under NCCL). The base
 seed of that initialisation is rank 0's (``seed``, or its
 ``torch.initial_seed()``), so every layout makes the same full weights as
@@ -47,7 +47,6 @@ def materialize(program: Program, state_dict: dict[str, torch.Tensor] | None = N
     read this rank's slices from. Neither, and a model on the meta device: its
     own initialisation, seeded by ``seed`` (default: rank 0's ``torch.initial_seed()``).
     """
-    weights = plan_weights(program, state_dict, checkpoint)
     shape = program.config.mesh
     if shape.world > 1:
         join_from_env()
@@ -55,6 +54,8 @@ def materialize(program: Program, state_dict: dict[str, torch.Tensor] | None = N
     if world != shape.world:
         raise ValueError(f"the program needs tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world} "
                          f"ranks, but {_world_hint(world, shape.world)}")
+    # every rank checks the same inputs, but a file one node lacks fails one rank only: all stop
+    weights = _on_every_rank("checking its weights", lambda: plan_weights(program, state_dict, checkpoint))
     mesh = Mesh.create(shape, sorted(set(program.tied_params.values())))
     device = _device(weights.given.values())
     base_seed = _rank0_seed(seed, device)

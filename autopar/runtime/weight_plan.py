@@ -15,8 +15,9 @@ make); one with some parameters but not all is refused, as is a
 ``state_dict`` of parameters together with a checkpoint.
 
 ``plan_weights`` decides and checks (missing or mis-shaped checkpoint
-tensors, modules with no code to make their values) without any collective,
-so every rank fails alike before the process groups are made.
+tensors, modules with no code to make their values) from the program, the
+model and the checkpoint's headers alone, before any weight is made
+(``materialize`` makes every rank stop when one fails here).
 ``WeightPlan.load`` then makes one rank's shards, each sharded tensor read
 piece by piece (``shards.assemble``), never whole unless made whole by its
 module's initialisation, and freed before the next module's.
