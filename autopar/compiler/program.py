@@ -1,7 +1,8 @@
 """``Program``: everything autopar decided, for all ranks.
 
 Cheap and inspectable without a process group: the traced graph, the
-sharding plan, the rank graph and its chunks, the schedule, and the questions
+sharding plan, the rank graph and its chunks (and their evaluation graphs),
+the training schedule and its forward-only form, and the questions
 a user asks of them (``summary``, ``code``, ``local_shapes``,
 ``collectives``, ...). ``materialize`` builds one rank's engine.
 """
@@ -67,6 +68,13 @@ def _module_code(module: nn.Module) -> str:
     return text
 
 
+def _eval_code(chunk) -> str:
+    """A chunk's evaluation graph, what changed from its training graph listed above it."""
+    changes = chunk.eval_notes or ("nothing: the chunk has no training-mode behaviour",)
+    header = "".join(f"\n# eval: {line}" for line in changes)
+    return f"{header}{chunk.eval_gm.code}"
+
+
 @dataclass(frozen=True, eq=False)
 class Program:
     """Everything autopar decided, for all ranks; built whole by ``compile_program``, then frozen.
@@ -86,7 +94,9 @@ class Program:
     split: PipelineSplit
     """The chunk graphs (p*v of them; one when pp == 1), recomputation applied."""
     schedule: Schedule
-    """The lowered, validated schedule every rank interprets."""
+    """The lowered, validated schedule every rank interprets in a training step."""
+    eval_schedule: Schedule
+    """Its forward-only form (``schedules.forward_only``), lowered and validated: an evaluation step."""
     param_names: tuple[str, ...]
     """Every parameter, in graph order (canonical names)."""
     param_stages: dict[str, tuple[int, ...]]
@@ -253,8 +263,11 @@ class Program:
         return [(name, self.plan.decisions[name].reason, source_line(nodes[name]))
                 for name in self.plan.fallbacks]
 
-    def code(self, rank: int = 0, chunk: int | None = None) -> str:
-        """The generated program of one rank (its chunks, or one of them), shard ranges as a header."""
+    def code(self, rank: int = 0, chunk: int | None = None, eval: bool = False) -> str:
+        """The generated program of one rank (its chunks, or one of them), shard ranges as a header.
+
+        ``eval=True``: the graphs an evaluation step runs (``engine.eval_step``), each chunk's
+        changes from its training graph listed above it."""
         shape = self.config.mesh
         if not 0 <= rank < shape.world:
             raise ValueError(f"rank {rank} is outside the mesh of {shape.world} ranks (tp={shape.tp}, "
@@ -291,7 +304,10 @@ class Program:
         body = []
         for c in chunks:
             layers = f"layers {c.layers[0]}-{c.layers[-1]}" if c.layers else "no layers"
-            body.append(f"# ---- chunk {c.index} ({layers}) ----{_module_code(c.module)}")
+            if eval:
+                body.append(f"# ---- chunk {c.index} ({layers}), evaluation ----{_eval_code(c)}")
+            else:
+                body.append(f"# ---- chunk {c.index} ({layers}) ----{_module_code(c.module)}")
         return "\n".join(lines) + "\n" + "\n".join(body)
 
     def summary(self) -> str:

@@ -46,8 +46,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(ranks_per_node: int = 1) -> str:
+    """NCCL when this node has a GPU for each of its ranks, else gloo (NCCL refuses two ranks on one GPU)."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks_per_node else "gloo"
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
@@ -128,7 +129,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
         finally:
             dist.destroy_process_group()
         return [out]
-    backend = backend or default_backend()
+    backend = backend or default_backend(nprocs)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
