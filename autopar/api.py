@@ -15,6 +15,7 @@ Nothing here needs a process group except ``materialize``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,14 +43,21 @@ __all__ = ["parallelize", "plan", "ParallelProgram", "ParallelConfig", "lm_cross
 class ParallelProgram(Program):
     """A compiled program that can be run: ``materialize()`` builds this rank's engine."""
 
-    def materialize(self, state_dict: dict[str, torch.Tensor] | None = None) -> RankEngine:
+    def materialize(self, state_dict: dict[str, torch.Tensor] | None = None, checkpoint: str | Path | None = None,
+                    seed: int | None = None) -> RankEngine:
         """Build this rank's engine: its mesh groups and the local shards of its chunks' parameters.
 
         Collective: every rank of the world calls it (the groups are created
-        here). ``state_dict``: full weights to use instead of the model's
-        (needed for a meta-device model).
+        here). ``state_dict``: full weights to use instead of the model's (or
+        only buffers a meta-device model cannot make). ``checkpoint``: a
+        HuggingFace safetensors checkpoint (directory, ``model.safetensors``
+        or its sharded index) read slice by slice, only this rank's. With
+        neither, a model on the meta device is made by its own
+        initialisation, seeded by ``seed`` (default: rank 0's
+        ``torch.initial_seed()``): the same full weights for every layout, and
+        as ``autopar.init_weights(model, seed)`` on one device.
         """
-        return materialize(self, state_dict)
+        return materialize(self, state_dict, checkpoint, seed)
 
 
 def parallelize(
