@@ -20,9 +20,11 @@ __all__ = [
     "RecomputeError",
     "TraceError",
     "RankError",
-    "CheckpointError",
     "spawn",
     "lm_cross_entropy",
+    "init_weights",
+    "InitError",
+    "CheckpointError",
 ]
 
 _WHERE = {
@@ -37,15 +39,19 @@ _WHERE = {
     "lm_cross_entropy": "autopar.compiler.trace",
     "RankError": "autopar.runtime.launch",
     "spawn": "autopar.runtime.launch",
-    "CheckpointError": "autopar.runtime.checkpoint_files",
+    "init_weights": "autopar.runtime.initialize",
+    "InitError": "autopar.runtime.module_init",
+    "CheckpointError": "autopar.runtime.hf_weights",
 }
 
 if TYPE_CHECKING:
     from autopar.api import ParallelProgram, parallelize, plan
     from autopar.compiler.trace import TraceError, lm_cross_entropy
     from autopar.core.config import ParallelConfig
-    from autopar.runtime.checkpoint_files import CheckpointError
+    from autopar.runtime.hf_weights import CheckpointError
+    from autopar.runtime.initialize import init_weights
     from autopar.runtime.launch import RankError, spawn
+    from autopar.runtime.module_init import InitError
     from passes.pipeline_split import PipelineError
     from passes.recompute import RecomputeError
     from passes.sharding import ShardingError

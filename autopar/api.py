@@ -15,6 +15,7 @@ Nothing here needs a process group except ``materialize``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from autopar.core.config import ParallelConfig
 from autopar.planning.layout import Cluster, Layout
 from autopar.planning.planner import Plan, SearchSpace, search
 from autopar.runtime.engine import RankEngine
+from autopar.runtime.launch import launched_world
 from autopar.runtime.materialize import materialize
 from passes.pipeline_split import PipelineError
 from passes.sharding import ShardingError
@@ -41,14 +43,21 @@ __all__ = ["parallelize", "plan", "ParallelProgram", "ParallelConfig", "lm_cross
 class ParallelProgram(Program):
     """A compiled program that can be run: ``materialize()`` builds this rank's engine."""
 
-    def materialize(self, state_dict: dict[str, torch.Tensor] | None = None) -> RankEngine:
+    def materialize(self, state_dict: dict[str, torch.Tensor] | None = None, checkpoint: str | Path | None = None,
+                    seed: int | None = None) -> RankEngine:
         """Build this rank's engine: its mesh groups and the local shards of its chunks' parameters.
 
         Collective: every rank of the world calls it (the groups are created
-        here). ``state_dict``: full weights to use instead of the model's
-        (needed for a meta-device model).
+        here). ``state_dict``: full weights to use instead of the model's (or
+        only buffers a meta-device model cannot make). ``checkpoint``: a
+        HuggingFace safetensors checkpoint (directory, ``model.safetensors``
+        or its sharded index) read slice by slice, only this rank's. With
+        neither, a model on the meta device is made by its own
+        initialisation, seeded by ``seed`` (default: rank 0's
+        ``torch.initial_seed()``): the same full weights for every layout, and
+        as ``autopar.init_weights(model, seed)`` on one device.
         """
-        return materialize(self, state_dict)
+        return materialize(self, state_dict, checkpoint, seed)
 
 
 def parallelize(
@@ -81,8 +90,8 @@ def parallelize(
     """
     if example_inputs is None:
         raise ValueError("parallelize() needs example_inputs: one microbatch with the real shapes")
-    if world_size is None and dist.is_initialized():
-        world_size = dist.get_world_size()
+    if world_size is None:  # the world this process runs in: its group's, or the one a launcher started
+        world_size = dist.get_world_size() if dist.is_initialized() else launched_world()
     config = ParallelConfig(
         tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches or pp,
         schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,

@@ -8,6 +8,7 @@
     autopar simulate --model gpt-76b --gpus 1024 --batch 1792 --tp 8 --pp 4 --vp 3 --micro-batch 2 --svg step.svg
     autopar simulate --pp 4 --vp 2 --microbatches 8         # unit costs (F = 1, B = 2)
     autopar simulate ... --eager     # draw the planner's eager-send model instead of the lowered schedule
+    autopar export checkpoints/ --to-hf hf-model/   # a saved checkpoint as a HuggingFace directory
 
 ``--recompute`` takes 'layer' (Megatron's "full" recomputation; 'full' is accepted as an
 alias), 'none' or 'any' (the default: try both).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import replace
 
@@ -111,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, help="stop all ranks after this many seconds")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
+    exp = sub.add_parser("export", help="convert a saved autopar checkpoint to a HuggingFace directory")
+    exp.add_argument("checkpoint", help="a checkpoint root (the step its 'latest' file names) or one step directory")
+    exp.add_argument("--to-hf", required=True, metavar="DIR",
+                     help="the directory to write: safetensors, their index, config.json (from_pretrained loads it)")
+    exp.add_argument("--max-shard-size", default="5GB",
+                     help="largest weight file, e.g. 5GB, 500MB, 2GiB or bytes (a larger tensor gets a file alone)")
     return ap
 
 
@@ -375,6 +383,29 @@ def _simulate_model(args: argparse.Namespace, spec: ModelSpec,
     return eager, lowered, title, "s", notes
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _size_bytes(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a number of bytes, as bytes (HuggingFace's units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"--max-shard-size {text!r} is not a size: give e.g. 5GB, 500MB, 2GiB or a number of bytes")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _cmd_export(args: argparse.Namespace, console: Console) -> int:
+    """``autopar export CKPT --to-hf DIR``: one line per file written."""
+    from autopar.runtime.export_checkpoint import export_checkpoint  # noqa: PLC0415  (loads torch's DCP)
+
+    written = export_checkpoint(args.checkpoint, args.to_hf, _size_bytes(args.max_shard_size),
+                                progress=lambda line: console.print(line, highlight=False))
+    console.print(f"wrote {len(written)} file(s) to {args.to_hf}: {', '.join(written)}", highlight=False)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
@@ -389,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
             from autopar.runtime.launch import run_script
 
             return run_script(args.nproc, args.script, args.script_args, args.timeout)
+        if args.command == "export":
+            return _cmd_export(args, console)
     except ValueError as e:
         console.print(f"[red]autopar {args.command}: {e}[/red]", highlight=False)
         return 2

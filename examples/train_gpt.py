@@ -1,13 +1,21 @@
-"""The main job: train a small GPT with 3D parallelism on local CPU ranks.
+"""The main job: train a small GPT with 3D parallelism on local CPU ranks, the whole life of a run.
 
     python examples/train_gpt.py                 # 8 ranks: tp=2 x pp=2 (interleaved, v=2) x dp=2
+    python examples/train_gpt.py --resume        # continue from the newest checkpoint, exactly
     python examples/train_gpt.py --tp 2 --pp 1 --dp 1 --steps 100
     autopar run --nproc 8 examples/train_gpt.py  # or torchrun --nproc-per-node 8 examples/train_gpt.py
 
 The model is compiled first (bad layouts fail here, before any process
-starts) and its plan printed; the ranks train on the repository's own text
-with a progress bar; at the end the first steps are checked against
-single-device training: same losses, same gradients.
+starts) and its plan printed. Each data-parallel replica reads its own batches
+of the training text (a DistributedSampler set up from engine.dp_rank and
+engine.dp_size); every --eval-every steps the model is evaluated on held-out
+text; every --save-every steps a checkpoint is saved asynchronously (training
+goes on while the files are written; it becomes ``latest`` once every rank has
+finished). --resume continues from the newest complete checkpoint: parameters,
+AdamW moments, learning-rate schedule, random streams and data position, so
+the losses are those of an uninterrupted run. A run from step 0 checks its
+first step against single-device training (same loss, same gradients). The
+last line reports the final training loss, the one the progress bar shows.
 """
 
 from __future__ import annotations
@@ -15,17 +23,21 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import time
+from pathlib import Path
 
 import torch
+from torch.utils.data import DistributedSampler
 
 import autopar
-from autopar.reference.data import CorpusBatches
+from autopar.reference.data import CorpusWindows
 from autopar.reference.models import ModelConfig, build
 from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
 
 CFG = ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128, dropout=0.0)
-CHECK_STEPS = 3
+EVAL_BATCHES = 2
+"""Held-out batches per evaluation (per replica)."""
 
 
 def make_model() -> torch.nn.Module:
@@ -42,48 +54,94 @@ def lr_factor(step: int, steps: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+class ReplicaData:
+    """One data-parallel replica's batches: a DistributedSampler over the corpus windows, reshuffled each
+    epoch. ``batch(step)`` is a pure function of the step, so a resumed run reads what it would have."""
+
+    def __init__(self, split: str, rows: int, dp_size: int, dp_rank: int, shuffle: bool = True):
+        self.data = CorpusWindows(CFG.seq_len, split)
+        self.sampler = DistributedSampler(self.data, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=0)
+        self.rows = rows
+        self.per_epoch = len(self.sampler) // rows
+
+    def position(self, step: int) -> dict:
+        """Where step ``step`` reads: the epoch and the batch within it (saved with checkpoints)."""
+        return {"epoch": step // self.per_epoch, "batch": step % self.per_epoch}
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        at = self.position(step)
+        self.sampler.set_epoch(at["epoch"])
+        indices = list(self.sampler)[at["batch"] * self.rows: (at["batch"] + 1) * self.rows]
+        xs, ys = zip(*(self.data[i] for i in indices))
+        return torch.stack(xs), torch.stack(ys)
+
+
 def compile_program(args, world_size=None) -> autopar.ParallelProgram:
-    x, y = CorpusBatches(args.micro_batch, CFG.seq_len).next()
+    x, y = ReplicaData("train", args.micro_batch, 1, 0).batch(0)
     return autopar.parallelize(make_model(), tp=args.tp, pp=args.pp, dp=args.dp, virtual_stages=args.vp,
                                microbatches=args.microbatches, recompute=args.recompute, precision=args.precision,
                                example_inputs=(x,), example_targets=y, world_size=world_size)
 
 
-def global_batches(args, steps: int):
-    data = CorpusBatches(args.micro_batch * args.microbatches * args.dp, CFG.seq_len, seed=0)
-    return [data.next() for _ in range(steps)]
+def global_batch(args, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every replica's batch of ``step``, in replica order: what one device would train on."""
+    parts = [ReplicaData("train", args.micro_batch * args.microbatches, args.dp, r).batch(step) for r in range(args.dp)]
+    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+
+def evaluate(engine, heldout: ReplicaData) -> float:
+    return statistics.mean(engine.eval_step(*heldout.batch(i)) for i in range(EVAL_BATCHES))
+
+
+def _bar(main: bool):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = [TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+               TextColumn("loss {task.fields[loss]:.3f}  eval {task.fields[eval]:.3f}  "
+                          "{task.fields[tps]:.0f} tokens/s"), TimeRemainingColumn()]
+    return Progress(*columns, disable=not main, transient=False)
 
 
 def train(args):
     import torch.distributed as dist
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    program = compile_program(args)
-    engine = program.materialize()
+    engine = compile_program(args).materialize()
     opt = torch.optim.AdamW(engine.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, args.steps))
-    losses, grads, times = [], [], []
-    main = dist.get_rank() == 0
-    columns = [TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-               TextColumn("loss {task.fields[loss]:.3f}  {task.fields[ms]:.0f} ms/step"), TimeRemainingColumn()]
-    with Progress(*columns, disable=not main, transient=False) as bar:
-        task = bar.add_task("train", total=args.steps, loss=float("nan"), ms=0.0)
-        for step, (x, y) in enumerate(global_batches(args, args.steps)):
+    rows = args.micro_batch * args.microbatches  # this replica's sequences per step
+    data = ReplicaData("train", rows, engine.dp_size, engine.dp_rank)
+    heldout = ReplicaData("heldout", rows, engine.dp_size, engine.dp_rank, shuffle=False)
+    start, root = 0, Path(args.ckpt_dir)
+    if args.resume and (root / "latest").exists():
+        start, _ = engine.load(str(root), opt, sched)
+    out = {"start": start, "losses": [], "evals": [], "times": [], "grads": None}
+    stop, pending, eval_loss = min(args.steps, args.stop_at or args.steps), None, float("nan")
+    tokens = rows * engine.dp_size * CFG.seq_len
+    with _bar(dist.get_rank() == 0) as bar:
+        task = bar.add_task("train", total=args.steps, completed=start, loss=float("nan"), eval=eval_loss, tps=0.0)
+        for step in range(start, stop):
             t0 = time.perf_counter()
-            losses.append(engine.train_step(x, y))
-            norm = engine.clip_grad_norm_(args.clip)
-            if step < CHECK_STEPS:
-                grads.append(engine.full_grads())
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t0)
-            bar.update(task, advance=1, loss=losses[-1], ms=times[-1] * 1e3)
-            del norm
-    return losses, grads, sorted(times)[len(times) // 2], dict(engine.stats["bytes_sent"])
+            out["losses"].append(engine.train_step(*data.batch(step)))
+            engine.clip_grad_norm_(args.clip)
+            if step == 0:
+                out["grads"] = engine.full_grads()
+            opt.step(), sched.step(), opt.zero_grad()
+            out["times"].append(time.perf_counter() - t0)
+            if (step + 1) % args.eval_every == 0 or step + 1 == stop:
+                eval_loss = evaluate(engine, heldout)
+                out["evals"].append((step + 1, eval_loss))
+            if (step + 1) % args.save_every == 0 or step + 1 == stop:
+                if pending is not None:
+                    pending.wait()
+                pending = engine.save(str(root), opt, step=step + 1, scheduler=sched,
+                                      extra={"data": data.position(step + 1)}, async_save=True)
+            bar.update(task, advance=1, loss=out["losses"][-1], eval=eval_loss, tps=tokens / out["times"][-1])
+    if pending is not None:
+        pending.wait()
+    return out
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
@@ -96,37 +154,60 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--recompute", default="none", choices=["none", "layer", "chunk"])
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--eval-every", type=int, default=20, help="evaluate on held-out text every N steps")
+    ap.add_argument("--save-every", type=int, default=20, help="save a checkpoint every N steps (asynchronously)")
+    ap.add_argument("--ckpt-dir", default="runs/train_gpt", help="where checkpoints go (step-N/ and latest)")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
+    ap.add_argument("--stop-at", type=int, default=None,
+                    help="stop after this step, as an interrupted run would (the schedule still spans --steps)")
     args = ap.parse_args()
     if args.pp == 1:
         args.vp = 1
+    return args
+
+
+def check_parity(args, out) -> None:
+    """Step 0 against single-device training on every replica's batch: the same loss and gradients."""
+    x, y = global_batch(args, 0)
+    first_lr = args.lr * lr_factor(0, args.steps)  # the schedule's lr at step 0
+    optimizer = lambda ps: torch.optim.AdamW(ps, lr=first_lr, weight_decay=0.01)  # noqa: E731
+    ref_losses, ref_grads = single_device_run(make_model(), [((x,), (y,))], autopar.lm_cross_entropy,
+                                              optimizer=optimizer, clip_grad_norm=args.clip,
+                                              precision=args.precision)
+    tol = FP32_TOLERANCE if args.precision == "fp32" else {"rtol": 2e-2, "atol": 1e-3, "rel_norm": 5e-2}
+    assert_parity(ref_losses, ref_grads[0], out["losses"][:1], out["grads"], label="step 0", **tol)
+    print(f"parity: step 0's loss ({ref_losses[0]:.6f}) and all {len(ref_grads[0])} gradients match "
+          f"single-device training (rtol {tol['rtol']:g}, atol {tol['atol']:g})")
+
+
+def main() -> None:
+    args = _args()
     world = args.tp * args.pp * args.dp
     launched = "RANK" in os.environ  # under torchrun / autopar run this process is one rank
     is_main = os.environ.get("RANK", "0") == "0"
-
     program = compile_program(args, world_size=world)
     if is_main:
         print(program.summary())
         print(program.schedule)
         tokens = args.micro_batch * args.microbatches * args.dp * CFG.seq_len
         print(f"\ntraining on {world} {'ranks' if launched else 'local CPU ranks (gloo)'}: "
-              f"{args.steps} steps of {tokens} tokens")
-    results = autopar.spawn(train, world, (args,))
+              f"{args.steps} steps of {tokens} tokens; checkpoints in {args.ckpt_dir}")
+    out = autopar.spawn(train, world, (args,))[0]
     if not is_main:
         return
-    losses, grads, median, sent = results[0]
-    print(f"loss {losses[0]:.3f} -> {min(losses[-5:]):.3f} over {args.steps} steps; "
-          f"median step {median * 1e3:.0f} ms; rank 0 sent {sum(sent.values()) / 2**20:.2f} MiB per step")
-
-    batches = [((x,), (y,)) for x, y in global_batches(args, CHECK_STEPS)]
-    first_lr = args.lr * lr_factor(0, args.steps)  # the schedule's lr at step 0
-    optimizer = lambda ps: torch.optim.AdamW(ps, lr=first_lr, weight_decay=0.01)  # noqa: E731
-    ref_losses, ref_grads = single_device_run(make_model(), batches[:1], autopar.lm_cross_entropy,
-                                              optimizer=optimizer, clip_grad_norm=args.clip,
-                                              precision=args.precision)
-    tol = FP32_TOLERANCE if args.precision == "fp32" else {"rtol": 2e-2, "atol": 1e-3, "rel_norm": 5e-2}
-    assert_parity(ref_losses, ref_grads[0], losses[:1], grads[0], label="step 0", **tol)
-    print(f"parity: step 0's loss ({ref_losses[0]:.6f}) and all {len(ref_grads[0])} gradients match "
-          f"single-device training (rtol {tol['rtol']:g}, atol {tol['atol']:g})")
+    if out["start"]:
+        print(f"resumed from {args.ckpt_dir} at step {out['start']}")
+    if out["grads"] is not None:
+        check_parity(args, out)
+    if not out["losses"]:
+        print(f"nothing to do: the checkpoint is at step {out['start']} of {args.steps}")
+        return
+    tokens = args.micro_batch * args.microbatches * args.dp * CFG.seq_len
+    median = statistics.median(out["times"])
+    evals = ", ".join(f"{loss:.3f} (step {s})" for s, loss in out["evals"])
+    print(f"held-out loss: {evals}")
+    print(f"final loss {out['losses'][-1]:.3f} at step {out['start'] + len(out['losses'])} "
+          f"(first {out['losses'][0]:.3f}); median step {median * 1e3:.0f} ms, {tokens / median:.0f} tokens/s")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ from autopar.core.graph import TracedModel, module_path, source_line
 from autopar.core.placement import Replicate, Shard
 from passes.rules import Ctx, Decision, NeedSegments, decide, linear_parts, out_features, weight_of
 from passes.rules.context import operand
+from passes.tp_degrees import model_splits, tp_error
 
-__all__ = ["ShardingPlan", "ShardingError", "Rejected", "analyze_sharding"]
+__all__ = ["ShardingPlan", "ShardingError", "Rejected", "analyze_sharding", "ideal_decisions"]
 
 
 class ShardingError(ValueError):
@@ -65,11 +66,20 @@ class ShardingPlan:
 class _State:
     """Placements of all nodes, updated incrementally when a candidate is tried."""
 
-    def __init__(self, gm: fx.GraphModule, ctx: Ctx):
+    def __init__(self, gm: fx.GraphModule, ctx: Ctx, must_split: set[str] | None = None):
         self.ctx = ctx
         self.nodes = list(gm.graph.nodes)
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self.dec: dict[fx.Node, Decision] = {}
+        self.must_split = must_split
+        """Linears whose divisibility errors are raised (None: all); any other is left whole instead."""
+
+    def reject(self, members: list[fx.Node], reason: str, errors: list[str], rejected: list[Rejected]) -> None:
+        """``members`` stay whole for ``reason``; a divisibility error is raised instead when one of
+        them must be split (``must_split``)."""
+        if errors and (self.must_split is None or any(m.name in self.must_split for m in members)):
+            raise ShardingError(errors[0])
+        rejected.extend(Rejected(m.name, module_path(m), reason) for m in members)
 
     def placement_of(self, n: fx.Node):
         d = self.dec.get(n)
@@ -149,20 +159,54 @@ def _describe(ctx: Ctx, node: fx.Node) -> str:
 
 
 def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
-    """Decide the tensor-parallel placement of every value and parameter for ``tp`` ranks."""
-    gm = traced.gm
-    ctx = Ctx.build(traced, tp)
-    state = _State(gm, ctx)
-    state.run_all()
+    """Decide the tensor-parallel placement of every value and parameter for ``tp`` ranks.
+
+    When the trials fail or leave a linear whole, the plan the model's structure allows
+    (``ideal_decisions``) says whether ``tp`` is to blame: a ``tp`` that does not divide a
+    dimension that plan splits (heads, key/value heads, an MLP width) fails, naming those
+    dimensions and the degrees that work for the whole model (``passes/tp_degrees.py``). A
+    divisibility error in a region that plan leaves whole at every degree only leaves it whole.
+    """
     if tp == 1:
+        ctx = Ctx.build(traced, tp)
+        state = _State(traced.gm, ctx)
+        state.run_all()
         return _finish(traced, ctx, state, [])
+    ctx = Ctx.build(traced, tp)
+    try:
+        state, rejected = _run_trials(traced, ctx)
+    except ShardingError:
+        state, rejected = None, []
+    if state is None or rejected:
+        ideal = ideal_decisions(traced)
+        splits = model_splits(ideal)
+        if splits.failing(tp):
+            raise ShardingError(tp_error(splits, tp, traced.model_name)) from None
+        if state is None:
+            ctx = Ctx.build(traced, tp)
+            state, rejected = _run_trials(traced, ctx, {n.name for n, d in ideal.items() if d.kind == "column"})
+    _unsplit_tables_read_whole(state, ctx, rejected)
+    return _finish(traced, ctx, state, rejected)
+
+
+def ideal_decisions(traced: TracedModel) -> dict[fx.Node, Decision]:
+    """The decisions of the analysis when every divisibility holds (t = 1, vocabulary split):
+    the plan the model's structure allows, whose split sizes any degree must divide."""
+    state, _ = _run_trials(traced, Ctx.build(traced, 1, split_vocabulary=True), must_split=set())
+    return dict(state.dec)
+
+
+def _run_trials(traced: TracedModel, ctx: Ctx, must_split: set[str] | None = None) -> tuple[_State, list[Rejected]]:
+    """Every candidate linear tried column-parallel (with those it goes with), in graph order;
+    a divisibility error raised for the linears in ``must_split`` (None: any)."""
+    state = _State(traced.gm, ctx, must_split)
+    state.run_all()
     rejected: list[Rejected] = []
     tried: set[fx.Node] = set()
     for node in state.nodes:
         if node not in tried and _is_candidate(state, ctx, node):
             _try_group(state, ctx, _group_of(state, ctx, node, tried), rejected)
-    _unsplit_tables_read_whole(state, ctx, rejected)
-    return _finish(traced, ctx, state, rejected)
+    return state, rejected
 
 
 def _group_of(state: _State, ctx: Ctx, node: fx.Node, tried: set[fx.Node]) -> list[fx.Node]:
@@ -201,11 +245,8 @@ def _try_group(state: _State, ctx: Ctx, group: list[fx.Node], rejected: list[Rej
     for unit in units.values():
         if 1 < len(unit) < len(group) and all(_is_candidate(state, ctx, m) for m in unit):
             ok, reason, errors = _try_column(state, ctx, unit)
-            if ok:
-                continue
-            if errors:
-                raise ShardingError(errors[0])
-            rejected.extend(Rejected(m.name, module_path(m), reason) for m in unit)
+            if not ok:
+                state.reject(unit, reason, errors, rejected)
             continue
         _try_one_by_one(state, ctx, unit, rejected)
 
@@ -230,10 +271,8 @@ def _try_one_by_one(state: _State, ctx: Ctx, members: list[fx.Node], rejected: l
         if not _is_candidate(state, ctx, member):
             continue
         ok, reason, errors = _try_column(state, ctx, [member])
-        if errors and not ok:
-            raise ShardingError(errors[0])
         if not ok:
-            rejected.append(Rejected(member.name, module_path(member), reason))
+            state.reject([member], reason, errors, rejected)
 
 
 def _is_candidate(state: _State, ctx: Ctx, node: fx.Node) -> bool:
@@ -339,7 +378,7 @@ class _ColumnTrial:
         output (not of a slice of it) and each divides by t."""
         origin = next((m for m in self.group if m.name == need.origin), None)
         whole = origin is not None and sum(need.sizes) == out_features(self.ctx, origin)
-        if whole and self.segments[origin] is None and all(s % self.ctx.tp == 0 for s in need.sizes):
+        if whole and self.segments[origin] is None and all(self.ctx.divides(s) for s in need.sizes):
             self.segments[origin] = tuple(need.sizes)
             self.pending_error = self.pending_error or need.error
             return True

@@ -88,8 +88,10 @@ def test_schedule_is_shown_and_validated(monkeypatch):
     monkeypatch.setattr(compile_module, "validate", spy)
     model, _ = make("nanogpt", layers=4)
     program = _program(model, pp=2, virtual_stages=2, microbatches=4)
-    # validated once, and what was validated is what the program runs: lowered, with its sends and receives
-    assert len(checked) == 1 and checked[0] is program.schedule and program.schedule.is_lowered
+    # each schedule validated once, and what was validated is what the program runs: the training
+    # schedule and its forward-only form, lowered, with their sends and receives
+    assert len(checked) == 2 and checked[0] is program.schedule and checked[1] is program.eval_schedule
+    assert program.schedule.is_lowered and program.eval_schedule.is_lowered
     grid = str(program.schedule)
     assert grid.startswith("interleaved p=2 v=2 m=4") and "stage 1:" in grid
     assert "layers per chunk" in program.summary()
@@ -99,6 +101,8 @@ def test_schedule_is_shown_and_validated(monkeypatch):
 
     def backward_first(schedule):
         lowered = lower(schedule)
+        if schedule.forward_only:  # the evaluation schedule has no backward to move
+            return lowered
         first = lowered.actions[0]
         b = next(i for i, a in enumerate(first) if (a.kind, a.chunk, a.microbatch) == (Kind.B, 0, 0))
         return dataclasses.replace(lowered, actions={**lowered.actions, 0: [first[b]] + first[:b] + first[b + 1:]})
@@ -106,7 +110,7 @@ def test_schedule_is_shown_and_validated(monkeypatch):
     monkeypatch.setattr(compile_module, "lower", backward_first)
     with pytest.raises(ScheduleError, match=r"(?s)B0\.0.*F0\.0"):
         _program(model, pp=2, virtual_stages=2, microbatches=4)
-    assert len(checked) == 2 and str(checked[1].actions[0][0]) == "B0.0"
+    assert len(checked) == 3 and str(checked[2].actions[0][0]) == "B0.0"
 
 
 def test_fewer_layers_than_chunks():
@@ -129,7 +133,7 @@ def test_fewer_microbatches_than_stages():
 
 def test_world_size_must_match_the_mesh():
     model, _ = make("nanogpt", layers=4)
-    with pytest.raises(ValueError, match=r"tp\(2\) \* pp\(2\) \* dp\(3\) = 12, but the world size is 8"):
+    with pytest.raises(ValueError, match=r"tp=2 x pp=2 x dp=3 needs 12 ranks, the world has 8\. Fix: dp=2"):
         _program(model, tp=2, pp=2, dp=3, microbatches=2, world_size=8)
 
 

@@ -11,7 +11,9 @@ none patches the program afterwards:
     annotate_local_shapes  one rank's shapes in meta["local_val"]        compiler/local_shapes.py
     split_pipeline         p*v cost-balanced chunks                      passes/pipeline_split.py
     recompute              checkpointed regions in each chunk            passes/recompute.py
-    schedule               generated, lowered, validated                 schedules/
+    eval_mode              each chunk's evaluation graph (no dropout)    passes/eval_mode.py
+    schedule               training and forward-only (evaluation)        schedules/
+                           schedules, generated, lowered, validated
 
 Nothing here needs a process group.
 """
@@ -31,7 +33,8 @@ from autopar.compiler.trace import trace
 from autopar.core.chunks import PipelineSplit
 from autopar.core.config import ParallelConfig
 from autopar.core.placement import Replicate
-from autopar.schedules import Schedule, generate, lower, validate
+from autopar.schedules import Schedule, forward_only, generate, lower, validate
+from passes.eval_mode import eval_graph
 from passes.layers import LayerInfo, find_layers
 from passes.normalize import normalize
 from passes.pipeline_split import split_pipeline
@@ -42,7 +45,7 @@ from passes.tensor_parallel import apply_tensor_parallel
 __all__ = ["compile_program", "PASSES"]
 
 PASSES: tuple[str, ...] = ("trace", "normalize", "find_layers", "analyze_sharding", "apply_tensor_parallel",
-                           "annotate_local_shapes", "split_pipeline", "recompute", "schedule")
+                           "annotate_local_shapes", "split_pipeline", "recompute", "eval_mode", "schedule")
 """The pipeline's passes, in the order they run."""
 
 
@@ -57,13 +60,13 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
     rank_module = apply_tensor_parallel(traced, plan)
     annotate_local_shapes(rank_module, config.tp, traced.param_of, _param_local_shapes(traced, plan, config.tp).__getitem__)
     split = _split(traced, rank_module, config, layers)
-    schedule = _schedule(config)
+    schedule, eval_schedule = _schedules(config)
     param_names = tuple(traced.param_of[n.name] for n in traced.gm.graph.nodes if n.name in traced.param_of)
     param_stages = _param_stages(split, traced.param_of, config.pp, param_names)
     return program_type(
         model=model, config=config, traced=traced, layers=layers, plan=plan, rank_module=rank_module,
-        split=split, schedule=schedule, param_names=param_names, param_stages=param_stages,
-        tied_params={n: s for n, s in param_stages.items() if len(s) > 1})
+        split=split, schedule=schedule, eval_schedule=eval_schedule, param_names=param_names,
+        param_stages=param_stages, tied_params={n: s for n, s in param_stages.items() if len(s) > 1})
 
 
 def _param_local_shapes(traced, plan: ShardingPlan, tp: int) -> dict[str, tuple[int, ...]]:
@@ -75,18 +78,26 @@ def _param_local_shapes(traced, plan: ShardingPlan, tp: int) -> dict[str, tuple[
 
 
 def _split(traced, rank_module, config: ParallelConfig, layers: LayerInfo) -> PipelineSplit:
-    """The pipeline cut, then recomputation applied to each chunk (so ``program.code`` shows it)."""
+    """The pipeline cut, then recomputation applied to each chunk (so ``program.code`` shows it),
+    and each chunk's evaluation graph (no recomputation: an evaluation keeps nothing for a backward)."""
     global_shapes = {n.name: tuple(n.meta["val"].shape) for n in traced.gm.graph.nodes
                      if isinstance(n.meta.get("val"), torch.Tensor)}
     split = split_pipeline(rank_module, config.pp * config.virtual_stages, traced.param_of, global_shapes, layers)
-    chunks = [dataclasses.replace(c, module=with_recompute(c.gm, config.recompute, layers)) for c in split.chunks]
+    chunks = []
+    for c in split.chunks:
+        evaluation = eval_graph(c.gm)
+        chunks.append(dataclasses.replace(c, module=with_recompute(c.gm, config.recompute, layers),
+                                          eval_gm=evaluation.gm, eval_notes=evaluation.notes))
     return dataclasses.replace(split, chunks=chunks)
 
 
-def _schedule(config: ParallelConfig) -> Schedule:
-    schedule = lower(generate(config.schedule, config.pp, config.virtual_stages, config.microbatches))
+def _schedules(config: ParallelConfig) -> tuple[Schedule, Schedule]:
+    """The lowered training schedule, and its forward-only form for evaluation steps (lowered the same way)."""
+    compute = generate(config.schedule, config.pp, config.virtual_stages, config.microbatches)
+    schedule, eval_schedule = lower(compute), lower(forward_only(compute))
     validate(schedule)
-    return schedule
+    validate(eval_schedule)
+    return schedule, eval_schedule
 
 
 def _param_stages(split: PipelineSplit, param_of: dict[str, str], pp: int,

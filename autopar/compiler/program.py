@@ -1,7 +1,8 @@
 """``Program``: everything autopar decided, for all ranks.
 
 Cheap and inspectable without a process group: the traced graph, the
-sharding plan, the rank graph and its chunks, the schedule, and the questions
+sharding plan, the rank graph and its chunks (and their evaluation graphs),
+the training schedule and its forward-only form, and the questions
 a user asks of them (``summary``, ``code``, ``local_shapes``,
 ``collectives``, ...). ``materialize`` builds one rank's engine.
 """
@@ -19,6 +20,7 @@ import torch.nn as nn
 
 from autopar.compiler.local_shapes import param_local_shape, propagate_local_shapes
 from autopar.compiler.report import render_summary
+from autopar.compiler.tp_traffic import tp_traffic
 from autopar.core import comm  # noqa: F401  (its collectives register themselves in the registry read here)
 from autopar.core.checkpoint import Checkpointed
 from autopar.core.chunks import PipelineSplit
@@ -67,6 +69,13 @@ def _module_code(module: nn.Module) -> str:
     return text
 
 
+def _eval_code(chunk) -> str:
+    """A chunk's evaluation graph, what changed from its training graph listed above it."""
+    changes = chunk.eval_notes or ("nothing: the chunk has no training-mode behaviour",)
+    header = "".join(f"\n# eval: {line}" for line in changes)
+    return f"{header}{chunk.eval_gm.code}"
+
+
 @dataclass(frozen=True, eq=False)
 class Program:
     """Everything autopar decided, for all ranks; built whole by ``compile_program``, then frozen.
@@ -86,7 +95,9 @@ class Program:
     split: PipelineSplit
     """The chunk graphs (p*v of them; one when pp == 1), recomputation applied."""
     schedule: Schedule
-    """The lowered, validated schedule every rank interprets."""
+    """The lowered, validated schedule every rank interprets in a training step."""
+    eval_schedule: Schedule
+    """Its forward-only form (``schedules.forward_only``), lowered and validated: an evaluation step."""
     param_names: tuple[str, ...]
     """Every parameter, in graph order (canonical names)."""
     param_stages: dict[str, tuple[int, ...]]
@@ -134,18 +145,15 @@ class Program:
             return inputs, total
         return inputs + layer_input * (n_layers - 1), total / n_layers
 
-    def collective_bytes(self) -> dict[tuple[str, str], int]:
-        """Bytes each tensor-parallel collective moves per microbatch, by (layers|outside, name)."""
-        if self.tp == 1:
-            return {}
-        out: dict[tuple[str, str], int] = {}
-        for node in self.rank_module.graph.nodes:
-            spec = collective_of(node.target) if node.op == "call_function" else None
-            if spec is None:
-                continue
-            where = "layers" if self._layer_of_node(node) is not None else "outside"
-            out[(where, spec.name)] = out.get((where, spec.name), 0) + spec.nbytes(node)
-        return out
+    def tp_communication(self, stage: int) -> dict[tuple[str, str], tuple[int, int]]:
+        """What one rank of pipeline stage ``stage`` moves over its tensor-parallel group per step, by
+        (where, what): (calls per microbatch, bytes per step). Its own chunks only, recomputation's
+        replays and the boundary all-gathers included (``autopar/compiler/tp_traffic.py``)."""
+        return tp_traffic(self, stage)
+
+    def sent_sliced(self, b) -> bool:
+        """A boundary value sent as 1/t slices and all-gathered on arrival (scatter/gather)."""
+        return self.config.scatter_gather and self.tp > 1 and b.replicated and b.numel % self.tp == 0
 
     def p2p_and_dp_bytes(self) -> dict[tuple[str, str, str], float]:
         """Bytes per step of pipeline point-to-point (per boundary) and data-parallel gradient reduction."""
@@ -153,9 +161,8 @@ class Program:
         t, m = self.tp, self.microbatches
         sg = self.config.scatter_gather and t > 1
         for c in self.split.chunks[1:]:
-            fwd = sum(b.nbytes / (t if sg and b.replicated and b.numel % t == 0 else 1) for b in c.inputs)
-            bwd = sum(b.nbytes / (t if sg and b.replicated and b.numel % t == 0 else 1)
-                      for b in c.inputs if b.requires_grad)
+            fwd = sum(b.nbytes / (t if self.sent_sliced(b) else 1) for b in c.inputs)
+            bwd = sum(b.nbytes / (t if self.sent_sliced(b) else 1) for b in c.inputs if b.requires_grad)
             if self.pp > 1:
                 label = f"chunk {c.index - 1} -> {c.index}"
                 out[(label, "p2p send", "activation fwd, gradient bwd" + (", 1/t each" if sg else ""))] = (fwd + bwd) * m
@@ -253,8 +260,11 @@ class Program:
         return [(name, self.plan.decisions[name].reason, source_line(nodes[name]))
                 for name in self.plan.fallbacks]
 
-    def code(self, rank: int = 0, chunk: int | None = None) -> str:
-        """The generated program of one rank (its chunks, or one of them), shard ranges as a header."""
+    def code(self, rank: int = 0, chunk: int | None = None, eval: bool = False) -> str:
+        """The generated program of one rank (its chunks, or one of them), shard ranges as a header.
+
+        ``eval=True``: the graphs an evaluation step runs (``engine.eval_step``), each chunk's
+        changes from its training graph listed above it."""
         shape = self.config.mesh
         if not 0 <= rank < shape.world:
             raise ValueError(f"rank {rank} is outside the mesh of {shape.world} ranks (tp={shape.tp}, "
@@ -291,7 +301,10 @@ class Program:
         body = []
         for c in chunks:
             layers = f"layers {c.layers[0]}-{c.layers[-1]}" if c.layers else "no layers"
-            body.append(f"# ---- chunk {c.index} ({layers}) ----{_module_code(c.module)}")
+            if eval:
+                body.append(f"# ---- chunk {c.index} ({layers}), evaluation ----{_eval_code(c)}")
+            else:
+                body.append(f"# ---- chunk {c.index} ({layers}) ----{_module_code(c.module)}")
         return "\n".join(lines) + "\n" + "\n".join(body)
 
     def summary(self) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import math
-from collections import Counter
 from typing import Any
 
 from rich.console import Console
@@ -82,6 +81,8 @@ def render_summary(program: Program, width: int = 120) -> str:
         console.print(line)
     console.print(_params_table(program))
     console.print(_collectives_table(program))
+    for line in _collective_notes(program):
+        console.print(line)
     for line in _padding_notes(program):
         console.print(line)
     console.print(_fallbacks_table(program))
@@ -98,10 +99,26 @@ def _header(program: Program) -> str:
         f"[bold]autopar program[/bold]: {program.traced.model_name}, {total:,} parameters, "
         f"{layers.describe()}\n"
         f"mesh: tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} = {mesh.world} ranks "
-        f"(rank = tp + dp*{mesh.tp} + pp*{mesh.tp * mesh.dp}); schedule {cfg.schedule}, "
-        f"virtual stages {cfg.virtual_stages}, {cfg.microbatches} microbatches per replica; "
-        f"recompute {program.recompute}; precision {program.precision}"
+        f"(rank = tp + dp*{mesh.tp} + pp*{mesh.tp * mesh.dp})\n"
+        f"data-parallel size {mesh.dp}: {cfg.dp_source}\n"
+        f"schedule {cfg.schedule}, virtual stages {cfg.virtual_stages}, {cfg.microbatches} microbatches per "
+        f"replica; recompute {program.recompute}; precision {program.precision}\n"
+        f"{_batch_line(program)}"
     )
+
+
+def _batch_line(program: Program) -> str:
+    """The batch tensors by name with one microbatch's shape, and what ``train_step`` takes."""
+    traced, mesh = program.traced, program.config.mesh
+    shapes = {n.name: n.meta["val"] for n in traced.gm.graph.nodes if n.op == "placeholder"}
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(f"{n} {list(shapes[n].shape)} {str(shapes[n].dtype).removeprefix('torch.')}"
+                         for n in names) or "none"
+
+    rows = mesh.dp * program.microbatches
+    return (f"batch (one microbatch): inputs {listed(traced.input_names)}; targets {listed(traced.target_names)}; "
+            f"train_step takes {rows}x the rows (dp {mesh.dp} x {program.microbatches} microbatches)")
 
 
 def _layers_table(program: Program) -> Table:
@@ -168,24 +185,59 @@ def _params_table(program: Program) -> Table:
 
 
 def _collectives_table(program: Program) -> Table:
-    coll = Table(title="Collectives per step")
-    for col in ("where", "collective", "direction", "count / microbatch", "bytes / step / rank (all layers)"):
+    """Per pipeline stage, what one of its ranks moves: its own chunks' tensor-parallel collectives
+    (stages alike share a row), then the pipeline sends and the data-parallel gradient reduction."""
+    coll = Table(title="Collectives per step (one rank of each stage: its own chunks)")
+    for col in ("stages", "where", "collective", "direction", "calls / microbatch", "bytes / step / rank"):
         coll.add_column(col)
-    by_layer = program.collectives(by_layer=True)
-    nbytes = program.collective_bytes()
-    per_layer, outside = Counter(), Counter()
-    for (layer, name), n in by_layer.items():
-        (per_layer if layer is not None else outside)[name] += n
-    m = program.config.microbatches
-    for name, n in sorted(per_layer.items()):
-        coll.add_row("per layer", name, collective_named(name).direction, str(n // max(program.layers.count, 1)),
-                     _gib(nbytes.get(("layers", name), 0) * m))
-    for name, n in sorted(outside.items()):
-        coll.add_row("outside layers", name, collective_named(name).direction, str(n),
-                     _gib(nbytes.get(("outside", name), 0) * m))
+    per_stage = [program.tp_communication(s) for s in range(program.pp)]
+    for key in dict.fromkeys(k for stage in per_stage for k in stage):
+        for stages, (calls, nbytes) in _runs([stage.get(key) for stage in per_stage]):
+            coll.add_row(_stage_span(stages), _where(program, key[0], stages[0]), key[1], _direction(*key),
+                         str(calls), _gib(nbytes))
     for label, value in program.p2p_and_dp_bytes().items():
-        coll.add_row(label[0], label[1], label[2], "", _gib(value))
+        coll.add_row("", label[0], label[1], label[2], "", _gib(value))
     return coll
+
+
+def _collective_notes(program: Program) -> list[str]:
+    """The tensor-parallel total of one rank of each stage."""
+    totals = [sum(n for _, n in program.tp_communication(s).values()) for s in range(program.pp)]
+    if not any(totals):
+        return []
+    return ["tensor-parallel bytes / step / rank: "
+            + ", ".join(f"stage {s} {_gib(n)}" for s, n in enumerate(totals))]
+
+
+def _runs(values: list) -> list[tuple[list[int], Any]]:
+    """Consecutive stages with the same value, the stages without one (None) left out."""
+    runs: list[tuple[list[int], Any]] = []
+    for stage, value in enumerate(values):
+        if value is None:
+            continue
+        if runs and runs[-1][1] == value and runs[-1][0][-1] == stage - 1:
+            runs[-1][0].append(stage)
+        else:
+            runs.append(([stage], value))
+    return runs
+
+
+def _stage_span(stages: list[int]) -> str:
+    return str(stages[0]) if len(stages) == 1 else f"{stages[0]}-{stages[-1]}"
+
+
+def _where(program: Program, where: str, stage: int) -> str:
+    if where != "layers":
+        return where
+    n = sum(len(c.layers) for c in program.split.chunks if c.index % program.pp == stage)
+    return f"{n} layer{'s' if n != 1 else ''}" + (" each" if program.pp > 1 else "")
+
+
+def _direction(where: str, name: str) -> str:
+    if where == "boundary":
+        return f"{'bwd' if 'gradient' in name else 'fwd'} all-gather of the 1/t slices received"
+    direction = collective_named(name).direction
+    return f"{direction} (forward part, rerun in the backward)" if where == "replayed by recompute" else direction
 
 
 def _padding_notes(program: Program) -> list[str]:

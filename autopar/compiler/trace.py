@@ -10,8 +10,11 @@ where ``torch.fx.symbolic_trace`` does not, and every node comes with
 - ``meta["stack_trace"]``     the user's source line.
 
 Parameters are lifted to placeholders; ``TracedModel.param_of`` maps each one
-to the parameter's name in the user's model. Shapes are static: the example
-microbatch fixes batch size and sequence length, as in Megatron.
+to the parameter's name in the user's model. The batch tensors are passed by
+name, the forward's and the loss's parameter names (``input_ids``,
+``target``; ``compiler/signatures.py``, which also checks both signatures
+first). Shapes are static: the example microbatch fixes batch size and
+sequence length, as in Megatron.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.export.graph_signature import InputKind, OutputKind
 
+from autopar.compiler.signatures import batch_names, call_errors
 from autopar.core.graph import TracedModel, strip_wrapper
 
 __all__ = ["TraceError", "trace", "default_logits", "lm_cross_entropy"]
@@ -65,19 +69,20 @@ def lm_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
 
 class _LossWrapper(nn.Module):
-    """``(*inputs, *targets) -> loss_fn(output_fn(model(*inputs)), *targets)``."""
+    """``(**batch) -> loss_fn(output_fn(model(*inputs)), *targets)``, the batch tensors passed by
+    name so that the graph's placeholders carry them (``input_ids``, ``target``)."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, output_fn: Callable, n_inputs: int):
+    def __init__(self, model: nn.Module, loss_fn: Callable, output_fn: Callable, input_names: list[str],
+                 target_names: list[str]):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.output_fn = output_fn
-        self.n_inputs = n_inputs
+        self.input_names, self.target_names = input_names, target_names
 
-    def forward(self, *args):
-        inputs, targets = args[: self.n_inputs], args[self.n_inputs :]
-        logits = self.output_fn(self.model(*inputs))
-        return self.loss_fn(logits, *targets)
+    def forward(self, **batch):
+        logits = self.output_fn(self.model(*(batch[n] for n in self.input_names)))
+        return self.loss_fn(logits, *(batch[n] for n in self.target_names))
 
 
 
@@ -100,7 +105,12 @@ def trace(
     moved to meta too), so large models can be compiled without memory.
     """
     inputs, targets = _example_tensors(model, example_inputs, example_targets)
-    ep = _export(model, _LossWrapper(model, loss_fn, output_fn or default_logits, len(inputs)), inputs + targets)
+    errors = call_errors(model, loss_fn, len(inputs), len(targets), default_loss=loss_fn is lm_cross_entropy)
+    if errors:
+        raise TraceError("\n".join(errors))
+    input_names, target_names = batch_names(model, loss_fn, len(inputs), len(targets))
+    wrapper = _LossWrapper(model, loss_fn, output_fn or default_logits, input_names, target_names)
+    ep = _export(model, wrapper, dict(zip(input_names + target_names, inputs + targets, strict=True)))
     param_of, buffer_of, constant_of, user = _placeholders(ep)
     _check_outputs(ep)
     aliases = _aliases(model)
@@ -111,7 +121,7 @@ def trace(
         buffer_of=buffer_of,
         constant_of=constant_of,
         input_names=user[: len(inputs)],
-        target_names=user[len(inputs) :],
+        target_names=user[len(inputs) :],  # the names chosen above, as the graph spells them
         constants={k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)},
         aliases=aliases,
         model_name=type(model).__name__,
@@ -136,12 +146,12 @@ def _example_tensors(model: nn.Module, example_inputs: Any, example_targets: Any
     return inputs, targets
 
 
-def _export(model: nn.Module, wrapper: nn.Module, args: tuple) -> torch.export.ExportedProgram:
-    """``torch.export`` (non-strict) in training mode; a failure names the user's line."""
+def _export(model: nn.Module, wrapper: nn.Module, batch: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
+    """``torch.export`` (non-strict) in training mode, the batch by name; a failure names the user's line."""
     was_training = model.training
     model.train()
     try:
-        return torch.export.export(wrapper, args, strict=False)
+        return torch.export.export(wrapper, (), kwargs=batch, strict=False)
     except Exception as e:  # noqa: BLE001 - re-raised with the user's line
         raise TraceError(_explain_trace_failure(model, e)) from e
     finally:
@@ -206,18 +216,30 @@ def _canonical_params(gm: fx.GraphModule, param_of: dict[str, str], aliases: dic
 
 
 def _explain_trace_failure(model: nn.Module, err: Exception) -> str:
+    """The failure, the user's line it happened at (not torch's, nor code generated at run time such
+    as ``<string>``) and what to try for that kind of failure."""
     frames = traceback.extract_tb(err.__traceback__)
-    user = [f for f in frames if "/torch/" not in f.filename and "autopar/compiler/trace.py" not in f.filename]
-    where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "(no user frame)"
+    user = [f for f in frames if "/torch/" not in f.filename and not f.filename.startswith("<")
+            and "autopar/compiler/trace.py" not in f.filename]
+    where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "(no line of the model's code)"
     text = str(err).strip().splitlines()
     first = text[0] if text else type(err).__name__
-    hint = (
-        "control flow that depends on tensor values (if x.sum() > 0, .item(), .tolist(), "
-        "data-dependent shapes) cannot be traced: compute it with torch.where / masks, or "
-        "move it out of forward; a model that needs extra non-tensor arguments can be "
-        "wrapped in a small nn.Module whose forward takes only tensors"
-    )
     return (
         f"could not trace {type(model).__name__} with its loss: {type(err).__name__}: {first}\n"
-        f"  at {where}\n  try: {hint}"
+        f"  at {where}\n  try: {_hint(err)}"
     )
+
+
+def _hint(err: Exception) -> str:
+    """What to try, by the kind of failure."""
+    if "data-dependent" in str(err) or "DataDependent" in type(err).__name__:
+        return ("control flow that depends on tensor values (if x.sum() > 0, .item(), .tolist(), "
+                "data-dependent shapes) cannot be traced: compute it with torch.where / masks, or "
+                "move it out of forward")
+    if isinstance(err, TypeError):
+        return ("a call got arguments it does not take: the model is called as model(*example_inputs) and "
+                "the loss as loss_fn(output_fn(output), *example_targets); a model that needs extra "
+                "non-tensor arguments can be wrapped in a small nn.Module whose forward takes only tensors")
+    return ("autopar traces the forward with torch.export(strict=False) on fake tensors: the line above must "
+            "run without real data (no .numpy(), no reading tensor values); a model that needs extra "
+            "non-tensor arguments can be wrapped in a small nn.Module whose forward takes only tensors")

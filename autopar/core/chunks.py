@@ -61,6 +61,11 @@ class Chunk:
     module: nn.Module | None = None
     """What the runtime runs: ``gm``, or ``gm`` with activation recomputation applied (``Checkpointed``
     regions); ``gm`` itself when not given."""
+    eval_gm: fx.GraphModule | None = None
+    """What an evaluation step runs: ``gm`` with its ops in evaluation mode (dropout removed, training
+    flags off; ``passes/eval_mode.py``), made at compile time; None when not made."""
+    eval_notes: tuple[str, ...] = ()
+    """What ``eval_gm`` changed from ``gm``, one line per node (and each random op left)."""
 
     def __post_init__(self) -> None:
         if self.module is None:

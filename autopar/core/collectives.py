@@ -8,7 +8,9 @@ Each function of ``autopar.core.comm`` that communicates is decorated with
                  (``"bwd all-reduce"``, ``"fwd all-reduces: max, then sum exp"``),
 - ``kinds``      the collectives it runs (all-reduce, all-gather, reduce-scatter),
 - ``nbytes``     a function giving the bytes one call moves per microbatch, from
-                 its node in the rank graph (one rank's shapes, ``local_val``).
+                 its node in the rank graph (one rank's shapes, ``local_val``),
+- ``forward_nbytes``  the forward part of it, for a collective that
+                 communicates in both passes (a recomputed forward moves it again).
 
 Lookups go by the function (``collective_of(node.target)``) or its name
 (``collective_named("copy_to_tp")``). The registry fills when ``comm`` is
@@ -47,28 +49,41 @@ class Collective:
     kinds: tuple[str, ...]
     nbytes: Callable[[fx.Node], int]
     """Bytes one call moves per microbatch (each all-reduced buffer counted once), from its node."""
+    forward_nbytes: Callable[[fx.Node], int] | None = None
+    """The part of ``nbytes`` moved in the forward, for a collective that communicates in both
+    passes; None: all of it (``direction`` 'fwd ...') or none ('bwd ...')."""
 
     @property
     def name(self) -> str:
         return self.fn.__name__
+
+    def forward_bytes(self, node: fx.Node) -> int:
+        """Bytes one call moves in its forward: what a recomputed (checkpointed) forward moves again."""
+        if self.forward_nbytes is not None:
+            return self.forward_nbytes(node)
+        return self.nbytes(node) if self.direction.startswith("fwd") else 0
 
 
 _BY_FN: dict[Callable, Collective] = {}
 _BY_NAME: dict[str, Collective] = {}
 
 
-def collective(label: str, direction: str, kinds: str | tuple[str, ...],
-               nbytes: Callable[[fx.Node], int]) -> Callable[[Callable], Callable]:
-    """Decorator: register a function of ``comm`` as a collective (returns it unchanged)."""
+def collective(label: str, direction: str, kinds: str | tuple[str, ...], nbytes: Callable[[fx.Node], int],
+               forward_nbytes: Callable[[fx.Node], int] | None = None) -> Callable[[Callable], Callable]:
+    """Decorator: register a function of ``comm`` as a collective (returns it unchanged).
+    ``forward_nbytes``: required when it communicates in both passes ('fwd ...; bwd ...')."""
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         raise ValueError(f"unknown collective kinds {unknown}; use {KINDS}")
+    if forward_nbytes is None and "fwd" in direction and "bwd" in direction:
+        raise ValueError(f"collective {label!r} communicates in both passes ({direction}): give forward_nbytes, "
+                         f"the bytes of its forward part (a recomputed forward moves them again)")
 
     def register(fn: Callable) -> Callable:
         if fn.__name__ in _BY_NAME:
             raise ValueError(f"collective {fn.__name__} is registered twice")
-        entry = Collective(fn, label, direction, kinds, nbytes)
+        entry = Collective(fn, label, direction, kinds, nbytes, forward_nbytes)
         _BY_FN[fn] = entry
         _BY_NAME[fn.__name__] = entry
         return fn

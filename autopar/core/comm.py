@@ -396,7 +396,7 @@ def vocab_parallel_logsumexp(x: torch.Tensor, tp: TPGroup, dim: int, size: int, 
 
 
 @collective("vocab_parallel_softmax", "fwd all-reduces: max, sum exp; bwd all-reduce", ALL_REDUCE,
-            fp32_per_reduced(3))
+            fp32_per_reduced(3), forward_nbytes=fp32_per_reduced(2))
 def vocab_parallel_softmax(x: torch.Tensor, tp: TPGroup, dim: int, size: int,
                            dtype: torch.dtype | None = None) -> torch.Tensor:
     """``softmax(x, dim)`` of a value split along ``dim``: this rank's columns; padding gets 0."""
@@ -410,7 +410,7 @@ def vocab_parallel_softmax(x: torch.Tensor, tp: TPGroup, dim: int, size: int,
 
 
 @collective("vocab_parallel_log_softmax", "fwd all-reduces: max, sum exp; bwd all-reduce", ALL_REDUCE,
-            fp32_per_reduced(3))
+            fp32_per_reduced(3), forward_nbytes=fp32_per_reduced(2))
 def vocab_parallel_log_softmax(x: torch.Tensor, tp: TPGroup, dim: int, size: int,
                                dtype: torch.dtype | None = None) -> torch.Tensor:
     """``log_softmax(x, dim)`` of a value split along ``dim`` (no padding: the rule asks for it)."""

@@ -1,8 +1,8 @@
 """``ParallelConfig``: the layout and training options of a program, validated up front.
 
 Every check here runs before anything is traced or any process starts, and
-its message shows the numbers and the fix ("tp(2) * pp(2) * dp(3) = 12, but
-the world size is 8").
+its message shows the numbers and the fix ("tp=2 x pp=2 needs a multiple of
+4 ranks, the world has 2 ... Fix: start 4, 8, 12, ... ranks, or ...").
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from enum import Enum
 from autopar.core.mesh import MeshShape
 
 __all__ = ["ParallelConfig", "Recompute", "RECOMPUTE", "PRECISIONS", "SCHEDULE_NAMES", "microbatch_errors", "size_errors",
-           "optimizer_bytes_per_param"]
+           "mesh_errors", "optimizer_bytes_per_param"]
 
 
 class Recompute(str, Enum):
@@ -41,6 +41,35 @@ def size_errors(**sizes: int) -> list[str]:
     """Each of ``sizes`` that is not a positive integer, with the fix."""
     return [f"{key} must be a positive integer, got {key}={value!r}; use {key} >= 1"
             for key, value in sizes.items() if not isinstance(value, int) or value < 1]
+
+
+def mesh_errors(tp: int, pp: int, dp: int | None, world_size: int | None) -> list[str]:
+    """What keeps tp x pp x dp from filling ``world_size`` ranks, with the numbers and the fix
+    ([] when the world is unknown or filled). ``dp`` None is inferred as world / (tp x pp), which
+    needs the world to be a multiple of tp x pp."""
+    errs = size_errors(**{k: v for k, v in (("tp", tp), ("pp", pp), ("dp", dp), ("world_size", world_size))
+                          if v is not None})
+    if errs or world_size is None:
+        return errs
+    block, w = tp * pp, world_size
+    if dp is None and w % block == 0:
+        return []
+    if dp is not None and block * dp == w:
+        return []
+    if dp is not None and w % block == 0:
+        return [f"tp={tp} x pp={pp} x dp={dp} needs {block * dp} ranks, the world has {w}. Fix: dp={w // block} "
+                f"(or leave dp unset: it is inferred as world / (tp x pp)), or start {block * dp} ranks"]
+    multiples = ", ".join(str(block * k) for k in range(1, 4))
+    return [f"tp={tp} x pp={pp} needs a multiple of {block} ranks, the world has {w} (tp x pp x dp ranks: one "
+            f"group of {block} per data-parallel replica). Fix: start {multiples}, ... ranks, or use a layout "
+            f"that divides {w} ranks: {_layouts_for(w, tp, pp)}"]
+
+
+def _layouts_for(world: int, tp: int, pp: int) -> str:
+    """A few tp x pp that divide ``world``, the largest and closest to (tp, pp) first."""
+    fits = [(t, p) for t in range(1, world + 1) for p in range(1, world + 1) if world % (t * p) == 0]
+    fits.sort(key=lambda f: (-f[0] * f[1], abs(f[0] - tp) + abs(f[1] - pp)))
+    return ", ".join(f"tp={t} x pp={p} (dp={world // (t * p)})" for t, p in fits[:4])
 
 
 def microbatch_errors(schedule: str, p: int, v: int, m: int, names: tuple[str, str, str] = ("p", "v", "m")) -> list[str]:
@@ -119,18 +148,19 @@ class ParallelConfig:
                                  names=("pp", "virtual_stages", "microbatches"))
         if errs:
             raise ValueError("; ".join(errs))
+        errs = mesh_errors(self.tp, self.pp, self.dp, self.world_size)
+        if errs:
+            raise ValueError("; ".join(errs))
+
+    @property
+    def dp_source(self) -> str:
+        """Where the data-parallel size comes from, for the summary."""
+        if self.dp is not None:
+            return "given (dp=)"
         if self.world_size is not None:
-            w = self.world_size
-            if self.tp > w or w % self.tp:
-                raise ValueError(
-                    f"tp={self.tp} does not fit a world of {w} ranks: tensor parallelism needs "
-                    f"tp <= world size and world size divisible by tp. Use tp in "
-                    f"{[d for d in range(1, w + 1) if w % d == 0]} or start more ranks."
-                )
-            dp = self.dp if self.dp is not None else w // (self.tp * self.pp)
-            if self.tp * self.pp * dp != w:
-                raise ValueError(f"tp({self.tp}) * pp({self.pp}) * dp({dp}) = {self.tp * self.pp * dp}, "
-                                 f"but the world size is {w}. Fix: choose tp * pp * dp = {w}")
+            return f"inferred from the world size, {self.world_size} ranks / (tp {self.tp} x pp {self.pp})"
+        return (f"by default: no dp and no world size at compile time, so materialize() needs exactly "
+                f"{self.tp * self.pp} ranks (compile with dp= or world_size= for more replicas)")
 
     @property
     def data_parallel(self) -> int:

@@ -8,7 +8,9 @@ error messages and the plan summary.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -68,15 +70,57 @@ def user_path(path: str) -> str:
 
 
 def source_line(node: fx.Node) -> str:
-    """The user's source line for a node (``models.py:93 q = self.q(x)...``), or ''."""
-    trace_text = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)', trace_text)
-    frames = [f for f in frames if "autopar/compiler/trace.py" not in f[0]]
-    if not frames:
+    """The model's source line for a node (``modeling_llama.py:244 q = self.q_proj(x)...``), or ''.
+
+    The innermost frame of the node's stack trace in a file that defines one of
+    the modules the node was traced in: the model's own code, where the user
+    wrote the call, not torch's ``nn.Linear.forward`` nor a library helper the
+    model calls. A node outside the model's modules (the loss function) gets
+    the innermost frame outside torch and autopar's tracing wrapper.
+    """
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', node.meta.get("stack_trace") or "")
+    model_files = _model_files(node)
+    chosen = next((f for f in reversed(frames) if os.path.realpath(f[0]) in model_files), None)
+    if chosen is None:
+        chosen = next((f for f in reversed(frames) if not _is_library_file(f[0])), None)
+    if chosen is None:
         return ""
-    file, line, code = frames[-1]
+    file, line, code = chosen
     return f"{file.rsplit('/', 1)[-1]}:{line} {code.strip()}"
 
+
+_TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+_TRACE_WRAPPER = "autopar.compiler.trace"
+"""The module of the wrapper that traces the model with its loss: its frames are autopar's, not the user's."""
+
+
+def _model_files(node: fx.Node) -> set[str]:
+    """The source files of the classes of the modules ``node`` was traced in, torch's own and the
+    tracing wrapper's left out."""
+    files = set()
+    for _, cls in (node.meta.get("nn_module_stack") or {}).values():
+        qualname = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+        module = _defining_module(qualname)
+        file = getattr(module, "__file__", None)
+        if file and module.__name__ != _TRACE_WRAPPER and not _is_library_file(file):
+            files.add(os.path.realpath(file))
+    return files
+
+
+def _defining_module(qualname: str):
+    """The loaded module a class's qualified name (``pkg.mod.Outer.Inner``) lives in, or None."""
+    parts = qualname.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:end]))
+        if module is not None:
+            return module
+    return None
+
+
+def _is_library_file(file: str) -> bool:
+    """A file of torch itself or autopar's tracing wrapper: never the line a user wants to see."""
+    path = os.path.realpath(file)
+    return path.startswith(_TORCH_DIR) or path.endswith(os.path.join("autopar", "compiler", "trace.py"))
 
 
 def local_val(node: fx.Node):

@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.utils.data import Dataset
 
-__all__ = ["corpus", "CorpusBatches"]
+__all__ = ["corpus", "CorpusBatches", "CorpusWindows"]
 
 _ROOT = Path(__file__).resolve().parents[2]
 """The repository root (autopar/reference/data.py is two packages down)."""
@@ -38,3 +39,27 @@ class CorpusBatches:
         x = torch.stack([self.data[s : s + self.seq] for s in starts])
         y = torch.stack([self.data[s + 1 : s + self.seq + 1] for s in starts])
         return x, y
+
+
+class CorpusWindows(Dataset):
+    """The corpus cut into windows of ``seq + 1`` bytes: item i is (inputs, next-token targets).
+
+    ``split='train'`` holds the first ``1 - heldout`` of the corpus, ``'heldout'``
+    the rest, so evaluation reads text training never saw. A map-style dataset:
+    give it a ``DistributedSampler`` per data-parallel replica.
+    """
+
+    def __init__(self, seq: int, split: str = "train", heldout: float = 0.1):
+        if split not in ("train", "heldout"):
+            raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+        data = corpus()
+        cut = int(len(data) * (1 - heldout))
+        self.data = data[:cut] if split == "train" else data[cut:]
+        self.seq = seq
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.seq
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.data[i * self.seq: (i + 1) * self.seq + 1]
+        return window[:-1], window[1:]

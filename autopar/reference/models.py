@@ -9,6 +9,11 @@ them knows about parallelism): examples, tests and benches use them.
                 biases everywhere, untied LM head.
 - ``Llama``     RMSNorm, SwiGLU MLP, rotary position embeddings, grouped-query
                 attention (fewer key/value heads than query heads), no biases.
+
+Each draws its matrices and biases from N(0, 0.02) when built. Each also has
+``_init_weights(module)``, HuggingFace's convention, doing the same to one
+module's own parameters, so a model built on the meta device is initialised
+from the same distributions by ``autopar.init_weights`` or ``materialize``.
 """
 
 from __future__ import annotations
@@ -117,6 +122,9 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
         _init(self, cfg)
 
+    def _init_weights(self, module: nn.Module) -> None:
+        _init_module(module)
+
     def forward(self, idx):
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
@@ -174,6 +182,9 @@ class GPT2Fused(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         _init(self, cfg)
 
+    def _init_weights(self, module: nn.Module) -> None:
+        _init_module(module)
+
     def forward(self, idx):
         T = idx.shape[1]
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
@@ -190,6 +201,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x):
         var = x.pow(2).mean(-1, keepdim=True)
@@ -267,6 +281,9 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         _init(self, cfg)
 
+    def _init_weights(self, module: nn.Module) -> None:
+        _init_module(module)
+
     def forward(self, tokens):
         T = tokens.shape[1]
         cos, sin = rotary_tables(T, self.cfg.d_model // self.cfg.n_head, tokens.device)
@@ -287,6 +304,13 @@ def _init(model: nn.Module, cfg: ModelConfig) -> None:
             nn.init.normal_(p, std=0.02)
         elif name.endswith("bias"):
             nn.init.normal_(p, std=0.02)  # non-zero so bias handling is tested
+
+
+def _init_module(module: nn.Module) -> None:
+    """``_init`` for one module's own parameters (the models' ``_init_weights``)."""
+    for name, p in module.named_parameters(recurse=False):
+        if p.dim() >= 2 or name.endswith("bias"):
+            nn.init.normal_(p, std=0.02)
 
 
 FAMILIES = {"gpt": GPT, "gpt2-fused": GPT2Fused, "llama": Llama}

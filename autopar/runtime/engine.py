@@ -1,14 +1,19 @@
 """One rank's training engine: its chunks' parameter shards and the schedule interpreter.
 
-``train_step(*inputs, *targets)`` takes the whole batch (the same on every
-rank), keeps this data-parallel replica's slice, moves it to the engine's
-device, cuts it into microbatches and runs this stage's actions from the
-lowered schedule (``autopar/schedules/``). A table maps each action kind to its
-handler:
+``train_step(*inputs, *targets)`` takes the global batch (the same on every
+rank; this data-parallel replica's slice is kept) or this replica's own batch
+(a data loader per replica, ``engine.dp_rank`` of ``engine.dp_size``), moves
+it to the engine's device, cuts it into microbatches and runs this stage's
+actions from the lowered schedule (``autopar/schedules/``). ``eval_step`` runs
+the forward-only form of the schedule (``program.eval_schedule``) over each
+chunk's evaluation graph (dropout removed, training flags off; made at compile
+time) under ``torch.no_grad()``: no context kept, no gradient touched. A table
+maps each action kind to its handler, the same in both steps:
 
-- ``F c.i``  forward of chunk c on microbatch i; inputs that arrived from the
-             previous stage become leaves that require grad; the context is
-             kept until ``B c.i`` (the last chunk scales its loss by 1/m);
+- ``F c.i``  forward of chunk c on microbatch i; in a training step, inputs that
+             arrived from the previous stage become leaves that require grad
+             and the context is kept until ``B c.i`` (the last chunk scales its
+             loss by 1/m); in an evaluation step nothing is kept;
 - ``B c.i``  backward of the kept outputs with the received output gradients;
              the gradients of the inputs are what the previous stage needs;
 - ``SF/RF/SB/RB``  point-to-point; each handler adds its operations to the
@@ -39,7 +44,9 @@ repeat stage 0's masks on its own layers, replicas draw independent masks for
 their different samples (as one device drawing for the whole batch would), and
 the t ranks of a stage draw identically for the values they all hold (split
 values get per-rank streams from ``comm.tp_rng_call``). Recomputation replays
-the same masks: the checkpoint saves and restores this stream's state.
+the same masks: the checkpoint saves and restores this stream's state. An
+evaluation step puts the stream back as it found it, so a training step draws
+the same masks with or without evaluations before it (and evaluations repeat).
 """
 
 from __future__ import annotations
@@ -59,9 +66,12 @@ from autopar.core.checkpoint import count_kept_bytes
 from autopar.core.comm import TPGroup, _all_gather, seed_forked
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
+from autopar.runtime.device_graphs import on_device
+from autopar.runtime.export import RankHoldings, save_pretrained
 from autopar.runtime.gradients import GradientSync
+from autopar.runtime.state_keys import state_sources, untraced_value
 from autopar.runtime.timeline import Event, gather_events, write_chrome_trace
-from autopar.schedules import Action, Kind
+from autopar.schedules import Action, Kind, Schedule
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
@@ -142,13 +152,17 @@ class _CommBatch:
 
 @dataclass
 class StepState:
-    """What one ``train_step`` holds between actions; made per step, dropped after it.
+    """What one ``train_step`` or ``eval_step`` holds between actions; made per step, dropped after it.
 
     Keyed by ``(chunk, microbatch)``. Boundary tensors are one microbatch's,
     local to this tensor-parallel rank (shapes as the chunk's ``Boundary.shape``),
     on the engine's device.
     """
 
+    schedule: Schedule
+    """What the step runs: the training schedule, or its forward-only form."""
+    training: bool
+    """A training step (contexts kept for the backward) or an evaluation step (nothing kept)."""
     micro: list[list[torch.Tensor]]
     """[microbatch][input or target]: this replica's slices of the batch."""
     m: int
@@ -161,6 +175,8 @@ class StepState:
     """Measured timeline of the step (``engine.events``)."""
     ctx: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
     """F done, B pending: (the chunk's inputs as leaves, its outputs; the last chunk's: [loss / m])."""
+    outgoing: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    """F done, SF pending: the outputs to send to the next chunk's stage."""
     saved: dict[Key, int] = field(default_factory=dict)
     """Bytes autograd keeps for each pending backward."""
     fwd_in: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
@@ -214,11 +230,16 @@ class RankEngine(nn.Module):
         self._feeds = {n: t.to(self.device) if isinstance(t, torch.Tensor) else t for n, t in feeds.items()}
         """Buffers and constants by placeholder, on the engine's device."""
         self.schedule = program.schedule
+        self.eval_schedule = program.eval_schedule
+        """The forward-only schedule of an evaluation step."""
         self.stats: dict = {}
         self.events: list[Event] = []
         """The last step's measured timeline."""
-        self.runnables = {c: ch.module for c, ch in self.chunks.items()}
-        """Chunk -> what runs it: its graph, with recomputation applied at compile time."""
+        self.runnables = {c: on_device(ch.module, self.device) for c, ch in self.chunks.items()}
+        """Chunk -> what runs it: its graph, with recomputation applied at compile time, making its
+        tensors on the engine's device."""
+        self.eval_runnables = {c: on_device(ch.eval_gm, self.device) for c, ch in self.chunks.items()}
+        """Chunk -> what an evaluation step runs: its graph in evaluation mode (``passes/eval_mode.py``)."""
         self.random_seed = self._stream_seed(mesh)
         """Seed of this rank's random stream (dropout); equal on the t ranks of a stage."""
         self._rng_devices = [self.device.index] if self.device.type == "cuda" else []
@@ -284,34 +305,77 @@ class RankEngine(nn.Module):
                 self._rng_states = self._get_rng()
 
     # ------------------------------------------------------------------ stepping
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica (0 .. dp_size - 1): the ``rank`` of its data loader's
+        ``DistributedSampler``."""
+        return self.mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: the ``num_replicas`` of each replica's ``DistributedSampler``."""
+        return self.mesh.shape.dp
+
     def forward(self, *batch: torch.Tensor) -> float:
-        """``engine(x, y)`` is ``train_step``: forward *and* backward of the global batch."""
-        return self.train_step(*batch)
+        """``engine(x, y)``: ``train_step`` (forward *and* backward) in training mode, the default;
+        ``eval_step`` after ``engine.eval()``."""
+        return self.train_step(*batch) if self.training else self.eval_step(*batch)
 
     def train_step(self, *batch: torch.Tensor) -> float:
-        """Forward and backward of one global batch; returns the mean loss (same on every rank).
+        """Forward and backward of one batch; returns the mean loss (same on every rank).
 
         ``batch``: the model's inputs then its targets, each of shape (d * m * b, ...) for d
-        data-parallel replicas, m microbatches and the example microbatch's leading size b;
-        on any device (this replica's slice is moved to the engine's).
+        data-parallel replicas, m microbatches and the example microbatch's leading size b (the
+        global batch, the same on every rank), or (m * b, ...): this replica's own batch. On any
+        device (what this replica uses is moved to the engine's).
         """
-        m = self.program.microbatches
-        st = StepState(micro=self._microbatches(batch), m=m,
-                       loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
-                       param_ptrs={p.data_ptr() for p in self.shards.values()})
-        self.stats = {"bytes_sent": defaultdict(int), "peak_in_flight": 0, "peak_activation_bytes": 0}
+        st = self._new_step(batch, self.schedule, training=True)
         self.grads.begin_step(self.stats)
-        self.events = st.events
-        self._run_actions(st, self.schedule.actions[self.stage])
-        for work, _ in st.pending_sends:
-            work.wait()
-        st.pending_sends = []
+        self._run_actions(st)
+        self._wait_sends(st)
         self.grads.end_step()
         return self._reduce_loss(st)
 
-    def _run_actions(self, st: StepState, actions: list[Action]) -> None:
-        """Run this stage's actions in order, recording each compute action and each batch of
-        point-to-point operations in ``st.events``."""
+    def eval_step(self, *batch: torch.Tensor) -> float:
+        """Forward only, over the pipeline; returns the mean loss (same on every rank) as the
+        model in ``eval()`` mode computes it.
+
+        The batch as for ``train_step``. Runs the forward-only schedule (``program.eval_schedule``)
+        over each chunk's evaluation graph (dropout removed, training flags off) under
+        ``torch.no_grad()``: no context is kept, no ``.grad`` touched, and the random stream of
+        training steps is left where it was.
+        """
+        st = self._new_step(batch, self.eval_schedule, training=False)
+        stream = self._rng_states  # random ops left in the evaluation graphs draw from a copy
+        try:
+            with torch.no_grad():
+                self._run_actions(st)
+        finally:
+            self._rng_states = stream
+        self._wait_sends(st)
+        return self._reduce_loss(st)
+
+    def _new_step(self, batch, schedule: Schedule, training: bool) -> StepState:
+        """The state of a step over ``batch``; resets ``stats`` and ``events`` to this step's."""
+        st = StepState(schedule=schedule, training=training, micro=self._microbatches(batch),
+                       m=self.program.microbatches,
+                       loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
+                       param_ptrs={p.data_ptr() for p in self.shards.values()})
+        self.stats = {"bytes_sent": defaultdict(int), "peak_in_flight": 0, "peak_activation_bytes": 0}
+        self.events = st.events
+        return st
+
+    @staticmethod
+    def _wait_sends(st: StepState) -> None:
+        """Wait for the step's sends in flight (their tensors must live until they complete)."""
+        for work, _ in st.pending_sends:
+            work.wait()
+        st.pending_sends = []
+
+    def _run_actions(self, st: StepState) -> None:
+        """Run this stage's actions of ``st.schedule`` in order, recording each compute action and
+        each batch of point-to-point operations in ``st.events``."""
+        actions = st.schedule.actions[self.stage]
         rank = self.mesh.rank
         handlers = self._handlers()
         t0 = time.perf_counter()
@@ -342,43 +406,66 @@ class RankEngine(nn.Module):
             self._post(st)
             return " ".join(map(str, actions[i:j])), "comm"
         except Exception as e:
-            raise self._failure(e, at) from e
+            raise self._failure(e, at, st.schedule) from e
 
-    def _failure(self, e: Exception, steps: list[int]) -> ActionError:
+    def _failure(self, e: Exception, steps: list[int], schedule: Schedule) -> ActionError:
         """``e`` with context: the rank, its coordinates, the action(s) at ``steps`` (indices in this
-        stage's action list) and the schedule grid around them, marked."""
-        actions = [self.schedule.actions[self.stage][t] for t in steps]
+        stage's action list of ``schedule``) and the schedule grid around them, marked."""
+        actions = [schedule.actions[self.stage][t] for t in steps]
         marks = [(self.stage, t) for t in steps]
         coords = self.mesh.shape.coords(self.mesh.rank)
         pp, dp, tp = coords
         what = " ".join(map(str, actions))
         where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
-        grid = self.schedule.format_grid(marks, columns=(steps[0] - 8, steps[-1] + 9))
+        grid = schedule.format_grid(marks, columns=(steps[0] - 8, steps[-1] + 9))
         message = (f"rank {self.mesh.rank} (pp={pp}, dp={dp}, tp={tp}) failed running {what} "
                    f"(stage {self.stage}, {where}, marked [..] below): {type(e).__name__}: {e}\n{grid}")
         return ActionError(message, self.mesh.rank, coords, actions, marks)
 
     def _microbatches(self, batch) -> list[list[torch.Tensor]]:
-        """[microbatch][input or target]: this replica's slices, on the engine's device."""
+        """[microbatch][input or target]: this replica's slices, on the engine's device.
+
+        Each tensor is the global batch (leading size d*m*b: this replica's rows are kept) or this
+        replica's own (m*b); all of the batch's tensors the same way (one and the same when d = 1).
+        """
         traced = self.program.traced
         names = traced.input_names + traced.target_names
         if len(batch) != len(names):
             raise TypeError(f"expected {len(traced.input_names)} input(s) and {len(traced.target_names)} "
                             f"target(s), got {len(batch)} tensors")
         phs = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
-        m, d = self.program.microbatches, self.mesh.shape.dp
+        m = self.program.microbatches
+        wants = [tuple(phs[name].meta["val"].shape) for name in names]
+        whole = [self._is_global_batch(name, tuple(x.shape), want) for name, x, want in zip(names, batch, wants)]
+        if len(set(whole)) > 1:
+            kinds = ", ".join(f"'{n}' {tuple(x.shape)}: {'global' if g else 'this replica'}"
+                              for n, x, g in zip(names, batch, whole))
+            raise ValueError(f"the batch mixes the global batch and this replica's ({kinds}): pass every "
+                             f"input and target the same way, all global or all this replica's")
         out = [[] for _ in range(m)]
-        for name, x in zip(names, batch):
-            want = tuple(phs[name].meta["val"].shape)
-            full = (want[0] * m * d,) + want[1:]
-            if tuple(x.shape) != full:
-                raise ValueError(
-                    f"batch tensor '{name}' has shape {tuple(x.shape)}, but the program expects {full}: "
-                    f"{d} data-parallel replica(s) x {m} microbatch(es) of {want} (the example microbatch's shape)")
-            mine = x.narrow(0, self.mesh.dp_rank * want[0] * m, want[0] * m).to(self.device)
+        for x, want, is_global in zip(batch, wants, whole):
+            start = self.dp_rank * want[0] * m if is_global else 0
+            mine = x.narrow(0, start, want[0] * m).to(self.device)
             for i, piece in enumerate(mine.split(want[0], dim=0)):
                 out[i].append(piece)
         return out
+
+    def _is_global_batch(self, name: str, shape: tuple[int, ...], want: tuple[int, ...]) -> bool:
+        """Whether batch tensor ``name`` of ``shape`` is the global batch (True) or this replica's
+        (False), the example microbatch's shape being ``want``; an error naming both accepted shapes
+        when it is neither."""
+        m, d = self.program.microbatches, self.dp_size
+        replica = (want[0] * m,) + want[1:]
+        full = (want[0] * m * d,) + want[1:]
+        if shape in (full, replica):
+            return shape == full
+        if d == 1:
+            expected = f"{full}: {m} microbatch(es) of {want} (the example microbatch's shape)"
+        else:
+            expected = (f"{full}, the global batch ({d} data-parallel replicas x {m} microbatch(es) of {want}, "
+                        f"the example microbatch's shape), or {replica}, this replica's own batch "
+                        f"({m} microbatch(es) of {want}; replica {self.dp_rank} of {d})")
+        raise ValueError(f"batch tensor '{name}' has shape {shape}, but the program expects {expected}")
 
     def _chunk_args(self, chunk: "Chunk", micro_i: list[torch.Tensor], inputs: list[torch.Tensor]) -> list:
         """The chunk's graph arguments: the tp group, its parameter shards, its feeds, its inputs."""
@@ -393,28 +480,33 @@ class RankEngine(nn.Module):
 
     # ------------------------------------------------------------------ compute
     def _forward(self, a: Action, st: StepState) -> None:
-        """``F c.i``: run the chunk, keep its context for ``B c.i``; hand the outputs to the next
-        chunk when it lives on this stage (else ``SF`` sends them)."""
+        """``F c.i``: run the chunk; in a training step keep its context for ``B c.i``. Hand the
+        outputs to the next chunk when it lives on this stage, else keep them for ``SF``."""
         chunk = self.chunks[a.chunk]
         key = (a.chunk, a.microbatch)
-        inputs = [] if a.chunk == 0 else [
-            t.detach().requires_grad_(b.requires_grad) for t, b in zip(st.take(Kind.RECV_F, key), chunk.inputs)]
+        inputs = [] if a.chunk == 0 else [t.detach().requires_grad_(st.training and b.requires_grad)
+                                          for t, b in zip(st.take(Kind.RECV_F, key), chunk.inputs)]
         outs = self._run_chunk(st, key, self._chunk_args(chunk, st.micro[a.microbatch], inputs))
         if a.chunk == self.program.split.n - 1:
-            loss = outs[0]
-            st.loss_sum += loss.detach().double()
-            st.ctx[key] = (inputs, [loss / st.m])
+            st.loss_sum += outs[0].detach().double()
+            outs = [outs[0] / st.m]  # what the backward differentiates
+        elif (a.chunk + 1) in self.chunks:  # next chunk on this stage: hand over directly
+            st.fwd_in[(a.chunk + 1, a.microbatch)] = [o.detach().to(b.dtype) for o, b in zip(outs, chunk.outputs)]
         else:
+            st.outgoing[key] = list(outs)
+        if st.training:
             st.ctx[key] = (inputs, list(outs))
-            if (a.chunk + 1) in self.chunks:  # next chunk on this stage: hand over directly
-                st.fwd_in[(a.chunk + 1, a.microbatch)] = [o.detach().to(b.dtype) for o, b in zip(outs, chunk.outputs)]
         self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(st.ctx))
         held = sum(st.saved.values())  # bytes autograd keeps for the pending backwards
         self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], held)
 
     def _run_chunk(self, st: StepState, key: Key, args: list):
-        """Run chunk ``key[0]`` under autocast and the random stream; count in ``st.saved[key]`` the
-        activation bytes autograd keeps for its backward (checkpointed regions: their kept inputs)."""
+        """Run chunk ``key[0]`` (its evaluation graph in an evaluation step) under autocast and the
+        random stream; count in ``st.saved[key]`` the activation bytes autograd keeps for its
+        backward (checkpointed regions: their kept inputs)."""
+        if not st.training:
+            with self._autocast(), self._random_stream():
+                return self.eval_runnables[key[0]](*args)
         saved = 0
 
         def pack(t: torch.Tensor):
@@ -455,8 +547,8 @@ class RankEngine(nn.Module):
 
     # ------------------------------------------------------------ point-to-point
     def _send_outputs(self, a: Action, st: StepState) -> None:
-        """``SF c.i``: the chunk's outputs (kept in the context of ``F c.i``) to the next stage."""
-        _, outs = st.ctx[(a.chunk, a.microbatch)]
+        """``SF c.i``: the chunk's outputs (kept by ``F c.i``) to the next stage."""
+        outs = st.outgoing.pop((a.chunk, a.microbatch))
         peer = self.mesh.peer(a.peer)
         for idx, (t, b) in enumerate(zip(outs, self.chunks[a.chunk].outputs)):
             st.comm.ops.append(self._send(t.detach(), b, peer, _tag(a, idx), a))
@@ -584,14 +676,26 @@ class RankEngine(nn.Module):
                 yield name, self.shards[_key(name)]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters under every original name (gathered over tp, then over pp), on every rank."""
-        return self._gather(lambda p: p.detach(), buffers=True)
+        """The model's ``state_dict()``, whole, on every rank, on the engine's device: exactly its keys
+        in its order. Parameters under every name the model gives them (tied weights twice),
+        gathered over tp, then over pp; persistent buffers; non-persistent buffers (a rotary
+        ``inv_freq``) are not part of it, as in the model's own ``state_dict()``."""
+        params = self._gather(lambda p: p.detach())
+        out = {}
+        for source in state_sources(self.program):
+            if source.kind == "param":
+                out[source.key] = params[source.key]
+            elif source.kind == "buffer":
+                out[source.key] = self._feeds[source.name].clone()
+            else:
+                out[source.key] = untraced_value(self.program, source, self.device)
+        return out
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full gradients under every original parameter name, on every rank."""
-        return self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p), buffers=False)
+        return self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
 
-    def _gather(self, get, buffers: bool) -> dict[str, torch.Tensor]:
+    def _gather(self, get) -> dict[str, torch.Tensor]:
         """``get(shard)`` of every parameter, whole, on every rank, on the engine's device:
         all-gathered over tp (sharded ones), then broadcast over pp from the first stage holding it."""
         program = self.program
@@ -609,10 +713,6 @@ class RankEngine(nn.Module):
                 value = self._from_owner(name, value, dtypes[name])
             for alias in program.traced.aliases.get(name, [name]):
                 out[alias] = value.clone()
-        if buffers:
-            for pname, bname in program.traced.buffer_of.items():
-                if pname in self._feeds:
-                    out[bname] = self._feeds[pname].clone()
         return out
 
     def _from_owner(self, name: str, value: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -631,6 +731,18 @@ class RankEngine(nn.Module):
         traced = self.program.traced
         phs = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
         return {name: phs[ph].meta["val"].dtype for ph, name in traced.param_of.items()}
+
+    # ------------------------------------------------------------------ export
+    def save_pretrained(self, path: str) -> list[str]:
+        """Write the model as a HuggingFace directory that ``from_pretrained`` loads: safetensors
+        with the model's names and shapes, one file per pipeline stage written by that stage
+        (``autopar/runtime/export.py``), and ``config.json`` for a HuggingFace model.
+
+        Collective: every rank calls it. Returns the names of the files this rank wrote.
+        """
+        holdings = RankHoldings(self.program, self.mesh, self.tp, dict(self.named_local_parameters()),
+                                self._feeds, self.device)
+        return save_pretrained(path, holdings)
 
     # --------------------------------------------------------------- checkpoints
     def save(self, root: str, optimizer: torch.optim.Optimizer | None = None, *, step: int, scheduler=None,

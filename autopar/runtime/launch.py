@@ -6,10 +6,17 @@ order. A rank that raises makes ``spawn`` raise ``RankError`` with that rank's
 traceback after stopping the others; a rank that hangs is stopped after
 ``timeout_s``. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) nothing is
 spawned: ``fn`` runs in this process on the existing group.
+
+``join_from_env()`` is what ``materialize()`` calls when no process group
+exists: a process started by ``autopar run`` or torchrun (which set
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)
+joins the group itself, on ``cuda:LOCAL_RANK`` with NCCL where GPUs exist,
+on the CPU with gloo elsewhere; the group is destroyed when the process exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import socket
@@ -23,7 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "RankError", "init_from_env", "free_port"]
+__all__ = ["spawn", "RankError", "init_from_env", "join_from_env", "launched_world", "free_port"]
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What ``autopar run`` and torchrun set for every rank they start."""
 
 
 class RankError(RuntimeError):
@@ -36,8 +46,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(ranks_per_node: int = 1) -> str:
+    """NCCL when this node has a GPU for each of its ranks, else gloo (NCCL refuses two ranks on one GPU)."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks_per_node else "gloo"
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
@@ -48,6 +59,39 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def launched_world() -> int | None:
+    """The world size ``autopar run`` or torchrun started this process in, or None if neither did."""
+    if all(v in os.environ for v in LAUNCH_VARS):
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def join_from_env(timeout_s: float = 1800.0) -> bool:
+    """Join the process group a launcher set up in the environment, if there is one and this
+    process is not in a group yet; returns whether it joined. The GPU of ``LOCAL_RANK`` becomes
+    the current device under NCCL."""
+    if dist.is_initialized() or launched_world() is None:
+        return False
+    backend = default_backend()
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local}, but this node has {torch.cuda.device_count()} GPU(s): "
+                               f"start at most {torch.cuda.device_count()} ranks per node")
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    atexit.register(_leave)
+    return True
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - peers may be gone already
+            pass
 
 
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeout_s: float,
@@ -85,7 +129,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
         finally:
             dist.destroy_process_group()
         return [out]
-    backend = backend or default_backend()
+    backend = backend or default_backend(nprocs)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()

@@ -1,50 +1,109 @@
 """From a compiled program to one rank's engine: its mesh groups and its parameter shards.
 
 Collective: every rank of the world calls it (the process groups are created
-here). Each rank keeps only the slices of the parameters its pipeline stage
+here). A process started by ``autopar run`` or torchrun that is in no process
+group yet joins the one they set up (``launch.join_from_env``): NCCL on
+``cuda:LOCAL_RANK`` where GPUs exist, gloo on the CPU elsewhere. Each rank keeps only the slices of the parameters its pipeline stage
 reads (``local_slice`` of the full weight along the sharded dim), on the rank's
 device: the current GPU when the process group is NCCL (it communicates GPU
 tensors only), else the full weights' device. The engine computes there.
+
+The weights come from a ``state_dict``, a HuggingFace safetensors
+``checkpoint`` read slice by slice, the model's own parameters, or, for a
+model on the meta device, its own initialisation made one module at a time
+(``weight_plan`` decides and checks, before any other work); with no full
+weights given, the rank's device is the CPU (the GPU under NCCL). The base
+seed of that initialisation is rank 0's (``seed``, or its
+``torch.initial_seed()``), so every layout makes the same full weights as
+``init_weights(model, seed)``. A rank that fails while making its weights
+makes every rank fail, naming it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from autopar.compiler.program import Program
-from autopar.core.comm import local_slice
 from autopar.core.mesh import Mesh
-from autopar.core.placement import Shard
 from autopar.runtime.engine import RankEngine, rank_device
+from autopar.runtime.launch import join_from_env
+from autopar.runtime.weight_plan import plan_weights
 
 __all__ = ["materialize"]
 
 
-def materialize(program: Program, state_dict: dict[str, torch.Tensor] | None = None) -> RankEngine:
-    """This rank's engine. ``state_dict``: full weights to use instead of the model's
-    (needed for a meta-device model)."""
-    full = _full_weights(program, state_dict)
+def materialize(program: Program, state_dict: dict[str, torch.Tensor] | None = None,
+                checkpoint: str | Path | None = None, seed: int | None = None) -> RankEngine:
+    """This rank's engine.
+
+    ``state_dict``: full weights to use instead of the model's (or only buffers a
+    meta-device model cannot make). ``checkpoint``: a HuggingFace safetensors
+    checkpoint (a directory with ``model.safetensors`` or its sharded index) to
+    read this rank's slices from. Neither, and a model on the meta device: its
+    own initialisation, seeded by ``seed`` (default: rank 0's ``torch.initial_seed()``).
+    """
     shape = program.config.mesh
+    if shape.world > 1:
+        join_from_env()
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != shape.world:
-        hint = "start ranks with autopar.spawn(...) or torchrun" if not dist.is_initialized() else \
-            f"compile with tp * pp * dp = {world}"
         raise ValueError(f"the program needs tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world} "
-                         f"ranks, but the world has {world}: {hint}")
+                         f"ranks, but {_world_hint(world, shape.world)}")
+    # every rank checks the same inputs, but a file one node lacks fails one rank only: all stop
+    weights = _on_every_rank("checking its weights", lambda: plan_weights(program, state_dict, checkpoint))
     mesh = Mesh.create(shape, sorted(set(program.tied_params.values())))
-    tp_rank, stage = mesh.tp_rank, mesh.pp_rank
-    device = _device(full[n] for n in program.param_names)
-    local = {}
-    for name in program.param_names:
-        if stage not in program.param_stages[name]:
-            continue
-        spec = program.param_spec(name)
-        w = full[name].detach()
-        if isinstance(spec, Shard):
-            w = local_slice(w, tp_rank, program.tp, spec.dim, spec.segments)
-        local[name] = w.to(device, copy=True).contiguous()
-    return RankEngine(program, mesh, local, _replicated_inputs(program, state_dict))
+    device = _device(weights.given.values())
+    base_seed = _rank0_seed(seed, device)
+    local, buffers = _on_every_rank("making its weights", lambda: weights.load(
+        mesh.pp_rank, mesh.tp_rank, device, base_seed))
+    return RankEngine(program, mesh, local, _replicated_inputs(program, buffers, device))
+
+
+_T = TypeVar("_T")
+
+
+def _on_every_rank(what: str, make: Callable[[], _T]) -> _T:
+    """``make()``; when it raised on any rank, every rank raises (no rank waits for ever on a
+    collective a failed one never joins): the failed rank its own error, the others one naming it."""
+    error, result = None, None
+    try:
+        result = make()
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
+        error = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reports: list = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(rank, text) for rank, text in enumerate(reports) if text is not None]
+        if failed and error is None:
+            rank, text = failed[0]
+            raise RuntimeError(f"rank {rank} failed {what}, so rank {dist.get_rank()} stops too: {text}")
+    if error is not None:
+        raise error
+    return result
+
+
+def _rank0_seed(seed: int | None, device: torch.device) -> int:
+    """The base seed of the initialisation: ``seed`` or ``torch.initial_seed()``, rank 0's."""
+    base = torch.tensor([(torch.initial_seed() if seed is None else int(seed)) % 2**63], dtype=torch.int64,
+                        device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(base, src=0)
+    return int(base)
+
+
+def _world_hint(world: int, want: int) -> str:
+    if dist.is_initialized():
+        return (f"the process group has {world}: start {want} ranks, or compile for this world "
+                f"(parallelize(..., world_size={world}) with tp * pp dividing {world})")
+    return (f"this process is in no process group (it was not started by a launcher): start {want} ranks with "
+            f"`autopar run --nproc {want} script.py` or `torchrun --nproc-per-node {want} script.py` "
+            f"(materialize joins the group they set up), or run a function on {want} local ranks with "
+            f"autopar.spawn(fn, {want})")
 
 
 def _device(weights) -> torch.device:
@@ -54,26 +113,15 @@ def _device(weights) -> torch.device:
     return rank_device(w for w in weights)
 
 
-def _full_weights(program: Program, state_dict) -> dict[str, torch.Tensor]:
-    if state_dict is not None:
-        missing = [n for n in program.param_names if n not in state_dict]
-        if missing:
-            raise KeyError(f"state_dict lacks {len(missing)} parameter(s), e.g. {missing[:3]}")
-        return state_dict
-    params = dict(program.model.named_parameters())
-    meta = [n for n in program.param_names if params[n].is_meta]
-    if meta:
-        raise ValueError(f"the model's parameters are on the meta device ({meta[0]}, ...): pass "
-                         "materialize(state_dict=...) with real weights")
-    return params
-
-
-def _replicated_inputs(program: Program, state_dict) -> dict[str, torch.Tensor]:
-    """Buffers and lifted constants: every rank holds them whole."""
-    bufs = dict(program.model.named_buffers())
+def _replicated_inputs(program: Program, buffers: dict[str, torch.Tensor], device: torch.device
+                       ) -> dict[str, torch.Tensor]:
+    """Buffers (by name) and lifted constants by placeholder: every rank holds them whole. An
+    empty constant traced on the meta device is made empty on ``device`` (``plan_weights``
+    refuses one with elements)."""
     out = {}
     for ph, name in program.traced.buffer_of.items():
-        out[ph] = (state_dict or {}).get(name, bufs.get(name))
+        out[ph] = buffers[name]
     for ph, name in program.traced.constant_of.items():
-        out[ph] = program.traced.constants[name]
+        value = program.traced.constants[name]
+        out[ph] = torch.empty(value.shape, dtype=value.dtype, device=device) if value.is_meta else value
     return out

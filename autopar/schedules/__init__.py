@@ -7,7 +7,7 @@ One job per file:
 - ``grid.py``: the rank x time grid a schedule prints as, and reads back from;
 - ``dependencies.py``: who needs whom (producers, send/receive partners);
 - ``in_flight.py``: activations held at once: warm-up counts, bounds, peaks;
-- ``generators.py``: GPipe, 1F1B and interleaved 1F1B;
+- ``generators.py``: GPipe, 1F1B and interleaved 1F1B, and ``forward_only`` (evaluation) of any;
 - ``lowering.py``: ``lower``, the sends and receives of every cross-stage dependency;
 - ``checks.py`` and ``validation.py``: the rules, and ``validate``;
 - ``events.py``: ``Event``, one action of one rank in time (simulated or measured);
@@ -17,7 +17,7 @@ One job per file:
 from autopar.core.config import SCHEDULE_NAMES
 from autopar.schedules.actions import Action, Kind, Time
 from autopar.schedules.events import Event
-from autopar.schedules.generators import generate, gpipe, interleaved_1f1b, one_f_one_b
+from autopar.schedules.generators import forward_only, generate, gpipe, interleaved_1f1b, one_f_one_b
 from autopar.schedules.in_flight import in_flight_bound, num_warmup, peak_in_flight
 from autopar.schedules.lowering import lower
 from autopar.schedules.schedule import Schedule, ScheduleError, parse_grid
@@ -27,5 +27,5 @@ from autopar.schedules.validation import validate
 __all__ = [
     "Kind", "Action", "Schedule", "ScheduleError", "DryRun", "Time", "SCHEDULE_NAMES", "num_warmup", "gpipe",
     "one_f_one_b", "interleaved_1f1b", "generate", "lower", "validate", "dry_run", "peak_in_flight", "parse_grid",
-    "Event", "Sends", "SimResult", "simulate", "in_flight_bound",
+    "Event", "Sends", "SimResult", "simulate", "in_flight_bound", "forward_only",
 ]

@@ -53,9 +53,15 @@ def _check_peer(schedule: Schedule, action: Action, loc: Loc) -> None:
         )
 
 
+_BACKWARD = (Kind.B, Kind.SEND_B, Kind.RECV_B)
+
+
 def check_coverage(schedule: Schedule, where: dict[Key, Loc]) -> None:
-    """Every (chunk, microbatch) has one F and one B."""
-    for kind in (Kind.F, Kind.B):
+    """Every (chunk, microbatch) has one F and one B; a forward-only schedule has one F each and
+    no backward action at all (no B, SB or RB)."""
+    if schedule.forward_only:
+        _check_no_backward(schedule)
+    for kind in (Kind.F,) if schedule.forward_only else (Kind.F, Kind.B):
         for c in range(schedule.num_chunks):
             for i in range(schedule.m):
                 if (kind, c, i) not in where:
@@ -64,6 +70,17 @@ def check_coverage(schedule: Schedule, where: dict[Key, Loc]) -> None:
                         f"missing {kind.value}{c}.{i} (on stage {schedule.stage_of(c)})",
                         [],
                     )
+
+
+def _check_no_backward(schedule: Schedule) -> None:
+    for s, acts in schedule.actions.items():
+        for t, a in enumerate(acts):
+            if a.kind in _BACKWARD:
+                raise schedule_error(
+                    schedule,
+                    f"{a} on stage {s}: a forward-only schedule runs no backward (no B, SB or RB actions)",
+                    [(s, t)],
+                )
 
 
 def check_matching(schedule: Schedule, where: dict[Key, Loc]) -> None:
@@ -125,7 +142,10 @@ def _local_needs(schedule: Schedule, action: Action, stage: int, lowered: bool) 
 
 
 def check_in_flight(schedule: Schedule) -> None:
-    """No stage ever holds more activations than :meth:`Schedule.in_flight_bound`."""
+    """No stage ever holds more activations than :meth:`Schedule.in_flight_bound` (a
+    forward-only schedule holds none: its forwards keep nothing for a backward)."""
+    if schedule.forward_only:
+        return
     for s, acts in schedule.actions.items():
         bound = schedule.in_flight_bound(s)
         for t, held in enumerate(in_flight_counts(acts)):

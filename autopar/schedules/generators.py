@@ -1,4 +1,5 @@
-"""The named schedules: GPipe, 1F1B (PipeDream-Flush) and Megatron-LM's interleaved 1F1B.
+"""The named schedules: GPipe, 1F1B (PipeDream-Flush) and Megatron-LM's interleaved 1F1B,
+and the forward-only (evaluation) form of any of them.
 
 Each generator emits compute actions only (``lowering.lower`` adds the sends
 and receives) and validates what it returns.
@@ -12,7 +13,7 @@ from autopar.schedules.actions import Action, Kind
 from autopar.schedules.in_flight import num_warmup
 from autopar.schedules.schedule import Schedule
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "generate"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "generate", "forward_only"]
 
 
 def _check_layout(name: str, p: int, v: int, m: int) -> None:
@@ -122,3 +123,29 @@ def generate(name: str, p: int, v: int, m: int) -> Schedule:
     if name == "interleaved":
         return interleaved_1f1b(p, v, m)
     raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}")
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The evaluation form of a compute-only training schedule: every stage runs its forwards in
+    the order ``schedule`` runs them, and no backward.
+
+    One F per (chunk, microbatch) and nothing kept for a backward, so the stage moves from one
+    forward straight to the next. Keeping the training order keeps the training schedule's
+    buffering of received activations (Megatron-LM's forward-only pass visits the chunks in
+    the same order): chunk-major for GPipe, groups of ``p`` microbatches per chunk for
+    interleaved 1F1B. With unit forwards the step takes
+
+        (v - 1) max(m, p) + m + p - 1
+
+    slots: ``m + p - 1`` for ``v = 1`` (a stage starts ``r`` slots late), ``v m + p - 1`` for
+    ``m >= p``, so the bubble is ``(p - 1) / (v m)`` as in training. The result keeps the
+    schedule's name and is marked ``forward_only``; ``lowering.lower`` adds its sends and
+    receives.
+    """
+    if schedule.is_lowered:
+        raise ValueError(f"schedule {schedule.name!r} is lowered: give its compute-only form, "
+                         "and lower the forward-only schedule afterwards")
+    if schedule.forward_only:
+        raise ValueError(f"schedule {schedule.name!r} is already forward-only")
+    actions = {s: [a for a in acts if a.kind is Kind.F] for s, acts in schedule.actions.items()}
+    return _checked(Schedule(schedule.name, schedule.p, schedule.v, schedule.m, actions, forward_only=True))

@@ -59,6 +59,8 @@ def in_flight_counts(actions: Sequence[Action]) -> list[int]:
 
 def peak_in_flight(schedule) -> dict[int, int]:
     """Per stage of a ``Schedule``, the most (chunk, microbatch) activations held at once
-    (F run, B not yet)."""
+    (F run, B not yet); none for a forward-only schedule (its forwards keep nothing)."""
     actions: Mapping[int, Sequence[Action]] = schedule.actions
+    if schedule.forward_only:
+        return dict.fromkeys(actions, 0)
     return {s: max(in_flight_counts(acts), default=0) for s, acts in actions.items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_left
 
 import autopar.schedules.validation as validation
@@ -15,6 +16,9 @@ __all__ = ["lower"]
 
 def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost = 1) -> Schedule:
     """Add the sends and receives that carry every cross-stage dependency.
+
+    A forward-only schedule gets its SF and RF actions the same way (it has no
+    B to send gradients for).
 
     Sends: right after the compute that produced the tensor (``SF c.i >
     s(c+1)`` after ``F(c, i)``, ``SB c.i > s(c-1)`` after ``B(c, i)``).
@@ -56,7 +60,7 @@ def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost = 1) -> Schedule:
                 ready = run.end[ps][pt]
                 slots[s][bisect_left(run.start[s], ready, hi=t)].append(recv)
     actions = {s: _interleave_slots(slots[s], acts) for s, acts in schedule.actions.items()}
-    lowered = Schedule(schedule.name, schedule.p, schedule.v, schedule.m, actions)
+    lowered = dataclasses.replace(schedule, actions=actions)
     validation.validate(lowered)
     return lowered
 

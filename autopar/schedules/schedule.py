@@ -8,7 +8,9 @@ last chunk, which holds the loss)::
 
 A schedule from a generator (``generators.py``) has compute actions only;
 ``lowering.py`` adds the point-to-point communication; ``validation.py``
-checks one; ``simulator.py`` times one. Nothing here touches
+checks one; ``simulator.py`` times one. A *forward-only* schedule (evaluation,
+``generators.forward_only``) has the F actions (and their sends and receives)
+and no backward; it keeps no activation for one. Nothing here touches
 torch.distributed: the runtime only interprets these lists.
 """
 
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 from autopar.core.config import size_errors
 from autopar.schedules.actions import Action, Loc
-from autopar.schedules.grid import format_grid, read_grid
+from autopar.schedules.grid import FORWARD_ONLY, format_grid, read_grid
 from autopar.schedules.in_flight import in_flight_bound
 
 __all__ = ["Schedule", "ScheduleError", "schedule_error", "parse_grid"]
@@ -52,6 +54,8 @@ class Schedule:
     """Microbatches per step."""
     actions: dict[int, list[Action]] = field(repr=False)
     """Stage -> the actions it runs, in order."""
+    forward_only: bool = False
+    """True for an evaluation schedule: one F per (chunk, microbatch), no B, nothing kept for a backward."""
 
     def __post_init__(self) -> None:
         errs = size_errors(p=self.p, v=self.v, m=self.m)
@@ -87,8 +91,10 @@ class Schedule:
         forwards, then one more forward before its first backward); that is
         ``v*m`` for GPipe, ``min(p - r, m)`` for 1F1B and
         ``min(2(p-r-1) + (v-1)p + 1, v*m)`` for interleaved 1F1B. Custom
-        schedules are bounded only by ``v*m``.
+        schedules are bounded only by ``v*m``; a forward-only schedule holds none.
         """
+        if self.forward_only:
+            return 0
         return in_flight_bound(self.name, self.p, self.v, self.m, stage)
 
     def format_grid(self, marks: Iterable[Loc] = (), columns: tuple[int, int] | None = None) -> str:
@@ -98,7 +104,8 @@ class Schedule:
         grid to steps ``lo .. hi-1`` (shown with ``...``; a clipped grid does
         not parse back).
         """
-        return format_grid(f"{self.name} p={self.p} v={self.v} m={self.m}", self.actions, marks, columns)
+        header = f"{self.name} p={self.p} v={self.v} m={self.m}" + (f" {FORWARD_ONLY}" if self.forward_only else "")
+        return format_grid(header, self.actions, marks, columns)
 
     def __str__(self) -> str:
         return self.format_grid()

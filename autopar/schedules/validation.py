@@ -21,7 +21,8 @@ def validate(schedule: Schedule) -> None:
 
     Asserts, in order: every action is on its chunk's stage with in-range
     indices and (for sends/receives) the right peer; each (chunk, microbatch)
-    has exactly one F and one B; each send has exactly one matching receive;
+    has exactly one F and one B (a forward-only schedule: one F, and no B, SB
+    or RB anywhere); each send has exactly one matching receive;
     on every stage an action follows what it needs locally (F before its B,
     local producers, and in a lowered schedule the receive of each remote
     input and the compute before each send); per stage r the in-flight count

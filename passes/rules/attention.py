@@ -33,7 +33,7 @@ def sdpa(ctx: Ctx, node: fx.Node, pl: Placements) -> Decision:
     for path, a in qkv:
         if isinstance(pl[a], Shard):
             continue
-        if shape(a)[d] % ctx.tp:
+        if not ctx.divides(shape(a)[d]):
             return fallback(shards, "replicated q/k/v head count not divisible by tp")
         scatter.append((path, Shard(d, segs)))
     if isinstance(mask, fx.Node):

@@ -44,7 +44,10 @@ class Ctx:
     """Column-parallel linear node -> segments of its output features (None = one)."""
 
     @staticmethod
-    def build(traced: TracedModel, tp: int) -> "Ctx":
+    def build(traced: TracedModel, tp: int, split_vocabulary: bool | None = None) -> "Ctx":
+        """The context of an analysis for ``tp`` ranks; embeddings are split by vocabulary when
+        ``split_vocabulary`` (default: tp > 1; the analysis of which degrees fit asks for it at t = 1)."""
+        split_vocabulary = tp > 1 if split_vocabulary is None else split_vocabulary
         requires_grad, from_input = set(traced.param_of), set(traced.input_names)
         for n in traced.gm.graph.nodes:
             if n.op != "call_function":
@@ -58,9 +61,15 @@ class Ctx:
         for n in traced.gm.graph.nodes:
             if n.op == "call_function" and n.target == aten.embedding.default:
                 table, ids = n.args[0], n.args[1]
-                if tp > 1 and table.name in traced.param_of and ids.name in from_input:
+                if split_vocabulary and table.name in traced.param_of and ids.name in from_input:
                     vocab.add(n.name)
         return Ctx(tp, dict(traced.param_of), requires_grad, vocab)
+
+    def divides(self, size: int) -> bool:
+        """``size`` splits t ways: a multiple of t, and at least 2. For t >= 2 the second condition
+        follows from the first; at t = 1, where ``sharding.ideal_decisions`` looks for the plan any
+        degree could follow, it keeps out splits no t >= 2 could make (a dimension of size 1)."""
+        return size % self.tp == 0 and size >= 2
 
     def is_column(self, name: str | None) -> bool:
         """``name`` is a linear tried or kept column-parallel."""

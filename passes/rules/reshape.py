@@ -86,7 +86,7 @@ def _regroup(ctx: Ctx, node: fx.Node, p: Shard) -> Decision:
         inner_out = math.prod(oshape[k] for k in go if k > od)
         rows = math.prod(oshape[k] for k in go if k < od)
         out_segs = _rows_of_segments(flat, rows, oshape[od] * inner_out if not is_padded else sum(flat))
-        if out_segs is None or any(f % (inner_out * ctx.tp) for f in out_segs):
+        if out_segs is None or any(f % inner_out or not ctx.divides(f // inner_out) for f in out_segs):
             continue
         new = [f // inner_out for f in out_segs]
         local = list(oshape)
@@ -101,7 +101,7 @@ def _regroup(ctx: Ctx, node: fx.Node, p: Shard) -> Decision:
     od = olead[0]
     inner_out = math.prod(oshape[k] for k in go if k > od)
     err = None
-    if outer_in == 1 and not is_padded and p.segments is None and inner_out > 1 and oshape[od] % ctx.tp:
+    if outer_in == 1 and not is_padded and p.segments is None and inner_out > 1 and not ctx.divides(oshape[od]):
         err = _split_error(ctx, node, d, od, inner_out)
     return fallback([(("a", 0), p)], "view splits the sharded dim unevenly", error=err)
 
@@ -114,9 +114,9 @@ def _ask_for_pieces(ctx: Ctx, node: fx.Node, p: Shard, olead: list[int]) -> None
         return
     pieces = oshape[olead[0]]
     size = ishape[d] // pieces
-    if pieces > 1 and size % ctx.tp == 0 and size * pieces == ishape[d]:
+    if pieces > 1 and ctx.divides(size) and size * pieces == ishape[d]:
         inner_out = math.prod(oshape[k] for k in olead if k > olead[0])
-        err = _split_error(ctx, node, d, olead[0], inner_out) if pieces % ctx.tp else None
+        err = _split_error(ctx, node, d, olead[0], inner_out) if not ctx.divides(pieces) else None
         raise NeedSegments(p.origin, [size] * pieces, err)
 
 

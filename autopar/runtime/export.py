@@ -1,0 +1,194 @@
+"""``engine.save_pretrained(path)``: a running engine's model as a HuggingFace directory.
+
+Written by the ranks that hold the weights, never gathered on one rank: each
+pipeline stage writes its own file (``model-0000k-of-0000p.safetensors``, or
+``model.safetensors`` when p = 1), one tensor at a time, by the rank at tp rank
+0 of data-parallel replica 0 of that stage. A sharded parameter is all-gathered
+over that stage's tp group only (never over pp), its vocabulary padding dropped
+and its fused segments put back in the model's order, then streamed to the file.
+
+What is written is the model's own ``state_dict()`` (``state_keys``): its names
+and unpadded shapes, persistent buffers, not non-persistent ones (a rotary
+``inv_freq``), and HuggingFace's rules for tied weights and ignored keys
+(``hf_layout``). A parameter that several stages read (a tied embedding and LM
+head on the first and last stages) is written once, by the first of them; a
+buffer by the first stage that reads it. Global rank 0 writes the index (p > 1)
+and ``config.json`` / ``generation_config.json`` for a HuggingFace model.
+
+Collective: every rank calls it. The directory is checked on the writing ranks
+before any work, and a rank whose write fails keeps taking part in its stage's
+gathers; every rank then learns of every failure and raises it, so no rank is
+left waiting.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from autopar.core.comm import TPGroup, _all_gather
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Shard
+from autopar.runtime.hf_layout import (
+    FILE_METADATA,
+    HFFile,
+    check_output_dir,
+    ignored_on_save,
+    remove_stale_weight_files,
+    tied_duplicates,
+    tied_weight_patterns,
+    weight_file_name,
+    write_configs,
+    write_index,
+)
+from autopar.runtime.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
+from autopar.runtime.state_keys import StateSource, state_sources, untraced_value
+
+if TYPE_CHECKING:
+    from autopar.compiler.program import Program
+
+__all__ = ["RankHoldings", "ExportError", "save_pretrained", "stage_files"]
+
+
+class ExportError(RuntimeError):
+    """Writing the export failed on one or more ranks; the message names each rank and why."""
+
+
+@dataclass(frozen=True)
+class RankHoldings:
+    """What one rank holds of the model: the engine's program, mesh, shards and buffers."""
+
+    program: "Program"
+    mesh: Mesh
+    tp: TPGroup
+    shards: dict[str, torch.Tensor]
+    """Canonical parameter name -> this rank's shard (its stage's parameters only)."""
+    feeds: dict[str, torch.Tensor]
+    """Graph placeholder -> buffer or constant, whole."""
+    device: torch.device
+
+
+def save_pretrained(path: str, rank: RankHoldings) -> list[str]:
+    """Write the HuggingFace directory ``path``; the names of the files this rank wrote."""
+    program, mesh, path = rank.program, rank.mesh, str(path)
+    files, sources = stage_files(program)
+    writer = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    _raise_if_any(check_output_dir(path) if writer else None, ValueError)
+    written, error = [], None
+    if mesh.dp_rank == 0:
+        file = files[mesh.pp_rank]
+        error = _write_file(os.path.join(path, file.name), file, lambda e: _whole(rank, sources[e.name]), writer)
+        written = [file.name] if writer and error is None else []
+    if _global_rank() == 0 and error is None:
+        error, extra = _guarded(_write_directory_files, path, program, files)
+        written += extra or []
+    _raise_if_any(error, ExportError)
+    return written
+
+
+def stage_files(program: "Program") -> tuple[list[HFFile], dict[str, StateSource]]:
+    """One file per pipeline stage, each with the tensors its stage writes in the model's key
+    order; and tensor name -> where its value lives. Tied duplicates and ignored keys left out."""
+    model = program.model
+    skip = ignored_on_save(model)
+    patterns = tied_weight_patterns(model)
+    for names in program.traced.aliases.values():
+        skip.update(tied_duplicates(names, patterns))
+    p = program.pp
+    by_stage: list[list[TensorEntry]] = [[] for _ in range(p)]
+    sources = {}
+    for source in state_sources(program):
+        if source.key in skip:
+            continue
+        check_dtype(source.key, source.dtype)
+        by_stage[_writing_stage(program, source)].append(TensorEntry(source.key, source.shape, source.dtype))
+        sources[source.key] = source
+    return [HFFile(weight_file_name(s + 1, p), tuple(entries)) for s, entries in enumerate(by_stage)], sources
+
+
+def _writing_stage(program: "Program", source: StateSource) -> int:
+    """The stage that writes ``source``: the first holding the parameter, the first reading the
+    buffer; stage 0 for what no graph reads."""
+    if source.kind == "param":
+        return program.param_stages[source.name][0]
+    if source.kind == "buffer":
+        readers = [c.index % program.pp for c in program.split.chunks if source.name in c.feeds]
+        return min(readers, default=0)
+    return 0
+
+
+def _whole(rank: RankHoldings, source: StateSource) -> torch.Tensor:
+    """The whole value of ``source`` on the engine's device; a sharded parameter all-gathered over
+    this stage's tp group (collective on it), padding dropped."""
+    program = rank.program
+    if source.kind == "buffer":
+        return rank.feeds[source.name]
+    if source.kind == "model":
+        return untraced_value(program, source, rank.device)
+    value = rank.shards[source.name].detach()
+    spec = program.param_spec(source.name)
+    if isinstance(spec, Shard):
+        if rank.tp.size > 1:
+            value = _all_gather(value, rank.tp, spec.dim, spec.segments)
+        value = value.narrow(spec.dim, 0, source.shape[spec.dim])
+    return value
+
+
+def _write_file(path: str, file: HFFile, whole: Callable[[TensorEntry], torch.Tensor], writes: bool) -> str | None:
+    """Every tensor of ``file`` made whole, in order (collective over the stage's tp group); the
+    writing rank streams them to ``path``. A failure is returned, not raised, after every gather
+    has run, so the stage's other ranks are never left waiting."""
+    stream, error = None, None
+    if writes:
+        error, stream = _guarded(SafetensorsStream, path, list(file.entries), FILE_METADATA)
+    for entry in file.entries:
+        value = whole(entry)
+        if stream is not None and error is None:
+            error, _ = _guarded(stream.write, entry.name, value)
+    if stream is not None:
+        failed, _ = _guarded(stream.abort if error else stream.close)
+        error = error or failed
+    return error
+
+
+def _write_directory_files(path: str, program: "Program", files: list[HFFile]) -> list[str]:
+    """The index (more than one file) and the HuggingFace configs: what rank 0 writes after its
+    stage's file; weight files of an earlier save in ``path`` (never this save's) removed."""
+    remove_stale_weight_files(path, [f.name for f in files])
+    written = []
+    if len(files) > 1:
+        total_parameters = sum(p.numel() for p in program.model.parameters())
+        write_index(path, files, total_parameters)
+        written.append("model.safetensors.index.json")
+    dtypes = [e.dtype for f in files for e in f.entries if e.dtype.is_floating_point]
+    return written + write_configs(path, program.model, dtypes[0] if dtypes else None)
+
+
+def _guarded(action: Callable, *args):
+    """(error message or None, ``action(*args)`` or None)."""
+    try:
+        return None, action(*args)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}", None
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _raise_if_any(error: str | None, kind: type[Exception]) -> None:
+    """Raise ``kind`` on every rank if any rank has an error, naming each failing rank.
+    Collective over the world (the agreement is what keeps no rank waiting on a failed one)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    else:
+        errors = [error]
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise kind("save_pretrained failed on " + ("; ".join(failed)))

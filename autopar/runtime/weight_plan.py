@@ -1,0 +1,164 @@
+"""Where each parameter and buffer of a rank comes from: decided, and checked, before any work.
+
+The first source that has it, for a parameter:
+
+1. ``state_dict`` (full weights: then it must hold every parameter);
+2. ``checkpoint``, a HuggingFace safetensors checkpoint (``hf_weights``);
+3. the model's own parameter, when it is real;
+4. the model's own initialisation, for a parameter on the meta device
+   (``initialize``), seeded by the base seed and the module's path;
+
+and for a buffer the graph reads: ``state_dict``, the checkpoint (same name
+and shape), the model's buffer when it is real, its module's initialisation.
+A ``state_dict`` may hold buffers alone (those a meta-device model cannot
+make); one with some parameters but not all is refused, as is a
+``state_dict`` of parameters together with a checkpoint.
+
+``plan_weights`` decides and checks (missing or mis-shaped checkpoint
+tensors, modules with no code to make their values) from the program, the
+model and the checkpoint's headers alone, before any weight is made
+(``materialize`` makes every rank stop when one fails here).
+``WeightPlan.load`` then makes one rank's shards, each sharded tensor read
+piece by piece (``shards.assemble``), never whole unless made whole by its
+module's initialisation, and freed before the next module's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from autopar.compiler.program import Program
+from autopar.runtime.hf_weights import Entry, HFCheckpoint
+from autopar.runtime.initialize import initialise_modules
+from autopar.runtime.module_init import check_initialisable
+from autopar.runtime.shards import Reader, assemble, narrow_reader
+
+__all__ = ["WeightPlan", "plan_weights"]
+
+
+@dataclass
+class WeightPlan:
+    """Each parameter's and buffer's source (see the module's docstring)."""
+
+    program: Program
+    given: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Parameter -> its full value (the ``state_dict``'s or the model's own)."""
+    checkpoint: HFCheckpoint | None = None
+    entries: dict[str, Entry] = field(default_factory=dict)
+    """Parameter -> its tensor in the checkpoint."""
+    init_params: set[str] = field(default_factory=set)
+    """Parameters made by the model's initialisation."""
+    given_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    checkpoint_buffers: dict[str, Entry] = field(default_factory=dict)
+    init_buffers: set[str] = field(default_factory=set)
+
+    def load(self, stage: int, tp_rank: int, device: torch.device, seed: int
+             ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(this rank's parameter shards in the program's order, the graph's buffers), on ``device``."""
+        held = [n for n in self.program.param_names if stage in self.program.param_stages[n]]
+        local: dict[str, torch.Tensor] = {}
+        buffers = {n: b.detach().to(device, copy=True) for n, b in self.given_buffers.items()}
+        for n in held:
+            if n in self.given:
+                local[n] = self._shard(n, narrow_reader(self.given[n].detach(), self.program.param_spec(n)),
+                                       self.given[n].dtype, tp_rank, device)
+        if self.checkpoint is not None:
+            self._read_checkpoint([n for n in held if n in self.entries], local, buffers, tp_rank, device)
+        params = self.init_params & set(held)
+        if params or self.init_buffers:
+            for made in initialise_modules(self.program.model, seed, device, params, self.init_buffers):
+                self._keep(made, params, local, buffers, tp_rank, device)
+                made = None  # the module's full tensors go before the next module's are made
+        return {n: local[n] for n in held}, buffers
+
+    def _read_checkpoint(self, names: list[str], local: dict, buffers: dict, tp_rank: int,
+                         device: torch.device) -> None:
+        """This rank's slices of ``names`` and the checkpoint's buffers, in the model's dtypes."""
+        model = self.program.model
+        with self.checkpoint.opened(device) as ckpt:
+            for n in names:
+                dtype = model.get_parameter(n).dtype
+                read = ckpt.reader(self.entries[n], self.program.param_spec(n), dtype)
+                local[n] = self._shard(n, read, dtype, tp_rank, device)
+            for n, entry in self.checkpoint_buffers.items():
+                buffers[n] = ckpt.read(entry, model.get_buffer(n).dtype).to(device)
+
+    def _keep(self, made: dict[str, torch.Tensor], params: set[str], local: dict, buffers: dict, tp_rank: int,
+              device: torch.device) -> None:
+        """One module's made values: this rank's shard of each parameter, buffers whole."""
+        for n, value in made.items():
+            if n in params:
+                local[n] = self._shard(n, narrow_reader(value, self.program.param_spec(n)), value.dtype, tp_rank,
+                                       device)
+            else:
+                buffers[n] = value
+
+    def _shard(self, name: str, read: Reader, dtype: torch.dtype, tp_rank: int,
+               device: torch.device) -> torch.Tensor:
+        """This rank's shard of parameter ``name`` from ``read``, as ``dtype`` on ``device``."""
+        program = self.program
+        return assemble(read, program.full_shape(name), program.param_spec(name), tp_rank, program.tp, dtype,
+                        device)
+
+
+def plan_weights(program: Program, state_dict: dict[str, torch.Tensor] | None = None,
+                 checkpoint: str | Path | None = None) -> WeightPlan:
+    """Each parameter's and buffer's source, checked: bad input fails here, on every rank alike."""
+    state_dict = state_dict or {}
+    plan = WeightPlan(program)
+    present = [n for n in program.param_names if n in state_dict]
+    if present and checkpoint is not None:
+        raise ValueError("pass the parameters once: materialize(state_dict=...) with parameters, or "
+                         "checkpoint=...; a state_dict next to a checkpoint may hold buffers only")
+    if present and len(present) < len(program.param_names):
+        missing = [n for n in program.param_names if n not in state_dict]
+        raise KeyError(f"state_dict lacks {len(missing)} parameter(s), e.g. {missing[:3]}: pass every parameter, "
+                       "or none (then the model's own, a checkpoint's, or its initialisation's are used)")
+    if checkpoint is not None:
+        plan.checkpoint = HFCheckpoint.open(checkpoint)
+        plan.entries = plan.checkpoint.match(program)
+    model_params = dict(program.model.named_parameters())
+    for name in program.param_names:
+        if name in state_dict:
+            plan.given[name] = state_dict[name]
+        elif name not in plan.entries and model_params[name].is_meta:
+            plan.init_params.add(name)
+        elif name not in plan.entries:
+            plan.given[name] = model_params[name]
+    _plan_buffers(plan, state_dict)
+    _check_constants(program)
+    if plan.init_params or plan.init_buffers:
+        check_initialisable(program.model, plan.init_params, plan.init_buffers)
+    return plan
+
+
+def _plan_buffers(plan: WeightPlan, state_dict: dict[str, torch.Tensor]) -> None:
+    """The source of every buffer the graph reads (state_dict, checkpoint, the model's, its init)."""
+    model_buffers = dict(plan.program.model.named_buffers(remove_duplicate=False))
+    for name in dict.fromkeys(plan.program.traced.buffer_of.values()):
+        own = model_buffers[name]
+        entry = plan.checkpoint.buffer(name, tuple(own.shape)) if plan.checkpoint and name not in state_dict \
+            else None
+        if name in state_dict:
+            plan.given_buffers[name] = state_dict[name]
+        elif entry is not None:
+            plan.checkpoint_buffers[name] = entry
+        elif not own.is_meta:
+            plan.given_buffers[name] = own
+        else:
+            plan.init_buffers.add(name)
+
+
+def _check_constants(program: Program) -> None:
+    """A tensor constant traced on the meta device has no value; only an empty one can be made."""
+    lost = [(name, tuple(value.shape)) for name, value in program.traced.constants.items()
+            if value.is_meta and value.numel() > 0 and name in program.traced.constant_of.values()]
+    if lost:
+        raise ValueError(
+            f"{len(lost)} tensor constant(s) of the traced model have no value: made on the meta device (a plain "
+            f"tensor attribute, or a tensor built from Python data in forward): {lost[:3]}; fix: register it as "
+            f"a buffer (register_buffer) so the initialisation or materialize(state_dict=...) can give it, or "
+            f"build the model on a real device")
