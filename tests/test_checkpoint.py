@@ -42,12 +42,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import parallelize_on, seeded, spawn_ranks, token_batches
+from safetensors.torch import load_file
 
 import autopar
 from autopar.core.placement import Replicate, Shard
 from autopar.reference.models import GPT, ModelConfig, build
 from autopar.runtime.checkpoint_files import CheckpointError, PublishingWriter, resolve
 from autopar.runtime.checkpoint_state import shard_pieces
+from autopar.runtime.export_checkpoint import export_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -367,16 +369,18 @@ class _BufferedGPT(GPT):
         super().__init__(ModelConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, d_model=32))
         self.register_buffer("logit_scale", torch.tensor(scale))
         self.register_buffer("ones", torch.ones(VOCAB), persistent=False)
-        self.config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4)
+        self.config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+                                              bos_token_id=0, eos_token_id=0)
 
     def forward(self, idx):
         return super().forward(idx) * self.logit_scale * self.ones
 
 
 def test_one_process_engine_saves_and_loads(tmp_path):
-    """Without a process group: an asynchronous save; a program of the same model with another buffer
-    value loads it (the saved buffer with it) and trains on exactly alike; a step saved twice and a
-    negative step are refused before anything is written."""
+    """Without a process group: an asynchronous save, which ``autopar export`` turns into the model's
+    ``state_dict`` (the format is the export's contract); a program of the same model with another
+    buffer value loads it (the saved buffer with it) and trains on exactly alike; a step saved twice
+    and a negative step are refused before anything is written."""
     data = _data(VOCAB, rows=2)
     engine = parallelize_on(seeded(_BufferedGPT, 0.7), data, 2).materialize()
     optimizer, scheduler = _optimizer(engine)
@@ -386,6 +390,11 @@ def test_one_process_engine_saves_and_loads(tmp_path):
     description = json.loads((handle.path / "autopar.json").read_text())
     assert description["buffers"] == {"logit_scale": []}
     assert (description["hf_config"]["n_embd"], description["layout"]["tp"]) == (32, 1)
+    exported = export_checkpoint(str(tmp_path), str(tmp_path / "hf"))
+    weights = load_file(tmp_path / "hf" / next(f for f in exported if f.endswith(".safetensors")))
+    full = engine.full_state_dict()
+    assert set(weights) == set(full) - {"lm_head.weight"}  # the tied head once, under the embedding's name
+    _assert_bitwise(weights, {name: full[name] for name in weights}, "exported")
     with pytest.raises(CheckpointError, match="step-00000001 already exists: a step is saved once"):
         engine.save(tmp_path, optimizer, step=1)
     with pytest.raises(ValueError, match="step must be a non-negative int"):

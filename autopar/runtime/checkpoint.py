@@ -136,15 +136,16 @@ class Checkpointer:
             raise ValueError(f"step must be a non-negative int (it names ROOT/step-N), got {step!r}")
         self.wait()
         root = Path(root)
-        errors, state = save_errors(root, step), {}
+        errors, state, description = save_errors(root, step), {}, {}
         try:
             state = self._state(optimizer, scheduler, extra)
+            description = describe(self.engine.program, step)
             if not errors and self._rank0():
                 clear_partial(root, step)
         except Exception as e:  # noqa: BLE001 - whatever one rank meets, every rank must hear of it
             errors.append(_problem(e))
         agree(errors, self.group, f"cannot save step {step} under {root}")
-        writer = PublishingWriter(root, step, describe(self.engine.program, step))
+        writer = PublishingWriter(root, step, description)
         if async_save:
             future = dcp.async_save(state, storage_writer=writer, planner=PieceSavePlanner(),
                                     process_group=self.group, async_stager=HostStager())
@@ -158,7 +159,7 @@ class Checkpointer:
     def _state(self, optimizer, scheduler, extra) -> dict:
         """This rank's DCP state dict: views of its tensors (a synchronous save writes them as they are)."""
         engine = self.engine
-        state: dict = {**model_entries(engine), **buffer_entries(engine), **rng_entries(engine)}
+        state: dict = {**model_entries(engine), **buffer_entries(engine, saving=True), **rng_entries(engine)}
         if optimizer is not None:
             state.update(optimizer_entries(engine, optimizer))
         if self._rank0():  # the same on every rank: stored once
@@ -220,7 +221,7 @@ class Checkpointer:
         """(key -> destination, problems): parameters and buffers always; this rank's random stream
         when the checkpoint holds it; the optimizer's state when it fits; the scheduler and extra."""
         engine = self.engine
-        targets: dict = {**model_entries(engine), **buffer_entries(engine)}
+        targets: dict = {**model_entries(engine), **buffer_entries(engine, saving=False)}
         if same_streams(engine, description["layout"], saved):
             targets.update(rng_targets(engine))
         errors = optimizer_errors(engine, optimizer, saved) if optimizer is not None else []

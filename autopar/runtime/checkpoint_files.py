@@ -25,6 +25,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
+from autopar.runtime.hf_weights import CheckpointError  # autopar's one error for a checkpoint that does not fit
+
 __all__ = ["CheckpointError", "FORMAT", "DESCRIPTION", "LATEST", "PARTIAL", "step_dir_name", "resolve",
            "save_errors", "clear_partial", "PublishingWriter", "read_description"]
 
@@ -33,10 +35,6 @@ FORMAT = 1
 DESCRIPTION = "autopar.json"
 LATEST = "latest"
 PARTIAL = ".partial"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; raised on every rank, naming the checkpoint."""
 
 
 def step_dir_name(step: int) -> str:

@@ -7,7 +7,8 @@ Keys (DCP's flat state dict):
                      model (``program.full_shape``), this rank's shard as pieces
                      at their global offsets (``shard_pieces``);
 - ``buffer.<name>``  each persistent buffer, whole (every rank holds it; DCP
-                     writes it once);
+                     writes it once), and any other ``state_dict`` tensor the
+                     graph never reads (``state_keys``);
 - ``rng.<stage>.<replica>.<i>``  the engine's random stream (generator i: the
                      CPU's, then the GPU's), one per (pipeline stage, dp replica):
                      the t ranks of a stage draw alike, so tp rank 0 saves it.
@@ -27,11 +28,12 @@ from autopar.core.comm import seed_forked
 from autopar.core.placement import Shard
 from autopar.runtime.checkpoint_dcp import Pieces
 from autopar.runtime.checkpoint_files import FORMAT
+from autopar.runtime.state_keys import state_sources, untraced_value
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
 
-__all__ = ["shard_pieces", "as_pieces", "model_entries", "buffer_entries", "persistent_buffers", "rng_entries",
+__all__ = ["shard_pieces", "as_pieces", "model_entries", "buffer_entries", "rng_entries",
            "rng_targets", "restore_rng", "describe", "same_streams"]
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -77,16 +79,21 @@ def model_entries(engine) -> dict[str, Pieces]:
             for name, shard in engine.named_local_parameters()}
 
 
-def persistent_buffers(program: "Program") -> dict[str, str]:
-    """Placeholder -> name of each buffer the model saves in its ``state_dict`` (persistent)."""
-    saved = set(program.model.state_dict(keep_vars=True))
-    return {ph: name for ph, name in program.traced.buffer_of.items() if name in saved}
+def buffer_entries(engine, *, saving: bool) -> dict[str, torch.Tensor]:
+    """``buffer.<key>`` for every tensor of the model's ``state_dict()`` that is not a trained parameter.
 
-
-def buffer_entries(engine) -> dict[str, torch.Tensor]:
-    """``buffer.<name>`` for every persistent buffer: the engine's own tensor (load writes into it)."""
-    return {f"buffer.{name}": engine._feeds[ph] for ph, name in persistent_buffers(engine.program).items()
-            if isinstance(engine._feeds.get(ph), torch.Tensor)}
+    A persistent buffer the graph reads is the engine's own tensor (a load
+    writes into it); one the graph never reads is unchanged since the model was
+    built, so it is saved (a reader of the checkpoint gets the whole
+    ``state_dict``) but not loaded (``saving=False`` leaves it out).
+    """
+    out = {}
+    for source in state_sources(engine.program):
+        if source.kind == "buffer":
+            out[f"buffer.{source.key}"] = engine._feeds[source.name]
+        elif source.kind == "model" and saving:
+            out[f"buffer.{source.key}"] = untraced_value(engine.program, source, engine.device)
+    return out
 
 
 def _stream_keys(engine) -> list[str]:
@@ -132,8 +139,7 @@ def restore_rng(engine, loaded: dict, step: int) -> None:
 
 def describe(program: "Program", step: int) -> dict:
     """``autopar.json``: what a reader without a process group needs (``docs/training.md``)."""
-    values = {n.name: n.meta["val"] for n in program.traced.placeholders()}
-    buffers = {name: list(values[ph].shape) for ph, name in persistent_buffers(program).items()}
+    buffers = {s.key: list(s.shape) for s in state_sources(program) if s.kind != "param"}
     config = program.config
     return {
         "format": FORMAT,

@@ -42,7 +42,8 @@ INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not fit the program: what is missing or mis-shaped, where, and the fix."""
+    """A checkpoint that does not fit the program, cannot be read or cannot be written: what is
+    missing or mis-shaped, where, and the fix (also autopar's own checkpoints, ``checkpoint.py``)."""
 
 
 @dataclass(frozen=True)
