@@ -41,14 +41,14 @@ _WHERE = {
     "spawn": "autopar.runtime.launch",
     "init_weights": "autopar.runtime.initialize",
     "InitError": "autopar.runtime.module_init",
-    "CheckpointError": "autopar.runtime.hf_weights",
+    "CheckpointError": "autopar.runtime.errors",
 }
 
 if TYPE_CHECKING:
     from autopar.api import ParallelProgram, parallelize, plan
     from autopar.compiler.trace import TraceError, lm_cross_entropy
     from autopar.core.config import ParallelConfig
-    from autopar.runtime.hf_weights import CheckpointError
+    from autopar.runtime.errors import CheckpointError
     from autopar.runtime.initialize import init_weights
     from autopar.runtime.launch import RankError, spawn
     from autopar.runtime.module_init import InitError

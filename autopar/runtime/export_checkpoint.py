@@ -50,6 +50,7 @@ from autopar.runtime.hf_layout import (
     write_index,
 )
 from autopar.runtime.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
+from autopar.runtime.errors import CheckpointError
 
 __all__ = ["CheckpointError", "Manifest", "resolve_checkpoint", "read_manifest", "export_checkpoint"]
 
@@ -58,10 +59,6 @@ LATEST = "latest"
 FORMAT = 1
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 """5 GB per file, the size the HuggingFace Hub serves best."""
-
-
-class CheckpointError(ValueError):
-    """The path is not a complete autopar checkpoint, or its files disagree; says what and where."""
 
 
 @dataclass(frozen=True)

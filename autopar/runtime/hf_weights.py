@@ -32,6 +32,7 @@ from safetensors import safe_open
 
 from autopar.core.placement import Replicate, Shard
 from autopar.runtime.shards import Reader
+from autopar.runtime.errors import CheckpointError
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
@@ -39,11 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["HFCheckpoint", "CheckpointError", "Entry"]
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the program, cannot be read or cannot be written: what is
-    missing or mis-shaped, where, and the fix (also autopar's own checkpoints, ``checkpoint.py``)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,10 @@
+"""The runtime's errors that users catch by name (re-exported from ``autopar``)."""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (autopar's own or a HuggingFace one) that does not fit the program, cannot be read
+    or cannot be written: what is missing or mis-shaped, where, and the fix. Raised on every rank."""
