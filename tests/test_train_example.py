@@ -1,0 +1,44 @@
+"""The main job (examples/train_gpt.py) as a user runs it: interrupted, resumed, the same run.
+
+A run of 4 steps against one stopped after step 2 and resumed from its
+checkpoint in new processes: the same held-out loss and the same final loss.
+The final line's loss is the one the progress bar shows; step 0 matches
+single-device training (the script checks it and says so).
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+LAYOUT = ["--tp", "1", "--pp", "2", "--dp", "1", "--steps", "4", "--save-every", "2", "--eval-every", "2"]
+
+
+def _run(*extra: str) -> str:
+    out = subprocess.run([sys.executable, str(SCRIPT), *LAYOUT, *extra], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def _final(text: str) -> str:
+    return re.search(r"^final loss (\d+\.\d+) at step 4", text, re.M).group(1)
+
+
+def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
+    whole = _run("--ckpt-dir", str(tmp_path / "whole"))
+    assert "parity: step 0's loss" in whole
+    bar = re.findall(r"step 4/4 .* loss (\d+\.\d+) ", whole)
+    assert bar and bar[-1] == _final(whole)  # the last line says what the progress bar showed
+    first = _run("--ckpt-dir", str(tmp_path / "cut"), "--stop-at", "2")
+    assert "final loss" in first and (tmp_path / "cut" / "latest").read_text().strip() == "step-00000002"
+    resumed = _run("--ckpt-dir", str(tmp_path / "cut"), "--resume")
+    assert "resumed from" in resumed and "at step 2" in resumed
+    assert _final(resumed) == _final(whole)
+    held_out = re.compile(r"(\d+\.\d+) \(step 4\)")
+    assert held_out.search(resumed).group(1) == held_out.search(whole).group(1)
