@@ -142,6 +142,15 @@ def local_slice(x: torch.Tensor, rank: int, t: int, dim: int, segments: tuple[in
     return out[0] if len(out) == 1 else torch.cat(out, dim=dim)
 
 
+def whole_from_shards(local: torch.Tensor, group: TPGroup, dim: int, segments: tuple[int, ...] | None,
+                      size: int) -> torch.Tensor:
+    """The inverse of ``local_slice``: every rank's piece gathered along ``dim`` (collective over
+    ``group``), padding beyond the full ``size`` dropped."""
+    if group.size > 1:
+        local = _all_gather(local, group, dim, segments)
+    return local.narrow(dim, 0, size)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):

@@ -63,7 +63,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.core.checkpoint import count_kept_bytes
-from autopar.core.comm import TPGroup, _all_gather, seed_forked
+from autopar.core.comm import TPGroup, _all_gather, seed_forked, whole_from_shards
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
 from autopar.runtime.device_graphs import on_device
@@ -706,9 +706,7 @@ class RankEngine(nn.Module):
             value = get(local) if local is not None else None
             spec = program.param_spec(name)
             if value is not None and isinstance(spec, Shard):
-                if self.tp.size > 1:
-                    value = _all_gather(value, self.tp, spec.dim, spec.segments)
-                value = value.narrow(spec.dim, 0, program.full_shape(name)[spec.dim])
+                value = whole_from_shards(value, self.tp, spec.dim, spec.segments, program.full_shape(name)[spec.dim])
             if self.mesh.shape.pp > 1:
                 value = self._from_owner(name, value, dtypes[name])
             for alias in program.traced.aliases.get(name, [name]):

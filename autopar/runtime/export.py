@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from autopar.core.comm import TPGroup, _all_gather
+from autopar.core.comm import TPGroup, whole_from_shards
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
 from autopar.runtime.hf_layout import (
@@ -133,9 +133,7 @@ def _whole(rank: RankHoldings, source: StateSource) -> torch.Tensor:
     value = rank.shards[source.name].detach()
     spec = program.param_spec(source.name)
     if isinstance(spec, Shard):
-        if rank.tp.size > 1:
-            value = _all_gather(value, rank.tp, spec.dim, spec.segments)
-        value = value.narrow(spec.dim, 0, source.shape[spec.dim])
+        value = whole_from_shards(value, rank.tp, spec.dim, spec.segments, source.shape[spec.dim])
     return value
 
 
