@@ -182,6 +182,10 @@ def check_parity(args, out) -> None:
 
 def main() -> None:
     args = _args()
+    latest = Path(args.ckpt_dir) / "latest"
+    if latest.exists() and not args.resume:  # before any work: a new run would collide with its saves
+        raise SystemExit(f"{args.ckpt_dir} holds a run (newest checkpoint {latest.read_text().strip()}): add "
+                         f"--resume to continue it, or --ckpt-dir DIR for a new run")
     world = args.tp * args.pp * args.dp
     launched = "RANK" in os.environ  # under torchrun / autopar run this process is one rank
     is_main = os.environ.get("RANK", "0") == "0"

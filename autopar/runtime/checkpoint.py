@@ -26,11 +26,14 @@ its collectives with training's on the same group).
 
 from __future__ import annotations
 
+import io
+import re
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -163,9 +166,9 @@ class Checkpointer:
         if optimizer is not None:
             state.update(optimizer_entries(engine, optimizer))
         if self._rank0():  # the same on every rank: stored once
-            state["extra"] = extra
+            state["extra"] = _loadable("extra", extra)
             if scheduler is not None:
-                state["scheduler"] = scheduler.state_dict()
+                state["scheduler"] = _loadable("the scheduler's state_dict()", scheduler.state_dict())
         return state
 
     # ---------------------------------------------------------------------- load
@@ -232,3 +235,21 @@ class Checkpointer:
         if "extra" in saved:
             targets["extra"] = None
         return targets, errors
+
+
+def _loadable(what: str, value: Any) -> Any:
+    """``value`` if a load can read it back (``torch.load(weights_only=True)``: tensors, numbers,
+    strings, lists, tuples, dicts); else an error naming what holds it, before anything is written."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the unpickler names the type it refuses
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        kind = found.group(1) if found else f"{type(e).__name__}: {str(e)[:200]}"
+        raise CheckpointError(
+            f"{what} holds a value a checkpoint cannot load safely ({kind}). Fix: store plain Python values "
+            f"(int, float, str, lists, dicts) or tensors, e.g. int(x) for a NumPy integer, "
+            f"torch.tensor(a) for an array") from None
+    return value

@@ -145,7 +145,8 @@ def _write_file(path: str, file: HFFile, whole: Callable[[TensorEntry], torch.Te
     if writes:
         error, stream = _guarded(SafetensorsStream, path, list(file.entries), FILE_METADATA)
     for entry in file.entries:
-        value = whole(entry)
+        failed, value = _guarded(whole, entry)  # a value that cannot be made (left on meta) is reported, not raised
+        error = error or failed
         if stream is not None and error is None:
             error, _ = _guarded(stream.write, entry.name, value)
     if stream is not None:

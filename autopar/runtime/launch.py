@@ -22,6 +22,7 @@ import pickle
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -51,10 +52,22 @@ def default_backend(ranks_per_node: int = 1) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks_per_node else "gloo"
 
 
+def _node_backend() -> str:
+    """The backend for the ranks a launcher started on this node (``LOCAL_WORLD_SIZE`` of them): NCCL
+    when each has a GPU; gloo on the CPU otherwise, said aloud where GPUs exist but are too few."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    backend = default_backend(local_world)
+    if backend == "gloo" and torch.cuda.is_available():
+        warnings.warn(f"{local_world} ranks on this node but {torch.cuda.device_count()} GPU(s): the ranks run "
+                      f"on the CPU with gloo; start at most {torch.cuda.device_count()} ranks per node to use "
+                      f"the GPUs", stacklevel=3)
+    return backend
+
+
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment; returns (rank, world)."""
     if not dist.is_initialized():
-        backend = backend or default_backend()
+        backend = backend or _node_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
@@ -74,13 +87,9 @@ def join_from_env(timeout_s: float = 1800.0) -> bool:
     the current device under NCCL."""
     if dist.is_initialized() or launched_world() is None:
         return False
-    backend = default_backend()
+    backend = _node_backend()
     if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        if local >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK={local}, but this node has {torch.cuda.device_count()} GPU(s): "
-                               f"start at most {torch.cuda.device_count()} ranks per node")
-        torch.cuda.set_device(local)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     atexit.register(_leave)
     return True

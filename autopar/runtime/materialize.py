@@ -3,8 +3,9 @@
 Collective: every rank of the world calls it (the process groups are created
 here). A process started by ``autopar run`` or torchrun that is in no process
 group yet joins the one they set up (``launch.join_from_env``): NCCL on
-``cuda:LOCAL_RANK`` where GPUs exist, gloo on the CPU elsewhere. Each rank keeps only the slices of the parameters its pipeline stage
-reads (``local_slice`` of the full weight along the sharded dim), on the rank's
+``cuda:LOCAL_RANK`` where GPUs exist, gloo on the CPU elsewhere. Each rank
+keeps only the slices of the parameters its pipeline stage reads (its piece
+of the full weight along the sharded dim), on the rank's
 device: the current GPU when the process group is NCCL (it communicates GPU
 tensors only), else the full weights' device. The engine computes there.
 
@@ -21,6 +22,7 @@ makes every rank fail, naming it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -107,8 +109,13 @@ def _world_hint(world: int, want: int) -> str:
 
 
 def _device(weights) -> torch.device:
-    """The current GPU under NCCL, else the weights' device (the CPU for none)."""
+    """The current GPU under NCCL, else the weights' device (the CPU for none). A script that made its
+    NCCL group without choosing a GPU (the current one still 0) gets the GPU of its ``LOCAL_RANK``,
+    not every rank on GPU 0."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        if torch.cuda.current_device() == 0 and local != 0:
+            torch.cuda.set_device(local)
         return torch.device("cuda", torch.cuda.current_device())
     return rank_device(w for w in weights)
 

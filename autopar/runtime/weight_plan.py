@@ -64,7 +64,7 @@ class WeightPlan:
         for n in held:
             if n in self.given:
                 local[n] = self._shard(n, narrow_reader(self.given[n].detach(), self.program.param_spec(n)),
-                                       self.given[n].dtype, tp_rank, device)
+                                       self.program.model.get_parameter(n).dtype, tp_rank, device)
         if self.checkpoint is not None:
             self._read_checkpoint([n for n in held if n in self.entries], local, buffers, tp_rank, device)
         params = self.init_params & set(held)
@@ -128,11 +128,25 @@ def plan_weights(program: Program, state_dict: dict[str, torch.Tensor] | None = 
             plan.init_params.add(name)
         elif name not in plan.entries:
             plan.given[name] = model_params[name]
+    _check_given(program, state_dict)
     _plan_buffers(plan, state_dict)
     _check_constants(program)
     if plan.init_params or plan.init_buffers:
         check_initialisable(program.model, plan.init_params, plan.init_buffers)
     return plan
+
+
+def _check_given(program: Program, state_dict: dict[str, torch.Tensor]) -> None:
+    """Every tensor given in ``state_dict`` has the model's shape (a larger one would be cut, a smaller
+    one broadcast): one error listing each mismatch."""
+    want = {n: program.full_shape(n) for n in program.param_names}
+    want.update({n: tuple(b.shape) for n, b in program.model.named_buffers(remove_duplicate=False)})
+    bad = [f"{n}: given {tuple(t.shape)}, the model has {want[n]}" for n, t in state_dict.items()
+           if n in want and tuple(t.shape) != tuple(want[n])]
+    if bad:
+        raise ValueError(f"materialize(state_dict=...): {len(bad)} tensor(s) of another shape than the model's: "
+                         + "; ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
+                         + ". Fix: pass the weights of this model (same vocabulary, widths and layer count)")
 
 
 def _plan_buffers(plan: WeightPlan, state_dict: dict[str, torch.Tensor]) -> None:
