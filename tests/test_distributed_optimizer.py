@@ -56,6 +56,8 @@ def _train(layout: dict, distributed: bool) -> dict:
            "lr": opt.param_groups[0]["lr"]}
     if distributed:
         out["padding"] = sum(b.padded - b.numel for b in opt.buckets)
+        out["buckets"] = len(opt.buckets)
+        out["straddling"] = sum(p.length < engine.grads.params[p.name].numel() for b in opt.buckets for p in b.pieces)
     return out
 
 
@@ -103,7 +105,8 @@ def test_weights_after_three_steps_equal_the_plain_optimizers(results, layout):
         for key, want in plain["weights"].items():
             torch.testing.assert_close(sharded["weights"][key], want, **WEIGHTS,
                                        msg=lambda m, key=key: f"{layout} rank {rank} {key}: {m}")
-        assert sharded["lr"] == plain["lr"] == LR / STEPS  # the scheduler drove the inner optimizer
+        assert sharded["buckets"] > 2 and sharded["straddling"] > 0  # several buckets; parameters cut by ranges
+        assert sharded["lr"] == plain["lr"] == LR / (STEPS + 1)  # the scheduler drove the inner optimizer: 1/(step+1) after 3 steps
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
