@@ -32,15 +32,12 @@ copies before the next step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from autopar.runtime.flat_buffers import FlatBucket, gather_owned
 from autopar.runtime.gradients import bucket_names
-
-if TYPE_CHECKING:
-    from autopar.runtime.engine import RankEngine
 
 __all__ = ["DistributedOptimizer", "ELEMENTWISE_OPTIMIZERS", "elementwise_errors"]
 
@@ -73,10 +70,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """An inner ``torch.optim`` optimizer over this replica's 1/d of the parameters' entries.
 
     ``param_groups`` and ``state`` are the inner optimizer's: one tensor per piece of a parameter this
-    replica owns (``FlatBucket.pieces``), grouped as the parameters were.
+    replica owns (``FlatBucket.pieces``), grouped as the parameters were. ``engine`` (a ``RankEngine``)
+    is left unannotated because the engine imports this module.
     """
 
-    def __init__(self, engine: "RankEngine", optimizer_class: type, params=None, *, elementwise: bool = False,
+    def __init__(self, engine, optimizer_class: type, params=None, *, elementwise: bool = False,
                  **defaults: Any):
         errors = elementwise_errors(optimizer_class, elementwise)
         if errors:
