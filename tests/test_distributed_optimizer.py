@@ -11,7 +11,8 @@ the reduced (clipped) gradients of step 0 and each step's clipping norm equal
 the plain run's; each rank's optimizer state is 1/d of the plain optimizer's
 (the replicas' together exactly the plain state); LBFGS, Adafactor and an
 unknown optimizer class are refused with the class named and the fix, and the
-engine still trains after a refusal.
+engine still trains after a refusal; so are a distributed optimizer made while
+the parameters hold gradients of a step reduced without it, and a second one.
 """
 
 import pytest
@@ -77,6 +78,14 @@ def _refusals() -> dict:
     loss = engine.train_step(*data[0][0], *data[0][1])  # the refusals left the engine as it was
     messages["sharded_after"] = engine.grads.sharded is not None
     messages["loss"] = loss
+    with pytest.raises(RuntimeError) as err:  # gradients of that step are held: they would be reduced twice
+        engine.distributed_optimizer(torch.optim.AdamW, lr=0.1)
+    messages["held"] = str(err.value)
+    engine.zero_grad()
+    engine.distributed_optimizer(torch.optim.AdamW, lr=0.1)
+    with pytest.raises(RuntimeError) as err:
+        engine.distributed_optimizer(torch.optim.SGD, lr=0.1)
+    messages["second"] = str(err.value)
     return messages
 
 
@@ -140,6 +149,8 @@ def test_refused_optimizers_name_the_class_and_the_fix(results):
         assert "Adafactor" in messages["Adafactor"] and "elementwise=True" in messages["Adafactor"]
         assert "Scaled is not known" in messages["Scaled"] and "elementwise=True" in messages["Scaled"]
         assert messages["sharded_after"] is False and messages["loss"] > 0
+        assert "already hold gradients" in messages["held"] and "engine.zero_grad()" in messages["held"]
+        assert "already has a distributed optimizer" in messages["second"]
 
 
 def test_flat_bucket_pieces_cover_each_entry_once_with_fp32_masters():

@@ -82,6 +82,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.engine = engine
         self.params = dict(engine.named_local_parameters())
         """Original name -> this rank's shard (an engine parameter)."""
+        held = [n for n, p in self.params.items() if p.grad is not None]
+        if held:
+            raise RuntimeError(f"{len(held)} parameter(s) ({', '.join(held[:3])}...) already hold gradients of a step "
+                               f"reduced without the distributed optimizer (all-reduced; tied ones summed across "
+                               f"stages), which its reduce-scatter would reduce again: call engine.zero_grad() "
+                               f"before making the distributed optimizer")
         groups = self._user_groups(params)
         self.buckets = self._plan_buckets()
         self.inner = optimizer_class(self._inner_groups(groups), **defaults)

@@ -111,7 +111,7 @@ class GradientSync:
         group = self.mesh.groups.get("dp")
         for names_in_bucket in bucket_names(names, self.params, self.bucket_bytes):
             if self.sharded is not None:
-                self._launch_reduce_scatter(self.sharded[tuple(names_in_bucket)], group)
+                self._launch_reduce_scatter(self._flat_bucket(names_in_bucket), group)
                 continue
             bucket = [self.params[name] for name in names_in_bucket]
             for p in bucket:
@@ -126,7 +126,16 @@ class GradientSync:
         self._works.append((work, flat, params))
         self.stats["dp_buckets"] = self.stats.get("dp_buckets", 0) + 1
 
-    def _launch_reduce_scatter(self, bucket: FlatBucket, group, async_op: bool = True) -> None:
+    def _flat_bucket(self, names: list[str]) -> FlatBucket:
+        """The distributed optimizer's buffers laid out for this gradient bucket."""
+        bucket = self.sharded.get(tuple(names))
+        if bucket is None:
+            raise RuntimeError(f"a gradient bucket of {len(names)} parameter(s) starting at {names[0]} matches none "
+                               f"of the distributed optimizer's flat buffers: bucket_bytes changed after the "
+                               f"optimizer laid them out ({self.bucket_bytes} now); set it before making the optimizer")
+        return bucket
+
+    def _launch_reduce_scatter(self, bucket: FlatBucket, group) -> None:
         """Reduce-scatter one bucket: its local gradients, flat and padded, summed over the replicas
         into each one's owned range (``bucket.grad``); averaged in ``end_step``."""
         flat = bucket.flat_grads(self.params)
@@ -135,7 +144,7 @@ class GradientSync:
         if self.mesh.shape.dp == 1:
             bucket.grad.copy_(flat)
             return
-        work = dist.reduce_scatter_single(bucket.grad, flat, group=group, async_op=async_op)
+        work = dist.reduce_scatter_single(bucket.grad, flat, group=group, async_op=True)
         self._works.append((work, flat, bucket))
         self.stats["dp_buckets"] = self.stats.get("dp_buckets", 0) + 1
 
