@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from autopar.compiler.program import Program
     from autopar.core.chunks import Boundary, Chunk
     from autopar.runtime.checkpoint import Checkpointer, SaveHandle
+    from autopar.runtime.distributed_optimizer import DistributedOptimizer
 
 __all__ = ["RankEngine", "StepState", "ActionError", "rank_device"]
 
@@ -249,6 +250,31 @@ class RankEngine(nn.Module):
         self.grads = GradientSync(program, mesh, {n: self.shards[_key(n)] for n in local_params},
                                   bucket_bytes, device=self.device)
         self._ready_after = self._gradients_ready_after(local_params)
+
+    def gradient_groups(self) -> list[list[str]]:
+        """The groups of parameter names whose data-parallel reduction starts together (each final
+        after one chunk's last backward), as ``GradientSync.start`` receives them; tied ones aside."""
+        return [list(names) for names in self._ready_after.values()]
+
+    def distributed_optimizer(self, optimizer_class: type, params=None, *, elementwise: bool = False,
+                              **defaults: Any) -> "DistributedOptimizer":
+        """``optimizer_class(params, **defaults)`` with its state sharded over the data-parallel replicas
+        (Megatron's distributed optimizer, ZeRO stage 1; ``runtime/distributed_optimizer.py``).
+
+        ``params``: this engine's parameters or param groups (default: all of them). Gradients are
+        reduce-scattered from then on, so each replica holds the averaged gradient of its 1/d range
+        only; ``clip_grad_norm_`` and ``full_grads`` read the shards, and the parameters' ``.grad``
+        keep this replica's own gradients. ``elementwise=True`` accepts an optimizer class outside
+        the known element-wise ones. One per engine; made before the first ``train_step``.
+        """
+        from autopar.runtime.distributed_optimizer import DistributedOptimizer
+
+        if self.grads.sharded is not None:
+            raise RuntimeError("this engine already has a distributed optimizer: its gradients are reduce-scattered "
+                               "into that optimizer's buffers; make one distributed optimizer per engine")
+        optimizer = DistributedOptimizer(self, optimizer_class, params, elementwise=elementwise, **defaults)
+        self.grads.reduce_scatter_into(optimizer.buckets)
+        return optimizer
 
     def _handlers(self) -> dict[Kind, Callable[[Action, StepState], None]]:
         """Action kind -> its handler, called ``handler(action, state)``; a communication handler
@@ -692,7 +718,12 @@ class RankEngine(nn.Module):
         return out
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """Full gradients under every original parameter name, on every rank."""
+        """Full gradients under every original parameter name, on every rank (with a distributed
+        optimizer: the reduced gradients, all-gathered from the replicas' shards)."""
+        if self.grads.sharded is not None:
+            reduced = self.grads.reduced_grads()
+            name_of = {id(p): n for n, p in self.named_local_parameters()}
+            return self._gather(lambda p: reduced[name_of[id(p)]])
         return self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
 
     def _gather(self, get) -> dict[str, torch.Tensor]:

@@ -10,6 +10,13 @@
 - Parameters read by chunks on several stages (a tied embedding and LM head):
   this step's gradient is summed across those stages (and averaged over dp).
 - ``clip_norm_``: the global 2-norm over every rank, each parameter counted once.
+- Reduce-scatter mode (``reduce_scatter_into``, set by a distributed optimizer):
+  the same buckets, started at the same moments, are reduce-scattered instead
+  of all-reduced, each replica receiving the averaged gradient of the range it
+  owns into its ``FlatBucket.grad`` (``flat_buffers.py``). The parameters'
+  ``.grad`` are then left as this replica's own accumulated gradients (never
+  overwritten), so accumulating over several steps stays right: each reduction
+  reads the whole accumulation. Clipping then reads and scales the shards.
 
 Every tensor made here lives on the engine's device (``device``, where all the
 parameters are): the buckets are built from the gradients, the norm's
@@ -27,11 +34,31 @@ import torch.nn as nn
 
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
+from autopar.runtime.flat_buffers import FlatBucket, gather_owned
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
 
-__all__ = ["GradientSync"]
+__all__ = ["GradientSync", "bucket_names"]
+
+
+def bucket_names(names: list[str], params: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """``names`` cut into buckets in order: a bucket closes once its gradients reach ``bucket_bytes``.
+
+    The one rule both modes use, so a distributed optimizer can lay out its flat buffers as the
+    buckets that ``start`` will launch.
+    """
+    buckets, bucket, size = [], [], 0
+    for name in names:
+        p = params[name]
+        bucket.append(name)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    if bucket:
+        buckets.append(bucket)
+    return buckets
 
 
 class GradientSync:
@@ -50,8 +77,18 @@ class GradientSync:
         self.bucket_bytes = bucket_bytes
         """Flattened gradient bytes after which a bucket's all-reduce is launched."""
         self._works: list = []
+        self.sharded: dict[tuple[str, ...], FlatBucket] | None = None
+        """Reduce-scatter mode: each bucket's names -> its flat buffers; None: all-reduce mode."""
         self._tied_before: dict[str, torch.Tensor | None] = {}
         self.stats: dict = {}
+
+    def reduce_scatter_into(self, buckets: list[FlatBucket]) -> None:
+        """Switch to reduce-scatter mode: gradients go to these buckets' owned ranges.
+
+        ``buckets`` must be laid out as ``start`` cuts them (``bucket_names`` over each group of
+        names the engine starts together); the parameters held by several stages in ``tied`` ones.
+        """
+        self.sharded = {tuple(b.names): b for b in buckets}
 
     # ------------------------------------------------------------- a step
     def begin_step(self, stats: dict) -> None:
@@ -59,28 +96,27 @@ class GradientSync:
         self.stats = stats
         self._works = []
         self._tied_before = {}
+        if self.sharded is not None:  # the parameters' .grad are never overwritten: nothing to remember
+            return
         for name in self.program.tied_params:
             if name in self.params:
                 g = self.params[name].grad
                 self._tied_before[name] = None if g is None else g.clone()
 
     def start(self, names: list[str]) -> None:
-        """Launch the averaging all-reduce of these parameters' gradients, in buckets, asynchronously."""
-        if self.mesh.shape.dp == 1 or not names:
+        """Launch the averaging all-reduce (or reduce-scatter) of these parameters' gradients, in
+        buckets, asynchronously."""
+        if not names or (self.mesh.shape.dp == 1 and self.sharded is None):
             return
         group = self.mesh.groups.get("dp")
-        bucket: list[nn.Parameter] = []
-        size = 0
-        for name in names:
-            p = self.params[name]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            bucket.append(p)
-            size += p.grad.numel() * p.grad.element_size()
-            if size >= self.bucket_bytes:
-                self._launch(bucket, group)
-                bucket, size = [], 0
-        if bucket:
+        for names_in_bucket in bucket_names(names, self.params, self.bucket_bytes):
+            if self.sharded is not None:
+                self._launch_reduce_scatter(self._flat_bucket(names_in_bucket), group)
+                continue
+            bucket = [self.params[name] for name in names_in_bucket]
+            for p in bucket:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             self._launch(bucket, group)
 
     def _launch(self, params: list[nn.Parameter], group) -> None:
@@ -90,8 +126,39 @@ class GradientSync:
         self._works.append((work, flat, params))
         self.stats["dp_buckets"] = self.stats.get("dp_buckets", 0) + 1
 
+    def _flat_bucket(self, names: list[str]) -> FlatBucket:
+        """The distributed optimizer's buffers laid out for this gradient bucket."""
+        bucket = self.sharded.get(tuple(names))
+        if bucket is None:
+            raise RuntimeError(f"a gradient bucket of {len(names)} parameter(s) starting at {names[0]} matches none "
+                               f"of the distributed optimizer's flat buffers: bucket_bytes changed after the "
+                               f"optimizer laid them out ({self.bucket_bytes} now); set it before making the optimizer")
+        return bucket
+
+    def _launch_reduce_scatter(self, bucket: FlatBucket, group) -> None:
+        """Reduce-scatter one bucket: its local gradients, flat and padded, summed over the replicas
+        into each one's owned range (``bucket.grad``); averaged in ``end_step``."""
+        flat = bucket.flat_grads(self.params)
+        if bucket.tied:
+            self._sum_tied_across_stages(bucket, flat)
+        if self.mesh.shape.dp == 1:
+            bucket.grad.copy_(flat)
+            return
+        work = dist.reduce_scatter_single(bucket.grad, flat, group=group, async_op=True)
+        self._works.append((work, flat, bucket))
+        self.stats["dp_buckets"] = self.stats.get("dp_buckets", 0) + 1
+
+    def _sum_tied_across_stages(self, bucket: FlatBucket, flat: torch.Tensor) -> None:
+        """Sum each tied parameter's local gradient (its slice of ``flat``) over the stages holding it."""
+        for slot in bucket.slots:
+            stages = self.program.tied_params[slot.name]
+            dist.all_reduce(flat[slot.offset : slot.offset + slot.numel], group=self.mesh.tied[stages])
+
     def end_step(self) -> None:
         """Wait for the data-parallel buckets and average; then sum tied parameters across stages."""
+        if self.sharded is not None:
+            self._end_sharded_step()
+            return
         d = self.mesh.shape.dp
         for work, flat, params in self._works:
             work.wait()
@@ -103,6 +170,30 @@ class GradientSync:
                 offset += n
         self._works = []
         self._sync_tied()
+
+    def _end_sharded_step(self) -> None:
+        """Reduce-scatter mode: reduce the tied buckets (their gradients are final only now), wait for
+        every bucket and average its owned range."""
+        group = self.mesh.groups.get("dp")
+        for bucket in self.sharded.values():
+            if bucket.tied:
+                self._launch_reduce_scatter(bucket, group)
+        for work, _, _ in self._works:
+            work.wait()
+        self._works = []
+        for bucket in self.sharded.values():
+            bucket.grad /= self.mesh.shape.dp
+
+    def reduced_grads(self) -> dict[str, torch.Tensor]:
+        """Reduce-scatter mode: every parameter's reduced gradient, whole on this rank (its local
+        shard's shape and dtype), all-gathered over the replicas from their owned ranges."""
+        out = {}
+        for bucket in self.sharded.values():
+            full = gather_owned(bucket, bucket.grad, self.mesh.groups.get("dp"))
+            for slot in bucket.slots:
+                p = self.params[slot.name]
+                out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(p.shape).to(p.dtype)
+        return out
 
     def _sync_tied(self) -> None:
         for name, stages in self.program.tied_params.items():
@@ -125,24 +216,38 @@ class GradientSync:
 
         Each parameter counts once: a shard on every tensor-parallel rank, a
         replicated parameter on tp rank 0, a parameter held by several stages
-        on the first of them; data-parallel replicas hold equal gradients.
+        on the first of them; data-parallel replicas hold equal gradients (in
+        reduce-scatter mode each replica counts and scales the range it owns).
         """
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.params.items():
-            if p.grad is None:
-                continue
-            if not isinstance(self.program.param_spec(name), Shard) and tp_rank != 0:
-                continue
-            if self.program.param_stages[name][0] != stage:
-                continue
-            sq += p.grad.detach().double().pow(2).sum()
-        for axis in ("tp", "pp"):
+        for name, grad in self._reduced_pieces():
+            if self._counts_once(name, tp_rank, stage):
+                sq += grad.detach().double().pow(2).sum()
+        axes = ("tp", "pp", "dp") if self.sharded is not None else ("tp", "pp")
+        for axis in axes:
             if self.mesh.groups.get(axis) is not None:
                 dist.all_reduce(sq, group=self.mesh.groups[axis])
         norm = math.sqrt(float(sq))
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
-            for p in self.params.values():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            for _, grad in self._reduced_pieces():
+                grad.mul_(coef)
         return norm
+
+    def _reduced_pieces(self):
+        """(parameter name, its reduced gradient on this rank): whole ``.grad`` in all-reduce mode,
+        the owned pieces of the buckets' gradient shards in reduce-scatter mode."""
+        if self.sharded is None:
+            for name, p in self.params.items():
+                if p.grad is not None:
+                    yield name, p.grad
+            return
+        for bucket in self.sharded.values():
+            for piece in bucket.pieces:
+                yield piece.name, bucket.grad[piece.at : piece.at + piece.length]
+
+    def _counts_once(self, name: str, tp_rank: int, stage: int) -> bool:
+        """Whether this rank counts parameter ``name`` in the global norm (see ``clip_norm_``)."""
+        if not isinstance(self.program.param_spec(name), Shard) and tp_rank != 0:
+            return False
+        return self.program.param_stages[name][0] == stage

@@ -1,0 +1,243 @@
+"""Megatron-LM's distributed optimizer (ZeRO stage 1): optimizer state sharded over the d replicas.
+
+``engine.distributed_optimizer(torch.optim.AdamW, lr=3e-4)`` returns a
+``DistributedOptimizer``: a ``torch.optim.Optimizer`` (``step``,
+``zero_grad``, ``state_dict``/``load_state_dict``, ``param_groups``; an LR
+scheduler drives it) that keeps only 1/d of the optimizer state on each
+data-parallel replica:
+
+- this rank's parameters are laid out in flat buckets (``flat_buffers.py``),
+  cut exactly as ``GradientSync`` cuts its gradient buckets; each replica owns
+  a contiguous 1/d of every bucket and keeps an fp32 master copy of it;
+- the gradient buckets are reduce-scattered instead of all-reduced (the same
+  buckets, started when their gradients are final, overlapping the rest of the
+  backward), so each replica receives the averaged gradient of its range only;
+- ``step()`` runs the inner ``torch.optim`` optimizer on views of the owned
+  range, then all-gathers the updated ranges back into the parameters;
+- ``engine.clip_grad_norm_`` clips over the shards, with the same global norm.
+
+Only an optimizer whose update of each parameter entry reads that entry alone
+(its gradient, its own state) can step a slice of a parameter and get the
+entries the whole parameter would get: Adam, AdamW, SGD (with momentum),
+Adagrad, ... (``ELEMENTWISE_OPTIMIZERS``). One that reads a whole parameter
+(LBFGS's line search over the flat vector, Adafactor's row and column
+factors, Muon's orthogonalised matrix) would silently compute something else,
+and is refused before any work. A class outside the list (your own) is refused
+too, naming the fix: ``elementwise=True`` when its update is element-wise.
+
+Parameters changed outside the optimizer (a checkpoint loaded, a user's
+``copy_``) are noticed by their version counter and re-read into the master
+copies before the next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autopar.runtime.flat_buffers import FlatBucket, gather_owned
+from autopar.runtime.gradients import bucket_names
+
+__all__ = ["DistributedOptimizer", "ELEMENTWISE_OPTIMIZERS", "elementwise_errors"]
+
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+"""``torch.optim`` optimizers whose update of an entry reads only that entry's gradient and state."""
+
+
+def elementwise_errors(optimizer_class: type, elementwise: bool) -> list[str]:
+    """Why ``optimizer_class`` cannot step slices of parameters (empty when it can)."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        return [f"the distributed optimizer wraps a torch.optim.Optimizer class (e.g. torch.optim.AdamW), "
+                f"got {optimizer_class!r}"]
+    if elementwise or optimizer_class in ELEMENTWISE_OPTIMIZERS:
+        return []
+    known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    return [f"{optimizer_class.__module__}.{optimizer_class.__qualname__} is not known to update each "
+            f"parameter entry from that entry alone: the distributed optimizer steps only this replica's "
+            f"1/d slice of the parameters, which is right only for element-wise updates ({known}); an "
+            f"optimizer that reads a whole parameter or the whole gradient vector (LBFGS, Adafactor's "
+            f"factored statistics, Muon's orthogonalisation, a norm-based trust ratio such as LAMB's) would "
+            f"compute something else. Fix: use one of those, or a plain optimizer over engine.parameters(); "
+            f"if {optimizer_class.__name__}'s update is element-wise, pass elementwise=True"]
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """An inner ``torch.optim`` optimizer over this replica's 1/d of the parameters' entries.
+
+    ``param_groups`` and ``state`` are the inner optimizer's: one tensor per piece of a parameter this
+    replica owns (``FlatBucket.pieces``), grouped as the parameters were. ``engine`` (a ``RankEngine``)
+    is left unannotated because the engine imports this module.
+    """
+
+    def __init__(self, engine, optimizer_class: type, params=None, *, elementwise: bool = False,
+                 **defaults: Any):
+        errors = elementwise_errors(optimizer_class, elementwise)
+        if errors:
+            raise TypeError(errors[0])
+        self.engine = engine
+        self.params = dict(engine.named_local_parameters())
+        """Original name -> this rank's shard (an engine parameter)."""
+        held = [n for n, p in self.params.items() if p.grad is not None]
+        if held:
+            raise RuntimeError(f"{len(held)} parameter(s) ({', '.join(held[:3])}...) already hold gradients of a step "
+                               f"reduced without the distributed optimizer (all-reduced; tied ones summed across "
+                               f"stages), which its reduce-scatter would reduce again: call engine.zero_grad() "
+                               f"before making the distributed optimizer")
+        groups = self._user_groups(params)
+        self.buckets = self._plan_buckets()
+        self.inner = optimizer_class(self._inner_groups(groups), **defaults)
+        self.defaults = self.inner.defaults
+        self._versions = self._param_versions()
+        self._opt_called = False
+
+    # ------------------------------------------------------------- layout
+    def _user_groups(self, params) -> list[tuple[list[str], dict]]:
+        """The parameter groups as (parameter names, options): all of the engine's by default; else
+        ``params`` as torch.optim takes it (tensors, or dicts with ``params``), each an engine parameter."""
+        if params is None:
+            return [(list(self.params), {})]
+        params = list(params)
+        raw = params if params and isinstance(params[0], dict) else [{"params": params}]
+        name_of = {id(p): n for n, p in self.params.items()}
+        groups, seen = [], set()
+        for i, group in enumerate(raw):
+            names = []
+            for p in group["params"]:
+                if id(p) not in name_of:
+                    raise ValueError(f"param group {i}: a tensor of shape {tuple(p.shape)} is not one of this "
+                                     f"engine's parameters: pass tensors from engine.parameters()")
+                if id(p) in seen:
+                    raise ValueError(f"parameter {name_of[id(p)]} appears in more than one param group")
+                seen.add(id(p))
+                names.append(name_of[id(p)])
+            groups.append((names, {k: v for k, v in group.items() if k != "params"}))
+        return groups
+
+    def _plan_buckets(self) -> list[FlatBucket]:
+        """The flat buckets, cut as ``GradientSync.start`` cuts the gradients: per group of parameters
+        final after one chunk's last backward, then the tied parameters (final at the step's end)."""
+        sync, mesh = self.engine.grads, self.engine.mesh
+        d, r = mesh.shape.dp, mesh.dp_rank
+        buckets = []
+        for names in self.engine.gradient_groups():
+            for cut in bucket_names(names, self.params, sync.bucket_bytes):
+                buckets.append(FlatBucket(self.params, cut, d, r))
+        tied = [n for n in self.engine.program.tied_params if n in self.params]
+        for cut in bucket_names(tied, self.params, sync.bucket_bytes) if tied else []:
+            buckets.append(FlatBucket(self.params, cut, d, r, tied=True))
+        return buckets
+
+    def _inner_groups(self, groups: list[tuple[list[str], dict]]) -> list[dict]:
+        """The inner optimizer's groups: each user group's pieces on this replica, views of the masters
+        with views of the gradient shards as their ``.grad``."""
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for bucket in self.buckets:
+            for piece in bucket.pieces:
+                view = torch.nn.Parameter(bucket.master[piece.at : piece.at + piece.length])
+                view.grad = bucket.grad[piece.at : piece.at + piece.length]
+                pieces.setdefault(piece.name, []).append(view)
+        return [{"params": [v for n in names for v in pieces.get(n, [])], **options} for names, options in groups]
+
+    # ---------------------------------------------------- torch.optim interface
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.inner.state = value
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update this replica's ranges with the inner optimizer, then all-gather every range back into
+        the parameters. Collective over the data-parallel replicas: every rank calls it."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._reload_edited_params()
+        self.inner.step()
+        self._write_back()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients (``None``, or zeros) and this replica's gradient shards."""
+        for p in self.params.values():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        for bucket in self.buckets:
+            bucket.grad.zero_()
+
+    def state_dict(self) -> dict:
+        """This replica's state: the inner optimizer's, the master copies and the layout they fit.
+
+        Loads back at the same layout only (same program, d and replica)."""
+        return {"inner": self.inner.state_dict(), "master": [b.master.clone() for b in self.buckets],
+                "layout": [b.signature() for b in self.buckets]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a ``state_dict()`` of this replica and write its master copies into the parameters.
+        Collective over the data-parallel replicas."""
+        mine = [b.signature() for b in self.buckets]
+        if state_dict.get("layout") != mine:
+            raise ValueError(f"this distributed optimizer state was saved for another layout of the flat buckets "
+                             f"(d, replica, parameters per bucket): saved {_short(state_dict.get('layout'))}, "
+                             f"here {_short(mine)}; load it in the same program at the same tp, pp and dp")
+        self.inner.load_state_dict(state_dict["inner"])
+        for bucket, master in zip(self.buckets, state_dict["master"]):
+            bucket.master.copy_(master)
+        with torch.no_grad():
+            self._write_back()
+
+    # ------------------------------------------------------------- internals
+    def _write_back(self) -> None:
+        """All-gather each bucket's updated ranges (all launched, then waited) into the parameters."""
+        group = self.engine.mesh.groups.get("dp")
+        gathers = [gather_owned(b, b.master, group, async_op=True) for b in self.buckets]
+        for bucket, (full, work) in zip(self.buckets, gathers):
+            if work is not None:
+                work.wait()
+            bucket.write_params(self.params, full)
+        self._versions = self._param_versions()
+
+    def _param_versions(self) -> dict[str, int]:
+        return {n: p._version for n, p in self.params.items()}
+
+    def _reload_edited_params(self) -> None:
+        """Re-read into the masters the parameters changed since the last write-back."""
+        edited = [n for n, v in self._param_versions().items() if v != self._versions[n]]
+        if edited:
+            for bucket in self.buckets:
+                bucket.load_master(self.params, edited)
+
+    def state_bytes(self) -> int:
+        """Bytes of the inner optimizer's state tensors on this rank (the sharded part of the memory)."""
+        return sum(t.numel() * t.element_size() for s in self.inner.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor))
+
+    def __repr__(self) -> str:
+        owned = sum(b.shard_numel for b in self.buckets)
+        return (f"DistributedOptimizer({type(self.inner).__name__}, {len(self.buckets)} bucket(s), "
+                f"{owned} entries owned of {sum(b.padded for b in self.buckets)}, d={self.engine.dp_size})")
+
+
+def _short(layout) -> str:
+    if not isinstance(layout, list):
+        return repr(layout)
+    return f"{len(layout)} bucket(s), first {layout[:1]}"[:300]

@@ -1,0 +1,135 @@
+"""The flat buffers of a sharded optimizer: buckets of parameters laid end to end, each replica owning 1/d.
+
+A bucket is a run of this rank's parameters (the same names, in the same
+order, as a gradient bucket of ``GradientSync``) laid end to end in one flat
+vector, padded at its end to a multiple of the d data-parallel replicas.
+Replica r owns the contiguous range ``[r * s, (r + 1) * s)`` of it
+(``s = padded / d``), as in Megatron-LM's distributed optimizer. For that
+range this replica keeps:
+
+- ``master``: the master copy of the parameters' entries it owns (fp32, or
+  wider when a parameter is), which the inner optimizer updates;
+- ``grad``: the reduced (data-parallel averaged) gradient of those entries,
+  written by the gradient reduce-scatter.
+
+A ``Piece`` is where one parameter meets the owned range: a parameter may be
+split between two replicas, or not touch this replica's range at all. The
+pieces are what the inner ``torch.optim`` optimizer sees, one tensor per
+(parameter, replica), views of ``master`` with views of ``grad`` as their
+``.grad``.
+
+Every buffer is made on the device of the parameters (the engine's).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Slot", "Piece", "FlatBucket", "master_dtype", "gather_owned"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter in a bucket: its entries are ``[offset, offset + numel)`` of the flat vector."""
+
+    name: str
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of parameter ``name`` this replica owns: its flat entries ``[start, start + length)``,
+    at ``[at, at + length)`` of the bucket's shard."""
+
+    name: str
+    start: int
+    length: int
+    at: int
+
+
+def master_dtype(dtypes) -> torch.dtype:
+    """The master copies' dtype: fp32, or a wider floating dtype when a parameter has one."""
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
+
+
+class FlatBucket:
+    """One bucket: its slots, its padded size, this replica's owned range and buffers."""
+
+    def __init__(self, params: dict[str, torch.Tensor], names: list[str], dp: int, dp_rank: int,
+                 tied: bool = False):
+        offsets, total = [], 0
+        for name in names:
+            offsets.append(Slot(name, total, params[name].numel()))
+            total += params[name].numel()
+        self.slots: tuple[Slot, ...] = tuple(offsets)
+        self.tied = tied
+        """Parameters held by several stages: summed over their stages before the reduce-scatter."""
+        self.numel = total
+        self.padded = -(-total // dp) * dp
+        """``numel`` rounded up to a multiple of d: every replica's range has the same length."""
+        self.dp, self.dp_rank = dp, dp_rank
+        self.shard_numel = self.padded // dp
+        self.owned = (dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel)
+        """This replica's range of the flat vector."""
+        self.pieces: tuple[Piece, ...] = tuple(self._owned_pieces())
+        device = params[names[0]].device
+        self.dtype = master_dtype(params[n].dtype for n in names)
+        self.master = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        self.grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        self.load_master(params, [p.name for p in self.pieces])
+
+    def _owned_pieces(self):
+        lo, hi = self.owned
+        for slot in self.slots:
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end:
+                yield Piece(slot.name, start - slot.offset, end - start, start - lo)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.slots]
+
+    def signature(self) -> list:
+        """What must match for a saved shard to be this one: d, this replica, every slot."""
+        return [self.dp, self.dp_rank, [[s.name, s.numel] for s in self.slots]]
+
+    def load_master(self, params: dict[str, torch.Tensor], names: list[str]) -> None:
+        """Copy the owned entries of parameters ``names`` into the master shard."""
+        wanted = set(names)
+        with torch.no_grad():
+            for piece in self.pieces:
+                if piece.name in wanted:
+                    entries = params[piece.name].detach().reshape(-1)[piece.start : piece.start + piece.length]
+                    self.master[piece.at : piece.at + piece.length].copy_(entries)
+
+    def flat_grads(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The whole bucket's local gradients as one padded flat vector of the master dtype (zeros
+        for a parameter without a gradient and for the padding)."""
+        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.master.device)
+        for slot in self.slots:
+            g = params[slot.name].grad
+            if g is not None:
+                flat[slot.offset : slot.offset + slot.numel].copy_(g.reshape(-1))
+        return flat
+
+    def write_params(self, params: dict[str, torch.Tensor], full: torch.Tensor) -> None:
+        """Copy the gathered flat vector ``full`` (every replica's range) into the parameters."""
+        with torch.no_grad():
+            for slot in self.slots:
+                p = params[slot.name]
+                p.copy_(full[slot.offset : slot.offset + slot.numel].view(p.shape))
+
+
+def gather_owned(bucket: FlatBucket, shard: torch.Tensor, group, async_op: bool = False):
+    """The whole flat vector of ``bucket`` from every replica's owned range (``shard`` is this
+    replica's): ``full``, or ``(full, work)`` with ``async_op``. One replica: the shard itself."""
+    if bucket.dp == 1:
+        return (shard, None) if async_op else shard
+    full = torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
+    work = dist.all_gather_single(full, shard, group=group, async_op=async_op)
+    return (full, work) if async_op else full

@@ -1,0 +1,171 @@
+"""The distributed optimizer (ZeRO stage 1) against the plain optimizer, on 4 gloo ranks.
+
+For each layout — dp=4; tp=2 x dp=2; pp=2 x dp=2 (the GPT's tied embedding
+and LM head on two stages) — the same model is trained 3 steps twice in one
+set of ranks: AdamW over ``engine.parameters()`` and
+``engine.distributed_optimizer(torch.optim.AdamW, ...)``, both with gradient
+clipping at a norm the gradients exceed and a LambdaLR schedule. Buckets are
+made small (4 KiB) so parameters straddle the replicas' ranges and several
+buckets are reduce-scattered per chunk. Checked: the weights after 3 steps,
+the reduced (clipped) gradients of step 0 and each step's clipping norm equal
+the plain run's; each rank's optimizer state is 1/d of the plain optimizer's
+(the replicas' together exactly the plain state); LBFGS, Adafactor and an
+unknown optimizer class are refused with the class named and the fix, and the
+engine still trains after a refusal; so are a distributed optimizer made while
+the parameters hold gradients of a step reduced without it, and a second one.
+"""
+
+import pytest
+import torch
+from families import BATCH, batches, make
+from helpers import parallelize_on, spawn_ranks
+
+from autopar.runtime.flat_buffers import FlatBucket
+
+pytestmark = pytest.mark.multiprocess
+LR, M, CLIP, STEPS = 1e-3, 2, 0.5, 3
+LAYOUTS = {"dp4": dict(dp=4), "tp2dp2": dict(tp=2, dp=2), "pp2dp2": dict(pp=2, dp=2)}
+SMALL_BUCKETS = 4096
+
+
+def _state_bytes(optimizer) -> int:
+    """Bytes of element-wise optimizer state (the scalar step counters aside)."""
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def _train(layout: dict, distributed: bool) -> dict:
+    model, vocab = make("nanogpt")
+    data = batches(vocab, steps=STEPS, rows=BATCH * M * layout["dp"])
+    engine = parallelize_on(model, data, BATCH, microbatches=M, **layout).materialize()
+    engine.grads.bucket_bytes = SMALL_BUCKETS
+    if distributed:
+        opt = engine.distributed_optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    norms, first_grads = [], None
+    for inputs, targets in data:
+        engine.train_step(*inputs, *targets)
+        norms.append(engine.clip_grad_norm_(CLIP))
+        if first_grads is None:
+            first_grads = engine.full_grads()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    out = {"weights": engine.full_state_dict(), "norms": norms, "grads": first_grads, "state": _state_bytes(opt),
+           "lr": opt.param_groups[0]["lr"]}
+    if distributed:
+        out["padding"] = sum(b.padded - b.numel for b in opt.buckets)
+        out["buckets"] = len(opt.buckets)
+        out["straddling"] = sum(p.length < engine.grads.params[p.name].numel() for b in opt.buckets for p in b.pieces)
+    return out
+
+
+def _refusals() -> dict:
+    model, vocab = make("nanogpt")
+    data = batches(vocab, steps=1, rows=BATCH * 4)
+    engine = parallelize_on(model, data, BATCH, dp=4).materialize()
+
+    class Scaled(torch.optim.SGD):
+        pass
+
+    messages = {}
+    for cls in (torch.optim.LBFGS, torch.optim.Adafactor, Scaled):
+        with pytest.raises(TypeError) as err:
+            engine.distributed_optimizer(cls, lr=0.1)
+        messages[cls.__name__] = str(err.value)
+    loss = engine.train_step(*data[0][0], *data[0][1])  # the refusals left the engine as it was
+    messages["sharded_after"] = engine.grads.sharded is not None
+    messages["loss"] = loss
+    with pytest.raises(RuntimeError) as err:  # gradients of that step are held: they would be reduced twice
+        engine.distributed_optimizer(torch.optim.AdamW, lr=0.1)
+    messages["held"] = str(err.value)
+    engine.zero_grad()
+    engine.distributed_optimizer(torch.optim.AdamW, lr=0.1)
+    with pytest.raises(RuntimeError) as err:
+        engine.distributed_optimizer(torch.optim.SGD, lr=0.1)
+    messages["second"] = str(err.value)
+    return messages
+
+
+def _worker():
+    runs = {(name, dist_): _train(layout, dist_) for name, layout in LAYOUTS.items() for dist_ in (False, True)}
+    return runs, _refusals()
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn_ranks(_worker, 4)
+
+
+# Reduce-scatter and all-reduce may sum the replicas' gradients in different orders, and the norm
+# is summed per shard instead of per parameter: fp32 rounding (~1e-7 relative) per step. AdamW's
+# update is lr * m / (sqrt(v) + eps): a rounding difference in a gradient element far above eps
+# changes the step by ~1e-7 relative, so weights (of order 1e-1) agree within 1e-6 after 3 steps.
+WEIGHTS = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_weights_after_three_steps_equal_the_plain_optimizers(results, layout):
+    for rank, (runs, _) in enumerate(results):
+        plain, sharded = runs[(layout, False)], runs[(layout, True)]
+        assert plain["weights"].keys() == sharded["weights"].keys()
+        for key, want in plain["weights"].items():
+            torch.testing.assert_close(sharded["weights"][key], want, **WEIGHTS,
+                                       msg=lambda m, key=key: f"{layout} rank {rank} {key}: {m}")
+        assert sharded["buckets"] > 2 and sharded["straddling"] > 0  # several buckets; parameters cut by ranges
+        assert sharded["lr"] == plain["lr"] == LR / (STEPS + 1)  # the scheduler drove the inner optimizer: 1/(step+1) after 3 steps
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_clipping_norm_and_reduced_gradients_equal(results, layout):
+    for rank, (runs, _) in enumerate(results):
+        plain, sharded = runs[(layout, False)], runs[(layout, True)]
+        # the norm in float64 from fp32 gradients summed in another order: equal to ~1e-7 relative
+        torch.testing.assert_close(torch.tensor(sharded["norms"]), torch.tensor(plain["norms"]), rtol=1e-6, atol=0)
+        assert min(plain["norms"]) > CLIP  # the clipping scaled every step
+        for name, want in plain["grads"].items():  # fp32 sums reordered: FP32 parity tolerance
+            torch.testing.assert_close(sharded["grads"][name], want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{layout} rank {rank} grad {name}: {m}")
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_optimizer_state_is_one_dth_per_replica(results, layout):
+    d = LAYOUTS[layout]["dp"]
+    states = [runs[(layout, True)]["state"] for runs, _ in results]
+    for rank, (runs, _) in enumerate(results):
+        plain, sharded = runs[(layout, False)]["state"], runs[(layout, True)]["state"]
+        padding_bytes = runs[(layout, True)]["padding"] * 8  # AdamW: two fp32 moments per entry
+        assert abs(sharded - plain / d) <= padding_bytes, (layout, rank, sharded, plain, d, padding_bytes)
+    # no padding is stepped: the d replicas together hold exactly one plain copy of the state
+    plain_total = sum(runs[(layout, False)]["state"] for runs, _ in results)
+    assert sum(states) * d == plain_total, (layout, states, plain_total)
+
+
+def test_refused_optimizers_name_the_class_and_the_fix(results):
+    for rank, (_, messages) in enumerate(results):
+        assert "torch.optim.lbfgs.LBFGS is not known to update each parameter entry" in messages["LBFGS"]
+        assert "Adafactor" in messages["Adafactor"] and "elementwise=True" in messages["Adafactor"]
+        assert "Scaled is not known" in messages["Scaled"] and "elementwise=True" in messages["Scaled"]
+        assert messages["sharded_after"] is False and messages["loss"] > 0
+        assert "already hold gradients" in messages["held"] and "engine.zero_grad()" in messages["held"]
+        assert "already has a distributed optimizer" in messages["second"]
+
+
+def test_flat_bucket_pieces_cover_each_entry_once_with_fp32_masters():
+    params = {"a": torch.randn(5, 3, dtype=torch.bfloat16), "b": torch.randn(7, dtype=torch.bfloat16)}
+    d = 4
+    buckets = [FlatBucket(params, ["a", "b"], d, r) for r in range(d)]
+    assert [b.padded for b in buckets] == [24] * d and buckets[0].shard_numel == 6  # 22 entries padded to 24
+    covered = {"a": [0] * 15, "b": [0] * 7}
+    for bucket in buckets:
+        assert bucket.master.dtype == torch.float32
+        for piece in bucket.pieces:
+            for i in range(piece.start, piece.start + piece.length):
+                covered[piece.name][i] += 1
+            torch.testing.assert_close(bucket.master[piece.at : piece.at + piece.length],
+                                       params[piece.name].reshape(-1)[piece.start : piece.start + piece.length].float(),
+                                       rtol=0, atol=0)  # an exact copy: bf16 -> fp32 is lossless
+    assert all(c == 1 for counts in covered.values() for c in counts)
+    assert [(p.name, p.start, p.length) for p in buckets[2].pieces] == [("a", 12, 3), ("b", 0, 3)]
