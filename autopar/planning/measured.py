@@ -8,9 +8,11 @@ costs of the steps after the first (a warm-up: allocator, caches), medians
 (``measured_costs.py``), simulates the schedule with them (posted sends, as
 the runtime runs it), and puts the predicted step time beside the measured
 median step (the first action's start to the last action's end over all
-ranks). It also simulates each step with that step's own costs: on a machine
-shared with other work, compute costs drift from step to step, and a step
-compared with its own costs shows whether the model, not the drift, misses.
+ranks). It also simulates each step with that step's own costs (per chunk,
+the mean over its microbatches) and replays it (each action its own time): on
+a machine shared with other work compute costs drift from step to step and a
+rank is now and then descheduled inside one action, and a step compared with
+its own costs shows whether the model, not the drift, misses.
 """
 
 from __future__ import annotations
@@ -83,8 +85,8 @@ def _simulate(schedule: Schedule, costs: ActionCosts) -> SimResult:
 
 @dataclass(frozen=True)
 class StepComparison:
-    """One step: measured, simulated with its own costs (medians per chunk), and replayed
-    (simulated with each of its actions' own time)."""
+    """One step: measured, simulated with its own costs (per chunk, means over microbatches),
+    and replayed (simulated with each of its actions' own time)."""
 
     step: int
     measured: float
@@ -192,8 +194,9 @@ def compare(run: MeasuredRun, warmup: int = 1) -> Comparison:
 
 
 def _compare_step(run: MeasuredRun, k: int) -> StepComparison:
-    """Step ``k`` measured, simulated with its medians and replayed with each action's time."""
+    """Step ``k`` measured, simulated with its own costs (means over its microbatches: a rank
+    descheduled inside one action still counts) and replayed with each action's time."""
     step = [run.steps[k]]
-    medians = _simulate(run.schedule, action_costs(step, run.shape))
+    medians = _simulate(run.schedule, action_costs(step, run.shape, average=statistics.fmean))
     replay = _simulate(run.schedule, action_costs(step, run.shape, per_microbatch=True))
     return StepComparison(k, step_time(run.steps[k]), float(medians.step_time), float(replay.step_time))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from autopar.core.mesh import MeshShape
@@ -146,7 +146,7 @@ class ActionCosts:
     or (kind, chunk, microbatch) for each action's own time (``per_microbatch``)."""
 
     compute: dict[tuple, float]
-    """(``"F"``/``"B"``, chunk[, microbatch]) -> median occupancy."""
+    """(``"F"``/``"B"``, chunk[, microbatch]) -> occupancy (median, or mean: ``action_costs``)."""
     transfer: dict[tuple, float]
     """(kind, chunk[, microbatch]) of the F or B whose result travels -> its transfer seconds."""
     transfer_default: float
@@ -184,9 +184,12 @@ class ActionCosts:
         return self.transfer.get(self._key(kind, produced), self.transfer_default)
 
 
-def action_costs(steps: Sequence[Step], shape: MeshShape, per_microbatch: bool = False) -> ActionCosts:
-    """Median per-action costs over ``steps``: every rank's F and B pooled per chunk and kind
-    (and microbatch, for ``per_microbatch``); transfers as the module's docstring says."""
+def action_costs(steps: Sequence[Step], shape: MeshShape, per_microbatch: bool = False,
+                 average: Callable[[list[float]], float] = statistics.median) -> ActionCosts:
+    """Per-action costs over ``steps``: every rank's F and B pooled per chunk and kind (and
+    microbatch, for ``per_microbatch``), ``average`` of the samples: the median for a typical
+    step; the mean keeps a step's total compute (a rank descheduled inside one action counts)
+    when costs are taken from the very step they predict. Transfers as the module's docstring says."""
     if not steps:
         raise ValueError("no measured steps to take costs from: record at least two training steps "
                          "(the first is a warm-up) and write them, engine.write_trace(path, steps=k)")
@@ -197,7 +200,7 @@ def action_costs(steps: Sequence[Step], shape: MeshShape, per_microbatch: bool =
             for key, value in compute_samples(events).items():
                 samples[key if per_microbatch else key[:2]].append(value)
         received += received_messages(step, shape)
-    compute = {key: statistics.median(values) for key, values in samples.items()}
+    compute = {key: average(values) for key, values in samples.items()}
     transfer, default = _transfers(received, per_microbatch)
     return ActionCosts(compute, transfer, default, sum(r.blocked for r in received), len(received), per_microbatch)
 
