@@ -115,7 +115,7 @@ def clock_offset(device: torch.device, rounds: int = 5) -> float:
     return statistics.median(diffs)
 
 
-def trace_metadata(program: "Program", mesh: "Mesh") -> dict[str, Any]:
+def trace_metadata(program: Program, mesh: Mesh) -> dict[str, Any]:
     """What a reader needs to simulate the traced step: the schedule's grid, p, v, m, the
     mesh, each rank's stage and the bytes one rank sends per stage-to-stage message
     (``forward``: chunk c's outputs, ``backward``: the gradients of chunk c's inputs)."""
