@@ -8,6 +8,7 @@
     autopar simulate --model gpt-76b --gpus 1024 --batch 1792 --tp 8 --pp 4 --vp 3 --micro-batch 2 --svg step.svg
     autopar simulate --pp 4 --vp 2 --microbatches 8         # unit costs (F = 1, B = 2)
     autopar simulate ... --eager     # draw the planner's eager-send model instead of the lowered schedule
+    autopar simulate --measured step.json   # a trace engine.write_trace wrote, beside its simulation
     autopar export checkpoints/ --to-hf hf-model/   # a saved checkpoint as a HuggingFace directory
 
 ``--recompute`` takes 'layer' (Megatron's "full" recomputation; 'full' is accepted as an
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--eager", action="store_true",
                      help="draw the planner's model (compute-only schedule, eager blocking sends, as "
                           "Megatron-LM) instead of the lowered schedule autopar's runtime runs")
+    sim.add_argument("--measured", "--from-trace", metavar="TRACE", dest="measured",
+                     help="a trace engine.write_trace(path, steps=k) wrote: simulate its schedule with the run's "
+                          "per-action costs; --svg draws measured above predicted; see --trace-out")
+    sim.add_argument("--trace-out", default=None,
+                     help="with --measured: a Perfetto trace of the measured steps and the prediction "
+                          "(default: TRACE with -vs-predicted.json)")
     run = sub.add_parser("run", help="start N local ranks of a training script (torchrun-style)")
     run.add_argument("--nproc", type=int, required=True, help="number of ranks")
     run.add_argument("--timeout", type=float, default=None, help="stop all ranks after this many seconds")
@@ -320,6 +327,8 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     from autopar.planning.viz import timeline_text, write_svg  # noqa: PLC0415  (rich pictures, only here)
 
+    if args.measured:
+        return _simulate_measured(args, console)
     spec = _spec(args)
     width = args.width or max(40, console.width - 10)
     if spec is None:
@@ -335,6 +344,48 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
         write_svg(sim, args.svg, title=title, unit=unit, notes=tuple(notes), width=args.svg_width or None)
         console.print(f"wrote {args.svg}")
     return 0
+
+
+def _simulate_measured(args: argparse.Namespace, console: Console) -> int:
+    """``autopar simulate --measured TRACE``: the trace's steps against their simulation, one SVG
+    (measured above predicted) and one Perfetto trace with both."""
+    from autopar.planning.measured import compare, read_trace  # noqa: PLC0415  (only here)
+    from autopar.planning.measured_viz import write_comparison_svg  # noqa: PLC0415
+    from autopar.runtime.timeline import write_chrome_trace  # noqa: PLC0415  (loads torch)
+
+    console.print(f"reading {args.measured} ...", highlight=False)
+    run = read_trace(args.measured)
+    sched = run.schedule
+    console.print(f"{sched.name} p={sched.p} v={sched.v} m={sched.m}, {run.shape.world} ranks, {len(run.steps)} steps: "
+                  f"simulating each (the first is a warm-up) ...", highlight=False)
+    comp = compare(run)
+    console.print(_measured_table(comp))
+    console.print(comp.summary(), style="bold", highlight=False)
+    if args.svg:
+        write_comparison_svg(comp, args.svg, title=f"measured vs predicted: {args.measured}",
+                             width=args.svg_width or 1400)
+        console.print(f"wrote {args.svg}", highlight=False)
+    out = args.trace_out or re.sub(r"(\.json)?$", "-vs-predicted.json", args.measured, count=1)
+    measured, predicted = comp.measured_events(), comp.predicted_events()
+    world = run.shape.world
+    events = [e for evs in measured.values() for e in evs]
+    events += [replace(e, rank=world + r) for r, evs in predicted.items() for e in evs]
+    names = {r: f"rank {r}" for r in measured} | {world + r: f"rank {r} (predicted)" for r in predicted}
+    write_chrome_trace(events, out, process_names=names)
+    console.print(f"wrote {out} (open in ui.perfetto.dev: measured step {comp.shown_step} and the prediction)",
+                  highlight=False)
+    return 0
+
+
+def _measured_table(comp) -> Table:
+    """Per step: measured, predicted with its own median costs, replayed action by action."""
+    table = Table(title="steps (ms): measured, simulated with the step's own costs, replayed action by action")
+    for col in ("step", "measured", "predicted", "ratio", "replayed", "ratio"):
+        table.add_column(col, justify="right")
+    for s in comp.per_step:
+        table.add_row(str(s.step), f"{s.measured * 1e3:.2f}", f"{s.predicted * 1e3:.2f}", f"{s.ratio:.3f}",
+                      f"{s.replayed * 1e3:.2f}", f"{s.replay_ratio:.3f}")
+    return table
 
 
 def _simulate_unit_costs(args: argparse.Namespace) -> tuple[SimResult, SimResult, str, str, list[str]]:

@@ -70,7 +70,8 @@ from autopar.runtime.device_graphs import on_device
 from autopar.runtime.export import RankHoldings, save_pretrained
 from autopar.runtime.gradients import GradientSync
 from autopar.runtime.state_keys import state_sources, untraced_value
-from autopar.runtime.timeline import Event, gather_events, write_chrome_trace
+from autopar.runtime.timeline import (Event, StepHistory, aligned_steps, clock_offset, gather_objects,
+                                      trace_metadata, write_chrome_trace)
 from autopar.schedules import Action, Kind, Schedule
 
 if TYPE_CHECKING:
@@ -194,6 +195,10 @@ class StepState:
     """(work, tensor) of sends in flight: the tensor must live until the work completes."""
     pending_recv: dict[tuple[Kind, int, int], _Receive] = field(default_factory=dict)
     """RF/RB ``action.key`` -> its receives in flight, waited for by the F or B that consumes them."""
+    origin: float = 0.0
+    """``time.perf_counter()`` when the step's first action started: its events' zero."""
+    waits: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) perf_counter times the current F or B waited for its received tensors."""
 
     def store(self, kind: Kind) -> dict[Key, list]:
         """Where an RF (``fwd_in``) or RB (``grad_out``) puts what it receives."""
@@ -204,7 +209,9 @@ class StepState:
         store = self.store(kind)
         pending = self.pending_recv.pop((kind, *key), None)
         if pending is not None:
+            waited_from = time.perf_counter()
             store[key] = pending.wait()
+            self.waits.append((waited_from, time.perf_counter()))
         return store.pop(key)
 
 
@@ -236,6 +243,8 @@ class RankEngine(nn.Module):
         self.stats: dict = {}
         self.events: list[Event] = []
         """The last step's measured timeline."""
+        self.timelines = StepHistory()
+        """The measured timelines of the last training steps (``write_trace`` writes them)."""
         self.runnables = {c: on_device(ch.module, self.device) for c, ch in self.chunks.items()}
         """Chunk -> what runs it: its graph, with recomputation applied at compile time, making its
         tensors on the engine's device."""
@@ -358,6 +367,7 @@ class RankEngine(nn.Module):
         st = self._new_step(batch, self.schedule, training=True)
         self.grads.begin_step(self.stats)
         self._run_actions(st)
+        self.timelines.add(st.origin, st.events)
         self._wait_sends(st)
         self.grads.end_step()
         return self._reduce_loss(st)
@@ -400,11 +410,12 @@ class RankEngine(nn.Module):
 
     def _run_actions(self, st: StepState) -> None:
         """Run this stage's actions of ``st.schedule`` in order, recording each compute action and
-        each batch of point-to-point operations in ``st.events``."""
+        each batch of point-to-point operations in ``st.events``; an F or B that waited for a
+        received tensor gets a ``wait`` event (``RF2.0``) and starts when the tensor was there."""
         actions = st.schedule.actions[self.stage]
         rank = self.mesh.rank
         handlers = self._handlers()
-        t0 = time.perf_counter()
+        t0 = st.origin = time.perf_counter()
         i = 0
         while i < len(actions):
             j = i + 1
@@ -412,8 +423,13 @@ class RankEngine(nn.Module):
                 while j < len(actions) and actions[j].is_comm:
                     j += 1
             start = time.perf_counter() - t0
+            st.waits.clear()
             name, kind = self._run(st, handlers, actions, i, j)
-            self.events.append(Event(rank, kind, name, start, time.perf_counter() - t0))
+            end = time.perf_counter() - t0
+            for waited_from, waited_to in st.waits:
+                self.events.append(Event(rank, "wait", "R" + name, waited_from - t0, waited_to - t0))
+                start = waited_to - t0
+            self.events.append(Event(rank, kind, name, start, end))
             i = j
 
     def _run(self, st: StepState, handlers: dict, actions: list[Action], i: int, j: int) -> tuple[str, str]:
@@ -685,14 +701,19 @@ class RankEngine(nn.Module):
             loss /= self.mesh.shape.dp
         return float(loss)
 
-    def write_trace(self, path: str) -> None:
-        """Write the last step's measured timeline of every rank as a Chrome/Perfetto trace.
+    def write_trace(self, path: str, steps: int | None = 1) -> None:
+        """Write the last ``steps`` training steps (None: all kept, ``engine.timelines``) of every
+        rank as one Chrome/Perfetto trace on rank 0's clock, with the schedule, mesh and message
+        sizes in its ``"autopar"`` object (``autopar simulate --measured`` reads it).
 
         Collective: every rank calls it; rank 0 writes ``path``.
         """
-        events = gather_events(self.events)
+        offset = clock_offset(self.device)
+        per_rank = gather_objects((self.mesh.rank, offset, self.timelines.last(steps)))
         if not dist.is_initialized() or dist.get_rank() == 0:
-            write_chrome_trace(events, path)
+            events, step_of = aligned_steps(per_rank)
+            meta = trace_metadata(self.program, self.mesh) | {"steps": sorted(set(step_of))}
+            write_chrome_trace(events, path, steps=step_of, metadata=meta)
 
     # ---------------------------------------------------------------- parameters
     def named_local_parameters(self):

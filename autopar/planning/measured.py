@@ -1,0 +1,202 @@
+"""A measured run laid beside its prediction: the same step simulated with the run's own costs.
+
+``read_trace`` reads a trace the engine wrote (``engine.write_trace(path,
+steps=k)``, ``autopar/runtime/timeline.py``): every rank's events of ``k``
+training steps on one clock, and in its ``"autopar"`` object the schedule the
+ranks ran (its grid), p, v, m and the mesh. ``compare`` takes the per-action
+costs of the steps after the first (a warm-up: allocator, caches), medians
+(``measured_costs.py``), simulates the schedule with them (posted sends, as
+the runtime runs it), and puts the predicted step time beside the measured
+median step (the first action's start to the last action's end over all
+ranks). It also simulates each step with that step's own costs (per chunk,
+the mean over its microbatches) and replays it (each action its own time): on
+a machine shared with other work compute costs drift from step to step and a
+rank is now and then descheduled inside one action, and a step compared with
+its own costs shows whether the model, not the drift, misses.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from autopar.core.mesh import MeshShape
+from autopar.planning.measured_costs import ActionCosts, Step, action_costs, received_messages
+from autopar.schedules import Event, Schedule, Sends, SimResult, parse_grid, simulate
+
+__all__ = ["TRACE_FORMAT", "MeasuredRun", "read_trace", "StepComparison", "Comparison", "compare", "step_time"]
+
+TRACE_FORMAT = 1
+"""The version of the trace's ``"autopar"`` object this reader understands (``runtime/timeline.py``)."""
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """A trace's steps and what is needed to simulate them."""
+
+    schedule: Schedule
+    """The lowered schedule every rank ran."""
+    shape: MeshShape
+    steps: dict[int, dict[int, list[Event]]]
+    """Training step -> global rank -> its events in time order (seconds, one clock)."""
+    message_bytes: dict[str, dict[int, int]]
+    """``forward`` / ``backward`` -> chunk -> bytes one rank sends per message (0 where unknown)."""
+
+
+def read_trace(path: str) -> MeasuredRun:
+    """The run a trace written by ``engine.write_trace(path, steps=k)`` holds; a clear error
+    for a file that is not one."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            trace = json.load(fh)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the trace {path}: {e}") from e
+    meta = trace.get("autopar") if isinstance(trace, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != TRACE_FORMAT:
+        found = "none" if not isinstance(meta, dict) else f"format {meta.get('format')!r}"
+        raise ValueError(f"{path} has no \"autopar\" object of format {TRACE_FORMAT} ({found}): write the trace "
+                         f"with engine.write_trace(path, steps=k) after k training steps")
+    shape = MeshShape(tp=meta["tp"], pp=meta["pp"], dp=meta["dp"])
+    steps: dict[int, dict[int, list[Event]]] = defaultdict(lambda: defaultdict(list))
+    for item in trace.get("traceEvents", []):
+        if item.get("ph") != "X" or "step" not in item.get("args", {}):
+            continue
+        start = item["ts"] / 1e6
+        event = Event(item["pid"], item["cat"], item["name"], start, start + item["dur"] / 1e6)
+        steps[item["args"]["step"]][item["pid"]].append(event)
+    ordered = {k: {r: sorted(evs, key=lambda e: e.start) for r, evs in sorted(steps[k].items())}
+               for k in sorted(steps)}
+    sizes = {d: {int(c): n for c, n in meta.get("message_bytes", {}).get(d, {}).items()}
+             for d in ("forward", "backward")}
+    return MeasuredRun(parse_grid(meta["grid"]), shape, ordered, sizes)
+
+
+def step_time(step: Step) -> float:
+    """A measured step: from the first action's start to the last action's end, over all ranks."""
+    return max(e.end for evs in step.values() for e in evs) - min(e.start for evs in step.values() for e in evs)
+
+
+def _simulate(schedule: Schedule, costs: ActionCosts) -> SimResult:
+    return simulate(schedule, costs.cost_f, costs.cost_b, costs.comm, sends=Sends.POSTED)
+
+
+@dataclass(frozen=True)
+class StepComparison:
+    """One step: measured, simulated with its own costs (per chunk, means over microbatches),
+    and replayed (simulated with each of its actions' own time)."""
+
+    step: int
+    measured: float
+    predicted: float
+    replayed: float
+
+    @property
+    def ratio(self) -> float:
+        """predicted / measured."""
+        return self.predicted / self.measured
+
+    @property
+    def replay_ratio(self) -> float:
+        """replayed / measured: how well the simulator's model of the schedule (dependencies,
+        posted sends, transfers) reproduces the step, costs aside."""
+        return self.replayed / self.measured
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A run's measured steps against the simulator fed their costs."""
+
+    run: MeasuredRun
+    costs: ActionCosts
+    """Medians over the compared steps."""
+    prediction: SimResult
+    """The schedule simulated with ``costs``."""
+    per_step: list[StepComparison]
+    """Each compared step, simulated with its own costs."""
+
+    @property
+    def measured_step(self) -> float:
+        """The median measured step (seconds)."""
+        return statistics.median(s.measured for s in self.per_step)
+
+    @property
+    def predicted_step(self) -> float:
+        """The predicted step from the median costs (seconds)."""
+        return float(self.prediction.step_time)
+
+    @property
+    def ratio(self) -> float:
+        """predicted / measured median step."""
+        return self.predicted_step / self.measured_step
+
+    @property
+    def per_step_ratio(self) -> float:
+        """The median over steps of (step simulated with its own costs) / (step measured)."""
+        return statistics.median(s.ratio for s in self.per_step)
+
+    @property
+    def replay_ratio(self) -> float:
+        """The median over steps of (step replayed with each action's time) / (step measured)."""
+        return statistics.median(s.replay_ratio for s in self.per_step)
+
+    @property
+    def shown_step(self) -> int:
+        """The step whose measured time is nearest the median: the one a picture draws."""
+        return min(self.per_step, key=lambda s: abs(s.measured - self.measured_step)).step
+
+    def summary(self) -> str:
+        """One line: both step times and their ratio."""
+        return (f"measured step {self.measured_step * 1e3:.2f} ms (median of {len(self.per_step)} steps), "
+                f"predicted {self.predicted_step * 1e3:.2f} ms: predicted / measured = {self.ratio:.3f} "
+                f"(each step with its own costs: median {self.per_step_ratio:.3f}; replayed action by action: "
+                f"{self.replay_ratio:.3f})")
+
+    def measured_events(self, step: int | None = None) -> dict[int, list[Event]]:
+        """Rank -> the events of ``step`` (default: ``shown_step``) from 0 at the step's start,
+        each receive's wait split into waiting for the peer (``wait``) and the transfer (``comm``)."""
+        events = self.run.steps[self.shown_step if step is None else step]
+        zero = min(e.start for evs in events.values() for e in evs)
+        split = {(r.rank, r.name): r for r in received_messages(events, self.run.shape)}
+        out: dict[int, list[Event]] = {}
+        for rank, evs in events.items():
+            out[rank] = [replace(x, start=x.start - zero, end=x.end - zero)
+                         for e in evs for x in _split_wait(e, split.get((rank, e.name)))]
+        return out
+
+    def predicted_events(self) -> dict[int, list[Event]]:
+        """Rank -> the predicted events of its stage (every rank of a stage runs the same)."""
+        stage_of = [self.run.shape.coords(r)[0] for r in range(self.run.shape.world)]
+        return {r: [replace(e, rank=r) for e in self.prediction.events[s]] for r, s in enumerate(stage_of)}
+
+
+def _split_wait(e: Event, received) -> list[Event]:
+    """A receive's wait as (waiting for the peer, transfer); any other event unchanged."""
+    if e.kind != "wait" or received is None:
+        return [e]
+    cut = min(max(e.start, received.posted), e.end)
+    parts = [Event(e.rank, "wait", e.name, e.start, cut), Event(e.rank, "comm", e.name, cut, e.end)]
+    return [x for x in parts if x.end > x.start]
+
+
+def compare(run: MeasuredRun, warmup: int = 1) -> Comparison:
+    """``run``'s steps after the first ``warmup`` ones against the simulator fed their costs."""
+    keys = sorted(run.steps)[warmup:]
+    if not keys:
+        raise ValueError(f"the trace holds {len(run.steps)} step(s) and the first {warmup} are a warm-up: "
+                         f"record more training steps (engine.write_trace(path, steps=k) writes the last k)")
+    steps: Sequence[Step] = [run.steps[k] for k in keys]
+    costs = action_costs(steps, run.shape)
+    per_step = [_compare_step(run, k) for k in keys]
+    return Comparison(run, costs, _simulate(run.schedule, costs), per_step)
+
+
+def _compare_step(run: MeasuredRun, k: int) -> StepComparison:
+    """Step ``k`` measured, simulated with its own costs (means over its microbatches: a rank
+    descheduled inside one action still counts) and replayed with each action's time."""
+    step = [run.steps[k]]
+    medians = _simulate(run.schedule, action_costs(step, run.shape, average=statistics.fmean))
+    replay = _simulate(run.schedule, action_costs(step, run.shape, per_microbatch=True))
+    return StepComparison(k, step_time(run.steps[k]), float(medians.step_time), float(replay.step_time))
