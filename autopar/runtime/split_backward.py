@@ -19,11 +19,14 @@ The split, on the graph of nodes reachable from the outputs:
   (the tensor-parallel collectives of ``core/comm.py`` are ones: B runs them all,
   W none); every other node leading to a weight is on the W side;
 - entries: edges from the B side into the W side. The B-side node of an entry
-  (a weight GEMM's ``MmBackward``, a norm's backward) is *deferred*: B runs it
-  for its input gradient only and keeps the gradient flowing into it; W runs it
-  again for its weight edges only. A custom function's entries, and an entry
-  into W-side nodes that another entry also reaches, are computed in B instead
-  (a second run could not be limited to one node); W starts from them;
+  that is a weight GEMM (``GEMM_NODES``: mm, addmm, bmm, convolution) is
+  *deferred*: B runs it for its input gradient only and keeps the gradient
+  flowing into it; W runs it again for its weight edges only. Other entries
+  (a norm's or an embedding's weight gradient: a cheap reduction whose inputs W
+  would otherwise keep; a custom function's; one into W-side nodes another
+  entry also reaches, as a second run could not be limited to one node) are
+  computed in B, and W starts from their gradients (``defer="all"`` defers
+  every built-in node's instead);
 - W: each deferred node once (its weight GEMM), then one backward from every
   entry into the weights' ``.grad``, accumulating as ``loss.backward()`` does
   (microbatches, tied weights, the data-parallel reduction read ``.grad``).
@@ -49,6 +52,10 @@ from autopar.core.saved_tensors import SavedTensorStore
 __all__ = ["SplitBackward", "BackwardSplitPlan", "plan_split"]
 
 EdgeKey = tuple[Node, int]
+
+GEMM_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0",
+                        "ConvolutionBackward0", "MkldnnConvolutionBackward0"})
+"""Autograd nodes whose weight gradient is a GEMM (or a convolution): the work W is for."""
 
 
 def _is_custom(node: Node) -> bool:
@@ -109,9 +116,12 @@ class BackwardSplitPlan:
                 "captured": len(self.captured)}
 
 
-def plan_split(roots: Sequence[Node], input_nodes: set[Node]) -> BackwardSplitPlan:
+def plan_split(roots: Sequence[Node], input_nodes: set[Node], defer: str = "gemm") -> BackwardSplitPlan:
     """The split of the graph under ``roots`` (the outputs' gradient nodes) given the chunk
-    inputs' gradient accumulators ``input_nodes``."""
+    inputs' gradient accumulators ``input_nodes``; ``defer``: which B-side nodes W runs again,
+    'gemm' (``GEMM_NODES``) or 'all' (every built-in one)."""
+    if defer not in ("gemm", "all"):
+        raise ValueError(f"defer must be 'gemm' or 'all', got {defer!r}")
     order = _topological(roots)
     leaves = {n for n in order if not _children(n) and hasattr(n, "variable")}
     relevant = _leading_to(order, leaves)
@@ -127,7 +137,8 @@ def plan_split(roots: Sequence[Node], input_nodes: set[Node]) -> BackwardSplitPl
     for u, edge in entries:
         by_node.setdefault(u, []).append(edge)
     for u, edges in by_node.items():
-        if not _is_custom(u) and not any(shared[v] for v, _ in edges):
+        wanted = defer == "all" or u.name() in GEMM_NODES
+        if wanted and not _is_custom(u) and not any(shared[v] for v, _ in edges):
             deferred[u] = list(dict.fromkeys(edges))
         else:
             captured += edges
@@ -166,11 +177,13 @@ class SplitBackward:
     ``split.input_grads(outs, grad_outs, inputs)`` when the output gradients
     arrive, and ``split.weight_grads()`` any time after (before the optimizer
     step). ``param_ptrs``: storage addresses of the weights, left out of the
-    byte counts.
+    byte counts; ``defer``: see ``plan_split``.
     """
 
-    def __init__(self, param_ptrs: Iterable[int] = ()) -> None:
+    def __init__(self, param_ptrs: Iterable[int] = (), defer: str = "gemm") -> None:
         self.store = SavedTensorStore(set(param_ptrs))
+        self.defer = defer
+        """Which B-side nodes W runs again: 'gemm' (the weight GEMMs) or 'all' (``plan_split``)."""
         self.counts: dict[str, int] = {}
         """The last split's ``BackwardSplitPlan.counts()`` (the plan itself is dropped after B)."""
         self._pending: list[tuple[Node, tuple, list[EdgeKey]]] | None = None
@@ -194,7 +207,7 @@ class SplitBackward:
                  for o, g in zip(outputs, grad_outputs) if o.requires_grad]
         wanted = [i for i, x in enumerate(inputs) if x.requires_grad]
         input_nodes = {get_gradient_edge(inputs[i]).node for i in wanted}
-        plan = plan_split([e.node for e, _ in pairs], input_nodes)
+        plan = plan_split([e.node for e, _ in pairs], input_nodes, self.defer)
         self.counts = plan.counts()
         for edge, g in pairs:
             if edge.node in plan.w_side:  # no B-side node above it: W starts right there
