@@ -7,6 +7,10 @@ recomputed forward replays the same ops, collectives included, under the same
 RNG and autocast state. The bytes kept are reported to the innermost
 ``count_kept_bytes()`` block (a context variable, so engines in one process
 never see each other's counts).
+
+Inside a ``SavedTensorStore`` recording (``core/saved_tensors.py``: a backward
+split into input and weight gradients) the region is the store's instead: the
+same inputs kept, the same replay, but replayed once for both halves.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+
+from autopar.core.saved_tensors import recording_store
 
 __all__ = ["Checkpointed", "KeptBytes", "count_kept_bytes"]
 
@@ -56,4 +62,7 @@ class Checkpointed(nn.Module):
         if kept is not None and torch.is_grad_enabled():
             kept.nbytes += sum(a.numel() * a.element_size() for a in args
                                if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter))
+        store = recording_store()
+        if store is not None and torch.is_grad_enabled():
+            return store.checkpoint(self.inner, *args)
         return checkpoint(self.inner, *args, use_reentrant=False)

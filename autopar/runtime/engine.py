@@ -16,6 +16,9 @@ maps each action kind to its handler, the same in both steps:
              loss by 1/m); in an evaluation step nothing is kept;
 - ``B c.i``  backward of the kept outputs with the received output gradients;
              the gradients of the inputs are what the previous stage needs;
+             with ``split_backward`` on, the input gradients only (B), the
+             weights' left to ``_weight_backward`` (W) and their context kept
+             in ``StepState.wctx`` (``runtime/split_backward.py``);
 - ``SF/RF/SB/RB``  point-to-point; each handler adds its operations to the
              open batch, and a run of consecutive ones is posted as one
              ``batch_isend_irecv`` so no ordering of pairs can deadlock.
@@ -69,6 +72,7 @@ from autopar.core.placement import Shard
 from autopar.runtime.device_graphs import on_device
 from autopar.runtime.export import RankHoldings, save_pretrained
 from autopar.runtime.gradients import GradientSync
+from autopar.runtime.split_backward import SplitBackward
 from autopar.runtime.state_keys import state_sources, untraced_value
 from autopar.runtime.timeline import (Event, StepHistory, aligned_steps, clock_offset, gather_objects,
                                       trace_metadata, write_chrome_trace)
@@ -188,7 +192,13 @@ class StepState:
     grad_in: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
     """Gradients of a chunk's inputs, for SB to send to the previous stage."""
     b_done: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    """Chunk -> backwards run; at m its parameters' gradients are final."""
+    """Chunk -> backwards run; at m its parameters' gradients are final (unless the backward splits)."""
+    splits: dict[Key, SplitBackward] = field(default_factory=dict)
+    """F done, B pending, the backward splitting: the recorded forward each B splits."""
+    wctx: dict[Key, SplitBackward] = field(default_factory=dict)
+    """B done, W pending: what the weights' gradients still need."""
+    w_done: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Chunk -> weight backwards run; at m its parameters' gradients are final (the backward splitting)."""
     comm: _CommBatch = field(default_factory=_CommBatch)
     """The batch the communication handlers of the current run add to."""
     pending_sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
@@ -258,6 +268,9 @@ class RankEngine(nn.Module):
             self._rng_states = self._get_rng()
         self.grads = GradientSync(program, mesh, {n: self.shards[_key(n)] for n in local_params},
                                   bucket_bytes, device=self.device)
+        self.split_backward = False
+        """Whether a backward is split into B (input gradients) and W (weight gradients, by
+        ``_weight_backward``): set by a schedule that places W actions of its own."""
         self._ready_after = self._gradients_ready_after(local_params)
 
     def gradient_groups(self) -> list[list[str]]:
@@ -539,7 +552,8 @@ class RankEngine(nn.Module):
         if st.training:
             st.ctx[key] = (inputs, list(outs))
         self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(st.ctx))
-        held = sum(st.saved.values())  # bytes autograd keeps for the pending backwards
+        held = sum(st.saved.values())  # bytes autograd keeps for the pending backwards (and W's)
+        held += sum(split.held_bytes() for split in st.wctx.values())
         self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], held)
 
     def _run_chunk(self, st: StepState, key: Key, args: list):
@@ -557,6 +571,12 @@ class RankEngine(nn.Module):
                 saved += t.numel() * t.element_size()
             return t
 
+        if self.split_backward:
+            split = st.splits[key] = SplitBackward(st.param_ptrs)
+            with split.recording(), self._autocast(), self._random_stream():
+                outs = self.runnables[key[0]](*args)
+            st.saved[key] = split.held_bytes()
+            return outs
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self._autocast(), \
                 self._random_stream(), count_kept_bytes() as kept:
             outs = self.runnables[key[0]](*args)
@@ -576,16 +596,35 @@ class RankEngine(nn.Module):
             got = st.take(Kind.RECV_B, key)
             pairs = [(o, g) for o, g, b in zip(outs, got, chunk.outputs) if b.requires_grad and o.requires_grad]
             tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+        if self.split_backward:
+            split = st.wctx[key] = st.splits.pop(key)
+            got = split.input_grads(tensors, grads, inputs)
+            in_grads = [g if b.requires_grad else None for g, b in zip(got, chunk.inputs)]
+        else:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            in_grads = [x.grad if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
         st.b_done[a.chunk] += 1
-        if st.b_done[a.chunk] == st.m:
+        if st.b_done[a.chunk] == st.m and not self.split_backward:
             self.grads.start(self._ready_after.get(a.chunk, []))
-        in_grads = [x.grad if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
         if a.chunk > 0 and (a.chunk - 1) in self.chunks:
             st.grad_out[(a.chunk - 1, a.microbatch)] = in_grads
         elif a.chunk > 0:
             st.grad_in[key] = in_grads
+
+    def _weight_backward(self, a: Action, st: StepState) -> None:
+        """``W c.i``: the weights' gradients of chunk c on microbatch i, after its ``B c.i`` split
+        the backward; they accumulate into ``.grad``. After the chunk's last W its parameters'
+        data-parallel reduction starts."""
+        key = (a.chunk, a.microbatch)
+        split = st.wctx.pop(key, None)
+        if split is None:
+            raise RuntimeError(f"W {a.chunk}.{a.microbatch}: no split backward pending for chunk {a.chunk} "
+                               f"microbatch {a.microbatch} (its B must run first, with split_backward on)")
+        split.weight_grads()
+        st.w_done[a.chunk] += 1
+        if st.w_done[a.chunk] == st.m:
+            self.grads.start(self._ready_after.get(a.chunk, []))
 
     # ------------------------------------------------------------ point-to-point
     def _send_outputs(self, a: Action, st: StepState) -> None:
