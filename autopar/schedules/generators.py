@@ -125,7 +125,7 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
 
 def zero_bubble_v(p: int, m: int) -> Schedule:
     """ZB-V (``zero_bubble.py``): two chunks per stage in a V, split backwards, ``m >= p``.
-    Idle time ``(p-1) t_f`` per stage (chunk costs, F = B = W) once ``m >= 2p - 1``; 1F1B's peak memory."""
+    Idle time ``(p-1) t_f`` per stage (chunk costs, F = B = W) once ``m >= (3p - 1) / 2``; 1F1B's peak memory."""
     _check_layout("zbv", p, 2, m)
     return _checked(zb_v(p, m))
 

@@ -27,9 +27,10 @@ def num_warmup(name: str, p: int, v: int, m: int, stage: int) -> int:
     - gpipe: ``v m`` (every forward comes first)
     - 1f1b and zb-h1: ``min(p - r - 1, m)``
     - interleaved: ``min(2 (p - r - 1) + (v - 1) p, v m)``
-    - zbv: ``min(2p - 1, 2m - 1)``: ``2(p - r) - 1`` forwards of the stage's first
-      chunk, ``r`` pairs of both chunks, then the second chunk's (its first
-      backward follows at once, on the same stage: the V's turn)
+    - zbv: ``min(2p - 1 - r, m) + r``: the forwards of the stage's first chunk
+      (``2(p - r) - 1``, then ``r`` more paired with the second chunk's ``r``; at
+      most ``m``), then one more of the second chunk, whose first backward follows
+      at once (the V's turn); ``2p - 1`` once ``m >= 2p - 1``
 
     The steady state then opens with one more forward, so the first backward
     on stage ``r`` follows ``min(w_r + 1, v m)`` forwards.
@@ -43,7 +44,7 @@ def num_warmup(name: str, p: int, v: int, m: int, stage: int) -> int:
     if name == "interleaved":
         return min(2 * (p - stage - 1) + (v - 1) * p, v * m)
     if name == "zbv":
-        return min(2 * p - 1, 2 * m - 1)
+        return min(2 * p - 1 - stage, m) + stage
     raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}")
 
 
@@ -57,8 +58,10 @@ def in_flight_bound(name: str, p: int, v: int, m: int, stage: int) -> int:
       up to ``r`` whose W stage ``r`` delays to fill its cool-down. The peak over
       stages equals 1F1B's (stage 0's ``p``); until B alone, each stage holds
       1F1B's ``min(p - r, m)``.
-    - zbv: ``min(2p, 2m)`` chunk activations, each half a stage's: ``p`` stage
-      activations, 1F1B's stage-0 peak, on every stage.
+    - zbv: ``min(w_r + 1, 2p)`` chunk activations (``min(m + r + 1, 2p)``), each
+      half a stage's: at most ``p`` stages' worth, 1F1B's stage-0 peak, on every
+      stage. The count until B is the same: ZB-V delays no W past the next B
+      until its cool-down.
 
     ``v m`` for any other (custom) name.
     """
@@ -68,7 +71,7 @@ def in_flight_bound(name: str, p: int, v: int, m: int, stage: int) -> int:
     if name == "zb-h1":
         return min(p, m)
     if name == "zbv":
-        return min(2 * p, total)
+        return min(num_warmup(name, p, v, m, stage) + 1, 2 * p)
     return min(num_warmup(name, p, v, m, stage) + 1, total)
 
 

@@ -124,7 +124,7 @@ class Schedule:
         ``v*m`` for GPipe, ``min(p - r, m)`` for 1F1B and
         ``min(2(p-r-1) + (v-1)p + 1, v*m)`` for interleaved 1F1B. ZB-H1 holds
         ``min(p, m)`` on every stage (1F1B's ``p - r`` until B, plus up to ``r``
-        waiting for their W), ZB-V ``min(2p, 2m)`` half-size chunk activations
+        waiting for their W), ZB-V ``min(m + r + 1, 2p)`` half-size chunk activations
         (see :func:`~autopar.schedules.in_flight.in_flight_bound`). Custom
         schedules are bounded only by ``v*m``; a forward-only schedule holds none.
         """

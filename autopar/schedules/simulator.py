@@ -35,8 +35,8 @@ the same in each, and a lowered schedule run ``posted`` reaches its
 compute-only form's dry run (tested). With uniform costs ``t_f, t_b`` 1F1B
 takes ``(m + p - 1)(t_f + t_b)``, a bubble of ``(p-1)/m``; interleaved
 1F1B's is ``(p-1)/(v m)``; ZB-H1's idle time is ``(p-1)(t_f + t_b - 2 t_w)``
-(``t_b`` the whole backward) and ZB-V's ``(p-1) t_f`` (per-chunk costs) once
-``m >= 2p - 1``. Integer or :class:`~fractions.Fraction` costs give
+(``t_b`` the whole backward, ``t_w <= t_f``) and ZB-V's ``(p-1) t_f``
+(per-chunk costs, F = B = W) once ``m >= (3p - 1) / 2``. Integer or :class:`~fractions.Fraction` costs give
 exact times and (through :class:`DryRun`) exact bubbles.
 
 Stages run until blocked on another stage and are woken when it moves (a

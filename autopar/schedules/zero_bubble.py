@@ -20,13 +20,15 @@ ZB-V (two chunks per stage in a V, ``m >= p``)
     both, then ``p - r`` rounds (F, B, W) of its second chunk; the steady state
     alternates (F, B, W) of the first chunk and of the second; the cool-down
     runs the remaining B's and, in the gaps, W's. This is PyTorch's
-    ``ScheduleZBVZeroBubble`` order. With equal chunk costs F = B = W = 1 the
-    idle time per stage is ``p - 1`` (a forward of one chunk, half a stage's,
-    per hop) once ``m >= 2p - 1``: the least any schedule can reach, since the
-    last stage's first forward cannot start before ``p - 1`` hops. Each stage
-    holds at most ``2p`` chunk activations, ``p`` stages' worth: 1F1B's peak.
-    For ``p <= m < 2p - 1`` the pipeline does not fill and more idle time is
-    left (see docs/schedules.md).
+    ``ScheduleZBVZeroBubble`` order, laid out for ``max(m, 2p - 1)``
+    microbatches with those ``>= m`` dropped. With equal chunk costs
+    F = B = W = 1 the idle time per stage is ``max(p - 1, 2(2p - 1 - m))``
+    (tested for every ``p <= 8``, ``p <= m <= 32``): ``p - 1`` (a forward of one
+    chunk, half a stage's, per hop) once ``m >= (3p - 1) / 2``, the least any
+    schedule can reach, since the last stage's first forward cannot start
+    before ``p - 1`` hops; below that the dropped microbatches leave holes.
+    Each stage holds at most ``2p`` chunk activations, ``p`` stages' worth:
+    1F1B's peak.
 
 ZB-H2 (more warm-up forwards, twice the memory) is not generated: under a
 step that ends with a synchronous optimizer update, as autopar's does, the
