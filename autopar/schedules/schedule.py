@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from autopar.core.config import size_errors
+from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, size_errors
 from autopar.schedules.actions import Action, Kind, Loc
 from autopar.schedules.grid import FORWARD_ONLY, format_grid, read_grid
 from autopar.schedules.in_flight import in_flight_bound
@@ -106,8 +106,8 @@ class Schedule:
     @cached_property
     def splits_backward(self) -> bool:
         """True when the backward is split into B (input gradient) and W (weight gradient):
-        the schedule has W actions."""
-        return any(a.kind is Kind.W for acts in self.actions.values() for a in acts)
+        the schedule is a zero-bubble one ('zb-h1', 'zbv') or has W actions."""
+        return self.name in SPLIT_BACKWARD_SCHEDULES or any(a.kind is Kind.W for acts in self.actions.values() for a in acts)
 
     @property
     def is_lowered(self) -> bool:
