@@ -18,8 +18,7 @@ def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost | None = None, cost
     """Add the sends and receives that carry every cross-stage dependency.
 
     A forward-only schedule gets its SF and RF actions the same way (it has no
-    B to send gradients for). A W (weight gradient) sends and receives nothing:
-    it needs only its own stage's B.
+    B to send gradients for). A W needs only its own stage's B: no message.
 
     Sends: right after the compute that produced the tensor (``SF c.i >
     s(c+1)`` after ``F(c, i)``, ``SB c.i > s(c-1)`` after ``B(c, i)``, where
@@ -44,12 +43,10 @@ def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost | None = None, cost
     1/8), the price of waiting on each exchange at once. (autopar's runtime
     does not wait for its sends, ``posted`` sends, and keeps the bubble.)
 
-    ``cost_b`` is the whole backward and ``cost_w`` its W part in a schedule
-    that splits backwards (None: half of ``cost_b``), as in the simulator. The
-    default ``cost_b`` gives every compute action the same cost: ``cost_f``,
-    or ``2 cost_f`` for a split backward (F = B = W); with it the zero-bubble
-    schedules, too, lower to the compute-only timing under ``batched`` sends
-    with F = B = W (tested). The result is validated.
+    ``cost_b`` (whole backward) and ``cost_w`` (its W part) as in the
+    simulator; the default ``cost_b`` makes every compute action cost
+    ``cost_f`` (F = B = W when split), with which the zero-bubble schedules
+    also keep their compute-only timing (tested). The result is validated.
     """
     if schedule.is_lowered:
         raise ValueError(
