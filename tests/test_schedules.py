@@ -243,7 +243,7 @@ def test_validate_is_called(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(validation_module, "validate", spy)
     for name in SCHEDULE_NAMES:
-        lower(generate(name, 2, 1, 4))
+        lower(generate(name, 2, _v_of(name), 4))
     assert seen == [(name, lowered) for name in SCHEDULE_NAMES for lowered in (False, True)]
 
     # what validate raises is what the generators and lower() raise: they return nothing unchecked
@@ -253,7 +253,7 @@ def test_validate_is_called(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(validation_module, "validate", reject)
     for name in SCHEDULE_NAMES:
         with pytest.raises(ScheduleError, match=f"rejected {name} lowered=False"):
-            generate(name, 2, 1, 4)
+            generate(name, 2, _v_of(name), 4)
     compute_only = parse_grid("1f1b p=2 v=1 m=2\nstage 0: F0.0 F0.1 B0.0 B0.1\nstage 1: F1.0 B1.0 F1.1 B1.1")
     with pytest.raises(ScheduleError, match="rejected 1f1b lowered=True"):
         lower(compute_only)
@@ -355,10 +355,15 @@ def test_bad_input_names_the_numbers_and_the_fix(make, message: str) -> None:
         make()
 
 
+def _v_of(name: str) -> int:
+    """Chunks per stage to generate ``name`` with: ZB-V runs two (its V), the others can run one."""
+    return 2 if name == "zbv" else 1
+
+
 def test_schedule_names() -> None:
-    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved")
+    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
     for name in SCHEDULE_NAMES:
-        assert generate(name, 2, 1, 4).name == name
+        assert generate(name, 2, _v_of(name), 4).name == name
 
 
 # --------------------------------------------------------------------------- broken schedules

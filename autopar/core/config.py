@@ -13,7 +13,8 @@ from enum import Enum
 
 from autopar.core.mesh import MeshShape
 
-__all__ = ["ParallelConfig", "Recompute", "RECOMPUTE", "PRECISIONS", "SCHEDULE_NAMES", "microbatch_errors", "size_errors",
+__all__ = ["ParallelConfig", "Recompute", "RECOMPUTE", "PRECISIONS", "SCHEDULE_NAMES", "SPLIT_BACKWARD_SCHEDULES",
+           "microbatch_errors", "size_errors",
            "mesh_errors", "optimizer_bytes_per_param"]
 
 
@@ -33,8 +34,12 @@ class Recompute(str, Enum):
 
 RECOMPUTE: tuple[str, ...] = tuple(r.value for r in Recompute)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
-SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 """Pipeline schedules the generators know (``autopar.schedules.generate``)."""
+SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("zb-h1", "zbv")
+"""The zero-bubble schedules: each backward is split into B (input gradient) and W (weight gradient)."""
+_CHUNKS_PER_STAGE: dict[str, int] = {"1f1b": 1, "zb-h1": 1, "zbv": 2}
+"""Schedules that run a fixed number of chunks per stage."""
 
 
 def size_errors(**sizes: int) -> list[str]:
@@ -75,9 +80,10 @@ def _layouts_for(world: int, tp: int, pp: int) -> str:
 def microbatch_errors(schedule: str, p: int, v: int, m: int, names: tuple[str, str, str] = ("p", "v", "m")) -> list[str]:
     """Every rule of ``schedule`` that (p, v, m) breaks, each with its numbers and the fix.
 
-    The one statement of the microbatch rules: 1F1B and interleaved 1F1B need
+    The one statement of the microbatch rules: every schedule but GPipe needs
     m >= p (the pipeline must fill); interleaved 1F1B needs m % p == 0
-    (Megatron's rule); 1F1B runs one chunk per stage; GPipe takes any m.
+    (Megatron's rule); 1F1B and ZB-H1 run one chunk per stage, ZB-V two (its
+    V); GPipe takes any m.
     ``names``: what the caller calls p, v and m (``("pp", "virtual_stages",
     "microbatches")`` for ``parallelize``), so the message speaks its words.
     """
@@ -87,9 +93,9 @@ def microbatch_errors(schedule: str, p: int, v: int, m: int, names: tuple[str, s
         return errs
     if schedule not in SCHEDULE_NAMES:
         return [f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULE_NAMES)}"]
-    if schedule == "1f1b" and v != 1:
-        errs.append(f"1f1b runs one chunk per stage, got {V}={v}; use {V}=1, or 'interleaved' for {V} > 1")
-    if schedule in ("1f1b", "interleaved") and p > 1 and m < p:
+    if schedule in _CHUNKS_PER_STAGE and v != _CHUNKS_PER_STAGE[schedule]:
+        errs.append(_chunks_per_stage_error(schedule, v, V))
+    if schedule != "gpipe" and p > 1 and m < p:
         errs.append(f"{schedule} needs at least one microbatch per stage: {M}={m} < {P}={p}. Use {M} >= {p} "
                     f"(more microbatches also shrink the bubble (p-1)/m), or 'gpipe', which accepts any {M}")
     if schedule == "interleaved" and m % p:
@@ -98,6 +104,15 @@ def microbatch_errors(schedule: str, p: int, v: int, m: int, names: tuple[str, s
         errs.append(f"interleaved 1F1B needs {M} to be a multiple of {P} (Megatron's rule): "
                     f"{M}={m}, {P}={p}, {M} % {P} = {m % p}. Use {fix}")
     return errs
+
+
+def _chunks_per_stage_error(schedule: str, v: int, name: str) -> str:
+    """The message for a schedule run with the wrong number of chunks per stage."""
+    need = _CHUNKS_PER_STAGE[schedule]
+    if need == 1:
+        return (f"{schedule} runs one chunk per stage, got {name}={v}; use {name}=1, or 'interleaved' "
+                f"(or 'zbv' for {name}=2) for {name} > 1")
+    return f"{schedule} runs {need} chunks per stage (a V), got {name}={v}; use {name}={need}"
 
 
 def optimizer_bytes_per_param(param_bytes: int) -> int:
@@ -141,9 +156,9 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(SCHEDULE_NAMES)}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved" and self.schedule != "gpipe":
-            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (or 'gpipe'), "
-                             f"got schedule={self.schedule!r}")
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved", "gpipe", "zbv"):
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (or 'gpipe', "
+                             f"or 'zbv' for 2), got schedule={self.schedule!r}")
         errs = microbatch_errors(self.schedule, self.pp, self.virtual_stages, self.microbatches,
                                  names=("pp", "virtual_stages", "microbatches"))
         if errs:

@@ -1,13 +1,14 @@
 """What a pipeline stage does, one step at a time: :class:`Action` and its text form.
 
 Vocabulary: ``p`` pipeline stages, ``v`` virtual chunks per stage, so ``p*v``
-model chunks ``0 .. p*v-1``; chunk ``c`` lives on stage ``c % p``
-(interleaved placement). ``m`` microbatches ``0 .. m-1``.
+model chunks ``0 .. p*v-1``, placed on stages by the schedule's placement
+(``placement.py``: interleaved ``c % p``, or V). ``m`` microbatches ``0 .. m-1``.
 
 Text forms (compact, parsed back exactly by :meth:`Action.parse`)::
 
     F2.0      forward of chunk 2, microbatch 0
-    B2.0      backward of chunk 2, microbatch 0
+    B2.0      backward of chunk 2, microbatch 0 (its input gradient only, if the schedule has W)
+    W2.0      weight gradient of chunk 2, microbatch 0 (zero-bubble schedules)
     SF2.0>3   send chunk 2's output activation (microbatch 0) to stage 3
     RF3.0<2   receive chunk 3's input activation (microbatch 0) from stage 2
     SB3.0>2   send the gradient of chunk 3's input to stage 2
@@ -42,7 +43,11 @@ class Kind(str, Enum):
     F = "F"
     """Forward of one chunk for one microbatch."""
     B = "B"
-    """Backward (input and weight gradients) of one chunk for one microbatch."""
+    """Backward of one chunk for one microbatch: input and weight gradients, or, in a schedule
+    that splits its backwards (one with W actions), the input gradient only."""
+    W = "W"
+    """Weight gradient of one chunk for one microbatch (the second half of a split backward):
+    needs only its B, sends nothing, and must run before the step's optimizer update."""
     SEND_F = "SF"
     """Send the chunk's output activation to the next chunk's stage."""
     RECV_F = "RF"
@@ -53,7 +58,9 @@ class Kind(str, Enum):
     """Receive the gradient of the chunk's output from the next chunk's stage."""
 
 
-_ACTION_RE = re.compile(r"(SF|RF|SB|RB|F|B)(\d+)\.(\d+)(?:([<>])(\d+))?")
+_COMPUTE = frozenset({Kind.F, Kind.B, Kind.W})
+
+_ACTION_RE = re.compile(r"(SF|RF|SB|RB|F|B|W)(\d+)\.(\d+)(?:([<>])(\d+))?")
 
 
 @dataclass(frozen=True, slots=True, repr=False)
@@ -64,13 +71,13 @@ class Action:
     """
 
     kind: Kind
-    """F, B, or one of the four point-to-point kinds."""
+    """F, B, W, or one of the four point-to-point kinds."""
     chunk: int
     """The local model chunk the action belongs to (0 .. p*v-1)."""
     microbatch: int
     """Microbatch index (0 .. m-1)."""
     peer: int | None = None
-    """The stage sent to / received from; None for F and B."""
+    """The stage sent to / received from; None for F, B and W."""
 
     def __post_init__(self) -> None:
         if type(self.kind) is not Kind:
@@ -79,7 +86,7 @@ class Action:
             raise ValueError(
                 f"negative chunk or microbatch in {self.kind.value}{self.chunk}.{self.microbatch}"
             )
-        compute = self.kind is Kind.F or self.kind is Kind.B
+        compute = self.kind in _COMPUTE
         if compute != (self.peer is None):
             what = "must not have" if compute else "needs"
             raise ValueError(
@@ -88,7 +95,7 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        """True for F and B."""
+        """True for F, B and W."""
         return self.peer is None  # __post_init__ ties the peer to the kind
 
     @property
@@ -123,7 +130,7 @@ class Action:
         match = _ACTION_RE.fullmatch(text.strip())
         if match is None:
             raise ValueError(
-                f"cannot parse action {text!r}: expected e.g. 'F2.0', 'B2.0', 'SF2.0>3', 'RF3.0<2'"
+                f"cannot parse action {text!r}: expected e.g. 'F2.0', 'B2.0', 'W2.0', 'SF2.0>3', 'RF3.0<2'"
             )
         code, chunk, microbatch, arrow, peer = match.groups()
         action = cls(Kind(code), int(chunk), int(microbatch), None if peer is None else int(peer))

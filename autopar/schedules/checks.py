@@ -7,12 +7,13 @@
 
 from __future__ import annotations
 
+from autopar.core.config import SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULES
 from autopar.schedules.actions import Action, Key, Kind, Loc
 from autopar.schedules.dependencies import partner, producers
 from autopar.schedules.in_flight import in_flight_counts
 from autopar.schedules.schedule import Schedule, schedule_error
 
-__all__ = ["check_placement", "check_coverage", "check_matching", "check_order", "check_in_flight"]
+__all__ = ["check_placement", "check_split", "check_coverage", "check_matching", "check_order", "check_in_flight"]
 
 
 def check_placement(schedule: Schedule) -> None:
@@ -53,21 +54,43 @@ def _check_peer(schedule: Schedule, action: Action, loc: Loc) -> None:
         )
 
 
-_BACKWARD = (Kind.B, Kind.SEND_B, Kind.RECV_B)
+_BACKWARD = (Kind.B, Kind.W, Kind.SEND_B, Kind.RECV_B)
+_UNSPLIT_NAMES = tuple(n for n in SCHEDULE_NAMES if n not in SPLIT_BACKWARD_SCHEDULES)
+
+
+def check_split(schedule: Schedule) -> None:
+    """A named schedule that runs whole backwards (GPipe, 1F1B, interleaved) has no W; the
+    zero-bubble ones have a W for every B, which :func:`check_coverage` asserts."""
+    if schedule.name not in _UNSPLIT_NAMES or schedule.forward_only:
+        return
+    for s, acts in schedule.actions.items():
+        for t, a in enumerate(acts):
+            if a.kind is Kind.W:
+                raise schedule_error(
+                    schedule,
+                    f"{a} on stage {s}: {schedule.name} does not split its backwards (each B "
+                    f"computes input and weight gradients), so it has no W actions; remove them, or use "
+                    f"a schedule that splits every backward ({', '.join(SPLIT_BACKWARD_SCHEDULES)})",
+                    [(s, t)],
+                )
 
 
 def check_coverage(schedule: Schedule, where: dict[Key, Loc]) -> None:
-    """Every (chunk, microbatch) has one F and one B; a forward-only schedule has one F each and
-    no backward action at all (no B, SB or RB)."""
+    """Every (chunk, microbatch) has one F and one B, and one W if the schedule splits its
+    backwards; a forward-only schedule has one F each and no backward action at all (no B,
+    W, SB or RB)."""
     if schedule.forward_only:
         _check_no_backward(schedule)
-    for kind in (Kind.F,) if schedule.forward_only else (Kind.F, Kind.B):
+    kinds = (Kind.F, Kind.B, Kind.W) if schedule.splits_backward else (Kind.F, Kind.B)
+    for kind in (Kind.F,) if schedule.forward_only else kinds:
         for c in range(schedule.num_chunks):
             for i in range(schedule.m):
                 if (kind, c, i) not in where:
                     raise schedule_error(
                         schedule,
-                        f"missing {kind.value}{c}.{i} (on stage {schedule.stage_of(c)})",
+                        f"missing {kind.value}{c}.{i} (on stage {schedule.stage_of(c)})"
+                        + (" : a schedule with W actions splits every backward, so each B needs its W "
+                           "before the step ends" if kind is Kind.W else ""),
                         [],
                     )
 
@@ -78,7 +101,7 @@ def _check_no_backward(schedule: Schedule) -> None:
             if a.kind in _BACKWARD:
                 raise schedule_error(
                     schedule,
-                    f"{a} on stage {s}: a forward-only schedule runs no backward (no B, SB or RB actions)",
+                    f"{a} on stage {s}: a forward-only schedule runs no backward (no B, W, SB or RB actions)",
                     [(s, t)],
                 )
 
@@ -100,7 +123,7 @@ def check_matching(schedule: Schedule, where: dict[Key, Loc]) -> None:
 def check_order(schedule: Schedule, where: dict[Key, Loc]) -> None:
     """Each action comes after what it needs on its own stage.
 
-    F before its B; a local producer before its consumer; in a lowered schedule
+    F before its B, B before its W; a local producer before its consumer; in a lowered schedule
     also every remote producer's receive before the consumer and every send
     after the compute it ships.
     """
@@ -142,13 +165,15 @@ def _local_needs(schedule: Schedule, action: Action, stage: int, lowered: bool) 
 
 
 def check_in_flight(schedule: Schedule) -> None:
-    """No stage ever holds more activations than :meth:`Schedule.in_flight_bound` (a
+    """No stage ever holds more activations than :meth:`Schedule.in_flight_bound`, counting a
+    (chunk, microbatch) from its F until its B, or its W in a schedule that splits backwards (a
     forward-only schedule holds none: its forwards keep nothing for a backward)."""
     if schedule.forward_only:
         return
+    until = Kind.W if schedule.splits_backward else Kind.B
     for s, acts in schedule.actions.items():
         bound = schedule.in_flight_bound(s)
-        for t, held in enumerate(in_flight_counts(acts)):
+        for t, held in enumerate(in_flight_counts(acts, until)):
             if held > bound:
                 raise schedule_error(
                     schedule,

@@ -1,8 +1,12 @@
-"""Who needs whom in a schedule: the producers of an F or B, the partner of a send or
+"""Who needs whom in a schedule: the producers of an F, B or W, the partner of a send or
 receive, and where each action sits.
 
     F(c, i)  needs  F(c-1, i)                      (c > 0)
     B(c, i)  needs  F(c, i)  and  B(c+1, i)        (the last chunk's B needs only its F)
+    W(c, i)  needs  B(c, i)                        (on its own stage: W sends nothing)
+
+In a schedule that splits its backwards, B(c+1, i) is the input gradient only,
+which is all B(c, i) needs: the gradient of chunk c's output.
     SF c.i  <->  RF c+1.i        SB c.i  <->  RB c-1.i
 """
 
@@ -23,10 +27,12 @@ PARTNER: dict[Kind, tuple[Kind, int]] = {
 
 
 def producers(schedule: Schedule, action: Action) -> list[Key]:
-    """Compute actions whose results ``action`` (F or B) consumes."""
+    """Compute actions whose results ``action`` (F, B or W) consumes."""
     c, i = action.chunk, action.microbatch
     if action.kind is Kind.F:
         return [(Kind.F, c - 1, i)] if c > 0 else []
+    if action.kind is Kind.W:
+        return [(Kind.B, c, i)]
     deps: list[Key] = [(Kind.F, c, i)]
     if c < schedule.num_chunks - 1:
         deps.append((Kind.B, c + 1, i))

@@ -14,7 +14,7 @@ from autopar.schedules.actions import Action, Time
 
 __all__ = ["Event", "EVENT_KINDS"]
 
-EVENT_KINDS: tuple[str, ...] = ("F", "B", "comm", "wait")
+EVENT_KINDS: tuple[str, ...] = ("F", "B", "W", "comm", "wait")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,7 @@ class Event:
     rank: int
     """Who ran it: the pipeline stage in a simulated step, the global rank in a measured one."""
     kind: str
-    """``F``, ``B``, ``comm`` (a transfer, a blocking send, or a batch of sends and receives)
+    """``F``, ``B``, ``W`` (a weight gradient), ``comm`` (a transfer, a blocking send, or a batch of sends and receives)
     or ``wait`` (an exchange posted, waiting for its partner to post its side)."""
     name: str
     """The action's text (``F2.0``, ``SF2.0>3``), or the actions of a batch (``SF0.1>1 RB2.0<1``)."""
@@ -34,5 +34,5 @@ class Event:
 
     @property
     def action(self) -> Action | None:
-        """The F or B this event ran, read from its name; None for transfers and waits."""
-        return Action.parse(self.name) if self.kind in ("F", "B") else None
+        """The F, B or W this event ran, read from its name; None for transfers and waits."""
+        return Action.parse(self.name) if self.kind in ("F", "B", "W") else None

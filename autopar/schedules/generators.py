@@ -1,4 +1,5 @@
-"""The named schedules: GPipe, 1F1B (PipeDream-Flush) and Megatron-LM's interleaved 1F1B,
+"""The named schedules: GPipe, 1F1B (PipeDream-Flush) and Megatron-LM's interleaved 1F1B
+(the zero-bubble ZB-H1 and ZB-V are in ``zero_bubble.py``; ``generate`` dispatches to all),
 and the forward-only (evaluation) form of any of them.
 
 Each generator emits compute actions only (``lowering.lower`` adds the sends
@@ -12,8 +13,10 @@ import autopar.schedules.validation as validation
 from autopar.schedules.actions import Action, Kind
 from autopar.schedules.in_flight import num_warmup
 from autopar.schedules.schedule import Schedule
+from autopar.schedules.zero_bubble import zb_h1, zb_v
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "generate", "forward_only"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v", "generate",
+           "forward_only"]
 
 
 def _check_layout(name: str, p: int, v: int, m: int) -> None:
@@ -113,15 +116,30 @@ def interleaved_1f1b(p: int, v: int, m: int) -> Schedule:
     return _checked(Schedule("interleaved", p, v, m, actions))
 
 
+def zero_bubble_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (``zero_bubble.py``): 1F1B with split backwards whose W's fill the cool-down, ``m >= p``.
+    Idle time ``(p-1)(t_f + t_b - 2 t_w)`` per stage (``t_b`` the whole backward), 1F1B's peak memory."""
+    _check_layout("zb-h1", p, 1, m)
+    return _checked(zb_h1(p, m))
+
+
+def zero_bubble_v(p: int, m: int) -> Schedule:
+    """ZB-V (``zero_bubble.py``): two chunks per stage in a V, split backwards, ``m >= p``.
+    Idle time ``(p-1) t_f`` per stage (chunk costs, F = B = W) once ``m >= (3p - 1) / 2``; 1F1B's peak memory."""
+    _check_layout("zbv", p, 2, m)
+    return _checked(zb_v(p, m))
+
+
 def generate(name: str, p: int, v: int, m: int) -> Schedule:
-    """Dispatch by name: 'gpipe', '1f1b' (needs v = 1) or 'interleaved'."""
+    """Dispatch by name: 'gpipe', '1f1b' (needs v = 1), 'interleaved', 'zb-h1' (v = 1) or 'zbv' (v = 2)."""
     if name == "gpipe":
         return gpipe(p, m, v)
-    if name == "1f1b":
-        _check_layout(name, p, v, m)
-        return one_f_one_b(p, m)
     if name == "interleaved":
         return interleaved_1f1b(p, v, m)
+    one_chunk = {"1f1b": one_f_one_b, "zb-h1": zero_bubble_h1, "zbv": zero_bubble_v}
+    if name in one_chunk:
+        _check_layout(name, p, v, m)
+        return one_chunk[name](p, m)
     raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}")
 
 
@@ -148,4 +166,5 @@ def forward_only(schedule: Schedule) -> Schedule:
     if schedule.forward_only:
         raise ValueError(f"schedule {schedule.name!r} is already forward-only")
     actions = {s: [a for a in acts if a.kind is Kind.F] for s, acts in schedule.actions.items()}
-    return _checked(Schedule(schedule.name, schedule.p, schedule.v, schedule.m, actions, forward_only=True))
+    return _checked(Schedule(schedule.name, schedule.p, schedule.v, schedule.m, actions, forward_only=True,
+                             placement=schedule.placement))

@@ -7,7 +7,9 @@
     stage 0: F0.0 F0.1 B0.0 B0.1
     stage 1: F1.0 F1.1 B1.0 B1.1
 
-A forward-only (evaluation) schedule's header ends with ``forward-only``.
+A forward-only (evaluation) schedule's header ends with ``forward-only``; a
+schedule whose chunks are not interleaved names its placement
+(``zbv p=2 v=2 m=4 placement=v``). W actions (weight gradients) print as ``W2.0``.
 ``format_grid`` prints it (marked actions as ``[F2.0]``, optionally clipped to
 some columns); ``read_grid`` reads an unclipped one back into the parts of a
 ``Schedule`` (``autopar.schedules.parse_grid`` builds the Schedule).
@@ -60,15 +62,16 @@ def format_grid(header: str, actions: Mapping[int, Sequence[Action]], marks: Ite
     return "\n".join(lines)
 
 
-def read_grid(text: str) -> tuple[str, int, int, int, dict[int, list[Action]], bool]:
-    """``(name, p, v, m, actions, forward_only)`` of an unclipped grid; marks ``[..]`` are ignored."""
+def read_grid(text: str) -> tuple[str, int, int, int, dict[int, list[Action]], bool, str]:
+    """``(name, p, v, m, actions, forward_only, placement)`` of an unclipped grid; marks ``[..]``
+    are ignored; the placement is 'interleaved' unless the header names one."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if not lines:
         raise ValueError("cannot parse an empty schedule grid")
-    head = re.fullmatch(rf"(\S+) p=(\d+) v=(\d+) m=(\d+)( {FORWARD_ONLY})?", lines[0])
+    head = re.fullmatch(rf"(\S+) p=(\d+) v=(\d+) m=(\d+)(?: placement=(\S+))?( {FORWARD_ONLY})?", lines[0])
     if head is None:
         raise ValueError(f"grid header {lines[0]!r} should read '<name> p=<p> v=<v> m=<m>', "
-                         f"optionally followed by ' {FORWARD_ONLY}'")
+                         f"optionally followed by ' placement=<placement>' and ' {FORWARD_ONLY}'")
     name, p, v, m = head.group(1), *map(int, head.groups()[1:4])
     actions: dict[int, list[Action]] = {}
     for line in lines[1:]:
@@ -83,4 +86,4 @@ def read_grid(text: str) -> tuple[str, int, int, int, dict[int, list[Action]], b
                 "cannot parse a clipped grid (it shows '...'); format it without columns="
             )
         actions[int(row.group(1))] = [Action.parse(tok.strip("[]")) for tok in tokens]
-    return name, p, v, m, actions, head.group(5) is not None
+    return name, p, v, m, actions, head.group(6) is not None, head.group(5) or "interleaved"

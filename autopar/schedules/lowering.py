@@ -14,15 +14,16 @@ from autopar.schedules.simulator import Cost, dry_run
 __all__ = ["lower"]
 
 
-def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost = 1) -> Schedule:
+def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost | None = None, cost_w: Cost | None = None) -> Schedule:
     """Add the sends and receives that carry every cross-stage dependency.
 
     A forward-only schedule gets its SF and RF actions the same way (it has no
-    B to send gradients for).
+    B to send gradients for). A W needs only its own stage's B: no message.
 
     Sends: right after the compute that produced the tensor (``SF c.i >
-    s(c+1)`` after ``F(c, i)``, ``SB c.i > s(c-1)`` after ``B(c, i)``).
-    A neighbour on the same stage (only when ``p == 1``) needs no message.
+    s(c+1)`` after ``F(c, i)``, ``SB c.i > s(c-1)`` after ``B(c, i)``, where
+    ``s`` is the schedule's placement). A neighbour on the same stage (when
+    ``p == 1``, or at the turn of ZB-V's V) needs no message.
 
     Receives: the runtime posts a run of consecutive sends/receives as one
     batched exchange, so a receive goes into the gap (between two compute
@@ -42,13 +43,18 @@ def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost = 1) -> Schedule:
     1/8), the price of waiting on each exchange at once. (autopar's runtime
     does not wait for its sends, ``posted`` sends, and keeps the bubble.)
 
-    The result is validated.
+    ``cost_b`` (whole backward) and ``cost_w`` (its W part) as in the
+    simulator; the default ``cost_b`` makes every compute action cost
+    ``cost_f`` (F = B = W when split), with which the zero-bubble schedules
+    also keep their compute-only timing (tested). The result is validated.
     """
     if schedule.is_lowered:
         raise ValueError(
             f"schedule {schedule.name!r} is already lowered (it has sends and receives)"
         )
-    run = dry_run(schedule, cost_f, cost_b)
+    if cost_b is None:
+        cost_b = _unit_backward(schedule, cost_f)
+    run = dry_run(schedule, cost_f, cost_b, cost_w)
     where = index(schedule)
     slots = {s: [[] for _ in range(len(acts) + 1)] for s, acts in schedule.actions.items()}
     for s, acts in schedule.actions.items():
@@ -65,8 +71,17 @@ def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost = 1) -> Schedule:
     return lowered
 
 
+def _unit_backward(schedule: Schedule, cost_f: Cost) -> Cost:
+    """The whole backward's cost that makes B (and W) cost as much as F."""
+    if not schedule.splits_backward:
+        return cost_f
+    return (lambda a: 2 * cost_f(a)) if callable(cost_f) else 2 * cost_f
+
+
 def _sends(schedule: Schedule, stage: int, action: Action) -> list[Action]:
-    """The send shipping ``action``'s result to a neighbour on another stage, if any."""
+    """The send shipping ``action``'s result to a neighbour on another stage, if any (a W has none)."""
+    if action.kind is Kind.W:
+        return []
     target = action.chunk + 1 if action.kind is Kind.F else action.chunk - 1
     if not 0 <= target < schedule.num_chunks or schedule.stage_of(target) == stage:
         return []
@@ -77,7 +92,8 @@ def _sends(schedule: Schedule, stage: int, action: Action) -> list[Action]:
 def _receives(
     schedule: Schedule, stage: int, action: Action, where: dict[Key, Loc]
 ) -> list[tuple[Action, Loc]]:
-    """The receive ``action`` needs from another stage, if any, with its producer's location."""
+    """The receive ``action`` needs from another stage, if any, with its producer's location
+    (a W's producer, its B, is always local)."""
     kind = Kind.RECV_F if action.kind is Kind.F else Kind.RECV_B
     return [
         (Action(kind, action.chunk, action.microbatch, schedule.stage_of(key[1])), where[key])

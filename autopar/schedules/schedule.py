@@ -5,6 +5,12 @@ last chunk, which holds the loss)::
 
     F(c, i)  needs  F(c-1, i)                      (c > 0)
     B(c, i)  needs  F(c, i)  and  B(c+1, i)        (B(L, i) needs only F(L, i))
+    W(c, i)  needs  B(c, i)                        (schedules that split backwards)
+
+A schedule *splits its backwards* (the zero-bubble schedules) when it has W
+actions: then B is the input gradient only and W the weight gradient, and
+every B has its W, on the same stage, before the step's end (the optimizer
+update). A schedule splits every backward or none.
 
 A schedule from a generator (``generators.py``) has compute actions only;
 ``lowering.py`` adds the point-to-point communication; ``validation.py``
@@ -18,11 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from autopar.core.config import size_errors
-from autopar.schedules.actions import Action, Loc
+from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, size_errors
+from autopar.schedules.actions import Action, Kind, Loc
 from autopar.schedules.grid import FORWARD_ONLY, format_grid, read_grid
 from autopar.schedules.in_flight import in_flight_bound
+from autopar.schedules.placement import Placement, stage_of_chunk
 
 __all__ = ["Schedule", "ScheduleError", "schedule_error", "parse_grid"]
 
@@ -45,7 +53,7 @@ class Schedule:
     """
 
     name: str
-    """One word: 'gpipe', '1f1b', 'interleaved' or any custom name."""
+    """One word: one of ``SCHEDULE_NAMES`` ('gpipe', '1f1b', 'interleaved', 'zb-h1', 'zbv') or any custom name."""
     p: int
     """Pipeline stages."""
     v: int
@@ -56,8 +64,14 @@ class Schedule:
     """Stage -> the actions it runs, in order."""
     forward_only: bool = False
     """True for an evaluation schedule: one F per (chunk, microbatch), no B, nothing kept for a backward."""
+    placement: Placement = Placement.INTERLEAVED
+    """Where each chunk lives (``placement.py``): interleaved ``c % p``, or V (ZB-V)."""
 
     def __post_init__(self) -> None:
+        if self.placement not in tuple(Placement):
+            raise ValueError(f"unknown chunk placement {self.placement!r}; "
+                             f"known: {', '.join(str(x) for x in Placement)}")
+        object.__setattr__(self, "placement", Placement(self.placement))
         errs = size_errors(p=self.p, v=self.v, m=self.m)
         if errs:
             raise ValueError("; ".join(errs))
@@ -74,9 +88,26 @@ class Schedule:
         """``p * v``."""
         return self.p * self.v
 
+    @cached_property
+    def chunk_stages(self) -> tuple[int, ...]:
+        """The stage of each chunk ``0 .. p*v-1`` under :attr:`placement`."""
+        return tuple(stage_of_chunk(self.placement, self.p, c) for c in range(self.num_chunks))
+
     def stage_of(self, chunk: int) -> int:
-        """Interleaved placement: chunk ``c`` lives on stage ``c % p``."""
-        return chunk % self.p
+        """The stage chunk ``chunk`` lives on (``c % p`` interleaved; the V's for ZB-V)."""
+        if 0 <= chunk < self.num_chunks:
+            return self.chunk_stages[chunk]
+        return stage_of_chunk(self.placement, self.p, chunk)  # out of range: checks report it
+
+    def chunks_of(self, stage: int) -> tuple[int, ...]:
+        """The chunks ``stage`` holds, in model order."""
+        return tuple(c for c, s in enumerate(self.chunk_stages) if s == stage)
+
+    @cached_property
+    def splits_backward(self) -> bool:
+        """True when the backward is split into B (input gradient) and W (weight gradient):
+        the schedule is a zero-bubble one ('zb-h1', 'zbv') or has W actions."""
+        return self.name in SPLIT_BACKWARD_SCHEDULES or any(a.kind is Kind.W for acts in self.actions.values() for a in acts)
 
     @property
     def is_lowered(self) -> bool:
@@ -84,13 +115,17 @@ class Schedule:
         return any(a.is_comm for acts in self.actions.values() for a in acts)
 
     def in_flight_bound(self, stage: int) -> int:
-        """Most (chunk, microbatch) activations ``stage`` may hold (F done, B not yet).
+        """Most (chunk, microbatch) activations ``stage`` may hold: F done and the backward
+        not yet done (its B, or its W in a schedule that splits backwards).
 
         For the named schedules this is ``min(w_r + 1, v*m)`` with ``w_r`` =
         :func:`~autopar.schedules.num_warmup` (a stage runs its warm-up
         forwards, then one more forward before its first backward); that is
         ``v*m`` for GPipe, ``min(p - r, m)`` for 1F1B and
-        ``min(2(p-r-1) + (v-1)p + 1, v*m)`` for interleaved 1F1B. Custom
+        ``min(2(p-r-1) + (v-1)p + 1, v*m)`` for interleaved 1F1B. ZB-H1 holds
+        ``min(p, m)`` on every stage (1F1B's ``p - r`` until B, plus up to ``r``
+        waiting for their W), ZB-V ``min(m + r + 1, 2p)`` half-size chunk activations
+        (see :func:`~autopar.schedules.in_flight.in_flight_bound`). Custom
         schedules are bounded only by ``v*m``; a forward-only schedule holds none.
         """
         if self.forward_only:
@@ -104,7 +139,10 @@ class Schedule:
         grid to steps ``lo .. hi-1`` (shown with ``...``; a clipped grid does
         not parse back).
         """
-        header = f"{self.name} p={self.p} v={self.v} m={self.m}" + (f" {FORWARD_ONLY}" if self.forward_only else "")
+        header = f"{self.name} p={self.p} v={self.v} m={self.m}"
+        if self.placement is not Placement.INTERLEAVED:
+            header += f" placement={self.placement}"
+        header += f" {FORWARD_ONLY}" if self.forward_only else ""
         return format_grid(header, self.actions, marks, columns)
 
     def __str__(self) -> str:

@@ -2,7 +2,11 @@
 
 Every stage runs its action list in order, each action as early as what it
 needs allows: an F or B lasts ``cost_f(action)`` / ``cost_b(action)`` and
-starts when its stage is free and its inputs have arrived. What differs
+starts when its stage is free and its inputs have arrived. ``cost_b`` is the
+whole backward; in a schedule that splits its backwards (W actions) a W lasts
+``cost_w(action)`` and its B the rest, ``cost_b - cost_w`` (by default half
+each: with F = 1 and backward = 2, F = B = W = 1 as in Qi et al.). A W waits
+for its B only and sends nothing. What differs
 between a dry run, autopar's runtime and Megatron-LM is how a stage's sends
 behave; that is the parameter ``sends`` (:class:`Sends`):
 
@@ -30,7 +34,9 @@ Without transfer time the three agree: a compute-only schedule's step is
 the same in each, and a lowered schedule run ``posted`` reaches its
 compute-only form's dry run (tested). With uniform costs ``t_f, t_b`` 1F1B
 takes ``(m + p - 1)(t_f + t_b)``, a bubble of ``(p-1)/m``; interleaved
-1F1B's is ``(p-1)/(v m)``. Integer or :class:`~fractions.Fraction` costs give
+1F1B's is ``(p-1)/(v m)``; ZB-H1's idle time is ``(p-1)(t_f + t_b - 2 t_w)``
+(``t_b`` the whole backward, ``t_w <= t_f``) and ZB-V's ``(p-1) t_f``
+(per-chunk costs, F = B = W) once ``m >= (3p - 1) / 2``. Integer or :class:`~fractions.Fraction` costs give
 exact times and (through :class:`DryRun`) exact bubbles.
 
 Stages run until blocked on another stage and are woken when it moves (a
@@ -55,6 +61,8 @@ __all__ = ["Sends", "Cost", "SimResult", "simulate", "simulate_checked", "DryRun
 
 Cost = Time | Callable[[Action], Time]
 """A duration for every action, or a function of the action (e.g. per-chunk costs)."""
+_ComputeCosts = tuple[Callable[[Action], Time], Callable[[Action], Time], Callable[[Action], Time]]
+"""(forward, whole backward, weight-gradient part) durations of an action."""
 
 
 class Sends(str, Enum):
@@ -122,12 +130,30 @@ def _as_cost(cost: Cost) -> Callable[[Action], Time]:
     return cost if callable(cost) else (lambda _a: cost)
 
 
+def _half(x: Time) -> Time:
+    """``x / 2``, exact for ints (an int when even, else a Fraction)."""
+    if isinstance(x, int):
+        return x // 2 if x % 2 == 0 else Fraction(x, 2)
+    return x / 2
+
+
+def compute_costs(cost_f: Cost, cost_b: Cost, cost_w: Cost | None) -> _ComputeCosts:
+    """(forward, whole backward, weight-gradient part) as functions of the action;
+    ``cost_w`` None: half the backward (the paper's T_B = T_W)."""
+    backward = _as_cost(cost_b)
+    weight = (lambda a: _half(backward(a))) if cost_w is None else _as_cost(cost_w)
+    return _as_cost(cost_f), backward, weight
+
+
 def simulate(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost = 2, comm: Cost = 0, *,
-             sends: Sends | str) -> SimResult:
+             sends: Sends | str, cost_w: Cost | None = None) -> SimResult:
     """Run ``schedule`` with sends that behave as ``sends`` says; the timeline of the step.
 
-    ``cost_f`` / ``cost_b``: the duration of every F / B, or a function of the
-    action. ``comm``: the transfer time of one stage-to-stage message, or a
+    ``cost_f`` / ``cost_b``: the duration of every F / whole backward, or a
+    function of the action. ``cost_w``: the weight-gradient part of a
+    backward, used by a schedule that splits its backwards (W lasts ``cost_w``,
+    B ``cost_b - cost_w``; None: half the backward each); a schedule without W
+    ignores it. ``comm``: the transfer time of one stage-to-stage message, or a
     function of the F or B whose result it carries (``batched`` sends take no
     time). ``eager`` needs a compute-only schedule, ``posted`` a lowered one
     (for p > 1). Raises :class:`ScheduleError` (a ValueError) if the schedule
@@ -148,14 +174,15 @@ def simulate(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost = 2, comm: Cost 
     where = index(schedule)
     check_coverage(schedule, where)
     check_matching(schedule, where)
-    return simulate_checked(schedule, where, cost_f, cost_b, comm, sends)
+    return simulate_checked(schedule, where, cost_f, cost_b, comm, sends, cost_w)
 
 
 def simulate_checked(schedule: Schedule, where: dict[Key, Loc], cost_f: Cost, cost_b: Cost, comm: Cost,
-                     sends: Sends) -> SimResult:
+                     sends: Sends, cost_w: Cost | None = None) -> SimResult:
     """:func:`simulate` for a schedule that already passed the placement, coverage and
     matching checks; ``where`` is its ``dependencies.index``."""
-    return _Run(schedule, _as_cost(cost_f), _as_cost(cost_b), _as_cost(comm), sends, where).result()
+    costs = compute_costs(cost_f, cost_b, cost_w)
+    return _Run(schedule, costs, _as_cost(comm), sends, where).result()
 
 
 def _units(actions: list[Action]) -> list[tuple[int, int]]:
@@ -181,8 +208,8 @@ class _Run:
     sends/receives); ``needs[s][u]`` says which units of other stages unit ``u`` of stage
     ``s`` waits for, and the step method of the ``sends`` mode times a unit once they ran."""
 
-    def __init__(self, schedule: Schedule, cost_f: Callable[[Action], Time], cost_b: Callable[[Action], Time],
-                 comm: Callable[[Action], Time], sends: Sends, where: dict[Key, Loc]) -> None:
+    def __init__(self, schedule: Schedule, costs: _ComputeCosts, comm: Callable[[Action], Time], sends: Sends,
+                 where: dict[Key, Loc]) -> None:
         self.schedule, self.comm, self.sends, self.where = schedule, comm, sends, where
         self.posted = sends is Sends.POSTED
         self.units = {s: _units(acts) for s, acts in schedule.actions.items()}
@@ -193,7 +220,8 @@ class _Run:
         self.needs = {s: [self._needs(s, a, b) for a, b in us] for s, us in self.units.items()}
         # per unit: its first action, and for an F or B its duration and event kind and name
         self.first = {s: [schedule.actions[s][a] for a, _ in us] for s, us in self.units.items()}
-        self.work = {s: [_work(x, cost_f, cost_b) for x in xs] for s, xs in self.first.items()}
+        split = schedule.splits_backward
+        self.work = {s: [_work(x, costs, split) for x in xs] for s, xs in self.first.items()}
         stages = list(schedule.actions)
         self.pc = dict.fromkeys(stages, 0)
         self.free: dict[int, Time] = dict.fromkeys(stages, 0)
@@ -208,7 +236,7 @@ class _Run:
     # ------------------------------------------------------------------ needs
 
     def _needs(self, s: int, a: int, b: int) -> list[_Need]:
-        acts, p = self.schedule.actions[s], self.schedule.p
+        acts, stage_of = self.schedule.actions[s], self.schedule.stage_of
         if acts[a].is_comm:
             if self.posted:
                 return []  # posting never waits
@@ -218,8 +246,8 @@ class _Run:
         keys = producers(self.schedule, action)
         if not self.posted:
             return [self._done(self.where[k]) for k in keys]
-        needs = [self._done(self.where[k]) for k in keys if k[1] % p == s]
-        remote = [k for k in keys if k[1] % p != s]
+        needs = [self._done(self.where[k]) for k in keys if stage_of(k[1]) == s]
+        remote = [k for k in keys if stage_of(k[1]) != s]
         if remote:
             recv_key = (Kind.RECV_F if action.kind is Kind.F else Kind.RECV_B, action.chunk, action.microbatch)
             recv = self.where.get(recv_key)
@@ -244,7 +272,7 @@ class _Run:
     # ``self.free[s]``), records its events, and returns (start, end, when the stage is free).
 
     def _compute(self, s: int, u: int, start: Time) -> Time:
-        """Run the F or B of unit ``u`` from ``start``; its end."""
+        """Run the F, B or W of unit ``u`` from ``start``; its end."""
         dur, kind, name = self.work[s][u]
         end = start + dur
         self.busy[s] += dur
@@ -296,16 +324,17 @@ class _Run:
         for ns, npc, _ in self.needs[s][u]:
             start = max(start, self.unit_end[ns][npc - 1] if ns == s else self.sent[ns][npc - 1])
         end = self._compute(s, u, start)
-        action, p = self.first[s][u], self.schedule.p
+        action = self.first[s][u]
         fwd = action.kind is Kind.F
         target = action.chunk + 1 if fwd else action.chunk - 1
         sent = end
-        if 0 <= target < self.schedule.num_chunks and target % p != s:
+        if action.kind is not Kind.W and 0 <= target < self.schedule.num_chunks \
+                and self.schedule.stage_of(target) != s:
             x = self.comm(action)
             sent = end + x
             if x > 0:
                 self.transfer[s] += x
-                name = f"{'SF' if fwd else 'SB'}{action.chunk}.{action.microbatch}>{target % p}"
+                name = f"{'SF' if fwd else 'SB'}{action.chunk}.{action.microbatch}>{self.schedule.stage_of(target)}"
                 self.events[s].append(Event(s, "comm", name, end, sent))
         self.sent[s][u] = sent
         return start, end, sent
@@ -379,13 +408,24 @@ class _Run:
         return schedule_error(self.schedule, "deadlock: no stage can make progress\n" + "\n".join(lines), marks)
 
 
-def _work(action: Action, cost_f: Callable[[Action], Time],
-          cost_b: Callable[[Action], Time]) -> tuple[Time, str, str] | None:
-    """(duration, event kind, event name) of an F or B; None for a send or receive."""
+def _work(action: Action, costs: _ComputeCosts, split: bool) -> tuple[Time, str, str] | None:
+    """(duration, event kind, event name) of an F, B or W; None for a send or receive.
+
+    ``split``: the schedule splits its backwards, so a B is the backward less its W."""
     if action.is_comm:
         return None
-    kind = "F" if action.kind is Kind.F else "B"
-    return (cost_f(action) if kind == "F" else cost_b(action)), kind, f"{kind}{action.chunk}.{action.microbatch}"
+    cost_f, cost_b, cost_w = costs
+    if action.kind is Kind.F:
+        duration = cost_f(action)
+    elif action.kind is Kind.W:
+        duration = cost_w(action)
+    else:
+        duration = cost_b(action) - cost_w(action) if split else cost_b(action)
+    if duration < 0:
+        raise ValueError(f"{action} would last {duration}: the weight-gradient cost {cost_w(action)} exceeds the "
+                         f"whole backward's {cost_b(action)}; give cost_w <= cost_b")
+    kind = action.kind.value
+    return duration, kind, f"{kind}{action.chunk}.{action.microbatch}"
 
 
 # ---------------------------------------------------------------------------- dry run
@@ -422,11 +462,12 @@ def _ratio(num: Time, den: Time) -> Time:
     return num / den
 
 
-def dry_run(schedule: Schedule, cost_f: Cost = 1.0, cost_b: Cost = 2.0) -> DryRun:
+def dry_run(schedule: Schedule, cost_f: Cost = 1.0, cost_b: Cost = 2.0, cost_w: Cost | None = None) -> DryRun:
     """:func:`simulate` with ``batched`` sends and instant transfers, per action.
 
-    ``cost_f`` / ``cost_b``: a duration for every F / B, or a function of the
-    action (e.g. per-chunk costs). A batched exchange waits for its peers; a
+    ``cost_f`` / ``cost_b``: a duration for every F / whole backward, or a
+    function of the action (e.g. per-chunk costs); ``cost_w``: the W part of
+    a split backward (None: half of it), as in :func:`simulate`. A batched exchange waits for its peers; a
     compute-only schedule waits directly for its producers. The bubble of a
     stage is its idle time over its compute time, ``(makespan - busy) /
     busy`` (the paper's bubble time over ideal time); integer or
@@ -436,7 +477,7 @@ def dry_run(schedule: Schedule, cost_f: Cost = 1.0, cost_b: Cost = 2.0) -> DryRu
     before what it needs on its own stage shows as a deadlock);
     :func:`~autopar.schedules.validate` checks the rest.
     """
-    run = simulate(schedule, cost_f, cost_b, sends=Sends.BATCHED)
+    run = simulate(schedule, cost_f, cost_b, sends=Sends.BATCHED, cost_w=cost_w)
     start, end = run.start, run.end
     busy = {
         s: sum((end[s][t] - start[s][t] for t, a in enumerate(acts) if a.is_compute), start=0)
