@@ -328,7 +328,7 @@ def test_single_stage_has_no_bubble_and_no_messages() -> None:
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: one_f_one_b(4, 2), r"m=2 < p=4\. Use m >= 4"),
+        (lambda: generate("zb-h1", 4, 1, 2), r"m=2 < p=4\. Use m >= 4 .* or '1f1b' or 'gpipe'"),
         (lambda: interleaved_1f1b(4, 2, 2), r"m=2 < p=4\. Use m >= 4"),
         (
             lambda: interleaved_1f1b(4, 2, 6),
@@ -489,3 +489,19 @@ def test_batched_exchange_both_ways_is_not_a_deadlock() -> None:
     assert "F0.1    SF0.1>1 RF2.0<1 F2.0" in text
     assert "F1.0    SF1.0>0 RF1.1<0 F1.1" in text
     validate(lowered)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_1f1b_with_fewer_microbatches_than_stages(p: int) -> None:
+    """m < p (Megatron-LM runs it): stage r warms up min(p - r - 1, m) forwards, holds at most
+    min(p - r, m) activations, and with unit costs (F = 1, B = 2) the bubble is still (p-1)/m:
+    the first stage waits 3(p-1) slots for its first backward, and its 3m slots of work fill the rest."""
+    for m in range(1, p):
+        schedule = one_f_one_b(p, m)
+        peaks = peak_in_flight(schedule)
+        for r in range(p):
+            assert num_warmup("1f1b", p, 1, m, r) == min(p - r - 1, m)
+            assert peaks[r] == min(p - r, m) == schedule.in_flight_bound(r)
+        result = dry_run(schedule, 1.0, 2.0)
+        assert result.makespan == 3 * (m + p - 1), (p, m, result.makespan)
+        assert all(b == pytest.approx((p - 1) / m) for b in result.bubble.values())

@@ -38,6 +38,9 @@ SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv
 """Pipeline schedules the generators know (``autopar.schedules.generate``)."""
 SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("zb-h1", "zbv")
 """The zero-bubble schedules: each backward is split into B (input gradient) and W (weight gradient)."""
+FEWER_MICROBATCHES_THAN_STAGES: tuple[str, ...] = ("gpipe", "1f1b")
+"""Schedules that run with fewer microbatches than stages (m < p): the pipeline never fills, each
+stage warms up with every microbatch it can."""
 _CHUNKS_PER_STAGE: dict[str, int] = {"1f1b": 1, "zb-h1": 1, "zbv": 2}
 """Schedules that run a fixed number of chunks per stage."""
 
@@ -80,8 +83,11 @@ def _layouts_for(world: int, tp: int, pp: int) -> str:
 def microbatch_errors(schedule: str, p: int, v: int, m: int, names: tuple[str, str, str] = ("p", "v", "m")) -> list[str]:
     """Every rule of ``schedule`` that (p, v, m) breaks, each with its numbers and the fix.
 
-    The one statement of the microbatch rules: every schedule but GPipe needs
-    m >= p (the pipeline must fill); interleaved 1F1B needs m % p == 0
+    The one statement of the microbatch rules: GPipe and 1F1B take any m (1F1B
+    with m < p warms up min(p - r - 1, m) forwards on stage r, as Megatron-LM
+    does: every stage then holds at most m activations and the bubble is
+    (p-1)/m); the others need m >= p (their step pattern assumes a full
+    pipeline); interleaved 1F1B needs m % p == 0
     (Megatron's rule); 1F1B and ZB-H1 run one chunk per stage, ZB-V two (its
     V); GPipe takes any m.
     ``names``: what the caller calls p, v and m (``("pp", "virtual_stages",
@@ -95,9 +101,9 @@ def microbatch_errors(schedule: str, p: int, v: int, m: int, names: tuple[str, s
         return [f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULE_NAMES)}"]
     if schedule in _CHUNKS_PER_STAGE and v != _CHUNKS_PER_STAGE[schedule]:
         errs.append(_chunks_per_stage_error(schedule, v, V))
-    if schedule != "gpipe" and p > 1 and m < p:
+    if schedule not in FEWER_MICROBATCHES_THAN_STAGES and p > 1 and m < p:
         errs.append(f"{schedule} needs at least one microbatch per stage: {M}={m} < {P}={p}. Use {M} >= {p} "
-                    f"(more microbatches also shrink the bubble (p-1)/m), or 'gpipe', which accepts any {M}")
+                    f"(more microbatches also shrink the bubble (p-1)/m), or '1f1b' or 'gpipe', which accept any {M}")
     if schedule == "interleaved" and m % p:
         below, above = (m // p) * p, (m // p + 1) * p
         fix = f"{M}={above}" if below == 0 else f"{M}={below} or {M}={above}"
