@@ -29,6 +29,16 @@ def _hf_llama(vocab: int, layers: int = 2) -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _hf_gptj(vocab: int, layers: int = 2) -> nn.Module:
+    """Parallel blocks: attention and the MLP read the same normed input, one all-reduce per layer."""
+    import transformers
+
+    cfg = transformers.GPTJConfig(vocab_size=vocab, n_positions=SEQ, n_embd=64, n_layer=layers, n_head=4,
+                                  rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPTJForCausalLM(cfg)
+
+
 class SortMLP(MLP):
     """An MLP with a side op (sort over the split dim) that has no sharding rule."""
 
@@ -54,6 +64,7 @@ FAMILIES = {
                                    d_model=64, d_ff=96), 320),
     "hf-gpt2": (_hf_gpt2, 257),
     "hf-llama": (_hf_llama, 320),
+    "hf-gptj": (_hf_gptj, 320),
 }
 
 
