@@ -34,10 +34,11 @@ from autopar.runtime.engine import RankEngine
 from autopar.runtime.launch import launched_world
 from autopar.runtime.materialize import materialize
 from passes.pipeline_split import PipelineError
+from passes.sequence_parallel import SequenceParallelError
 from passes.sharding import ShardingError
 
 __all__ = ["parallelize", "plan", "ParallelProgram", "ParallelConfig", "lm_cross_entropy", "ShardingError",
-           "PipelineError"]
+           "PipelineError", "SequenceParallelError"]
 
 
 class ParallelProgram(Program):
