@@ -19,7 +19,7 @@ falls by what the graph predicts (the split ops save 1/t).
 import pytest
 import torch
 import torch.nn as nn
-from families import SEQ, make, train_steps
+from families import SEQ, hf_gptj, make, train_steps
 from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, spawn_ranks, token_batches
 
 import autopar
@@ -49,6 +49,8 @@ class EncoderLM(nn.Module):
 def _model(name: str):
     if name == "encoder":
         return seeded(EncoderLM), 320
+    if name == "hf-gptj":
+        return seeded(hf_gptj), 320
     if name == "llama-4":
         return seeded(build, "llama", vocab_size=320, seq_len=SEQ, n_layer=4, n_head=8, n_kv_head=4, d_model=64,
                       d_ff=96), 320
