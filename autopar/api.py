@@ -34,10 +34,11 @@ from autopar.runtime.engine import RankEngine
 from autopar.runtime.launch import launched_world
 from autopar.runtime.materialize import materialize
 from passes.pipeline_split import PipelineError
+from passes.sequence_parallel import SequenceParallelError
 from passes.sharding import ShardingError
 
 __all__ = ["parallelize", "plan", "ParallelProgram", "ParallelConfig", "lm_cross_entropy", "ShardingError",
-           "PipelineError"]
+           "PipelineError", "SequenceParallelError"]
 
 
 class ParallelProgram(Program):
@@ -76,6 +77,7 @@ def parallelize(
     scatter_gather: bool = True,
     recompute: str = "none",
     precision: str = "fp32",
+    sequence_parallel: bool | None = False,
 ) -> ParallelProgram:
     """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
@@ -87,6 +89,12 @@ def parallelize(
     ``microbatches`` defaults to pp; ``schedule`` to 'interleaved' when
     ``virtual_stages`` > 1, else '1f1b'. Nothing runs and no process starts:
     bad input fails here.
+
+    ``sequence_parallel``: run norms, dropout and residual adds between tensor-parallel regions on
+    1/tp of the tokens (reduce-scatter and all-gather instead of all-reduces; ``docs/sequence-parallel.md``).
+    None turns it on when tp > 1 and the tokens split t ways after every all-reduce; True asks for
+    it (an error if tp = 1 or tp does not divide the token dim); False (the default for now) leaves
+    it off.
     """
     if example_inputs is None:
         raise ValueError("parallelize() needs example_inputs: one microbatch with the real shapes")
@@ -95,7 +103,8 @@ def parallelize(
     config = ParallelConfig(
         tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches or pp,
         schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,
-        scatter_gather=scatter_gather, recompute=recompute, precision=precision)
+        scatter_gather=scatter_gather, recompute=recompute, precision=precision,
+        sequence_parallel=sequence_parallel)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     return compile_program(model, config, example_inputs, example_targets, loss_fn, output_fn,

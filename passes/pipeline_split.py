@@ -31,6 +31,7 @@ from autopar.core.chunks import Boundary, Chunk, PipelineSplit
 from autopar.core.graph import local_val
 from passes.layers import LOOKED_FOR, LayerInfo, layer_of_node
 from autopar.core.flops import node_cost
+from passes.sequence_parallel import SPLIT_META
 
 __all__ = ["PipelineError", "balance", "split_pipeline"]
 
@@ -212,8 +213,8 @@ def _boundary(node: fx.Node, requires_grad: set[str], global_shapes: dict[str, t
     if not isinstance(val, torch.Tensor):
         raise PipelineError(f"value {node.name} crossing a pipeline boundary is not a tensor ({type(val).__name__})")
     shape = tuple(int(s) for s in val.shape)
-    if node.target is comm.scatter_to_tp:
-        replicated = False
+    if node.target is comm.scatter_to_tp or node.meta.get(SPLIT_META) is not None:
+        replicated = False  # a slice, or tokens split by sequence parallelism: 1/t of the value already
     elif node.name in global_shapes:
         replicated = tuple(global_shapes[node.name]) == shape
     else:  # inserted by the tensor-parallel rewrite: g, its bias add, gathers: all replicated

@@ -36,7 +36,7 @@ from passes.rules.context import Path, operand
 from passes.sharding import ShardingPlan
 from passes.vocab_parallel import apply_rewrite, copy_meta
 
-__all__ = ["apply_tensor_parallel"]
+__all__ = ["apply_tensor_parallel", "random_on_shard", "set_operand"]
 
 aten = torch.ops.aten
 
@@ -114,7 +114,7 @@ def apply_tensor_parallel(traced: TracedModel, plan: ShardingPlan) -> fx.GraphMo
         out = apply_rewrite(graph, node, dec.rewrite, tp) if dec.rewrite is not None else node
         if dec.reduce_out:
             _reduce(graph, out, dec, plan.tp, tp, added)
-        elif dec.rewrite is None and _random_on_shard(node, dec):
+        elif dec.rewrite is None and random_on_shard(node, dec):
             node.args = (node.target, tp, *node.args)
             node.target = comm.tp_rng_call
     merge_parallel_reductions(graph)
@@ -141,7 +141,7 @@ def _reduce(graph: fx.Graph, node: fx.Node, dec: Decision, t: int, tp: fx.Node, 
         red.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
 
 
-def _random_on_shard(node: fx.Node, dec: Decision) -> bool:
+def random_on_shard(node: fx.Node, dec: Decision) -> bool:
     """A random op (dropout, attention with dropout) whose output is split across tp ranks."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:

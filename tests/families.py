@@ -29,6 +29,17 @@ def _hf_llama(vocab: int, layers: int = 2) -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
+def hf_gptj(vocab: int = 320, layers: int = 2) -> nn.Module:
+    """GPT-J: parallel blocks (attention and the MLP read the same normed input, one all-reduce per
+    layer); not in FAMILIES, whose structural tests count two all-reduces per layer."""
+    import transformers
+
+    cfg = transformers.GPTJConfig(vocab_size=vocab, n_positions=SEQ, n_embd=64, n_layer=layers, n_head=4,
+                                  rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPTJForCausalLM(cfg)
+
+
 class SortMLP(MLP):
     """An MLP with a side op (sort over the split dim) that has no sharding rule."""
 
@@ -108,4 +119,4 @@ def make_fallback_model() -> tuple[nn.Module, int]:
     return GPTWithFallback(ModelConfig(vocab_size=320, seq_len=SEQ, n_layer=2, n_head=4, d_model=64)), 320
 
 
-__all__ = ["FAMILIES", "make", "batches", "make_fallback_model", "train_steps", "assert_steps_match", "AFTER_ADAMW"]
+__all__ = ["FAMILIES", "make", "hf_gptj", "batches", "make_fallback_model", "train_steps", "assert_steps_match", "AFTER_ADAMW"]

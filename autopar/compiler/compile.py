@@ -9,6 +9,8 @@ none patches the program afterwards:
     analyze_sharding       a placement for every value                   passes/sharding.py
     apply_tensor_parallel  the rank graph with f/g and vocab ops         passes/tensor_parallel.py
     annotate_local_shapes  one rank's shapes in meta["local_val"]        compiler/local_shapes.py
+    sequence_parallel      norms, dropout, residuals on 1/t of the tokens passes/sequence_parallel.py
+                           (g -> reduce-scatter, f -> all-gather); shapes annotated again
     split_pipeline         p*v cost-balanced chunks                      passes/pipeline_split.py
     recompute              checkpointed regions in each chunk            passes/recompute.py
     eval_mode              each chunk's evaluation graph (no dropout)    passes/eval_mode.py
@@ -39,13 +41,14 @@ from passes.layers import LayerInfo, find_layers
 from passes.normalize import normalize
 from passes.pipeline_split import split_pipeline
 from passes.recompute import with_recompute
+from passes.sequence_parallel import apply_sequence_parallel
 from passes.sharding import ShardingPlan, analyze_sharding
 from passes.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["compile_program", "PASSES"]
 
 PASSES: tuple[str, ...] = ("trace", "normalize", "find_layers", "analyze_sharding", "apply_tensor_parallel",
-                           "annotate_local_shapes", "split_pipeline", "recompute", "eval_mode", "schedule")
+                           "annotate_local_shapes", "sequence_parallel", "split_pipeline", "recompute", "eval_mode", "schedule")
 """The pipeline's passes, in the order they run."""
 
 
@@ -58,7 +61,12 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
     layers = find_layers(traced.gm)
     plan = analyze_sharding(traced, config.tp)
     rank_module = apply_tensor_parallel(traced, plan)
-    annotate_local_shapes(rank_module, config.tp, traced.param_of, _param_local_shapes(traced, plan, config.tp).__getitem__)
+    local_shape = _param_local_shapes(traced, plan, config.tp).__getitem__
+    annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
+    sequence = apply_sequence_parallel(rank_module, traced.param_of, plan.param_specs, config.tp,
+                                       config.sequence_parallel)
+    if sequence is not None:
+        annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
     split = _split(traced, rank_module, config, layers)
     schedule, eval_schedule = _schedules(config)
     param_names = tuple(traced.param_of[n.name] for n in traced.gm.graph.nodes if n.name in traced.param_of)
@@ -66,7 +74,8 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
     return program_type(
         model=model, config=config, traced=traced, layers=layers, plan=plan, rank_module=rank_module,
         split=split, schedule=schedule, eval_schedule=eval_schedule, param_names=param_names,
-        param_stages=param_stages, tied_params={n: s for n, s in param_stages.items() if len(s) > 1})
+        param_stages=param_stages, tied_params={n: s for n, s in param_stages.items() if len(s) > 1},
+        sequence=sequence)
 
 
 def _param_local_shapes(traced, plan: ShardingPlan, tp: int) -> dict[str, tuple[int, ...]]:

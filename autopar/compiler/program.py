@@ -31,6 +31,7 @@ from autopar.core.graph import TracedModel, module_path, source_line
 from autopar.core.placement import Replicate, Shard
 from autopar.schedules import Schedule
 from passes.layers import LayerInfo, layer_of_node, layer_of_param
+from passes.sequence_parallel import SequenceParallelPlan
 from passes.sharding import ShardingPlan
 
 __all__ = ["Program"]
@@ -104,6 +105,8 @@ class Program:
     """Parameter -> the pipeline stages whose chunks read it."""
     tied_params: dict[str, tuple[int, ...]]
     """Parameters read on more than one stage -> those stages."""
+    sequence: SequenceParallelPlan | None = None
+    """What runs split along the tokens (sequence parallelism); None when it is off."""
 
     @property
     def pp(self) -> int:

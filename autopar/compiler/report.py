@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autopar.compiler.sequence_report import sequence_parallel_lines
 from autopar.core.collectives import collective_named
 from autopar.core.config import optimizer_bytes_per_param
 from autopar.core.placement import Shard
@@ -85,6 +86,8 @@ def render_summary(program: Program, width: int = 120) -> str:
         console.print(line)
     for line in _padding_notes(program):
         console.print(line)
+    for line in sequence_parallel_lines(program):
+        console.print(line, highlight=False, markup=False)
     console.print(_fallbacks_table(program))
     for table in (_unsplit_weights_table(program), _rejected_table(program)):
         if table is not None:

@@ -33,7 +33,8 @@ import torch.fx as fx
 from autopar.core.graph import local_val
 
 __all__ = ["ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "Collective", "collective", "collective_of",
-           "collective_named", "registered", "wire_factor", "output_bytes", "fp32_per_row", "fp32_per_reduced"]
+           "collective_named", "registered", "wire_factor", "output_bytes", "input_bytes", "twice", "fp32_per_row",
+           "fp32_per_reduced"]
 
 ALL_REDUCE = "all-reduce"
 ALL_GATHER = "all-gather"
@@ -125,6 +126,17 @@ def output_bytes(node: fx.Node) -> int:
     """The bytes of the node's output (on one rank): what f, g, a gather or a scatter moves."""
     val = local_val(node)
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def input_bytes(node: fx.Node) -> int:
+    """The bytes of the node's first argument (on one rank): what a reduce-scatter reduces."""
+    return output_bytes(node.args[0])
+
+
+def twice(nbytes: Callable[[fx.Node], int]) -> Callable[[fx.Node], int]:
+    """``nbytes`` moved once in the forward and once in the backward (a reduce-scatter whose
+    backward all-gathers the same buffer, and the converse)."""
+    return lambda node: 2 * nbytes(node)
 
 
 def fp32_per_row(buffers: int) -> Callable[[fx.Node], int]:

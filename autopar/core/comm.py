@@ -6,6 +6,10 @@ Megatron's two operators, for a group of t ranks:
 - ``reduce_from_tp`` (g)  forward all-reduce,  backward identity
 - ``gather_from_tp``      forward all-gather,  backward take the local slice
 - ``scatter_to_tp``       forward take the local slice, backward all-gather
+- ``reduce_scatter_to_sp``  g under sequence parallelism: forward reduce-scatter
+                            along the token dim, backward all-gather
+- ``gather_from_sp``        f under sequence parallelism: forward all-gather
+                            along the token dim, backward reduce-scatter
 
 plus the vocabulary-parallel embedding, losses and softmax family. Each
 short-circuits when the group has one rank. Each is registered once with
@@ -22,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, collective, fp32_per_reduced, fp32_per_row, output_bytes
+from autopar.core.collectives import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective, fp32_per_reduced, fp32_per_row,
+                                      input_bytes, output_bytes, twice)
 
 __all__ = [
     "TPGroup",
@@ -30,6 +35,8 @@ __all__ = [
     "reduce_from_tp",
     "gather_from_tp",
     "scatter_to_tp",
+    "reduce_scatter_to_sp",
+    "gather_from_sp",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_logsumexp",
@@ -232,6 +239,78 @@ def scatter_to_tp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, .
     if tp.size == 1:
         return x
     return _ScatterToTP.apply(x, tp, dim, segments)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, group: TPGroup, dim: int) -> torch.Tensor:
+    """Sum over the ranks; this rank keeps its 1/t block along ``dim`` (contiguous).
+
+    One ``reduce_scatter_single`` over the dim moved to the front (NCCL and gloo in torch 2.13
+    both have it); an inspection group (no process group) only takes the block, for shapes."""
+    t = group.size
+    if x.shape[dim] % t:
+        raise ValueError(f"reduce-scatter along dim {dim} of size {x.shape[dim]} needs a multiple of tp={t}")
+    if group.pg is None:
+        return x.narrow(dim, group.rank * (x.shape[dim] // t), x.shape[dim] // t).contiguous()
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((front.shape[0] // t, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, front, group=group.pg)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_gather_dim(x: torch.Tensor, group: TPGroup, dim: int) -> torch.Tensor:
+    """Every rank's block concatenated along ``dim`` in rank order: one ``all_gather_single`` over
+    the dim moved to the front; an inspection group repeats this rank's block, for shapes."""
+    if group.pg is None:
+        return torch.cat([x] * group.size, dim=dim)
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((front.shape[0] * group.size, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, front, group=group.pg)
+    return out.movedim(0, dim).contiguous()
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.args = (group, dim)
+        return _reduce_scatter_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, dim = ctx.args
+        return _all_gather_dim(grad, group, dim), None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.args = (group, dim)
+        return _all_gather_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, dim = ctx.args
+        return _reduce_scatter_dim(grad, group, dim), None, None
+
+
+@collective("g (reduce_scatter_to_sp)", "fwd reduce-scatter; bwd all-gather", (REDUCE_SCATTER, ALL_GATHER),
+            twice(input_bytes), forward_nbytes=input_bytes)
+def reduce_scatter_to_sp(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    """g of sequence parallelism: the partial sums reduce-scattered along the token dim ``dim``, each
+    rank keeping its 1/t of the tokens; backward all-gathers the gradient. A ring all-reduce is
+    exactly a reduce-scatter then an all-gather: the same bytes, split across g and the next f."""
+    if tp.size == 1:
+        return x
+    return _ReduceScatterToSP.apply(x, tp, dim)
+
+
+@collective("f (gather_from_sp)", "fwd all-gather; bwd reduce-scatter", (ALL_GATHER, REDUCE_SCATTER),
+            twice(output_bytes), forward_nbytes=output_bytes)
+def gather_from_sp(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    """f of sequence parallelism: the tokens split along ``dim`` all-gathered before a column-parallel
+    region; backward reduce-scatters the region's partial gradients (the sum f's all-reduce made)."""
+    if tp.size == 1:
+        return x
+    return _GatherFromSP.apply(x, tp, dim)
 
 
 @collective("vocab_parallel_embedding", "fwd all-reduce", ALL_REDUCE, output_bytes)

@@ -14,7 +14,7 @@ from enum import Enum
 from autopar.core.mesh import MeshShape
 
 __all__ = ["ParallelConfig", "Recompute", "RECOMPUTE", "PRECISIONS", "SCHEDULE_NAMES", "SPLIT_BACKWARD_SCHEDULES",
-           "microbatch_errors", "size_errors",
+           "FEWER_MICROBATCHES_THAN_STAGES", "microbatch_errors", "size_errors", "sequence_parallel_errors",
            "mesh_errors", "optimizer_bytes_per_param"]
 
 
@@ -121,6 +121,17 @@ def _chunks_per_stage_error(schedule: str, v: int, name: str) -> str:
     return f"{schedule} runs {need} chunks per stage (a V), got {name}={v}; use {name}={need}"
 
 
+def sequence_parallel_errors(sequence_parallel, tp: int) -> list[str]:
+    """What is wrong with ``sequence_parallel`` for ``tp`` ranks, with the fix ([] when nothing)."""
+    if sequence_parallel not in (True, False, None):
+        return [f"sequence_parallel must be True, False or None (on where it fits), got {sequence_parallel!r}"]
+    if sequence_parallel and tp == 1:
+        return ["sequence_parallel=True splits the tokens across the tensor-parallel ranks, and tp=1 has one: "
+                "there is nothing to split. Fix: tp >= 2 (a tp that divides the heads and the sequence length), "
+                "or sequence_parallel=None / False"]
+    return []
+
+
 def optimizer_bytes_per_param(param_bytes: int) -> int:
     """Adam's state per parameter: moments m and v in fp32 (8 bytes), plus an fp32 master
     copy (4 more) when the parameters themselves are 16-bit (``param_bytes`` < 4: mixed
@@ -150,6 +161,12 @@ class ParallelConfig:
     """Activation recomputation: 'none', 'layer' (keep each layer's input) or 'chunk' (each chunk's input)."""
     precision: str = "fp32"
     """'fp32', or 'bf16': bf16 autocast with fp32 parameters, gradients and gradient reduction."""
+    sequence_parallel: bool | None = False
+    """Run the ops between a row-parallel all-reduce and the next column-parallel input (norms, dropout,
+    residual adds) on 1/tp of the tokens (``passes/sequence_parallel.py``). None: on when tp > 1 and
+    every all-reduce's value splits along its tokens (off, and the summary says why, when tp does not
+    divide them); True: on, or an error naming the dim that does not split; False (the default for
+    now, see ``docs/sequence-parallel.md``): off."""
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -167,6 +184,9 @@ class ParallelConfig:
                              f"or 'zbv' for 2), got schedule={self.schedule!r}")
         errs = microbatch_errors(self.schedule, self.pp, self.virtual_stages, self.microbatches,
                                  names=("pp", "virtual_stages", "microbatches"))
+        if errs:
+            raise ValueError("; ".join(errs))
+        errs = sequence_parallel_errors(self.sequence_parallel, self.tp)
         if errs:
             raise ValueError("; ".join(errs))
         errs = mesh_errors(self.tp, self.pp, self.dp, self.world_size)

@@ -35,6 +35,7 @@ import torch.nn as nn
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
 from autopar.runtime.flat_buffers import FlatBucket, gather_owned
+from autopar.runtime.sequence_grads import PartialGradSum
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
@@ -81,6 +82,8 @@ class GradientSync:
         """Reduce-scatter mode: each bucket's names -> its flat buffers; None: all-reduce mode."""
         self._tied_before: dict[str, torch.Tensor | None] = {}
         self.stats: dict = {}
+        self.tp_partial = PartialGradSum(program, mesh, params)
+        """Gradients split by sequence parallelism into partial sums over tp: summed before any reduction."""
 
     def reduce_scatter_into(self, buckets: list[FlatBucket]) -> None:
         """Switch to reduce-scatter mode: gradients go to these buckets' owned ranges.
@@ -96,6 +99,7 @@ class GradientSync:
         self.stats = stats
         self._works = []
         self._tied_before = {}
+        self.tp_partial.begin_step()
         if self.sharded is not None:  # the parameters' .grad are never overwritten: nothing to remember
             return
         for name in self.program.tied_params:
@@ -105,7 +109,8 @@ class GradientSync:
 
     def start(self, names: list[str]) -> None:
         """Launch the averaging all-reduce (or reduce-scatter) of these parameters' gradients, in
-        buckets, asynchronously."""
+        buckets, asynchronously (partial sums over tp summed first)."""
+        self.tp_partial.sum(names)
         if not names or (self.mesh.shape.dp == 1 and self.sharded is None):
             return
         group = self.mesh.groups.get("dp")
@@ -156,6 +161,7 @@ class GradientSync:
 
     def end_step(self) -> None:
         """Wait for the data-parallel buckets and average; then sum tied parameters across stages."""
+        self.tp_partial.sum_rest()
         if self.sharded is not None:
             self._end_sharded_step()
             return
