@@ -126,9 +126,14 @@ def test_interleaved_needs_m_multiple_of_p():
 
 
 def test_fewer_microbatches_than_stages():
+    """1F1B and GPipe run m < p (the pipeline never fills); the interleaved and zero-bubble
+    schedules, whose step patterns assume a full pipeline, refuse it up front."""
     model, _ = make("nanogpt", layers=8)
-    with pytest.raises(ValueError, match=r"microbatches=2 < pp=4. Use microbatches >= 4"):
-        _program(model, pp=4, microbatches=2)
+    program = _program(model, pp=4, microbatches=2)
+    assert program.schedule.name == "1f1b" and program.schedule.m == 2
+    assert [program.schedule.in_flight_bound(s) for s in range(4)] == [2, 2, 2, 1]
+    with pytest.raises(ValueError, match=r"microbatches=2 < pp=4. Use microbatches >= 4 .* or '1f1b' or 'gpipe'"):
+        _program(model, pp=4, virtual_stages=2, microbatches=2, schedule="interleaved")
 
 
 def test_world_size_must_match_the_mesh():

@@ -32,8 +32,10 @@ def test_the_program_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         program.schedule = None
     # every field was given at construction: none is left empty for a later step to fill in
+    # (``sequence`` is None only where sequence parallelism is off: the plan of a pass that did not run)
     for f in dataclasses.fields(program):
-        assert getattr(program, f.name) is not None, f.name
+        if f.name != "sequence" or program.config.sequence_parallel is not False:
+            assert getattr(program, f.name) is not None, f.name
     assert PASSES.index("annotate_local_shapes") < PASSES.index("split_pipeline") < PASSES.index("recompute")
 
 
