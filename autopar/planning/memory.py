@@ -29,7 +29,7 @@ from autopar.planning.models import ModelSpec, params_per_stage
 from autopar.planning.precision import Precision
 from autopar.schedules import in_flight_bound
 
-__all__ = ["Memory", "activation_bytes_per_layer", "layer_backward_transient", "memory_per_gpu",
+__all__ = ["Memory", "activation_bytes_per_layer", "layer_backward_transient", "memory_per_gpu", "stage_memory",
            "model_state_bytes", "REDUCED_GRAD_SHARD_BYTES"]
 
 REDUCED_GRAD_SHARD_BYTES = 4
@@ -104,23 +104,28 @@ def memory_per_gpu(spec: ModelSpec, lay: Layout, m: int, inflight: list[int] | N
     are freed, so it competes with them: the activation entry is max(activations, that copy).
     ``inflight`` overrides the closed-form count of in-flight units per stage.
     """
-    p, prec = lay.p, lay.precision
-    params = params_per_stage(spec, lay.t, p)
-    sharded = lay.distopt
+    p = lay.p
     best: Memory | None = None
     # in-flight counts fall with the stage index and only the ends hold embeddings,
     # so the first and last stage are the candidates unless counts are given
     for r in (range(p) if inflight is not None else sorted({0, p - 1})):
         units = inflight[r] if inflight is not None else in_flight_bound(lay.schedule, p, lay.v, m, r)
-        P = params[r]
-        weights, grads, state = model_state_bytes(prec, P, lay.d, lay.distributed_optimizer)
-        ddp = prec.grad * P if (lay.dp_overlap and lay.d > 1 and not sharded) else 0.0
-        copy = 4.0 * P / (lay.d if sharded else 1) if prec.grad < 4 else 0.0
-        kept, working = _activations(spec, lay, r, units)
-        cand = Memory(weights, grads, state, max(kept + working, copy), r, buffers=ddp, kept=kept, step_copy=copy)
+        cand = stage_memory(spec, lay, r, units)
         if best is None or cand.total > best.total:
             best = cand
     return best
+
+
+def stage_memory(spec: ModelSpec, lay: Layout, r: int, units: int) -> Memory:
+    """Memory of one GPU of pipeline stage ``r`` holding ``units`` chunk-microbatches in flight
+    at its peak (``memory_per_gpu`` takes the fullest stage)."""
+    prec, P = lay.precision, params_per_stage(spec, lay.t, lay.p)[r]
+    sharded = lay.distopt
+    weights, grads, state = model_state_bytes(prec, P, lay.d, lay.distributed_optimizer)
+    ddp = prec.grad * P if (lay.dp_overlap and lay.d > 1 and not sharded) else 0.0
+    copy = 4.0 * P / (lay.d if sharded else 1) if prec.grad < 4 else 0.0
+    kept, working = _activations(spec, lay, r, units)
+    return Memory(weights, grads, state, max(kept + working, copy), r, buffers=ddp, kept=kept, step_copy=copy)
 
 
 def _activations(spec: ModelSpec, lay: Layout, r: int, units: int) -> tuple[float, float]:
@@ -142,11 +147,12 @@ def _activations(spec: ModelSpec, lay: Layout, r: int, units: int) -> tuple[floa
         working = transient + 2 * ckpt
     if p > 1:  # each chunk's output, kept for its backward (the last chunk's is the loss)
         kept += (units - (1 if r == p - 1 else 0)) * split
-    end_units = math.ceil(units / lay.v)  # microbatches in flight in the first (last) chunk
+    first_units = math.ceil(units / lay.v)  # microbatches in flight in the first chunk
     if r == 0:
-        kept += end_units * embedding_kept_bytes(spec, b, t, sp, prec)
+        kept += first_units * embedding_kept_bytes(spec, b, t, sp, prec)
     if r == p - 1:  # a microbatch's layers run backward after its loss has released the head's
         head = head_kept_bytes(spec, b, t, sp, prec)
-        kept += end_units * head
+        # the last chunk's backward follows its forward at once, except in GPipe (all forwards first)
+        kept += (first_units if lay.schedule == "gpipe" else 1) * head
         working = max(working - head, loss_working_bytes(spec, b, t, prec) + ckpt)
     return kept, working
