@@ -404,7 +404,7 @@ def memory_line(e: Estimate) -> str:
     m, gib = e.memory, 2**30
     parts = [("weights", m.weights), ("grads", m.grads), ("optimizer", m.optimizer),
              ("DDP buckets", m.buffers)]
-    P = m.weights / 2
-    act = ("fp32 grad copy of the step" if P > 0 and m.activations == 4 * P else "activations", m.activations)
+    act = ("fp32 grad copy of the step" if m.step_copy > 0 and m.activations == m.step_copy else "activations",
+           m.activations)
     body = " + ".join(f"{k} {v / gib:.1f}" for k, v in parts + [act] if v > 0)
     return f"{m.total / gib:.1f} GiB ({body})"
