@@ -89,6 +89,13 @@ def _add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) 
                      help="overlap it in pipelined layouts too (autopar's runtime can)")
     lay.add_argument("--no-scatter-gather", action="store_true")
     lay.add_argument("--uneven-layers", action="store_true", help="allow layers not divisible by p*v")
+    lay.add_argument("--sequence-parallel", choices=tuple(_FEATURE_FLAG), default="off",
+                     help="sequence parallelism (norms, dropout, residual adds on s/t tokens; activations /t): "
+                          "'off' (default, the paper's Megatron-LM 2021 had none), 'on', or 'search' both when t > 1")
+    lay.add_argument("--distributed-optimizer", choices=tuple(_FEATURE_FLAG), default="off",
+                     help="distributed optimizer (optimizer state 12/d bytes per parameter, gradients "
+                          "reduce-scattered, parameters all-gathered): 'off' (default, as in the paper), 'on', "
+                          "or 'search' both when d > 1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,7 +189,13 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         dp_overlap=args.dp_overlap, pipeline_dp_overlap=args.dp_overlap_pipelined,
         scatter_gather=not args.no_scatter_gather,
         divisible_layers=not args.uneven_layers,
+        sequence_parallel=_FEATURE_FLAG[args.sequence_parallel],
+        distributed_optimizer=_FEATURE_FLAG[args.distributed_optimizer],
     )
+
+
+_FEATURE_FLAG: dict[str, tuple[bool, ...]] = {"off": (False,), "on": (True,), "search": (False, True)}
+"""``--sequence-parallel`` / ``--distributed-optimizer`` -> the choices the planner tries."""
 
 
 def _recompute_choices(flag: str) -> tuple[Recompute, ...]:

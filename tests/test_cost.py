@@ -114,26 +114,29 @@ def test_memory_hand_computed_example():
     assert layer_backward_transient(spec, 2, 2) == 4_194_304
     # stage 0 holds min(p, m) = 2 microbatches x (2 layers of checkpoints + the chunk's output kept
     # for its backward), then one re-materialised layer + that transient + the incoming and
-    # outgoing gradients (2 ckpt), and the embedding output
-    act0 = 2 * (2 + 1) * ckpt + (full_layer + 4_194_304 + 2 * ckpt) + ckpt
+    # outgoing gradients (2 ckpt); each in-flight microbatch of the first chunk also keeps the
+    # embedding's int64 token ids (8 bytes per token) and its 1-byte dropout mask (h per token)
+    act0 = 2 * (2 + 1) * ckpt + (full_layer + 4_194_304 + 2 * ckpt) + 2 * T * (8 + h)
     mem = memory_per_gpu(spec, Layout(t=2, p=2, d=1, b=2), m=4)
     assert mem.stage == 0
     assert mem.weights == 2 * stage0 and mem.grads == 2 * stage0 and mem.optimizer == 12 * stage0
     assert mem.buffers == 0 and mem.activations == act0
-    assert mem.total == 16 * stage0 + act0 == 285_327_360
+    assert mem.total == 16 * stage0 + act0 == 285_343_744
     # with a large vocabulary the last stage is the fullest: 1 microbatch in flight (2 layers of
-    # checkpoints; its output is the loss), and the loss's working set, 6 bytes per local logit +
-    # the LM head's and final LN's inputs, is larger than a layer's backward working set (they
-    # never coexist: the max)
+    # checkpoints; its output is the loss) keeping the head's inputs (final LN's and the LM head's,
+    # 2 ckpt), the fp32 softmax (4 bytes per local logit) and the int64 targets; then the loss's
+    # working set, the 16-bit logits (then their gradient) + the gradient of the head's input, is
+    # larger than a layer's backward working set (they never coexist: the max)
     big = ModelSpec(layers=4, hidden=1024, heads=16, seq_len=512, vocab=64000)
     last = memory_per_gpu(big, Layout(t=2, p=2, d=1, b=2), m=4)
-    loss = 6 * T * 32000 + 2 * ckpt
+    head = 2 * ckpt + T * (4 * 32000 + 8)
+    loss = 2 * T * 32000 + ckpt
     assert loss > full_layer + 4_194_304 + 2 * ckpt
-    assert last.stage == 1 and last.activations == 1 * 2 * ckpt + loss
-    # without recomputation: 2 in flight x 2 layers x full activations, the transient and gradients,
-    # and the embedding output
+    assert last.stage == 1 and last.activations == 1 * 2 * ckpt + head + loss
+    # without recomputation: 2 in flight x (2 layers x full activations + the chunk's output + the
+    # embedding's ids and mask), the transient and gradients
     none = memory_per_gpu(spec, Layout(t=2, p=2, d=1, b=2, recompute="none"), m=4)
-    assert none.activations == 2 * 2 * full_layer + 2 * ckpt + 4_194_304 + 2 * ckpt + ckpt
+    assert none.activations == 2 * (2 * full_layer + ckpt + T * (8 + h)) + 4_194_304 + 2 * ckpt
 
 
 def test_ddp_buckets_and_the_optimizer_step_peak():

@@ -16,7 +16,10 @@ and shape, never by name:
 - MLP width and gating: the layer's last linear is the down projection (its
   input features are the width); the linears between the attention's output
   projection and it are the up projections, and they hold twice the width
-  when the MLP is gated (SwiGLU).
+  when the MLP is gated (SwiGLU);
+- dropout: a dropout op left in layer 0 (normalisation drops those with p = 0);
+- fused attention: the attention is one ``scaled_dot_product_attention`` call
+  (it keeps its output and log-sum-exp, not the s x s scores).
 
 The planner then models the model as a GPT-shaped decoder with those
 dimensions (``cost.ModelSpec``). A block the graph does not show in that form
@@ -106,8 +109,13 @@ def spec_from_graph(gm: fx.GraphModule, params: set[str], seq_len: int, name: st
     if ups not in (ffn, 2 * ffn):
         raise SpecError(f"{name}: the MLP's up projections hold {ups} features for a width of {ffn}; "
                         f"give --ffn (and --gated-mlp) by hand")
+    dropout = any(n.target in _DROPOUTS for n in first)
     return ModelSpec(layers=layers.count, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
-                     kv_heads=kv, gated_mlp=ups == 2 * ffn, name=name)
+                     kv_heads=kv, gated_mlp=ups == 2 * ffn, dropout=dropout,
+                     fused_attention=attn.target == aten.scaled_dot_product_attention.default, name=name)
+
+
+_DROPOUTS = (aten.dropout.default, aten.native_dropout.default)
 
 
 def _attention(nodes: list[fx.Node], seq_len: int) -> fx.Node | None:

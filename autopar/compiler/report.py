@@ -16,7 +16,11 @@ from rich.table import Table
 
 from autopar.compiler.sequence_report import sequence_parallel_lines
 from autopar.core.collectives import collective_named
+import torch
+
 from autopar.core.config import optimizer_bytes_per_param
+from autopar.core.flops import node_bytes
+from autopar.core.graph import local_val
 from autopar.core.placement import Shard
 from autopar.schedules import dry_run
 
@@ -37,14 +41,19 @@ def _gib(n: float) -> str:
 
 def memory_per_rank(program: Program) -> list[dict[str, float]]:
     """Per pipeline stage: bytes of weights, gradients, optimizer state (Adam,
-    ``optimizer_bytes_per_param``) and activations at peak.
+    ``optimizer_bytes_per_param``) and activations at peak, each memory feature with and without.
 
     Activations: the bytes a chunk keeps for its backward per microbatch
     (``Program.chunk_activation_bytes``) times the most microbatches
     the schedule keeps in flight on that stage, plus one recomputation's
-    working set.
+    working set. ``activations_sp``: the same with sequence parallelism, the values whole on
+    every tensor-parallel rank that carry the sequence (norms, dropout, residual stream) split
+    t ways. ``optimizer_distopt``: the distributed optimizer's share, an fp32 master and Adam's
+    moments (12 bytes) per parameter over the d replicas. ``sequence_parallel`` and
+    ``distributed_optimizer`` say which the program uses (``program.config``'s, off when absent).
     """
-    p = program.pp
+    p, t, d = program.pp, program.tp, program.config.data_parallel
+    seq = _seq_len(program)
     out = []
     for stage in range(p):
         params, weights, optimizer = 0, 0.0, 0.0
@@ -58,9 +67,39 @@ def memory_per_rank(program: Program) -> list[dict[str, float]]:
         kept = [program.chunk_activation_bytes(c) for c in chunks]
         in_flight = program.schedule.in_flight_bound(stage)
         act = max((k for k, _ in kept), default=0.0) * in_flight + max((w for _, w in kept), default=0.0)
+        split = max((_sequence_share(c, seq) for c in chunks), default=0.0) if t > 1 else 0.0
         out.append({"params": params, "weights": weights, "grads": weights,
-                    "optimizer": optimizer, "activations": act, "in_flight": in_flight})
+                    "optimizer": optimizer, "optimizer_distopt": DISTRIBUTED_STATE_BYTES * params / d,
+                    "activations": act, "activations_sp": act * (1 - split * (1 - 1 / t)), "in_flight": in_flight,
+                    "sequence_parallel": bool(getattr(program.config, "sequence_parallel", False)) and t > 1,
+                    "distributed_optimizer": bool(getattr(program.config, "distributed_optimizer", False)) and d > 1})
     return out
+
+
+DISTRIBUTED_STATE_BYTES = 12
+"""The distributed optimizer's state per parameter before sharding: an fp32 master and Adam's m and v."""
+
+
+def _seq_len(program: Program) -> int:
+    """The example microbatch's sequence length (the first input's last dim)."""
+    phs = [n for n in program.traced.gm.graph.nodes if n.op == "placeholder" and n.name in program.traced.input_names]
+    return int(phs[0].meta["val"].shape[-1]) if phs and phs[0].meta["val"].dim() >= 2 else 0
+
+
+def _sequence_share(chunk, seq: int) -> float:
+    """Fraction of the bytes ``chunk``'s values hold that sequence parallelism splits: values whole on
+    every tensor-parallel rank (local numel = global numel) with a sequence dim (dim 1 = s)."""
+    total = whole = 0.0
+    for node in chunk.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        nbytes = node_bytes(node)
+        total += nbytes
+        full, local = node.meta.get("val"), local_val(node)
+        if (isinstance(full, torch.Tensor) and isinstance(local, torch.Tensor) and full.dim() >= 3
+                and full.shape[1] == seq and full.numel() == local.numel()):
+            whole += nbytes
+    return whole / total if total else 0.0
 
 
 def predicted_bubble(program: Program) -> float:
@@ -145,7 +184,7 @@ def _stages_table(program: Program) -> Table:
     mesh = program.config.mesh
     stages = Table(title="Pipeline stages: layers per chunk, memory per rank")
     for col in ("stage", "ranks", "chunks: layers", "params/rank", "weights", "grads", "optimizer",
-                "activations (peak)", "total"):
+                "distopt", "activations (peak)", "with SP", "total"):
         stages.add_column(col)
     mem = memory_per_rank(program)
     for s in range(mesh.pp):
@@ -153,9 +192,13 @@ def _stages_table(program: Program) -> Table:
         desc = "; ".join(f"{c.index}: {_span(c.layers)}" for c in chunks)
         ranks = [mesh.rank(s, d, j) for d in range(mesh.dp) for j in range(mesh.tp)]
         m = mem[s]
+        opt = m["optimizer_distopt"] if m["distributed_optimizer"] else m["optimizer"]
+        act = m["activations_sp"] if m["sequence_parallel"] else m["activations"]
         stages.add_row(str(s), _ranks(ranks), desc, f"{m['params']:,}", _gib(m["weights"]), _gib(m["grads"]),
-                       _gib(m["optimizer"]), f"{_gib(m['activations'])} ({m['in_flight']} in flight)",
-                       _gib(m["weights"] + m["grads"] + m["optimizer"] + m["activations"]))
+                       _gib(m["optimizer"]), _gib(m["optimizer_distopt"]) if mesh.dp > 1 else "-",
+                       f"{_gib(m['activations'])} ({m['in_flight']} in flight)",
+                       _gib(m["activations_sp"]) if mesh.tp > 1 else "-",
+                       _gib(m["weights"] + m["grads"] + opt + act))
     return stages
 
 
@@ -165,7 +208,9 @@ def _stage_notes(program: Program) -> list[str]:
     if mesh.pp > 1:
         per_chunk += (f"; predicted bubble {predicted_bubble(program):.1%} (uniform costs: (p-1)/(v*m) = "
                       f"{(mesh.pp - 1) / (cfg.virtual_stages * cfg.microbatches):.1%})")
-    lines = [per_chunk]
+    lines = [per_chunk, "distopt: optimizer state with the distributed optimizer (fp32 master + Adam's m, v: "
+             "12 bytes per parameter / d); with SP: activations with sequence parallelism (values whole on "
+             "every tensor-parallel rank split t ways); total: the program's own choices"]
     if program.tied_params:
         lines.append("held by several stages (gradients summed across them): "
                      + ", ".join(f"{n} on stages {list(s)}" for n, s in program.tied_params.items()))

@@ -4,8 +4,9 @@
 and recompute times (``op_times.py``), the tensor-parallel all-reduces, the
 pipeline sends (scatter/gather), the pipeline and its bubble (closed form, or
 the schedule simulator through ``simulate.py``), the data-parallel gradient
-all-reduce, the tied-embedding sync and the optimizer step into an iteration
-time, TFLOP/s per GPU (counted as the paper counts) and memory per GPU
+all-reduce (with the distributed optimizer: a reduce-scatter of the gradients and
+an all-gather of the parameters), the tied-embedding sync and the optimizer step
+(1/d of it with the distributed optimizer) into an iteration time, TFLOP/s per GPU (counted as the paper counts) and memory per GPU
 (``memory.py``).
 """
 
@@ -23,6 +24,7 @@ from autopar.planning.network import (
     allgather_time,
     allreduce_time,
     dp_link,
+    reduce_scatter_time,
     inter_node_bw,
     intra_node_bw,
     p2p_time,
@@ -86,9 +88,10 @@ class Estimate:
     bubble: float
     """Bubble fraction: idle time / busy time of a stage; (p-1)/(v m) for uniform chunks."""
     t_dp: float
-    """Data-parallel gradient all-reduce, whole."""
+    """Data-parallel gradient all-reduce, whole (with the distributed optimizer: the gradients'
+    reduce-scatter and the parameters' all-gather together, the same bytes)."""
     t_dp_exposed: float
-    """The part of it not hidden behind the backward."""
+    """The part of it not hidden behind the backward (the all-gather after the step is all exposed)."""
     t_emb_sync: float
     """All-reduce of the tied word-embedding gradient between the first and last stage."""
     t_optimizer: float
@@ -167,9 +170,10 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     c = _send_time(spec, hw, lay)
     t_pipe, bubble, sim = _pipeline(lay, m, chunk, c, simulate)
     P_max = max(params_per_stage(spec, lay.t, lay.p))
-    t_dp, t_dp_exposed = _dp_allreduce(hw, lay, P_max, chunk.t_B)
+    t_dp, t_dp_exposed = (_dp_sharded if lay.distopt else _dp_allreduce)(hw, lay, P_max, chunk.t_B)
     t_emb = _embedding_sync(spec, hw, lay)
-    t_opt = P_max * OPTIMIZER_STEP_TRAFFIC_PER_PARAM / (hw.hbm_bw * hw.eff.hbm)
+    owned = P_max / lay.d if lay.distopt else P_max  # the distributed optimizer steps 1/d of them
+    t_opt = owned * OPTIMIZER_STEP_TRAFFIC_PER_PARAM / (hw.hbm_bw * hw.eff.hbm)
     breakdown = _breakdown(chunk, lay, m, c, t_pipe, t_dp_exposed + t_emb, t_opt)
     inflight = [sim.peak_in_flight[r] for r in range(lay.p)] if sim is not None else None
     return Estimate(
@@ -198,7 +202,7 @@ class _Chunk:
     @classmethod
     def of(cls, spec: ModelSpec, hw: Hardware, lay: Layout) -> _Chunk:
         L = math.ceil(spec.layers / (lay.p * lay.v))
-        tm = layer_times(spec, hw, lay.b, lay.t)
+        tm = layer_times(spec, hw, lay.b, lay.t, lay.sp)
         rc = 1.0 if lay.recompute is Recompute.LAYER else 0.0  # each layer's forward again in its backward
         return cls(L, tm["layer_f"] * L, tm["layer_b"] * L + tm["layer_f"] * (L * rc), tm)
 
@@ -275,6 +279,24 @@ def _dp_allreduce(hw: Hardware, lay: Layout, P_max: int, t_B: float) -> tuple[fl
         window = lay.v * t_B
         return t_dp, max(t_dp - window, allreduce_time(min(DDP_BUCKET_BYTES, FP16 * P_max), d, bw, lat))
     return t_dp, t_dp
+
+
+def _dp_sharded(hw: Hardware, lay: Layout, P_max: int, t_B: float) -> tuple[float, float]:
+    """The distributed optimizer's data-parallel traffic: (whole, exposed) seconds.
+
+    The gradients are reduce-scattered (each replica receives the sum of its 1/d range) and,
+    after the step, the updated parameters all-gathered: the all-reduce's two halves, the same
+    bytes on the wire. The reduce-scatter overlaps the backward as the all-reduce does (bucket by
+    bucket, as soon as a chunk's gradients are final); the all-gather follows the step and
+    is exposed."""
+    d, prec = lay.d, lay.precision
+    bw, lat = dp_link(hw, lay.t, d)
+    t_rs = reduce_scatter_time(prec.grad * P_max, d, bw, lat)
+    t_ag = allgather_time(prec.weight * P_max, d, bw, lat)
+    if lay.dp_overlap:
+        last = reduce_scatter_time(min(DDP_BUCKET_BYTES, prec.grad * P_max), d, bw, lat)
+        return t_rs + t_ag, max(t_rs - lay.v * t_B, last) + t_ag
+    return t_rs + t_ag, t_rs + t_ag
 
 
 def _embedding_sync(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:

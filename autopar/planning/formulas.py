@@ -34,10 +34,19 @@ FORMULAS: dict[str, tuple[str, sp.Expr]] = {
     "state": ("model-state bytes per GPU, mixed-precision Adam (approx.)", 16 * _P_EXPR / (t_ * p_)),
     "act_layer": ("activation bytes of one layer without recomputation",
                   s_ * b_ * h_ * (10 + 24 / t_ + 5 * a_ * s_ / (h_ * t_))),
+    "act_layer_sp": ("the same with sequence parallelism (norms, dropout, residual on s/t tokens)",
+                     s_ * b_ * h_ * (34 + 5 * a_ * s_ / h_) / t_),
+    "act_ckpt": ("bytes a recomputed layer keeps (its input; /t with sequence parallelism)", 2 * s_ * b_ * h_),
+    "act_ckpt_sp": ("the same with sequence parallelism", 2 * s_ * b_ * h_ / t_),
+    "state_distopt": ("model-state bytes per GPU with the distributed optimizer (optimizer state / d)",
+                      (2 + 2 + 12 / d_) * _P_EXPR / (t_ * p_)),
+    "T_dp_distopt": ("distributed optimizer: reduce-scatter + all-gather elements per GPU (= the all-reduce's)",
+                     2 * (d_ - 1) / d_ * _P_EXPR / (t_ * p_)),
     "X": ("TFLOP/s per GPU", F_ / (TIT_ * n_)),
 }
 _UNITS = {"P": "", "F": "FLOP", "m": "", "bubble": "", "tp_volume": "elements", "p2p_volume": "elements",
-          "T_pipe": "s", "T_iter": "s", "state": "B", "act_layer": "B", "X": "TFLOP/s"}
+          "T_pipe": "s", "T_iter": "s", "state": "B", "act_layer": "B", "X": "TFLOP/s",
+          "act_layer_sp": "B", "act_ckpt": "B", "act_ckpt_sp": "B", "state_distopt": "B", "T_dp_distopt": "elements"}
 
 
 @dataclass(frozen=True)

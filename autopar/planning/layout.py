@@ -1,13 +1,15 @@
 """Where and how to run: the ``Cluster`` (GPUs, node profile, global batch), a ``Layout``
-of it (t, p, d, v, micro-batch, schedule, recomputation) and the rules a layout must keep."""
+of it (t, p, d, v, micro-batch, schedule, recomputation, sequence parallelism, distributed
+optimizer, byte sizes) and the rules a layout must keep."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.core.config import RECOMPUTE, SCHEDULE_NAMES, ParallelConfig, Recompute, microbatch_errors
 from autopar.planning.hardware import Hardware, get_hardware
 from autopar.planning.models import ModelSpec
+from autopar.planning.precision import MIXED, Precision
 
 __all__ = ["Cluster", "Layout", "layout_errors", "PRICED_RECOMPUTE"]
 
@@ -59,6 +61,16 @@ class Layout:
     """Send 1/t of each boundary activation and all-gather it over NVLink."""
     dp_overlap: bool = False
     """Overlap the data-parallel gradient all-reduce with the last backward."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (Korthikanti et al. 2022): LayerNorm, dropout and the
+    residual adds run on s/t tokens per rank, g's all-reduce becomes a reduce-scatter and f's
+    identity an all-gather. Off by default (the paper's runs); no effect at t = 1."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (ZeRO stage 1): the optimizer state sharded over the d
+    replicas, gradients reduce-scattered and parameters all-gathered after the step. Off by
+    default (the paper's runs); no effect at d = 1."""
+    precision: Precision = field(default=MIXED, compare=True)
+    """Byte sizes of weights, gradients, activations and optimizer state (``precision.py``)."""
 
     def __post_init__(self) -> None:
         if not self.schedule:
@@ -78,21 +90,36 @@ class Layout:
         if self.schedule == "1f1b" and self.v != 1:
             raise ValueError(f"1f1b runs one chunk per stage (v=1), got v={self.v}; use 'interleaved'")
 
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (asked for, and t > 1)."""
+        return self.sequence_parallel and self.t > 1
+
+    @property
+    def distopt(self) -> bool:
+        """The distributed optimizer in effect (asked for, and d > 1)."""
+        return self.distributed_optimizer and self.d > 1
+
     @classmethod
-    def from_config(cls, config: ParallelConfig, micro_batch_size: int) -> Layout:
+    def from_config(cls, config: ParallelConfig, micro_batch_size: int,
+                    precision: Precision = MIXED) -> Layout:
         """The layout a program compiled with ``config`` runs, micro-batches of ``micro_batch_size``.
 
         d is ``config.data_parallel``; the gradient all-reduce overlaps the backward
         (autopar's runtime reduces each bucket as soon as its last gradient is made).
         Estimate it on a cluster of t p d GPUs with a global batch of
         ``config.microbatches * d * micro_batch_size`` sequences, so that m is the
-        config's. The cost model prices mixed precision (16-bit weights and activations,
-        fp32 master weights and Adam state) whatever ``config.precision`` says, and
-        refuses ``recompute='chunk'`` (``PRICED_RECOMPUTE``).
+        config's. Sequence parallelism and the distributed optimizer are read from the
+        config when it has them (``sequence_parallel``, ``distributed_optimizer``; off
+        otherwise). Memory is priced in ``precision``: mixed precision (16-bit weights and
+        activations, fp32 master weights and Adam state, the paper's) by default, or
+        ``precision.runtime_precision(config.precision)`` for what autopar's runtime holds.
+        ``recompute='chunk'`` is refused (``PRICED_RECOMPUTE``).
         """
         return cls(t=config.tp, p=config.pp, d=config.data_parallel, b=micro_batch_size, v=config.virtual_stages,
                    schedule=config.schedule, recompute=config.recompute, scatter_gather=config.scatter_gather,
-                   dp_overlap=True)
+                   dp_overlap=True, sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+                   distributed_optimizer=bool(getattr(config, "distributed_optimizer", False)), precision=precision)
 
     @property
     def short(self) -> str:
@@ -103,6 +130,10 @@ class Layout:
             parts.append({"1f1b": "1F1B", "interleaved": "int", "gpipe": "GPipe"}[self.schedule])
         if self.recompute is Recompute.NONE:
             parts.append("no-rc")
+        if self.sp:
+            parts.append("sp")
+        if self.distopt:
+            parts.append("distopt")
         return " ".join(parts)
 
 
@@ -119,6 +150,9 @@ def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_laye
         errs.append(f"heads ({spec.heads}, kv {spec.kv}) must be divisible by t={lay.t}")
     if spec.ffn_size % lay.t:
         errs.append(f"ffn ({spec.ffn_size}) must be divisible by t={lay.t}")
+    if lay.sp and spec.seq_len % lay.t:
+        errs.append(f"sequence parallelism splits the {spec.seq_len} tokens of a sequence over t={lay.t} ranks: "
+                    f"seq_len must be divisible by t (or turn sequence parallelism off)")
     chunks = lay.p * lay.v
     if spec.layers < chunks:
         errs.append(f"{spec.layers} layers cannot fill p*v = {lay.p}*{lay.v} = {chunks} chunks")

@@ -1,9 +1,14 @@
 """Memory per GPU of a layout: model state, DDP buckets and activations on the fullest stage.
 
-Model state is 16 bytes per local parameter (fp16 weights and gradients, fp32
-master weights and Adam's m and v); activations are what the in-flight
-microbatches keep plus the largest working set (a layer's backward, or the
-loss), or the optimizer step's fp32 gradient copy when that is larger.
+Model state per local parameter, in the layout's ``Precision`` (``precision.py``):
+weights and gradients, and the optimizer's state (an fp32 master copy when the
+weights are 16-bit, Adam's m and v): 2 + 2 + 12 = 16 bytes in the paper's mixed
+precision. With the distributed optimizer (ZeRO stage 1, ``Layout.distributed_optimizer``)
+each of the d replicas keeps 1/d of the optimizer state (an fp32 master and the
+moments: 12/d) and the reduced fp32 gradient of its 1/d range (4/d). Activations
+are what the in-flight microbatches keep (``activations.py``) plus the largest
+working set (a layer's backward, or the loss), or the optimizer step's fp32
+gradient copy when that is larger.
 """
 
 from __future__ import annotations
@@ -11,31 +16,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autopar.core.config import Recompute, optimizer_bytes_per_param
+from autopar.core.config import Recompute
+from autopar.planning.activations import (
+    activation_bytes_per_layer,
+    embedding_kept_bytes,
+    head_kept_bytes,
+    layer_backward_transient,
+    loss_working_bytes,
+)
 from autopar.planning.layout import Layout
 from autopar.planning.models import ModelSpec, params_per_stage
-from autopar.planning.op_costs import FP16, FP32
+from autopar.planning.precision import Precision
 from autopar.schedules import in_flight_bound
 
-__all__ = ["Memory", "activation_bytes_per_layer", "layer_backward_transient", "memory_per_gpu"]
+__all__ = ["Memory", "activation_bytes_per_layer", "layer_backward_transient", "memory_per_gpu", "stage_memory",
+           "model_state_bytes", "REDUCED_GRAD_SHARD_BYTES"]
 
-OPTIMIZER_STATE = optimizer_bytes_per_param(FP16)
-"""Adam's state per 16-bit parameter (mixed precision): m and v, and the fp32 master weights,
-12 bytes."""
-
-
-def activation_bytes_per_layer(spec: ModelSpec, b: int, t: int) -> float:
-    """Bytes one layer keeps for its backward without recomputation (fp16, 1-byte
-    dropout masks, no sequence parallelism; Korthikanti et al. 2022, eq. 2):
-    ``s b h (10 + 24/t + 5 a s / (h t))`` for the paper's GPT, generalised to
-    any MLP width and key/value head count."""
-    s, h, n = spec.seq_len, spec.hidden, spec.head_dim
-    q, kv, f = spec.heads * n, spec.kv * n, spec.ffn_size
-    replicated = 10 * h  # 2 LN inputs (4h), QKV input (2h), fc1 input (2h), 2 dropout masks (2h)
-    attn_split = 2 * (q + 2 * kv) + 2 * q  # Q, K, V and the proj input
-    mlp_split = (3 if spec.gated_mlp else 2) * 2 * f  # activation inputs and fc2 input
-    scores = 5 * spec.heads * s  # softmax output (2), dropout mask (1), dropout output (2)
-    return s * b * (replicated + (attn_split + mlp_split + scores) / t)
+REDUCED_GRAD_SHARD_BYTES = 4
+"""The distributed optimizer's reduced gradient of its own 1/d range, fp32, per parameter (/d)."""
 
 
 @dataclass(frozen=True)
@@ -43,107 +41,118 @@ class Memory:
     """Bytes per GPU on the fullest pipeline stage."""
 
     weights: float
-    """fp16 parameters."""
+    """Parameters (``Precision.weight`` bytes each)."""
     grads: float
-    """fp16 gradients."""
+    """Gradients (``Precision.grad`` bytes each), plus the distributed optimizer's reduced fp32
+    shard (4/d bytes per parameter)."""
     optimizer: float
-    """fp32 master weights + Adam m and v (12 bytes per parameter)."""
+    """Optimizer state: master weights + Adam m and v (12 bytes per parameter in mixed
+    precision), 1/d of it with the distributed optimizer."""
     activations: float
     """Peak activations (stored checkpoints or full activations, working set, logits), or
     the fp32 gradient copy of the optimizer step when that is larger."""
     stage: int
     """The stage these numbers are for (the one with the most memory)."""
     buffers: float = 0.0
-    """PyTorch DDP's gradient buckets (a second fp16 copy of the gradients) when the
-    gradient all-reduce overlaps the backward; 0 with Megatron's local DDP."""
+    """PyTorch DDP's gradient buckets (a second copy of the gradients) when the gradient
+    all-reduce overlaps the backward; 0 with Megatron's local DDP or the distributed optimizer."""
+    kept: float = 0.0
+    """The part of ``activations`` the in-flight microbatches keep for their backward at the
+    peak (what the runtime counts as kept), without the working set."""
+    step_copy: float = 0.0
+    """The optimizer step's fp32 copy of the (local, or 1/d with the distributed optimizer)
+    16-bit gradients; 0 when the gradients are fp32 already."""
 
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.optimizer + self.buffers + self.activations
 
 
-def layer_backward_transient(spec: ModelSpec, b: int, t: int) -> float:
-    """Bytes a layer's backward allocates on top of its stored activations, at its peak.
-
-    Two candidate moments (fp16, no sequence parallelism):
-      - fc2's backward makes the gradient of the GeLU output, ``2 b s f/t`` bytes,
-        while every stored activation of the layer is still alive;
-      - in attention, ``P V``'s backward makes the gradient of the dropped-out
-        probabilities, ``2 b (a/t) s^2`` bytes (the fused softmax backward then
-        works in place), while the MLP block's stored activations (fc1 input 2h,
-        GeLU input and fc2 input 2 x 2f/t, dropout mask h) and LN2's input (2h)
-        have already been released.
-    """
-    s, h, f = spec.seq_len, spec.hidden, spec.ffn_size
-    n_act = 3 if spec.gated_mlp else 2
-    mlp_grad = FP16 * b * s * (n_act - 1) * f / t
-    released = s * b * (5 * h + n_act * 2 * f / t)
-    attn_grad = FP16 * b * (spec.heads / t) * s * s
-    return max(mlp_grad, attn_grad - released, 0.0)
+def model_state_bytes(prec: Precision, params: float, d: int, distributed_optimizer: bool) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of ``params`` local parameters; the distributed
+    optimizer (when d > 1) shards the optimizer state over the d replicas and adds the reduced fp32
+    gradient of this replica's 1/d range."""
+    sharded = distributed_optimizer and d > 1
+    grads = prec.grad * params + (REDUCED_GRAD_SHARD_BYTES * params / d if sharded else 0.0)
+    state = prec.sharded_state * params / d if sharded else prec.optimizer_state * params
+    return float(prec.weight * params), float(grads), float(state)
 
 
 def memory_per_gpu(spec: ModelSpec, lay: Layout, m: int, inflight: list[int] | None = None) -> Memory:
     """Peak memory of the fullest stage.
 
-    Model state: 16 bytes per local parameter (fp16 weights and grads, fp32
-    master, Adam m and v: mixed-precision Adam), plus, when the gradient
-    all-reduce overlaps the backward (PyTorch DDP, ``lay.dp_overlap`` with
-    d > 1), DDP's bucket buffers: a second fp16 copy of the gradients (2 bytes).
+    Model state: ``model_state_bytes`` of the stage's local parameters, plus, when the
+    gradient all-reduce overlaps the backward (PyTorch DDP, ``lay.dp_overlap`` with
+    d > 1, no distributed optimizer), DDP's bucket buffers: a second copy of the gradients.
 
-    Activations at their peak = what the in-flight microbatches keep + the
-    larger of two working sets that never coexist:
-      - stored: with ``recompute='layer'`` each in-flight chunk-microbatch keeps
-        its layers' inputs (2 b s h bytes each); with ``none`` every in-flight
-        layer keeps all its activations (``activation_bytes_per_layer``); in a
-        pipeline each in-flight chunk also keeps its output (2 b s h) until its
-        backward (Megatron-LM 2021 backpropagates from it; the last chunk's
-        output is the loss);
-      - a layer's backward: (recompute='layer') the layer re-materialised,
-        plus ``layer_backward_transient``, plus the incoming and outgoing
-        gradients (2 x 2 b s h);
-      - the loss (last stage): the fp32 softmax of the vocabulary-parallel
-        cross-entropy and the fp16 logits / logit gradient (6 bytes per local
-        logit), the LM head's and final LayerNorm's inputs (2 x 2 b s h);
-      - stage 0 also keeps the embedding's output (2 b s h; its dropout mask).
-    The optimizer step makes an fp32 copy of the gradients (4 bytes per
-    parameter) only after the activations are freed, so it competes with them:
-    the activation entry is max(activations, 4 P).
+    Activations at their peak = what the in-flight microbatches keep + the larger of two
+    working sets that never coexist:
+      - kept: with ``recompute='layer'`` each in-flight chunk-microbatch keeps its layers'
+        inputs (A b s h bytes each; /t with sequence parallelism); with ``none`` every
+        in-flight layer keeps all its activations (``activation_bytes_per_layer``); in a
+        pipeline each in-flight chunk also keeps its output until its backward (the last
+        chunk's output is the loss); the first chunk's microbatches keep the embedding's
+        (``embedding_kept_bytes``), the last chunk's the head's (``head_kept_bytes``);
+      - a layer's backward: (recompute='layer') the layer re-materialised, plus
+        ``layer_backward_transient``, plus the incoming and outgoing gradients (2 A b s h);
+      - the loss (last stage): the logits and then their gradient in their place
+        (``loss_working_bytes``), and the gradient of the LM head's input; a layer's
+        backward on the last stage runs after its microbatch's loss released what the
+        head kept.
+    With 16-bit gradients the optimizer step makes an fp32 copy of them (4 bytes per
+    parameter, of the 1/d range with the distributed optimizer) only after the activations
+    are freed, so it competes with them: the activation entry is max(activations, that copy).
     ``inflight`` overrides the closed-form count of in-flight units per stage.
     """
     p = lay.p
-    params = params_per_stage(spec, lay.t, p)
-    ddp = FP16 if (lay.dp_overlap and lay.d > 1) else 0.0
     best: Memory | None = None
     # in-flight counts fall with the stage index and only the ends hold embeddings,
     # so the first and last stage are the candidates unless counts are given
     for r in (range(p) if inflight is not None else sorted({0, p - 1})):
         units = inflight[r] if inflight is not None else in_flight_bound(lay.schedule, p, lay.v, m, r)
-        P = params[r]
-        act = max(_activations(spec, lay, r, units), FP32 * P)
-        cand = Memory(FP16 * P, FP16 * P, float(OPTIMIZER_STATE) * P, act, r, buffers=ddp * P)
+        cand = stage_memory(spec, lay, r, units)
         if best is None or cand.total > best.total:
             best = cand
     return best
 
 
-def _activations(spec: ModelSpec, lay: Layout, r: int, units: int) -> float:
-    """Peak activation bytes of stage ``r`` holding ``units`` chunk-microbatches in flight:
-    what they keep, plus the larger working set (a layer's backward, or on the last stage
-    the loss), plus the embedding's output on stage 0."""
-    t, p, b = lay.t, lay.p, lay.b
+def stage_memory(spec: ModelSpec, lay: Layout, r: int, units: int) -> Memory:
+    """Memory of one GPU of pipeline stage ``r`` holding ``units`` chunk-microbatches in flight
+    at its peak (``memory_per_gpu`` takes the fullest stage)."""
+    prec, P = lay.precision, params_per_stage(spec, lay.t, lay.p)[r]
+    sharded = lay.distopt
+    weights, grads, state = model_state_bytes(prec, P, lay.d, lay.distributed_optimizer)
+    ddp = prec.grad * P if (lay.dp_overlap and lay.d > 1 and not sharded) else 0.0
+    copy = 4.0 * P / (lay.d if sharded else 1) if prec.grad < 4 else 0.0
+    kept, working = _activations(spec, lay, r, units)
+    return Memory(weights, grads, state, max(kept + working, copy), r, buffers=ddp, kept=kept, step_copy=copy)
+
+
+def _activations(spec: ModelSpec, lay: Layout, r: int, units: int) -> tuple[float, float]:
+    """(kept, working set) activation bytes of stage ``r`` holding ``units`` chunk-microbatches in
+    flight: what they keep, and the larger working set (a layer's backward, or on the last stage
+    the loss)."""
+    t, p, b, sp, prec = lay.t, lay.p, lay.b, lay.sp, lay.precision
     T = b * spec.seq_len
     chunk_layers = math.ceil(spec.layers / (p * lay.v))
-    full_layer = activation_bytes_per_layer(spec, b, t)
-    transient = layer_backward_transient(spec, b, t)
-    ckpt = FP16 * T * spec.hidden
+    full_layer = activation_bytes_per_layer(spec, b, t, sp, prec)
+    transient = layer_backward_transient(spec, b, t, sp, prec)
+    ckpt = prec.activation * T * spec.hidden  # a layer's input or output, whole
+    split = ckpt / (t if sp else 1)  # as kept between layers (1/t of the tokens with sequence parallelism)
     if lay.recompute is Recompute.LAYER:
-        stored = units * chunk_layers * ckpt
+        kept = units * chunk_layers * split
         working = full_layer + transient + 2 * ckpt
     else:
-        stored = units * chunk_layers * full_layer
+        kept = units * chunk_layers * full_layer
         working = transient + 2 * ckpt
     if p > 1:  # each chunk's output, kept for its backward (the last chunk's is the loss)
-        stored += (units - (1 if r == p - 1 else 0)) * ckpt
-    if r == p - 1:
-        working = max(working, T * math.ceil(spec.vocab / t) * (FP32 + FP16) + 2 * ckpt)
-    return stored + working + (ckpt if r == 0 else 0.0)
+        kept += (units - (1 if r == p - 1 else 0)) * split
+    first_units = math.ceil(units / lay.v)  # microbatches in flight in the first chunk
+    if r == 0:
+        kept += first_units * embedding_kept_bytes(spec, b, t, sp, prec)
+    if r == p - 1:  # a microbatch's layers run backward after its loss has released the head's
+        head = head_kept_bytes(spec, b, t, sp, prec)
+        # the last chunk's backward follows its forward at once, except in GPipe (all forwards first)
+        kept += (first_units if lay.schedule == "gpipe" else 1) * head
+        working = max(working - head, loss_working_bytes(spec, b, t, prec) + ckpt)
+    return kept, working

@@ -29,6 +29,13 @@ class ModelSpec:
     """Key/value heads (grouped-query attention); None means ``heads``."""
     gated_mlp: bool = False
     """SwiGLU-style MLP (three projections) instead of GeLU (two)."""
+    dropout: bool = True
+    """Dropout after the embedding, on the attention probabilities and before each residual add
+    (the paper's GPT); False when the model trains without dropout (no masks kept)."""
+    fused_attention: bool = False
+    """The attention runs as one fused kernel that keeps only its output and the log-sum-exp
+    per query for the backward (FlashAttention, ``scaled_dot_product_attention`` without
+    dropout on the CPU); False for the paper's attention, which keeps the s x s scores."""
     name: str = ""
     """Display name, e.g. ``gpt-39b``."""
 

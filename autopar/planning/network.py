@@ -12,7 +12,7 @@ from __future__ import annotations
 from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, wire_factor
 from autopar.planning.hardware import Hardware
 
-__all__ = ["intra_node_bw", "inter_node_bw", "allreduce_time", "allgather_time", "p2p_time", "dp_link",
+__all__ = ["intra_node_bw", "inter_node_bw", "allreduce_time", "allgather_time", "reduce_scatter_time", "p2p_time", "dp_link",
            "stage_link"]
 
 
@@ -39,6 +39,12 @@ def allgather_time(nbytes: float, n: int, bw: float, latency: float) -> float:
     if n <= 1:
         return 0.0
     return wire_factor(ALL_GATHER, n) * nbytes / bw + (n - 1) * latency
+
+
+def reduce_scatter_time(nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Ring reduce-scatter of a tensor of ``nbytes`` in total: the first half of a ring all-reduce,
+    priced as an all-gather of the same tensor ((n-1)/n * bytes / bw + (n-1) latency)."""
+    return allgather_time(nbytes, n, bw, latency)
 
 
 def p2p_time(nbytes: float, bw: float, latency: float) -> float:

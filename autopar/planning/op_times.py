@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from autopar.planning.hardware import Hardware
 from autopar.planning.models import ModelSpec
-from autopar.planning.network import allreduce_time, intra_node_bw
+from autopar.planning.network import allgather_time, allreduce_time, intra_node_bw
 from autopar.planning.op_costs import Op
 from autopar.planning.transformer import embedding_ops, head_ops, layer_ops
 
@@ -51,6 +51,8 @@ def op_time(op: Op, hw: Hardware, t: int = 1) -> float:
         return op.bytes / (hw.hbm_bw * e.hbm) + e.kernel_overhead
     if op.kind == "tp_allreduce":
         return allreduce_time(op.bytes, t, intra_node_bw(hw), hw.nvlink_latency)
+    if op.kind in ("tp_reduce_scatter", "tp_allgather"):  # each half of an all-reduce
+        return allgather_time(op.bytes, t, intra_node_bw(hw), hw.nvlink_latency)
     raise ValueError(f"unknown op kind {op.kind!r} for {op.name}")
 
 
@@ -88,10 +90,11 @@ def phase_time(ops: tuple[Op, ...], hw: Hardware, t: int) -> PhaseTime:
 
 
 @lru_cache(maxsize=8192)
-def layer_times(spec: ModelSpec, hw: Hardware, b: int, t: int) -> dict[str, PhaseTime]:
+def layer_times(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False) -> dict[str, PhaseTime]:
     """Forward and backward times of one layer (``layer_f``, ``layer_b``), the embedding
-    (``emb_f``, ``emb_b``) and the LM head (``head_f``, ``head_b``) for micro-batch b at t."""
-    lay, emb, head = layer_ops(spec, b, t), embedding_ops(spec, b, t), head_ops(spec, b, t)
+    (``emb_f``, ``emb_b``) and the LM head (``head_f``, ``head_b``) for micro-batch b at t,
+    the layer's with or without sequence parallelism."""
+    lay, emb, head = layer_ops(spec, b, t, sequence_parallel), embedding_ops(spec, b, t), head_ops(spec, b, t)
     return {
         "layer_f": phase_time(lay.forward, hw, t), "layer_b": phase_time(lay.backward, hw, t),
         "emb_f": phase_time(emb.forward, hw, t), "emb_b": phase_time(emb.backward, hw, t),

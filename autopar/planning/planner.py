@@ -1,7 +1,8 @@
 """Search over 3D-parallel layouts for a model on a cluster, ranked by the
 performance model (``autopar.planning.estimate``).
 
-The space is (t, p, d, v, micro-batch b, schedule, recomputation):
+The space is (t, p, d, v, micro-batch b, schedule, recomputation, sequence
+parallelism (when t > 1), distributed optimizer (when d > 1)):
 
 - t divides the GPUs of a node (tensor parallelism stays on NVLink) and the
   head count, key/value head count and MLP width;
@@ -25,6 +26,7 @@ from autopar.planning.calibration import PAPER_RUNS, PaperRun
 from autopar.planning.estimate import Estimate, estimate
 from autopar.core.config import Recompute
 from autopar.planning.layout import PRICED_RECOMPUTE, Cluster, Layout, layout_errors
+from autopar.planning.memory import memory_per_gpu
 from autopar.planning.models import ModelSpec, params_per_stage
 from autopar.planning.sensitivity import flip_lines, memory_margin_line
 
@@ -65,6 +67,10 @@ class SearchSpace:
     """Require layers % (p v) == 0 (Megatron's rule); False allows layers >= p v."""
     max_micro_batch: int = 64
     """Largest micro-batch tried."""
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    """Sequence parallelism choices, tried when t > 1 (it changes nothing at t = 1)."""
+    distributed_optimizer: tuple[bool, ...] = (False, True)
+    """Distributed optimizer choices, tried when d > 1 (it changes nothing at d = 1)."""
 
     def overlap_for(self, p: int) -> bool:
         """Whether a layout with ``p`` stages overlaps its gradient all-reduce."""
@@ -181,13 +187,23 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
             vs = _chunks_per_stage(spec, p, space)
             for b, v in ((b, v) for b in bs for v in vs):
                 for sched, rc in ((s, rc) for s in _schedules_for(p, v, space) for rc in space.recompute):
-                    lay = Layout(t=t, p=p, d=d, b=b, v=v, schedule=sched, recompute=rc,
-                                 scatter_gather=space.scatter_gather, dp_overlap=space.overlap_for(p))
-                    errs = layout_errors(spec, cluster, lay, space.divisible_layers)
-                    if errs:
-                        reject(errs)
-                    else:
-                        yield lay
+                    for sp, zero in _memory_features(t, d, space):
+                        lay = Layout(t=t, p=p, d=d, b=b, v=v, schedule=sched, recompute=rc,
+                                     scatter_gather=space.scatter_gather, dp_overlap=space.overlap_for(p),
+                                     sequence_parallel=sp, distributed_optimizer=zero)
+                        errs = layout_errors(spec, cluster, lay, space.divisible_layers)
+                        if errs:
+                            reject(errs)
+                        else:
+                            yield lay
+
+
+def _memory_features(t: int, d: int, space: SearchSpace) -> list[tuple[bool, bool]]:
+    """(sequence parallelism, distributed optimizer) pairs to try: each of the space's choices
+    where it can matter (t > 1, d > 1), off elsewhere."""
+    sps = space.sequence_parallel if t > 1 else (False,)
+    zeros = space.distributed_optimizer if d > 1 else (False,)
+    return [(sp, zero) for sp in dict.fromkeys(sps) for zero in dict.fromkeys(zeros)]
 
 
 def _chunks_per_stage(spec: ModelSpec, p: int, space: SearchSpace) -> tuple[int, ...]:
@@ -220,6 +236,7 @@ _RULES = (
     ("multiple of p", "interleaved: m % p != 0"),
     ("at least one microbatch", "1F1B: m < p"),
     ("needs a pipeline", "v > 1 without a pipeline"),
+    ("sequence parallelism splits", "sequence parallelism: seq_len % t != 0"),
 )
 
 
@@ -304,6 +321,9 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
         if la.t != lb.t:
             why.append(f"t={la.t} vs {lb.t}: GEMMs split t ways, LayerNorm/dropout/residual are not"
                        if part == "memory" else f"t={la.t} vs {lb.t} changes the GEMM shapes (N = h/t)")
+        if part == "memory" and la.sp != lb.sp:
+            why.append(f"sequence parallelism {'on' if la.sp else 'off'} vs {'on' if lb.sp else 'off'}: "
+                       f"LayerNorm, dropout and residual adds on s/t tokens")
         if la.b != lb.b:
             why.append(f"micro-batch {la.b} vs {lb.b} changes the GEMM shapes (M = b s) and wave fill")
         if la.p != lb.p:
@@ -325,10 +345,15 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
         over = "" if la.dp_overlap == lb.dp_overlap else (
             f"; overlapped with the backward: {la.dp_overlap} vs {lb.dp_overlap}"
             + (" (Megatron-LM 2021 overlaps only without a pipeline)" if (la.p > 1) != (lb.p > 1) else ""))
+        zero = "" if la.distopt == lb.distopt else (
+            f"; distributed optimizer {'on' if la.distopt else 'off'} vs {'on' if lb.distopt else 'off'} "
+            f"(reduce-scatter overlapping the backward + all-gather after the step, the all-reduce's bytes)")
         return (f"{pa:.2f}B vs {pb:.2f}B gradients per GPU over d={la.d} vs {lb.d}, "
-                f"a DP group has {ka} vs {kb} GPUs (NICs) per node{over}")
+                f"a DP group has {ka} vs {kb} GPUs (NICs) per node{over}{zero}")
     if part == "optimizer":
-        return "optimizer step is memory-bound in the local parameter count"
+        shard = "" if la.distopt == lb.distopt else (
+            f"; the distributed optimizer steps 1/d of them (on in {'the best' if la.distopt else 'the other'})")
+        return "optimizer step is memory-bound in the local parameter count" + shard
     return ""
 
 
@@ -354,6 +379,23 @@ def why_differs(best: Estimate, ref: Estimate, label: str = "the reference") -> 
     usable = best.cluster.hardware.usable_bytes / gib
     lines.append(f"  memory per GPU: {best.memory.total / gib:.1f} GiB vs {ref.memory.total / gib:.1f} GiB "
                  f"({usable:.1f} GiB usable)")
+    return lines + feature_lines(best, ref, label)
+
+
+def feature_lines(best: Estimate, ref: Estimate, label: str) -> list[str]:
+    """How sequence parallelism and the distributed optimizer change ``best``'s memory, when
+    ``best`` and ``ref`` differ in them: the formula and its saving in GiB."""
+    lines, gib, lay = [], 2**30, best.layout
+    if lay.sp != ref.layout.sp and lay.t > 1:
+        other = memory_per_gpu(best.spec, replace(lay, sequence_parallel=not lay.sequence_parallel), best.m)
+        lines.append(f"  sequence parallelism {'on' if lay.sp else 'off'} (vs {label}): activations "
+                     f"s b h (34 + 5 a s/h)/t instead of s b h (10 + 24/t + 5 a s/(h t)): "
+                     f"{best.memory.activations / gib:.1f} GiB vs {other.activations / gib:.1f} GiB")
+    if lay.distopt != ref.layout.distopt and lay.d > 1:
+        other = memory_per_gpu(best.spec, replace(lay, distributed_optimizer=not lay.distributed_optimizer), best.m)
+        lines.append(f"  distributed optimizer {'on' if lay.distopt else 'off'} (vs {label}): optimizer state "
+                     f"12/d instead of 12 bytes per parameter (d={lay.d}): {best.memory.optimizer / gib:.1f} GiB vs "
+                     f"{other.optimizer / gib:.1f} GiB")
     return lines
 
 
@@ -362,7 +404,7 @@ def memory_line(e: Estimate) -> str:
     m, gib = e.memory, 2**30
     parts = [("weights", m.weights), ("grads", m.grads), ("optimizer", m.optimizer),
              ("DDP buckets", m.buffers)]
-    P = m.weights / 2
-    act = ("fp32 grad copy of the step" if P > 0 and m.activations == 4 * P else "activations", m.activations)
+    act = ("fp32 grad copy of the step" if m.step_copy > 0 and m.activations == m.step_copy else "activations",
+           m.activations)
     body = " + ".join(f"{k} {v / gib:.1f}" for k, v in parts + [act] if v > 0)
     return f"{m.total / gib:.1f} GiB ({body})"

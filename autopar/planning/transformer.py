@@ -3,9 +3,11 @@
 
 ``layer_ops(spec, b, t)`` lists the kernels of one layer on one of t
 tensor-parallel GPUs for micro-batch b: fused softmax, materialised attention
-scores, LayerNorm and dropout replicated on the t ranks (no sequence
-parallelism), the two all-reduces of g in the forward and of f in the
-backward. ``embedding_ops`` (stage 0) and ``head_ops`` (last stage, fp32
+scores, LayerNorm and dropout replicated on the t ranks, the two all-reduces
+of g in the forward and of f in the backward. With ``sequence_parallel`` the
+LayerNorms, dropouts and residual adds work on s/t tokens per rank and each
+all-reduce becomes a reduce-scatter plus an all-gather of the same tensor (the
+same bytes on the wire: an all-reduce is those two halves). ``embedding_ops`` (stage 0) and ``head_ops`` (last stage, fp32
 vocabulary-parallel cross-entropy) complete the model. ``graph_flops`` sums
 them over an iteration; ``paper_flops`` is the paper's closed form;
 ``iteration_flops`` is what throughput is counted with.
@@ -64,16 +66,21 @@ class _Layer:
     tp: bool
     gqa_repeat: bool
     """Key/value heads are repeated to the query heads (grouped-query attention)."""
+    T_r: float
+    """Tokens the replicated region (norms, dropout, residual) works on: T, or T/t with
+    sequence parallelism."""
     qkv: Op
     qk: Op
     pv: Op
     proj: Op
     fc1: Op
     fc2: Op
-    allreduce: Op
+    allreduce: tuple[Op, ...]
+    """g's (forward) or f's (backward) collective: an all-reduce, or with sequence parallelism a
+    reduce-scatter and an all-gather."""
 
     @classmethod
-    def of(cls, spec: ModelSpec, b: int, t: int) -> _Layer:
+    def of(cls, spec: ModelSpec, b: int, t: int, sp: bool = False) -> _Layer:
         s, h, n = spec.seq_len, spec.hidden, spec.head_dim
         T = b * s
         a_l = spec.heads // t
@@ -82,19 +89,27 @@ class _Layer:
         f_l = spec.ffn_size // t
         return cls(
             b=b, s=s, h=h, n=n, T=T, a_l=a_l, kv_l=spec.kv // t, h_l=h_l, f_l=f_l, scores=b * a_l * s * s,
-            gated=spec.gated_mlp, tp=t > 1, gqa_repeat=spec.heads != spec.kv,
+            gated=spec.gated_mlp, tp=t > 1, gqa_repeat=spec.heads != spec.kv, T_r=T / t if sp and t > 1 else T,
             qkv=linear_op("qkv", T, h, qkv_l),
             qk=gemm_op("scores", b * a_l, s, s, n),
             pv=gemm_op("context", b * a_l, s, n, s),
             proj=linear_op("proj", T, h_l, h),
             fc1=linear_op("fc1", T, h, f_l * (2 if spec.gated_mlp else 1)),
             fc2=linear_op("fc2", T, f_l, h),
-            allreduce=Op("allreduce", "tp_allreduce", 0.0, T * h * FP16),
+            allreduce=tp_reduction(T * h * FP16, sp and t > 1),
         )
 
 
+def tp_reduction(nbytes: float, sp: bool) -> tuple[Op, ...]:
+    """The tensor-parallel reduction of a (T, h) activation: one all-reduce, or with sequence
+    parallelism a reduce-scatter and an all-gather (priced as the all-reduce's two halves)."""
+    if sp:
+        return (Op("reduce_scatter", "tp_reduce_scatter", 0.0, nbytes), Op("allgather", "tp_allgather", 0.0, nbytes))
+    return (Op("allreduce", "tp_allreduce", 0.0, nbytes),)
+
+
 @lru_cache(maxsize=4096)
-def layer_ops(spec: ModelSpec, b: int, t: int) -> PhaseOps:
+def layer_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False) -> PhaseOps:
     """One transformer layer on one of t tensor-parallel GPUs, micro-batch b.
 
     Forward (Megatron-LM, 2021; T = b s tokens; "_l" = local to one rank):
@@ -106,15 +121,16 @@ def layer_ops(spec: ModelSpec, b: int, t: int) -> PhaseOps:
     LayerNorm, dropout and residual work on the full (T, h) on every rank (no
     sequence parallelism in the paper). Backward: two GEMMs per GEMM, the
     element-wise backward kernels, and the all-reduces of f (before QKV, fc1).
+    With ``sequence_parallel`` the LayerNorm/dropout/residual kernels touch T/t tokens.
     """
-    layer = _Layer.of(spec, b, t)
+    layer = _Layer.of(spec, b, t, sequence_parallel)
     return PhaseOps(tuple(_layer_forward(layer)), tuple(_layer_backward(layer)))
 
 
 def _layer_forward(x: _Layer) -> list[Op]:
-    T, h, act = x.T, x.h, 2 if x.gated else 1
+    T, h, act, Tr = x.T, x.h, 2 if x.gated else 1, x.T_r
     fwd: list[Op] = [
-        memory_op("ln1", T * h, 1, 1, flops_per=8),
+        memory_op("ln1", Tr * h, 1, 1, flops_per=8),
         x.qkv,
     ]
     if x.gqa_repeat:
@@ -128,34 +144,34 @@ def _layer_forward(x: _Layer) -> list[Op]:
         x.proj,
     ]
     if x.tp:
-        fwd.append(x.allreduce)
+        fwd += x.allreduce
     fwd += [
-        memory_op("bias_dropout_add1", T * h, 2, 1, mask=1, flops_per=3),
-        memory_op("ln2", T * h, 1, 1, flops_per=8),
+        memory_op("bias_dropout_add1", Tr * h, 2, 1, mask=1, flops_per=3),
+        memory_op("ln2", Tr * h, 1, 1, flops_per=8),
         x.fc1,
         memory_op("bias_act", T * x.f_l * act, 1, 0.5 if x.gated else 1, flops_per=8),
         x.fc2,
     ]
     if x.tp:
-        fwd.append(x.allreduce)
-    fwd.append(memory_op("bias_dropout_add2", T * h, 2, 1, mask=1, flops_per=3))
+        fwd += x.allreduce
+    fwd.append(memory_op("bias_dropout_add2", Tr * h, 2, 1, mask=1, flops_per=3))
     return fwd
 
 
 def _layer_backward(x: _Layer) -> list[Op]:
-    T, h, act = x.T, x.h, 2 if x.gated else 1
+    T, h, act, Tr = x.T, x.h, 2 if x.gated else 1, x.T_r
     bwd: list[Op] = [
-        memory_op("bias_dropout_add2.bwd", T * h, 1, 1, mask=1),
+        memory_op("bias_dropout_add2.bwd", Tr * h, 1, 1, mask=1),
         *gemm_backward(x.fc2),
         memory_op("bias_act.bwd", T * x.f_l * act, 1.5 if x.gated else 2, 1, flops_per=8),
         *gemm_backward(x.fc1),
     ]
     if x.tp:
-        bwd.append(x.allreduce)  # f before fc1
+        bwd += x.allreduce  # f before fc1
     bwd += [
-        memory_op("ln2.bwd", T * h, 2, 1, flops_per=8),
-        memory_op("residual_grad_add", T * h, 2, 1, flops_per=1),
-        memory_op("bias_dropout_add1.bwd", T * h, 1, 1, mask=1),
+        memory_op("ln2.bwd", Tr * h, 2, 1, flops_per=8),
+        memory_op("residual_grad_add", Tr * h, 2, 1, flops_per=1),
+        memory_op("bias_dropout_add1.bwd", Tr * h, 1, 1, mask=1),
         *gemm_backward(x.proj),
         memory_op("context_permute.bwd", T * x.h_l, 1, 1),
         *gemm_backward(x.pv, weight=False),
@@ -167,10 +183,10 @@ def _layer_backward(x: _Layer) -> list[Op]:
         bwd.append(memory_op("kv_repeat.bwd", x.b * x.s * 2 * x.a_l * x.n, 1, 0.5 * x.kv_l / x.a_l))
     bwd += gemm_backward(x.qkv)
     if x.tp:
-        bwd.append(x.allreduce)  # f before QKV
+        bwd += x.allreduce  # f before QKV
     bwd += [
-        memory_op("ln1.bwd", T * h, 2, 1, flops_per=8),
-        memory_op("residual_grad_add", T * h, 2, 1, flops_per=1),
+        memory_op("ln1.bwd", Tr * h, 2, 1, flops_per=8),
+        memory_op("residual_grad_add", Tr * h, 2, 1, flops_per=1),
     ]
     return bwd
 
