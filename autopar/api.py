@@ -87,7 +87,9 @@ def parallelize(
     are flattened. ``output_fn`` picks the logits from the model's output
     (default: a tensor, ``.logits``, or the first tensor of a tuple/dict).
     ``microbatches`` defaults to pp; ``schedule`` to 'interleaved' when
-    ``virtual_stages`` > 1, else '1f1b'. Nothing runs and no process starts:
+    ``virtual_stages`` > 1, else '1f1b'; the zero-bubble 'zb-h1' (one chunk per
+    stage) and 'zbv' (``virtual_stages=2``, chunks in a V) split each backward
+    into B and W (``docs/schedules.md``). Nothing runs and no process starts:
     bad input fails here.
 
     ``sequence_parallel``: run norms, dropout and residual adds between tensor-parallel regions on

@@ -27,7 +27,7 @@ import sympy as sp
 from rich.console import Console
 from rich.table import Table
 
-from autopar.core.config import Recompute
+from autopar.core.config import SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULES, Recompute, microbatch_errors
 from autopar.planning.estimate import Estimate, simulate_estimate
 from autopar.planning.formulas import explain
 from autopar.planning.hardware import PROFILES, Hardware, get_hardware
@@ -77,7 +77,9 @@ def _add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) 
     lay.add_argument("--pp", type=int, help="pipeline stages p")
     lay.add_argument("--vp", type=int, help="model chunks per stage v (interleaved when > 1)")
     lay.add_argument("--micro-batch", type=int, help="micro-batch size b")
-    lay.add_argument("--schedule", choices=("1f1b", "interleaved", "gpipe"))
+    lay.add_argument("--schedule", choices=SCHEDULE_NAMES,
+                     help="pipeline schedule; the zero-bubble ones ('zb-h1', 'zbv': v=2 in a V) simulate with "
+                          "unit costs only (--pp, --microbatches): the cost model prices 1f1b, interleaved, gpipe")
     lay.add_argument("--recompute", choices=tuple(_RECOMPUTE_FLAG), default="any",
                      help="activation recomputation: 'layer' keeps each layer's input and recomputes the layer "
                           "in the backward ('full' is an alias, Megatron's name), 'none' keeps every activation, "
@@ -179,6 +181,10 @@ def _hf_spec(path: str, seq_len: int) -> ModelSpec:
 
 
 def _space(args: argparse.Namespace) -> SearchSpace:
+    if args.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise SystemExit(f"autopar: the cost model prices 1f1b, interleaved and gpipe, not {args.schedule!r}; "
+                         f"simulate it with unit costs: autopar simulate --schedule {args.schedule} --pp P "
+                         f"--microbatches M (no model)")
     one = (lambda x: None if x is None else (x,))
     scheds = ("1f1b", "interleaved") if args.schedule is None else (args.schedule,)
     if args.schedule is None and args.vp is not None:
@@ -405,11 +411,17 @@ def _simulate_unit_costs(args: argparse.Namespace) -> tuple[SimResult, SimResult
     """(eager, lowered, title, unit, notes) of a schedule with F = 1 and B = 2."""
     if args.pp is None or args.microbatches is None:
         raise SystemExit("autopar simulate: give a model and cluster, or --pp and --microbatches (unit costs)")
-    v = args.vp or 1
+    v = args.vp or (2 if args.schedule == "zbv" else 1)
     name = args.schedule or ("interleaved" if v > 1 else "1f1b")
-    eager = simulate(generate(name, args.pp, v, args.microbatches), 1.0, 2.0, sends=Sends.EAGER)
-    lowered = simulate(runtime_schedule(name, args.pp, v, args.microbatches), 1.0, 2.0, sends=Sends.POSTED)
-    title = f"{name} p={args.pp} v={v} m={args.microbatches}, unit costs (F = 1, B = 2)"
+    errs = microbatch_errors(name, args.pp, v, args.microbatches, names=("--pp", "--vp", "--microbatches"))
+    if errs:
+        raise SystemExit("autopar simulate: " + "; ".join(errs))
+    # a split backward (zero-bubble) costs as much as a whole one: B = W = 1, half of it each
+    eager = simulate(generate(name, args.pp, v, args.microbatches), 1.0, 2.0, sends=Sends.EAGER, cost_w=1.0)
+    lowered = simulate(runtime_schedule(name, args.pp, v, args.microbatches), 1.0, 2.0, sends=Sends.POSTED,
+                       cost_w=1.0)
+    costs = "F = 1, B = 1, W = 1 (the backward's 2 split)" if name in SPLIT_BACKWARD_SCHEDULES else "F = 1, B = 2"
+    title = f"{name} p={args.pp} v={v} m={args.microbatches}, unit costs ({costs})"
     other = lowered if args.eager else eager
     notes = [f"{'lowered schedule (autopar runtime)' if args.eager else 'eager sends (the planner model)'}: "
              f"step {other.step_time:.4g} units, bubble {other.bubble:.1%}"]

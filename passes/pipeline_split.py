@@ -4,9 +4,13 @@
    FLOPs, or bytes moved for memory-bound ops); the
    nodes before the first layer (embedding) count with the first layer, those
    after the last (final norm, head, loss) with the last.
-2. A min-max linear partition of the layer sequence into p*v non-empty runs:
-   the most expensive chunk is as cheap as it can be. Layers are never
-   dropped or duplicated; uneven counts are balanced by cost.
+2. A linear partition of the layer sequence into p*v non-empty runs,
+   balanced per stage under the schedule's chunk placement
+   (``passes/stage_balance.py``): min-max over chunks for the interleaved
+   placements; for ZB-V's V, whose stage 0 holds both the first chunk
+   (embedding) and the last (head and loss), the largest stage total as small
+   as it can be. Layers are never dropped or duplicated; uneven counts are
+   balanced by cost.
 3. Every node goes to its layer's chunk; a node outside the layers goes to
    the latest chunk among its inputs (so the embedding lands in chunk 0 and
    the head and loss in the last). Nodes that do not depend on parameters
@@ -32,6 +36,7 @@ from autopar.core.graph import local_val
 from passes.layers import LOOKED_FOR, LayerInfo, layer_of_node
 from autopar.core.flops import node_cost
 from passes.sequence_parallel import SPLIT_META
+from passes.stage_balance import balance, balance_stages
 
 __all__ = ["PipelineError", "balance", "split_pipeline"]
 
@@ -40,36 +45,13 @@ class PipelineError(ValueError):
     """The model cannot be cut as asked; the message has the numbers and the fix."""
 
 
-def balance(costs: list[float], k: int) -> list[int]:
-    """Min-max partition of ``costs`` into ``k`` contiguous non-empty runs; returns run start indices."""
-    n = len(costs)
-    if k > n:
-        raise ValueError(f"cannot cut {n} items into {k} non-empty runs")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[j][i]: min over partitions of the first i items into j runs of the max run cost
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
-    for j in range(1, k + 1):
-        for i in range(j, n - (k - j) + 1):
-            for s in range(j - 1, i):
-                v = max(best[j - 1][s], prefix[i] - prefix[s])
-                if v < best[j][i] - 1e-12 * max(1.0, v):
-                    best[j][i], cut[j][i] = v, s
-    starts, i = [], n
-    for j in range(k, 0, -1):
-        s = cut[j][i]
-        starts.append(s)
-        i = s
-    return starts[::-1]
-
-
 def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, str],
-                   global_shapes: dict[str, tuple], layers: LayerInfo) -> PipelineSplit:
+                   global_shapes: dict[str, tuple], layers: LayerInfo,
+                   chunk_stages: tuple[int, ...] | None = None) -> PipelineSplit:
     """Cut the (tensor-parallel) rank graph into ``n_chunks`` chunk graphs.
+
+    ``chunk_stages``: the stage of each chunk (the schedule's placement); the cut balances the
+    stages' totals under it (``passes/stage_balance.py``). None: one chunk per stage.
 
     ``layers``: the repeated blocks found on the traced graph; a node the
     rewrite inserted (a collective) belongs to the layer its module stack names.
@@ -89,7 +71,7 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
         chunk_of_layer: dict[int, int] = {}
     else:
         unit = _layer_costs(nodes, free, node_layer, layers.count, param_phs)
-        starts = balance(unit, n_chunks)
+        starts = balance_stages(unit, chunk_stages or tuple(range(n_chunks)))
         chunk_of_layer = {layer: c for c, s in enumerate(starts)
                           for layer in range(s, starts[c + 1] if c + 1 < n_chunks else layers.count)}
     chunk_of = _assign_chunks(nodes, free, node_layer, chunk_of_layer, n_chunks)

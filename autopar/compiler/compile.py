@@ -67,10 +67,10 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
                                        config.sequence_parallel)
     if sequence is not None:
         annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
-    split = _split(traced, rank_module, config, layers)
     schedule, eval_schedule = _schedules(config)
+    split = _split(traced, rank_module, config, layers, schedule.chunk_stages)
     param_names = tuple(traced.param_of[n.name] for n in traced.gm.graph.nodes if n.name in traced.param_of)
-    param_stages = _param_stages(split, traced.param_of, config.pp, param_names)
+    param_stages = _param_stages(split, traced.param_of, schedule, param_names)
     return program_type(
         model=model, config=config, traced=traced, layers=layers, plan=plan, rank_module=rank_module,
         split=split, schedule=schedule, eval_schedule=eval_schedule, param_names=param_names,
@@ -86,12 +86,14 @@ def _param_local_shapes(traced, plan: ShardingPlan, tp: int) -> dict[str, tuple[
             for ph, name in traced.param_of.items()}
 
 
-def _split(traced, rank_module, config: ParallelConfig, layers: LayerInfo) -> PipelineSplit:
-    """The pipeline cut, then recomputation applied to each chunk (so ``program.code`` shows it),
+def _split(traced, rank_module, config: ParallelConfig, layers: LayerInfo,
+           chunk_stages: tuple[int, ...]) -> PipelineSplit:
+    """The pipeline cut (balanced per stage under the schedule's placement ``chunk_stages``), then recomputation applied to each chunk (so ``program.code`` shows it),
     and each chunk's evaluation graph (no recomputation: an evaluation keeps nothing for a backward)."""
     global_shapes = {n.name: tuple(n.meta["val"].shape) for n in traced.gm.graph.nodes
                      if isinstance(n.meta.get("val"), torch.Tensor)}
-    split = split_pipeline(rank_module, config.pp * config.virtual_stages, traced.param_of, global_shapes, layers)
+    split = split_pipeline(rank_module, config.pp * config.virtual_stages, traced.param_of, global_shapes, layers,
+                           chunk_stages)
     chunks = []
     for c in split.chunks:
         evaluation = eval_graph(c.gm)
@@ -109,11 +111,13 @@ def _schedules(config: ParallelConfig) -> tuple[Schedule, Schedule]:
     return schedule, eval_schedule
 
 
-def _param_stages(split: PipelineSplit, param_of: dict[str, str], pp: int,
+def _param_stages(split: PipelineSplit, param_of: dict[str, str], schedule: Schedule,
                   param_names: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
-    """Parameter -> the pipeline stages whose chunks read it (stage 0 for one no chunk reads)."""
+    """Parameter -> the pipeline stages whose chunks read it, under the schedule's chunk placement
+    (stage 0 for one no chunk reads). A tied embedding and head on one stage (ZB-V's V puts the
+    first and last chunks on stage 0) is held once there, not tied across stages."""
     stages: dict[str, set[int]] = {}
     for c in split.chunks:
         for ph in c.params:
-            stages.setdefault(param_of[ph], set()).add(c.index % pp)
+            stages.setdefault(param_of[ph], set()).add(schedule.stage_of(c.index))
     return {n: tuple(sorted(stages.get(n, {0}))) for n in param_names}

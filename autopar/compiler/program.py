@@ -112,6 +112,16 @@ class Program:
     def pp(self) -> int:
         return self.config.pp
 
+    def stage_of_chunk(self, chunk: int) -> int:
+        """The pipeline stage that holds chunk ``chunk``: the schedule's placement (``c % pp``
+        interleaved; ZB-V's V: ``c`` for ``c < pp``, ``2 pp - 1 - c`` after). The one answer every
+        reader of a chunk's stage asks (the engine, the summary, weight loading, export)."""
+        return self.schedule.stage_of(chunk)
+
+    def chunks_of_stage(self, stage: int) -> list:
+        """The chunks pipeline stage ``stage`` holds, in model order."""
+        return [c for c in self.split.chunks if self.stage_of_chunk(c.index) == stage]
+
     @property
     def microbatches(self) -> int:
         return self.config.microbatches
@@ -166,7 +176,7 @@ class Program:
         for c in self.split.chunks[1:]:
             fwd = sum(b.nbytes / (t if self.sent_sliced(b) else 1) for b in c.inputs)
             bwd = sum(b.nbytes / (t if self.sent_sliced(b) else 1) for b in c.inputs if b.requires_grad)
-            if self.pp > 1:
+            if self.stage_of_chunk(c.index - 1) != self.stage_of_chunk(c.index):  # a message, not a handover
                 label = f"chunk {c.index - 1} -> {c.index}"
                 out[(label, "p2p send", "activation fwd, gradient bwd" + (", 1/t each" if sg else ""))] = (fwd + bwd) * m
         if self.config.data_parallel > 1:
@@ -273,10 +283,11 @@ class Program:
             raise ValueError(f"rank {rank} is outside the mesh of {shape.world} ranks (tp={shape.tp}, "
                              f"pp={shape.pp}, dp={shape.dp})")
         stage, dp_rank, tp_rank = shape.coords(rank)
-        chunks = [c for c in self.split.chunks if c.index % shape.pp == stage]
+        chunks = self.chunks_of_stage(stage)
         if chunk is not None:
-            if chunk % shape.pp != stage:
-                raise ValueError(f"chunk {chunk} lives on stage {chunk % shape.pp}, not on rank {rank}'s stage {stage}")
+            if self.stage_of_chunk(chunk) != stage:
+                raise ValueError(f"chunk {chunk} lives on stage {self.stage_of_chunk(chunk)}, not on rank {rank}'s "
+                                 f"stage {stage}")
             chunks = [c for c in chunks if c.index == chunk]
         lines = [f"# autopar rank program: rank {rank} = (pp {stage}, dp {dp_rank}, tp {tp_rank}); "
                  f"chunks {[c.index for c in chunks]}; shards (each chunk's later layers alike):"]

@@ -63,7 +63,7 @@ def memory_per_rank(program: Program) -> list[dict[str, float]]:
                 params += n
                 weights += n * program.param_dtype_bytes(name)
                 optimizer += n * optimizer_bytes_per_param(program.param_dtype_bytes(name))
-        chunks = [c for c in program.split.chunks if c.index % p == stage]
+        chunks = program.chunks_of_stage(stage)
         kept = [program.chunk_activation_bytes(c) for c in chunks]
         in_flight = program.schedule.in_flight_bound(stage)
         act = max((k for k, _ in kept), default=0.0) * in_flight + max((w for _, w in kept), default=0.0)
@@ -188,7 +188,7 @@ def _stages_table(program: Program) -> Table:
         stages.add_column(col)
     mem = memory_per_rank(program)
     for s in range(mesh.pp):
-        chunks = [c for c in program.split.chunks if c.index % mesh.pp == s]
+        chunks = program.chunks_of_stage(s)
         desc = "; ".join(f"{c.index}: {_span(c.layers)}" for c in chunks)
         ranks = [mesh.rank(s, d, j) for d in range(mesh.dp) for j in range(mesh.tp)]
         m = mem[s]
@@ -277,7 +277,7 @@ def _stage_span(stages: list[int]) -> str:
 def _where(program: Program, where: str, stage: int) -> str:
     if where != "layers":
         return where
-    n = sum(len(c.layers) for c in program.split.chunks if c.index % program.pp == stage)
+    n = sum(len(c.layers) for c in program.chunks_of_stage(stage))
     return f"{n} layer{'s' if n != 1 else ''}" + (" each" if program.pp > 1 else "")
 
 

@@ -49,9 +49,7 @@ def tp_traffic(program: Any, stage: int) -> Traffic:
 
     if program.tp == 1:
         return out
-    for chunk in program.split.chunks:
-        if chunk.index % program.pp != stage:
-            continue
+    for chunk in program.chunks_of_stage(stage):
         for node, spec in _collectives(chunk.gm):
             where = "layers" if layer_of_node(node, program.layers) is not None else "outside layers"
             add((where, spec.name), spec.nbytes(node))
@@ -138,7 +136,7 @@ def _boundary_gathers(program: Any, stage: int) -> list[tuple[tuple[str, str], i
     """The all-gathers a rank of ``stage`` runs on boundary values that arrive as 1/t slices."""
     out = []
     for chunk in program.split.chunks[1:]:
-        before, after = (chunk.index - 1) % program.pp, chunk.index % program.pp
+        before, after = program.stage_of_chunk(chunk.index - 1), program.stage_of_chunk(chunk.index)
         for b in chunk.inputs if before != after else ():
             if not program.sent_sliced(b):
                 continue

@@ -150,7 +150,7 @@ class ParallelConfig:
     microbatches: int = 1
     """Microbatches m per step and data-parallel replica."""
     schedule: str = "1f1b"
-    """'gpipe', '1f1b' or 'interleaved'."""
+    """'gpipe', '1f1b', 'interleaved', or the zero-bubble 'zb-h1' and 'zbv' (v=2, a V)."""
     dp: int | None = None
     """Data-parallel replicas d; None: world size / (tp * pp) when the world is known, else 1."""
     world_size: int | None = None

@@ -2,8 +2,10 @@
 an SVG file.
 
 Pipeline stages are rows, time runs left to right. Forwards are blue,
-backwards green, one shade per model chunk of the stage (lighter = the
-stage's first chunk); each box is labelled ``F<chunk>.<microbatch>`` (or
+backwards green (in a zero-bubble schedule, B: the input gradient), weight
+gradients (W, zero-bubble schedules) orange, one shade per model chunk of the
+stage (lighter = the stage's first chunk: chunk ``c < p`` both interleaved and
+in ZB-V's V); each box is labelled ``F<chunk>.<microbatch>`` (or
 ``<chunk>.<microbatch>`` when narrow; every box has a tooltip). Transfers are
 dark grey, an exchange posted and waiting for its partner is hatched grey,
 and the bubble (a stage with nothing to do) is pale red.
@@ -24,6 +26,8 @@ __all__ = ["timeline_text", "timeline_svg", "write_svg"]
 # one shade per local chunk (chunk // p), lightest first
 _F_COLOURS = ("#6b9bd1", "#3f74b5", "#21508f", "#11335f")
 _B_COLOURS = ("#74c476", "#41a046", "#23782f", "#0f4d1c")
+_W_COLOURS = ("#f0a04b", "#d9771f", "#a8540c", "#733604")
+_COMPUTE = {"F": _F_COLOURS, "B": _B_COLOURS, "W": _W_COLOURS}
 _COMM = "#555555"
 _WAIT = "#c8c8c8"
 _IDLE = "#fadbd8"
@@ -36,18 +40,19 @@ _HOW = {
 
 
 def _short(e: Event) -> str:
-    """``chunk.microbatch`` of an F or B event (its name without the kind)."""
+    """``chunk.microbatch`` of an F, B or W event (its name without the kind)."""
     act = e.action
     return f"{act.chunk}.{act.microbatch}"
 
 
 def _colour(e: Event, p: int) -> str:
-    """Blue for a forward, green for a backward (darker for a stage's later chunks), grey otherwise."""
+    """Blue for a forward, green for a backward, orange for a weight gradient (darker for a stage's
+    later chunks), grey otherwise."""
     if e.kind == "wait":
         return _WAIT
-    if e.kind not in ("F", "B"):
+    if e.kind not in _COMPUTE:
         return _COMM
-    colours = _F_COLOURS if e.kind == "F" else _B_COLOURS
+    colours = _COMPUTE[e.kind]
     return colours[(e.action.chunk // max(p, 1)) % len(colours)]
 
 
@@ -84,7 +89,7 @@ def timeline_text(sim: SimResult, width: int = 100, unit: str = "s") -> Text:
                     cells[k] = ("~", "grey50")
                 continue
             style = f"white on {_colour(e, sched.p)}"
-            text = _short(e) if e.kind in ("F", "B") else ""
+            text = _short(e) if e.kind in _COMPUTE else ""
             for k in range(a, z):
                 ch = text[k - a] if k - a < len(text) and (z - a) >= len(text) else " "
                 cells[k] = (ch, style)
@@ -97,6 +102,9 @@ def timeline_text(sim: SimResult, width: int = 100, unit: str = "s") -> Text:
     out.append(" forward  ")
     out.append(" B ", style=f"white on {_B_COLOURS[0]}")
     out.append(" backward (+recompute)  ")
+    if sched.splits_backward:
+        out.append(" W ", style=f"white on {_W_COLOURS[0]}")
+        out.append(" weight gradient (B: input gradient)  ")
     out.append("   ", style=f"on {_COMM}")
     out.append(" transfer  ")
     out.append("~~~", style="grey50")
@@ -117,7 +125,7 @@ def _nice_step(span: float, target: int = 10) -> float:
 
 def _auto_width(sim: SimResult, min_width: int = 1200, max_width: int = 16000, min_box: float = 30.0) -> int:
     """A width at which the shortest compute box is about ``min_box`` px wide (clamped)."""
-    durs = [e.end - e.start for evs in sim.events.values() for e in evs if e.kind in ("F", "B") and e.end > e.start]
+    durs = [e.end - e.start for evs in sim.events.values() for e in evs if e.kind in _COMPUTE and e.end > e.start]
     if not durs or not sim.step_time:
         return min_width
     return int(min(max(min_width, 102 + min_box * sim.step_time / min(durs)), max_width))
@@ -150,7 +158,7 @@ def timeline_svg(sim: SimResult, title: str = "", width: int | None = None, row_
     parts += _svg_time_axis(sim, frame, axis_y)
     for s in range(p):
         parts += _svg_stage_row(sim, frame, s)
-    parts += _svg_legend(max(sim.schedule.v, 1), frame.left, axis_y + 52)
+    parts += _svg_legend(max(sim.schedule.v, 1), frame.left, axis_y + 52, sim.schedule.splits_backward)
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -232,11 +240,14 @@ def _svg_stage_row(sim: SimResult, frame: _Frame, s: int) -> list[str]:
     return parts
 
 
-def _svg_legend(v: int, left: int, ly: float) -> list[str]:
-    """Swatches for forward and backward (one shade per chunk of a stage), waiting, transfer and
-    the bubble, and a line on how to read the labels."""
+def _svg_legend(v: int, left: int, ly: float, split: bool = False) -> list[str]:
+    """Swatches for forward and backward (one shade per chunk of a stage), the weight gradient when
+    the backward is ``split`` (zero-bubble schedules), waiting, transfer and the bubble, and a line
+    on how to read the labels."""
     parts, x = [], left
-    for kind, colours, name in (("F", _F_COLOURS, "forward"), ("B", _B_COLOURS, "backward (+recompute)")):
+    kinds = [(_F_COLOURS, "forward"), (_B_COLOURS, "input gradient (B)" if split else "backward (+recompute)")]
+    kinds += [(_W_COLOURS, "weight gradient (W)")] if split else []
+    for colours, name in kinds:
         for k in range(min(v, len(colours))):
             parts.append(f'<rect x="{x + 15 * k}" y="{ly - 11}" width="14" height="14" fill="{colours[k]}"/>')
         x += 15 * min(v, len(colours)) + 4
@@ -247,9 +258,9 @@ def _svg_legend(v: int, left: int, ly: float) -> list[str]:
         parts.append(f'<rect x="{x}" y="{ly - 11}" width="14" height="14" fill="{fill}" stroke="#999"/>')
         parts.append(f'<text x="{x + 18}" y="{ly}">{escape(name)}</text>')
         x += 34 + 6.5 * len(name)
-    shades = (f"shades: the stage's model chunks 0..{v - 1} (chunk c = k p + stage), lightest first; "
+    shades = (f"shades: the stage's model chunks 0..{v - 1} (shade k: chunk c with c // p = k), lightest first; "
               if v > 1 else "")
-    parts.append(f'<text x="{left}" y="{ly + 20}" fill="#444">labels: F/B chunk.microbatch; {shades}'
+    parts.append(f'<text x="{left}" y="{ly + 20}" fill="#444">labels: F/B/W chunk.microbatch; {shades}'
                  f'hover a box for its times</text>')
     return parts
 

@@ -18,7 +18,10 @@ maps each action kind to its handler, the same in both steps:
              the gradients of the inputs are what the previous stage needs;
              with ``split_backward`` on, the input gradients only (B), the
              weights' left to ``_weight_backward`` (W) and their context kept
-             in ``StepState.wctx`` (``runtime/split_backward.py``);
+             in ``StepState.wctx`` (``runtime/split_backward.py``); on when the
+             schedule splits its backwards (ZB-H1, ZB-V);
+- ``W c.i``  the weights' gradients of that B, into ``.grad``; after a chunk's
+             last W its parameters' data-parallel reduction starts;
 - ``SF/RF/SB/RB``  point-to-point; each handler adds its operations to the
              open batch, and a run of consecutive ones is posted as one
              ``batch_isend_irecv`` so no ordering of pairs can deadlock.
@@ -235,8 +238,7 @@ class RankEngine(nn.Module):
         self.mesh = mesh
         self.tp = TPGroup.of(mesh.groups.get("tp"), tuple(mesh.tp_members()))
         self.stage = mesh.pp_rank
-        p = mesh.shape.pp
-        self.chunks: dict[int, "Chunk"] = {c.index: c for c in program.split.chunks if c.index % p == self.stage}
+        self.chunks: dict[int, "Chunk"] = {c.index: c for c in program.chunks_of_stage(self.stage)}
         self.device = rank_device(local_params.values())
         """Where this rank computes: its parameters' device. Every tensor the engine makes lives here."""
         if _nccl() and self.device.type != "cuda":
@@ -268,9 +270,9 @@ class RankEngine(nn.Module):
             self._rng_states = self._get_rng()
         self.grads = GradientSync(program, mesh, {n: self.shards[_key(n)] for n in local_params},
                                   bucket_bytes, device=self.device)
-        self.split_backward = False
+        self.split_backward = program.schedule.splits_backward
         """Whether a backward is split into B (input gradients) and W (weight gradients, by
-        ``_weight_backward``): set by a schedule that places W actions of its own."""
+        ``_weight_backward``): the schedule's choice (ZB-H1 and ZB-V place W actions of their own)."""
         self._ready_after = self._gradients_ready_after(local_params)
 
     def gradient_groups(self) -> list[list[str]]:
@@ -305,6 +307,7 @@ class RankEngine(nn.Module):
         return {
             Kind.F: self._forward,
             Kind.B: self._backward,
+            Kind.W: self._weight_backward,
             Kind.SEND_F: self._send_outputs,
             Kind.RECV_F: self._recv_inputs,
             Kind.SEND_B: self._send_input_grads,
@@ -315,10 +318,13 @@ class RankEngine(nn.Module):
         """Chunk -> the parameters whose gradients are final after that chunk's last backward.
 
         A parameter's gradient is final after the last backward of the last local chunk that
-        reads it: its data-parallel reduction starts right then, overlapping the remaining backwards.
+        reads it (its last W when the schedule splits backwards): its data-parallel reduction
+        starts right then, overlapping the remaining backwards. A parameter two local chunks
+        read (ZB-V's V puts a tied embedding and head both on stage 0) waits for the later one.
         """
         program = self.program
-        order = [a.chunk for a in self.schedule.actions[self.stage] if a.kind is Kind.B]
+        last = Kind.W if self.schedule.splits_backward else Kind.B
+        order = [a.chunk for a in self.schedule.actions[self.stage] if a.kind is last]
         last_b = {c: i for i, c in enumerate(order)}
         ready: dict[int, list[str]] = defaultdict(list)
         for name in program.param_names:
@@ -551,7 +557,8 @@ class RankEngine(nn.Module):
             st.outgoing[key] = list(outs)
         if st.training:
             st.ctx[key] = (inputs, list(outs))
-        self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(st.ctx))
+        # in flight: F done, backward not (its B; its W when the backward splits)
+        self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(st.ctx) + len(st.wctx))
         held = sum(st.saved.values())  # bytes autograd keeps for the pending backwards (and W's)
         held += sum(split.held_bytes() for split in st.wctx.values())
         self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], held)
@@ -731,9 +738,8 @@ class RankEngine(nn.Module):
     def _reduce_loss(self, st: StepState) -> float:
         """The mean loss: from the last stage to the others, averaged over the replicas."""
         loss = (st.loss_sum / st.m).float().reshape(1)
-        p = self.mesh.shape.pp
-        if p > 1:
-            last = self.mesh.peer(p - 1)
+        if self.mesh.shape.pp > 1:  # the stage of the last chunk (stage 0 in ZB-V's V)
+            last = self.mesh.peer(self.program.stage_of_chunk(self.program.split.n - 1))
             dist.broadcast(loss, src=last, group=self.mesh.groups["pp"])
         if self.mesh.shape.dp > 1:
             dist.all_reduce(loss, group=self.mesh.groups["dp"])

@@ -117,7 +117,7 @@ def _writing_stage(program: "Program", source: StateSource) -> int:
     if source.kind == "param":
         return program.param_stages[source.name][0]
     if source.kind == "buffer":
-        readers = [c.index % program.pp for c in program.split.chunks if source.name in c.feeds]
+        readers = [program.stage_of_chunk(c.index) for c in program.split.chunks if source.name in c.feeds]
         return min(readers, default=0)
     return 0
 
