@@ -12,6 +12,12 @@ range this replica keeps:
 - ``grad``: the reduced (data-parallel averaged) gradient of those entries,
   written by the gradient reduce-scatter.
 
+With 16-bit parameters (a model in bf16) the master copies stay fp32: the
+optimizer accumulates its small updates there, and only the all-gather back
+into the parameters rounds them, each replica's range cast to the parameters'
+dtype before it is sent (``param_dtype``: half the bytes on the wire, the same
+values as rounding after the gather).
+
 A ``Piece`` is where one parameter meets the owned range: a parameter may be
 split between two replicas, or not touch this replica's range at all. The
 pieces are what the inner ``torch.optim`` optimizer sees, one tensor per
@@ -79,6 +85,9 @@ class FlatBucket:
         self.pieces: tuple[Piece, ...] = tuple(self._owned_pieces())
         device = params[names[0]].device
         self.dtype = master_dtype(params[n].dtype for n in names)
+        dtypes = {params[n].dtype for n in names}
+        self.param_dtype = dtypes.pop() if len(dtypes) == 1 else self.dtype
+        """What the owned ranges are all-gathered in: the parameters' one dtype (else the masters')."""
         self.master = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         self.grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         self.load_master(params, [p.name for p in self.pieces])
@@ -118,7 +127,8 @@ class FlatBucket:
         return flat
 
     def write_params(self, params: dict[str, torch.Tensor], full: torch.Tensor) -> None:
-        """Copy the gathered flat vector ``full`` (every replica's range) into the parameters."""
+        """Copy the gathered flat vector ``full`` (every replica's range) into the parameters
+        (rounded to their dtype when ``full`` is wider)."""
         with torch.no_grad():
             for slot in self.slots:
                 p = params[slot.name]
@@ -127,7 +137,8 @@ class FlatBucket:
 
 def gather_owned(bucket: FlatBucket, shard: torch.Tensor, group, async_op: bool = False):
     """The whole flat vector of ``bucket`` from every replica's owned range (``shard`` is this
-    replica's): ``full``, or ``(full, work)`` with ``async_op``. One replica: the shard itself."""
+    replica's, gathered in its own dtype): ``full``, or ``(full, work)`` with ``async_op``. One
+    replica: the shard itself."""
     if bucket.dp == 1:
         return (shard, None) if async_op else shard
     full = torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
