@@ -226,17 +226,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             self._write_back()
 
-    def masters_loaded(self, masters: dict[str, torch.Tensor] | None = None) -> None:
-        """After a checkpoint load wrote the parameters (and the state): the master copies re-read, from
-        ``masters`` (parameter name -> its owned piece, fp32, for parameters of a lower precision whose
-        checkpoint kept them) or else from the parameters just loaded."""
-        masters = masters or {}
-        with torch.no_grad():
-            for name, (bucket, piece, view) in self.owned.items():
-                if name in masters:
-                    view.copy_(masters[name])
-                else:
-                    bucket.load_master(self.params, [name])
+    def masters_loaded(self, kept: set[str] = frozenset()) -> None:
+        """After a checkpoint load wrote the parameters and the state: the master copies re-read from
+        the parameters just loaded, except those of ``kept`` (lower-precision parameters whose fp32
+        masters the load itself wrote)."""
+        for name, (bucket, _, _) in self.owned.items():
+            if name not in kept:
+                bucket.load_master(self.params, [name])
         self._versions = self._param_versions()
 
     def keeps_wider_masters(self, name: str) -> bool:
