@@ -5,11 +5,11 @@ a GPT-2 with fused QKV (three segments per tp shard) and a vocabulary of 51
 (padded to 52 at tp=2), buckets of 4 KiB so the replicas' ranges start and end
 mid-row and mid-segment:
 
-1. *save*: 6 uninterrupted steps at dp=2 x pp=2 (tied embedding and head on
-   the two stages) with the distributed AdamW, the reference; then, from the
-   same start, 3 steps saved at step 3: the distributed optimizer at dp=2 x pp=2
-   and at dp=4, the plain AdamW at tp=2 x dp=2, and the model in bf16 with the
-   distributed optimizer (fp32 masters) at dp=2 x pp=2, 6 steps and 3 saved.
+1. *save*: 3 steps, saved at step 3: the distributed AdamW at dp=2 x pp=2
+   (tied embedding and head on the two stages) and at dp=4, the plain AdamW at
+   tp=2 x dp=2, and the model in bf16 with the distributed optimizer (fp32
+   masters) at dp=2 x pp=2. The dp=2 x pp=2 runs go on to 6 steps after their
+   save: the uninterrupted runs.
 2. *load* (new processes): each checkpoint into a freshly built program, and
    the remaining 3 steps: dp=2 x pp=2 at its own layout (fp32 and bf16); its
    dp=2 checkpoint at dp=4; the dp=4 one at tp=2 x pp=2 (one replica); the
@@ -85,23 +85,23 @@ def _rank0(value):
     return value if dist.get_rank() == 0 else None
 
 
-def _save_run(root: str, layout: dict, distributed: bool, dtype=torch.float32, uninterrupted: bool = False) -> dict:
-    out = {}
-    if uninterrupted:
-        engine, optimizer, scheduler, data = _engine(layout, distributed, dtype)
-        out["losses"] = _train(engine, optimizer, scheduler, data)
-        out["weights"] = _rank0(engine.full_state_dict())
+def _save_run(root: str, layout: dict, distributed: bool, dtype=torch.float32, go_on: bool = False) -> dict:
+    """SAVE_AT steps, saved; with ``go_on`` the same engine goes on to STEPS steps (a save changes nothing
+    a step reads), the uninterrupted run the resumed ones are compared with."""
     engine, optimizer, scheduler, data = _engine(layout, distributed, dtype)
-    _train(engine, optimizer, scheduler, data[:SAVE_AT])
-    out["saved"] = _rank0(engine.full_state_dict())
+    losses = _train(engine, optimizer, scheduler, data[:SAVE_AT])
+    out = {"saved": _rank0(engine.full_state_dict())}
     engine.save(root, optimizer, step=SAVE_AT, scheduler=scheduler).wait()
+    if go_on:
+        out["losses"] = losses + _train(engine, optimizer, scheduler, data[SAVE_AT:])
+        out["weights"] = _rank0(engine.full_state_dict())
     return out
 
 
 def _save_worker(root: str) -> dict:
-    out = {name: _save_run(f"{root}/{name}", layout, distributed, uninterrupted=name == "dp2")
+    out = {name: _save_run(f"{root}/{name}", layout, distributed, go_on=name == "dp2")
            for name, (layout, distributed) in SAVES.items()}
-    out["bf16"] = _save_run(f"{root}/bf16", DP2, True, torch.bfloat16, uninterrupted=True)
+    out["bf16"] = _save_run(f"{root}/bf16", DP2, True, torch.bfloat16, go_on=True)
     return out
 
 
