@@ -59,6 +59,8 @@ def _train(layout: dict, distributed: bool) -> dict:
     if distributed:
         out["padding"] = sum(b.padded - b.numel for b in opt.buckets)
         out["buckets"] = len(opt.buckets)
+        out["masters_shared"] = all(b.masters_shared for b in opt.buckets)
+        out["extra_bytes"] = (opt.buffer_bytes(), sum(b.grad.numel() * b.grad.element_size() for b in opt.buckets))
         out["straddling"] = sum(p.length < engine.grads.params[p.name].numel() for b in opt.buckets for p in b.pieces)
     return out
 
@@ -199,6 +201,11 @@ def test_optimizer_state_is_one_dth_per_replica(results, layout):
         plain, sharded = runs[(layout, False)]["state"], runs[(layout, True)]["state"]
         padding_bytes = runs[(layout, True)]["padding"] * 8  # AdamW: two fp32 moments per entry
         assert abs(sharded - plain / d) <= padding_bytes, (layout, rank, sharded, plain, d, padding_bytes)
+        # fp32 parameters are their own masters (views of the flat buckets): beside its state the
+        # optimizer keeps only the gradient shards
+        assert runs[(layout, True)]["masters_shared"], (layout, rank)
+        buffers, grad_shards = runs[(layout, True)]["extra_bytes"]
+        assert buffers == grad_shards, (layout, rank, buffers, grad_shards)
     # no padding is stepped: the d replicas together hold exactly one plain copy of the state
     plain_total = sum(runs[(layout, False)]["state"] for runs, *_ in results)
     assert sum(states) * d == plain_total, (layout, states, plain_total)

@@ -144,10 +144,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buckets = []
         for names in self.engine.gradient_groups():
             for cut in bucket_names(names, self.params, sync.bucket_bytes):
-                buckets.append(FlatBucket(self.params, cut, d, r))
+                buckets.append(FlatBucket(self.params, cut, d, r, share_params=True))
         tied = [n for n in self.engine.program.tied_params if n in self.params]
         for cut in bucket_names(tied, self.params, sync.bucket_bytes) if tied else []:
-            buckets.append(FlatBucket(self.params, cut, d, r, tied=True))
+            buckets.append(FlatBucket(self.params, cut, d, r, tied=True, share_params=True))
         return buckets
 
     def _inner_groups(self, groups: list[tuple[list[str], dict]]) -> list[dict]:
@@ -263,6 +263,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if edited:
             for bucket in self.buckets:
                 bucket.load_master(self.params, edited)
+
+    def buffer_bytes(self) -> int:
+        """Bytes this optimizer keeps beside its state: the gradient shards, and master copies that are
+        not the parameters' own storage (bf16 parameters)."""
+        return sum(b.grad.numel() * b.grad.element_size()
+                   + (0 if b.masters_shared else b.master.numel() * b.master.element_size()) for b in self.buckets)
 
     def state_bytes(self) -> int:
         """Bytes of the inner optimizer's state tensors on this rank (the sharded part of the memory)."""

@@ -15,8 +15,9 @@ its parameters:
   load, ``eval_step``, ``named_local_parameters``/``parameters()``, the next
   ``step()``) through ``wait_all``.
 
-Until a bucket is waited for, its parameters hold the previous step's values
-(the all-gather writes into a buffer of its own), never a half-written mix.
+Until a bucket is waited for, its parameters must not be read: with fp32
+parameters the all-gather writes straight into their storage (``FlatBucket.flat``),
+and this replica's own range already holds the new values.
 ``waits`` records where each wait happened since the last launch, which the
 tests read to check that waits happen at the first forward of each chunk.
 """
@@ -57,8 +58,12 @@ class ParamGathers:
         self.wait_all("launch")
         self.waits = []
         for i, bucket in enumerate(self.buckets):
-            shard = bucket.master.to(bucket.param_dtype)
-            full, work = gather_owned(bucket, shard, self.group, async_op=True)
+            if bucket.masters_shared:  # into the parameters' own storage, from a copy of the range in it
+                shard = bucket.master.clone() if bucket.dp > 1 else bucket.master
+                full, work = gather_owned(bucket, shard, self.group, async_op=True, out=bucket.flat)
+            else:
+                shard = bucket.master.to(bucket.param_dtype)
+                full, work = gather_owned(bucket, shard, self.group, async_op=True)
             self.pending[i] = (full, work, shard)
 
     def wait_for(self, names: Iterable[str], where: str) -> None:
