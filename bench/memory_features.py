@@ -11,9 +11,12 @@ vocabulary 8192: ~5M parameters), AdamW, four runs of the same model and data:
   PyTorch's own ZeRO stage 1 (whole parameters assigned to ranks).
 
 Per run: the median step time over ``--steps`` steps after 2 warm-up steps
-(rank 0's; a step is forward, backward, optimizer step and zero_grad; the
-distributed optimizer's parameter all-gathers of one step finish in the next)
-and, per rank, the optimizer state's bytes (moments and step counts) and the
+(rank 0's; a step is forward, backward, optimizer step and zero_grad, and for
+the distributed optimizer the wait for its parameter all-gathers too, which a
+training loop would overlap with the next forward: no credit is taken for
+that). The runs' steps are interleaved (one step of each in turn, the ranks
+meeting at a barrier before each), so a machine whose load changes, as a
+shared one's does, slows every run alike. And, per rank, the optimizer state's bytes (moments and step counts) and the
 flat buffers a sharded optimizer adds (autopar's fp32 master ranges and
 gradient shards); the largest over the ranks. Ratios are printed below.
 
@@ -60,17 +63,20 @@ def _batch(a):
             torch.randint(0, a.vocab, (WORLD * a.mb, a.seq), generator=g))
 
 
-def _timed(step, a) -> float:
-    """Median seconds of ``step()`` over ``a.steps`` steps after 2 warm-up steps."""
-    for _ in range(2):
-        step()
-    dist.barrier()
-    times = []
+def _timed(steps: dict, a) -> dict:
+    """Name -> median seconds of ``steps[name]()`` over ``a.steps`` steps after 2 warm-up steps, the
+    runs' steps interleaved."""
+    for step in steps.values():
+        for _ in range(2):
+            step()
+    times: dict = {name: [] for name in steps}
     for _ in range(a.steps):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for name, step in steps.items():
+            dist.barrier()
+            t = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _state_bytes(state) -> int:
@@ -91,12 +97,13 @@ def _autopar_run(a, distributed: bool) -> dict:
         engine.train_step(x, y)
         optimizer.step()
         optimizer.zero_grad()
+        engine.wait_parameters()  # the runs are interleaved: no gather may run on under another's step
 
-    seconds = _timed(step, a)
-    engine.wait_parameters()
-    buffers = optimizer.buffer_bytes() if distributed else 0
-    return {"step": seconds, "state": _state_bytes(optimizer.state), "buffers": buffers,
-            "params": sum(p.numel() for p in engine.parameters())}
+    def sizes():
+        buffers = optimizer.buffer_bytes() if distributed else 0
+        return {"state": _state_bytes(optimizer.state), "buffers": buffers,
+                "params": sum(p.numel() for p in engine.parameters())}
+    return step, sizes
 
 
 def _ddp_run(a, zero: bool) -> dict:
@@ -116,10 +123,10 @@ def _ddp_run(a, zero: bool) -> dict:
         optimizer.step()
         optimizer.zero_grad()
 
-    seconds = _timed(step, a)
-    state = optimizer.optim.state if zero else optimizer.state
-    return {"step": seconds, "state": _state_bytes(state), "buffers": 0,
-            "params": sum(p.numel() for p in model.parameters())}
+    def sizes():
+        state = optimizer.optim.state if zero else optimizer.state
+        return {"state": _state_bytes(state), "buffers": 0, "params": sum(p.numel() for p in model.parameters())}
+    return step, sizes
 
 
 RUNS = {"autopar, AdamW": lambda a: _autopar_run(a, False),
@@ -129,11 +136,13 @@ RUNS = {"autopar, AdamW": lambda a: _autopar_run(a, False),
 
 
 def _zero_section(a) -> dict:
-    out = {}
+    built = {}
     for i, (name, run) in enumerate(RUNS.items()):
-        _say(f"  [{i + 1}/{len(RUNS)}] {name} ...")
-        out[name] = run(a)
-    return out
+        _say(f"  [{i + 1}/{len(RUNS)}] building {name} ...")
+        built[name] = run(a)
+    _say(f"  timing {a.steps} steps of each, interleaved ...")
+    seconds = _timed({name: step for name, (step, _) in built.items()}, a)
+    return {name: {"step": seconds[name], **sizes()} for name, (_, sizes) in built.items()}
 
 
 # ------------------------------------------------- section 2: sequence parallel
@@ -141,21 +150,28 @@ def _sequence_parallel_section(a) -> dict | None:
     if "sequence_parallel" not in inspect.signature(autopar.parallelize).parameters:
         return None
     x, y = _batch(a)
-    out = {}
+    engines, steps = {}, {}
     for i, flag in enumerate((False, True)):
-        _say(f"  [{i + 1}/2] tp=2, sequence_parallel={flag} ...")
+        _say(f"  [{i + 1}/2] building tp=2, sequence_parallel={flag} ...")
         program = autopar.parallelize(_model(a), tp=2, microbatches=1, sequence_parallel=flag,
                                       example_inputs=(x[: a.mb],), example_targets=(y[: a.mb],))
-        engine = program.materialize()
-        optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
+        engines[flag] = program.materialize()
+        steps[flag] = _plain_step(engines[flag], x[: a.mb], y[: a.mb])
+    _say(f"  timing {a.steps} steps of each, interleaved ...")
+    seconds = _timed(steps, a)
+    return {flag: {"step": seconds[flag], "kept": engine.stats["peak_activation_bytes"]}
+            for flag, engine in engines.items()}
 
-        def step():
-            engine.train_step(x[: a.mb], y[: a.mb])
-            optimizer.step()
-            optimizer.zero_grad()
 
-        out[flag] = {"step": _timed(step, a), "kept": engine.stats["peak_activation_bytes"]}
-    return out
+def _plain_step(engine, x, y):
+    """One training step of ``engine`` with AdamW."""
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
+
+    def step():
+        engine.train_step(x, y)
+        optimizer.step()
+        optimizer.zero_grad()
+    return step
 
 
 def _worker(a) -> dict:

@@ -13,6 +13,13 @@ the plain run's; each rank's optimizer state is 1/d of the plain optimizer's
 unknown optimizer class are refused with the class named and the fix, and the
 engine still trains after a refusal; so are a distributed optimizer made while
 the parameters hold gradients of a step reduced without it, and a second one.
+fp32 parameters are their own masters (the optimizer adds only gradient shards).
+
+In the same ranks: overlapping the parameter all-gathers (pp=2, interleaved,
+2 chunks per stage, x dp=2, 3 steps with and without) changes no bit, and the
+waits fall at each chunk's first forward; and a model in bf16 at tp=2 x dp=2
+with the distributed optimizer's fp32 masters equals AdamW over fp32 master
+copies of a plain engine's parameters.
 """
 
 import pytest
@@ -108,11 +115,13 @@ def _overlap(overlap: bool) -> dict:
         opt.step()
         opt.zero_grad()
     pending_after_step = len(opt.gathers.pending)
+    engine.eval_step(*data[0][0], *data[0][1])  # reads every parameter: waits for every bucket first
+    eval_waits = list(opt.gathers.waits)
     actions = engine.schedule.actions[engine.stage]
     first_f = [str(next(a for a in actions if a.kind.value == "F" and a.chunk == c)) for c in sorted(engine.chunks)]
     first_f.sort(key=[str(a) for a in actions].index)
     return {"losses": losses, "weights": engine.full_state_dict(), "waits": waits, "first_f": first_f,
-            "buckets": len(opt.buckets), "pending_after_step": pending_after_step}
+            "buckets": len(opt.buckets), "pending_after_step": pending_after_step, "eval_waits": eval_waits}
 
 
 def _bf16(distributed: bool) -> dict:
@@ -250,7 +259,8 @@ def test_overlapped_parameter_gathers_change_nothing(results):
 def test_gathers_are_waited_for_at_each_chunks_first_forward(results):
     """Overlapped: step() returns with every bucket's gather in flight; the next step waits at the first
     F of each of the stage's 2 chunks (microbatch 0), each bucket exactly once, and nowhere else.
-    Not overlapped: step() itself waits for all of them."""
+    An evaluation step waits for all of them before its first forward. Not overlapped: step() itself
+    waits for all of them."""
     for rank, (*_, overlap, _) in enumerate(results):
         on, off = overlap[True], overlap[False]
         assert on["pending_after_step"] == on["buckets"] > 2, rank
@@ -260,6 +270,8 @@ def test_gathers_are_waited_for_at_each_chunks_first_forward(results):
         assert waited == list(range(on["buckets"])), (rank, on["waits"])
         assert off["pending_after_step"] == 0
         assert off["waits"] == [("step", tuple(range(off["buckets"])))], (rank, off["waits"])
+        assert on["eval_waits"] == [("eval_step", tuple(range(on["buckets"])))], (rank, on["eval_waits"])
+        assert off["eval_waits"] == off["waits"], rank
 
 
 def test_bf16_parameters_with_fp32_masters_match_the_plain_optimizer(results):

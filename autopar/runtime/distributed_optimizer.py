@@ -207,7 +207,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """This replica's state: the inner optimizer's, the master copies and the layout they fit.
 
-        Loads back at the same layout only (same program, d and replica)."""
+        Loads back at the same layout only (same program, d and replica); ``engine.save`` and
+        ``engine.load`` store it by parameter name, loadable at any layout and by a plain optimizer."""
         return {"inner": self.inner.state_dict(), "master": [b.master.clone() for b in self.buckets],
                 "layout": [b.signature() for b in self.buckets]}
 
