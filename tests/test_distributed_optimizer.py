@@ -13,6 +13,13 @@ the plain run's; each rank's optimizer state is 1/d of the plain optimizer's
 unknown optimizer class are refused with the class named and the fix, and the
 engine still trains after a refusal; so are a distributed optimizer made while
 the parameters hold gradients of a step reduced without it, and a second one.
+fp32 parameters are their own masters (the optimizer adds only gradient shards).
+
+In the same ranks: overlapping the parameter all-gathers (pp=2, interleaved,
+2 chunks per stage, x dp=2, 3 steps with and without) changes no bit, and the
+waits fall at each chunk's first forward; and a model in bf16 at tp=2 x dp=2
+with the distributed optimizer's fp32 masters equals AdamW over fp32 master
+copies of a plain engine's parameters.
 """
 
 import pytest
@@ -26,6 +33,7 @@ pytestmark = pytest.mark.multiprocess
 LR, M, CLIP, STEPS = 1e-3, 2, 0.5, 3
 LAYOUTS = {"dp4": dict(dp=4), "tp2dp2": dict(tp=2, dp=2), "pp2dp2": dict(pp=2, dp=2)}
 SMALL_BUCKETS = 4096
+OVERLAP_LAYOUT = dict(pp=2, dp=2, virtual_stages=2, schedule="interleaved")
 
 
 def _state_bytes(optimizer) -> int:
@@ -58,6 +66,8 @@ def _train(layout: dict, distributed: bool) -> dict:
     if distributed:
         out["padding"] = sum(b.padded - b.numel for b in opt.buckets)
         out["buckets"] = len(opt.buckets)
+        out["masters_shared"] = all(b.masters_shared for b in opt.buckets)
+        out["extra_bytes"] = (opt.buffer_bytes(), sum(b.grad.numel() * b.grad.element_size() for b in opt.buckets))
         out["straddling"] = sum(p.length < engine.grads.params[p.name].numel() for b in opt.buckets for p in b.pieces)
     return out
 
@@ -89,9 +99,71 @@ def _refusals() -> dict:
     return messages
 
 
+def _overlap(overlap: bool) -> dict:
+    """3 steps at pp=2 (interleaved, 2 chunks per stage) x dp=2; the parameter all-gathers of step 1
+    overlapped with step 2's forwards or not. The waits step 2 met, and where each chunk's first F is."""
+    model, vocab = make("nanogpt", layers=4)
+    data = batches(vocab, steps=STEPS, rows=BATCH * M * 2)
+    engine = parallelize_on(model, data, BATCH, microbatches=M, **OVERLAP_LAYOUT).materialize()
+    engine.grads.bucket_bytes = SMALL_BUCKETS
+    opt = engine.distributed_optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1, overlap_param_gather=overlap)
+    losses, waits = [], None
+    for step, (inputs, targets) in enumerate(data):
+        losses.append(engine.train_step(*inputs, *targets))
+        if step == 1:
+            waits = list(opt.gathers.waits)
+        opt.step()
+        opt.zero_grad()
+    pending_after_step = len(opt.gathers.pending)
+    engine.eval_step(*data[0][0], *data[0][1])  # reads every parameter: waits for every bucket first
+    eval_waits = list(opt.gathers.waits)
+    actions = engine.schedule.actions[engine.stage]
+    first_f = [str(next(a for a in actions if a.kind.value == "F" and a.chunk == c)) for c in sorted(engine.chunks)]
+    first_f.sort(key=[str(a) for a in actions].index)
+    return {"losses": losses, "weights": engine.full_state_dict(), "waits": waits, "first_f": first_f,
+            "buckets": len(opt.buckets), "pending_after_step": pending_after_step, "eval_waits": eval_waits}
+
+
+def _bf16(distributed: bool) -> dict:
+    """3 steps of the model in bf16 at tp=2 x dp=2, the two replicas on the same rows: the distributed
+    optimizer (fp32 masters inside), or AdamW over fp32 master copies of the parameters (the gradients
+    copied in, the updates rounded out)."""
+    model, vocab = make("nanogpt")
+    rows = BATCH * M  # both replicas get the same rows: their bf16 gradients sum exactly (see the test)
+    data = [((x[:rows].repeat(2, 1),), (y[:rows].repeat(2, 1),))
+            for (x,), (y,) in batches(vocab, steps=STEPS, rows=rows)]
+    engine = parallelize_on(model.to(torch.bfloat16), data, BATCH, microbatches=M, tp=2, dp=2).materialize()
+    engine.grads.bucket_bytes = SMALL_BUCKETS
+    if distributed:
+        opt = engine.distributed_optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1)
+        step = opt.step
+    else:
+        params = list(engine.parameters())
+        masters = [p.detach().float() for p in params]
+        opt = torch.optim.AdamW(masters, lr=LR, weight_decay=0.1)
+
+        def step():
+            for p, master in zip(params, masters):
+                master.grad = p.grad.float()
+            opt.step()
+            with torch.no_grad():
+                for p, master in zip(params, masters):
+                    p.copy_(master)
+    losses, initial = [], engine.full_state_dict()
+    for inputs, targets in data:
+        losses.append(engine.train_step(*inputs, *targets))
+        step()
+        opt.zero_grad()
+        engine.zero_grad()
+    weights = engine.full_state_dict()
+    return {"losses": losses, "weights": weights, "initial": initial, "dtypes": {str(w.dtype) for w in weights.values()}}
+
+
 def _worker():
     runs = {(name, dist_): _train(layout, dist_) for name, layout in LAYOUTS.items() for dist_ in (False, True)}
-    return runs, _refusals()
+    overlap = {flag: _overlap(flag) for flag in (True, False)}
+    bf16 = {flag: _bf16(flag) for flag in (True, False)}
+    return runs, _refusals(), overlap, bf16
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +180,7 @@ WEIGHTS = dict(rtol=1e-5, atol=1e-6)
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_weights_after_three_steps_equal_the_plain_optimizers(results, layout):
-    for rank, (runs, _) in enumerate(results):
+    for rank, (runs, *_) in enumerate(results):
         plain, sharded = runs[(layout, False)], runs[(layout, True)]
         assert plain["weights"].keys() == sharded["weights"].keys()
         for key, want in plain["weights"].items():
@@ -120,7 +192,7 @@ def test_weights_after_three_steps_equal_the_plain_optimizers(results, layout):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_clipping_norm_and_reduced_gradients_equal(results, layout):
-    for rank, (runs, _) in enumerate(results):
+    for rank, (runs, *_) in enumerate(results):
         plain, sharded = runs[(layout, False)], runs[(layout, True)]
         # the norm in float64 from fp32 gradients summed in another order: equal to ~1e-7 relative
         torch.testing.assert_close(torch.tensor(sharded["norms"]), torch.tensor(plain["norms"]), rtol=1e-6, atol=0)
@@ -133,18 +205,23 @@ def test_clipping_norm_and_reduced_gradients_equal(results, layout):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_optimizer_state_is_one_dth_per_replica(results, layout):
     d = LAYOUTS[layout]["dp"]
-    states = [runs[(layout, True)]["state"] for runs, _ in results]
-    for rank, (runs, _) in enumerate(results):
+    states = [runs[(layout, True)]["state"] for runs, *_ in results]
+    for rank, (runs, *_) in enumerate(results):
         plain, sharded = runs[(layout, False)]["state"], runs[(layout, True)]["state"]
         padding_bytes = runs[(layout, True)]["padding"] * 8  # AdamW: two fp32 moments per entry
         assert abs(sharded - plain / d) <= padding_bytes, (layout, rank, sharded, plain, d, padding_bytes)
+        # fp32 parameters are their own masters (views of the flat buckets): beside its state the
+        # optimizer keeps only the gradient shards
+        assert runs[(layout, True)]["masters_shared"], (layout, rank)
+        buffers, grad_shards = runs[(layout, True)]["extra_bytes"]
+        assert buffers == grad_shards, (layout, rank, buffers, grad_shards)
     # no padding is stepped: the d replicas together hold exactly one plain copy of the state
-    plain_total = sum(runs[(layout, False)]["state"] for runs, _ in results)
+    plain_total = sum(runs[(layout, False)]["state"] for runs, *_ in results)
     assert sum(states) * d == plain_total, (layout, states, plain_total)
 
 
 def test_refused_optimizers_name_the_class_and_the_fix(results):
-    for rank, (_, messages) in enumerate(results):
+    for rank, (_, messages, *_) in enumerate(results):
         assert "torch.optim.lbfgs.LBFGS is not known to update each parameter entry" in messages["LBFGS"]
         assert "Adafactor" in messages["Adafactor"] and "elementwise=True" in messages["Adafactor"]
         assert "Scaled is not known" in messages["Scaled"] and "elementwise=True" in messages["Scaled"]
@@ -169,3 +246,54 @@ def test_flat_bucket_pieces_cover_each_entry_once_with_fp32_masters():
                                        rtol=0, atol=0)  # an exact copy: bf16 -> fp32 is lossless
     assert all(c == 1 for counts in covered.values() for c in counts)
     assert [(p.name, p.start, p.length) for p in buckets[2].pieces] == [("a", 12, 3), ("b", 0, 3)]
+
+
+def test_overlapped_parameter_gathers_change_nothing(results):
+    """With and without overlapping the all-gathers: the same losses and weights, bit for bit."""
+    for rank, (*_, overlap, _) in enumerate(results):
+        assert overlap[True]["losses"] == overlap[False]["losses"], rank
+        for key, want in overlap[False]["weights"].items():
+            assert torch.equal(overlap[True]["weights"][key], want), (rank, key)
+
+
+def test_gathers_are_waited_for_at_each_chunks_first_forward(results):
+    """Overlapped: step() returns with every bucket's gather in flight; the next step waits at the first
+    F of each of the stage's 2 chunks (microbatch 0), each bucket exactly once, and nowhere else.
+    An evaluation step waits for all of them before its first forward. Not overlapped: step() itself
+    waits for all of them."""
+    for rank, (*_, overlap, _) in enumerate(results):
+        on, off = overlap[True], overlap[False]
+        assert on["pending_after_step"] == on["buckets"] > 2, rank
+        assert [where for where, _ in on["waits"]] == on["first_f"], (rank, on["waits"], on["first_f"])
+        assert len(on["first_f"]) == 2 and all(f.endswith(".0") for f in on["first_f"]), on["first_f"]
+        waited = sorted(i for _, indices in on["waits"] for i in indices)
+        assert waited == list(range(on["buckets"])), (rank, on["waits"])
+        assert off["pending_after_step"] == 0
+        assert off["waits"] == [("step", tuple(range(off["buckets"])))], (rank, off["waits"])
+        assert on["eval_waits"] == [("eval_step", tuple(range(on["buckets"])))], (rank, on["eval_waits"])
+        assert off["eval_waits"] == off["waits"], rank
+
+
+def test_bf16_parameters_with_fp32_masters_match_the_plain_optimizer(results):
+    """The model in bf16 at tp=2 x dp=2, 3 steps: the distributed optimizer (fp32 masters) against AdamW
+    over fp32 master copies of the plain engine's parameters.
+
+    Tolerance: none, bit for bit. Each replica's bf16 gradients are the same
+    computation in both runs; the replicas get the same rows, so their
+    gradients are equal and their sum (2g) and mean are exact in bf16 (the plain
+    engine's all-reduce) and in fp32 (the reduce-scatter) alike. The masters
+    then see the same fp32 gradients and take the same AdamW steps, and both
+    round them to bf16 the same way (round to nearest), whether before the
+    all-gather or when copied into the parameter. With different rows per
+    replica the bf16 all-reduce would round each sum to 8 bits (~4e-3
+    relative) where the fp32 reduce-scatter does not, and the two runs would
+    drift apart by bf16 noise instead: this isolates the master-weight path.
+    """
+    for rank, (*_, bf16) in enumerate(results):
+        sharded, plain = bf16[True], bf16[False]
+        assert sharded["dtypes"] == plain["dtypes"] == {"torch.bfloat16"}
+        assert sharded["losses"] == plain["losses"], rank
+        for key, want in plain["weights"].items():
+            assert torch.equal(sharded["weights"][key], want), (rank, key, (sharded["weights"][key] - want).abs().max())
+        moved = sum(int((w != i).sum()) for w, i in zip(plain["weights"].values(), plain["initial"].values()))
+        assert moved > sum(w.numel() for w in plain["weights"].values()) // 2  # the steps moved most weights

@@ -9,7 +9,9 @@ calls them. What is stored (``docs/training.md``, "Checkpoints"):
   so a program of any layout (tp, pp, v, dp) reads the pieces that overlap its
   own shards: DCP reshards on load;
 - the optimizer's state by parameter name, resharded with the parameters, and
-  its hyperparameters (``checkpoint_optim``); the LR scheduler's state;
+  its hyperparameters (``checkpoint_optim``; a distributed optimizer's under the
+  same keys, each replica writing its own ranges: ``checkpoint_sharded_optim``);
+  the LR scheduler's state;
 - the engine's random streams (dropout continues identically after a resume at
   the same layout), the persistent buffers, the step and a user dict ``extra``.
 
@@ -47,13 +49,7 @@ from autopar.runtime.checkpoint_files import (
     resolve,
     save_errors,
 )
-from autopar.runtime.checkpoint_optim import (
-    apply_loaded,
-    initialise_state,
-    optimizer_entries,
-    optimizer_errors,
-    optimizer_targets,
-)
+from autopar.runtime import checkpoint_optim, checkpoint_sharded_optim
 from autopar.runtime.checkpoint_state import (
     buffer_entries,
     describe,
@@ -63,6 +59,7 @@ from autopar.runtime.checkpoint_state import (
     rng_targets,
     same_streams,
 )
+from autopar.runtime.distributed_optimizer import DistributedOptimizer
 
 _SINGLE_PROCESS_NOTE = (r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
                         r"(save|load) in a single process")
@@ -94,6 +91,12 @@ class SaveHandle:
 def _problem(e: Exception) -> str:
     """An exception as one line of a ``CheckpointError``: ours as they are, others with their type."""
     return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
+def _optimizer_io(optimizer):
+    """How ``optimizer``'s state goes into a checkpoint and back: by range for a distributed optimizer
+    (``checkpoint_sharded_optim``), by shard for any other (``checkpoint_optim``); the same keys."""
+    return checkpoint_sharded_optim if isinstance(optimizer, DistributedOptimizer) else checkpoint_optim
 
 
 def _completed(run) -> Future:
@@ -164,7 +167,7 @@ class Checkpointer:
         engine = self.engine
         state: dict = {**model_entries(engine), **buffer_entries(engine, saving=True), **rng_entries(engine)}
         if optimizer is not None:
-            state.update(optimizer_entries(engine, optimizer))
+            state.update(_optimizer_io(optimizer).optimizer_entries(engine, optimizer))
         if self._rank0():  # the same on every rank: stored once
             state["extra"] = _loadable("extra", extra)
             if scheduler is not None:
@@ -183,7 +186,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - DCP raises the same on every rank
             raise CheckpointError(f"cannot load checkpoint {step_dir}: {type(e).__name__}: {e}") from e
         if optimizer is not None:
-            apply_loaded(self.engine, optimizer, targets)
+            _optimizer_io(optimizer).apply_loaded(self.engine, optimizer, targets)
         if scheduler is not None:
             scheduler.load_state_dict(targets["scheduler"])
         restore_rng(self.engine, targets, description["step"])
@@ -209,7 +212,7 @@ class Checkpointer:
         saved = metadata.state_dict_metadata.keys()
         fresh = []
         try:
-            fresh = initialise_state(optimizer) if optimizer is not None else []
+            fresh = _optimizer_io(optimizer).initialise_state(optimizer) if optimizer is not None else []
             targets, errors = self._targets(optimizer, scheduler, description, saved)
             errors += target_errors(metadata, targets)
         except Exception as e:  # noqa: BLE001 - whatever one rank meets, every rank must hear of it
@@ -227,9 +230,10 @@ class Checkpointer:
         targets: dict = {**model_entries(engine), **buffer_entries(engine, saving=False)}
         if same_streams(engine, description["layout"], saved):
             targets.update(rng_targets(engine))
-        errors = optimizer_errors(engine, optimizer, saved) if optimizer is not None else []
+        io = _optimizer_io(optimizer)
+        errors = io.optimizer_errors(engine, optimizer, saved) if optimizer is not None else []
         if optimizer is not None and not errors:
-            targets.update(optimizer_targets(engine, optimizer, saved))
+            targets.update(io.optimizer_targets(engine, optimizer, saved))
         if scheduler is not None:
             targets["scheduler"] = None
         if "extra" in saved:

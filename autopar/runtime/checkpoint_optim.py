@@ -28,7 +28,8 @@ from autopar.runtime.checkpoint_files import CheckpointError
 from autopar.runtime.checkpoint_state import as_pieces
 
 __all__ = ["named_params", "optimizer_entries", "initialise_state", "optimizer_targets", "saved_state_keys",
-           "optimizer_errors", "apply_loaded", "GROUP_KEY"]
+           "optimizer_errors", "apply_loaded", "GROUP_KEY", "hyperparameters", "set_hyperparameters",
+           "missing_state_error", "state_keys_errors"]
 
 GROUP_KEY = "param_group"
 """``optim.<name>.param_group``: the hyperparameters of the parameter's group."""
@@ -47,7 +48,8 @@ def named_params(engine, optimizer: torch.optim.Optimizer) -> list[tuple[str, to
     return out
 
 
-def _hyperparameters(group: dict) -> dict:
+def hyperparameters(group: dict) -> dict:
+    """A param group's options as saved: everything but its parameter list."""
     return {k: v for k, v in group.items() if k != "params"}
 
 
@@ -55,7 +57,7 @@ def optimizer_entries(engine, optimizer: torch.optim.Optimizer) -> dict:
     """``optim.*`` entries of every parameter this rank's optimizer updates."""
     out = {}
     for name, p, group in named_params(engine, optimizer):
-        out[f"optim.{name}.{GROUP_KEY}"] = _hyperparameters(group)
+        out[f"optim.{name}.{GROUP_KEY}"] = hyperparameters(group)
         for key, value in optimizer.state.get(p, {}).items():
             out[f"optim.{name}.{key}"] = _entry(engine, name, p, key, value)
     return out
@@ -120,13 +122,23 @@ def optimizer_errors(engine, optimizer: torch.optim.Optimizer, saved_keys) -> li
     errors = []
     for name, p, _ in named_params(engine, optimizer):
         if f"optim.{name}.{GROUP_KEY}" not in saved_keys:
-            return [f"holds no optimizer state for parameter {name}: it was saved without an optimizer "
-                    f"(load the weights alone with optimizer=None)"]
-        saved, mine = saved_state_keys(saved_keys, name), set(optimizer.state[p])
-        if saved and saved != mine:
-            errors.append(f"holds optimizer state {sorted(saved)} for parameter {name}, but this optimizer keeps "
-                          f"{sorted(mine)}: another optimizer, or other settings (amsgrad, momentum)?")
+            return [missing_state_error(name)]
+        errors += state_keys_errors(name, saved_state_keys(saved_keys, name), set(optimizer.state[p]))
     return errors
+
+
+def missing_state_error(name: str) -> str:
+    """The checkpoint holds nothing of the optimizer for parameter ``name``."""
+    return (f"holds no optimizer state for parameter {name}: it was saved without an optimizer "
+            f"(load the weights alone with optimizer=None)")
+
+
+def state_keys_errors(name: str, saved: set[str], mine: set[str]) -> list[str]:
+    """The state keys saved for parameter ``name`` are not the ones this optimizer keeps."""
+    if not saved or saved == mine:
+        return []
+    return [f"holds optimizer state {sorted(saved)} for parameter {name}, but this optimizer keeps "
+            f"{sorted(mine)}: another optimizer, or other settings (amsgrad, momentum)?"]
 
 
 def saved_state_keys(saved_keys, name: str) -> set[str]:
@@ -151,10 +163,11 @@ def apply_loaded(engine, optimizer: torch.optim.Optimizer, loaded: dict) -> None
                 optimizer.state[p][key] = value
         if id(group) not in groups_done:
             groups_done.add(id(group))
-            _set_hyperparameters(group, loaded[f"optim.{name}.{GROUP_KEY}"])
+            set_hyperparameters(group, loaded[f"optim.{name}.{GROUP_KEY}"])
 
 
-def _set_hyperparameters(group: dict, saved: dict) -> None:
+def set_hyperparameters(group: dict, saved: dict) -> None:
+    """A param group's options set to the saved ones (a tensor option, a tensor lr, copied into)."""
     for key, value in saved.items():
         if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
             group[key].copy_(value)

@@ -33,26 +33,26 @@ from autopar.runtime.state_keys import state_sources, untraced_value
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
 
-__all__ = ["shard_pieces", "as_pieces", "model_entries", "buffer_entries", "rng_entries",
+__all__ = ["shard_regions", "shard_pieces", "as_pieces", "model_entries", "buffer_entries", "rng_entries",
            "rng_targets", "restore_rng", "describe", "same_streams"]
 
 _GOLDEN = 0x9E3779B97F4A7C15
 """Mixes the step into a reseeded stream (an odd constant: consecutive steps land far apart)."""
 
 
-def shard_pieces(local: torch.Tensor, spec, full_shape: tuple[int, ...], rank: int,
-                 t: int) -> list[tuple[torch.Size, torch.Tensor]]:
-    """Tensor-parallel rank ``rank``'s shard ``local`` as (global offsets, view) pieces of the full tensor.
+def shard_regions(spec, full_shape: tuple[int, ...], rank: int, t: int) -> list[tuple[torch.Size, int, int, int]]:
+    """Where tensor-parallel rank ``rank``'s shard lies in the full tensor: (global offsets of the
+    region, the dim it is cut along, its first local index on that dim, its length there) each.
 
     ``Shard(dim, segments)``: rank r holds every segment's r-th 1/t, so one
-    piece per segment; rows past the full size (vocabulary padding) belong to
-    no piece. ``Replicate``: the whole tensor at offset 0.
+    region per segment; rows past the full size (vocabulary padding) belong to
+    no region. ``Replicate``: the whole tensor at offset 0 (length -1: all of it).
     """
     zeros = [0] * len(full_shape)
     if not isinstance(spec, Shard) or (t == 1 and spec.segments is None):
-        return [(torch.Size(zeros), local)]
+        return [(torch.Size(zeros), 0, 0, -1)]
     dim, full = spec.dim, full_shape[spec.dim]
-    pieces, local_start, global_start = [], 0, 0
+    regions, local_start, global_start = [], 0, 0
     for size in spec.segments or (full,):
         n = size // t
         first = global_start + rank * n
@@ -60,10 +60,18 @@ def shard_pieces(local: torch.Tensor, spec, full_shape: tuple[int, ...], rank: i
         if rows > 0:
             offsets = list(zeros)
             offsets[dim] = first
-            pieces.append((torch.Size(offsets), local.narrow(dim, local_start, rows)))
+            regions.append((torch.Size(offsets), dim, local_start, rows))
         local_start += n
         global_start += size
-    return pieces
+    return regions
+
+
+def shard_pieces(local: torch.Tensor, spec, full_shape: tuple[int, ...], rank: int,
+                 t: int) -> list[tuple[torch.Size, torch.Tensor]]:
+    """Tensor-parallel rank ``rank``'s shard ``local`` as (global offsets, view) pieces of the full
+    tensor, one per region of ``shard_regions``."""
+    return [(offsets, local if rows < 0 else local.narrow(dim, start, rows))
+            for offsets, dim, start, rows in shard_regions(spec, full_shape, rank, t)]
 
 
 def as_pieces(program: "Program", name: str, local: torch.Tensor, tp_rank: int) -> Pieces:

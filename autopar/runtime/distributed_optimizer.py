@@ -13,8 +13,17 @@ data-parallel replica:
   buckets, started when their gradients are final, overlapping the rest of the
   backward), so each replica receives the averaged gradient of its range only;
 - ``step()`` runs the inner ``torch.optim`` optimizer on views of the owned
-  range, then all-gathers the updated ranges back into the parameters;
-- ``engine.clip_grad_norm_`` clips over the shards, with the same global norm.
+  range, then starts the all-gathers of the updated ranges back into the
+  parameters, one per bucket, and returns (``param_gathers.py``): each bucket is
+  waited for right before the first forward that reads one of its parameters
+  (or anything else that reads them), so the gathers overlap the next step's
+  start. ``overlap_param_gather=False`` waits for them all inside ``step()``;
+- ``engine.clip_grad_norm_`` clips over the shards, with the same global norm;
+- ``engine.save`` / ``engine.load`` store the state by parameter name in the
+  parameters' full shapes, as the plain optimizer's (``checkpoint_sharded_optim.py``).
+
+Parameters in bf16 (a model cast to bf16) keep fp32 master copies here: the
+inner optimizer updates the masters, and the parameters receive them rounded.
 
 Only an optimizer whose update of each parameter entry reads that entry alone
 (its gradient, its own state) can step a slice of a parameter and get the
@@ -36,8 +45,9 @@ from typing import Any
 
 import torch
 
-from autopar.runtime.flat_buffers import FlatBucket, gather_owned
+from autopar.runtime.flat_buffers import FlatBucket, Piece
 from autopar.runtime.gradients import bucket_names
+from autopar.runtime.param_gathers import ParamGathers
 
 __all__ = ["DistributedOptimizer", "ELEMENTWISE_OPTIMIZERS", "elementwise_errors"]
 
@@ -75,7 +85,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, engine, optimizer_class: type, params=None, *, elementwise: bool = False,
-                 **defaults: Any):
+                 overlap_param_gather: bool = True, **defaults: Any):
         errors = elementwise_errors(optimizer_class, elementwise)
         if errors:
             raise TypeError(errors[0])
@@ -89,9 +99,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                f"stages), which its reduce-scatter would reduce again: call engine.zero_grad() "
                                f"before making the distributed optimizer")
         groups = self._user_groups(params)
+        self.group_of = {name: i for i, (names, _) in enumerate(groups) for name in names}
+        """Parameter name -> the index of the param group updating it (every parameter in a group)."""
         self.buckets = self._plan_buckets()
+        self.owned: dict[str, tuple[FlatBucket, Piece, torch.nn.Parameter]] = {}
+        """Parameter name -> (its bucket, the piece of it this replica owns, the inner optimizer's view
+        of that piece): the parameters with entries in this replica's ranges."""
         self.inner = optimizer_class(self._inner_groups(groups), **defaults)
         self.defaults = self.inner.defaults
+        self.overlap_param_gather = overlap_param_gather
+        """Whether ``step()`` returns with the parameter all-gathers in flight (waited for by the reads)."""
+        self.gathers = ParamGathers(self.buckets, self.params, engine.mesh.groups.get("dp"), self._written)
         self._versions = self._param_versions()
         self._opt_called = False
 
@@ -126,22 +144,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buckets = []
         for names in self.engine.gradient_groups():
             for cut in bucket_names(names, self.params, sync.bucket_bytes):
-                buckets.append(FlatBucket(self.params, cut, d, r))
+                buckets.append(FlatBucket(self.params, cut, d, r, share_params=True))
         tied = [n for n in self.engine.program.tied_params if n in self.params]
         for cut in bucket_names(tied, self.params, sync.bucket_bytes) if tied else []:
-            buckets.append(FlatBucket(self.params, cut, d, r, tied=True))
+            buckets.append(FlatBucket(self.params, cut, d, r, tied=True, share_params=True))
         return buckets
 
     def _inner_groups(self, groups: list[tuple[list[str], dict]]) -> list[dict]:
         """The inner optimizer's groups: each user group's pieces on this replica, views of the masters
         with views of the gradient shards as their ``.grad``."""
-        pieces: dict[str, list[torch.Tensor]] = {}
         for bucket in self.buckets:
-            for piece in bucket.pieces:
+            for piece in (p for p in bucket.pieces if p.name in self.group_of):
                 view = torch.nn.Parameter(bucket.master[piece.at : piece.at + piece.length])
                 view.grad = bucket.grad[piece.at : piece.at + piece.length]
-                pieces.setdefault(piece.name, []).append(view)
-        return [{"params": [v for n in names for v in pieces.get(n, [])], **options} for names, options in groups]
+                self.owned[piece.name] = (bucket, piece, view)
+        return [{"params": [self.owned[n][2] for n in names if n in self.owned], **options}
+                for names, options in groups]
 
     # ---------------------------------------------------- torch.optim interface
     @property
@@ -162,12 +180,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Update this replica's ranges with the inner optimizer, then all-gather every range back into
-        the parameters. Collective over the data-parallel replicas: every rank calls it."""
+        """Update this replica's ranges with the inner optimizer, then start the all-gathers of every
+        range back into the parameters (waited for here unless ``overlap_param_gather``).
+        Collective over the data-parallel replicas: every rank calls it."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.gathers.wait_all("step")
         self._reload_edited_params()
         self.inner.step()
         self._write_back()
@@ -187,7 +207,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """This replica's state: the inner optimizer's, the master copies and the layout they fit.
 
-        Loads back at the same layout only (same program, d and replica)."""
+        Loads back at the same layout only (same program, d and replica); ``engine.save`` and
+        ``engine.load`` store it by parameter name, loadable at any layout and by a plain optimizer."""
         return {"inner": self.inner.state_dict(), "master": [b.master.clone() for b in self.buckets],
                 "layout": [b.signature() for b in self.buckets]}
 
@@ -199,22 +220,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"this distributed optimizer state was saved for another layout of the flat buckets "
                              f"(d, replica, parameters per bucket): saved {_short(state_dict.get('layout'))}, "
                              f"here {_short(mine)}; load it in the same program at the same tp, pp and dp")
+        self.gathers.wait_all("load_state_dict")
         self.inner.load_state_dict(state_dict["inner"])
         for bucket, master in zip(self.buckets, state_dict["master"]):
             bucket.master.copy_(master)
         with torch.no_grad():
             self._write_back()
 
+    def masters_loaded(self, kept: set[str] = frozenset()) -> None:
+        """After a checkpoint load wrote the parameters and the state: the master copies re-read from
+        the parameters just loaded, except those of ``kept`` (lower-precision parameters whose fp32
+        masters the load itself wrote)."""
+        for name, (bucket, _, _) in self.owned.items():
+            if name not in kept:
+                bucket.load_master(self.params, [name])
+        self._versions = self._param_versions()
+
+    def keeps_wider_masters(self, name: str) -> bool:
+        """Whether parameter ``name`` is of a lower precision than its master copy (a bf16 model): the
+        master then holds bits the parameter lacks, and a checkpoint stores it."""
+        bucket = self.owned[name][0] if name in self.owned else None
+        return bucket is not None and self.params[name].dtype != bucket.dtype
+
     # ------------------------------------------------------------- internals
     def _write_back(self) -> None:
-        """All-gather each bucket's updated ranges (all launched, then waited) into the parameters."""
-        group = self.engine.mesh.groups.get("dp")
-        gathers = [gather_owned(b, b.master, group, async_op=True) for b in self.buckets]
-        for bucket, (full, work) in zip(self.buckets, gathers):
-            if work is not None:
-                work.wait()
-            bucket.write_params(self.params, full)
-        self._versions = self._param_versions()
+        """Start each bucket's all-gather of the updated ranges into the parameters; wait for them
+        all now unless the reads of the parameters are to wait (``overlap_param_gather``)."""
+        self.gathers.launch()
+        if not self.overlap_param_gather:
+            self.gathers.wait_all("step")
+
+    def _written(self, names: list[str]) -> None:
+        """The gathers wrote these parameters: their new versions are the optimizer's own."""
+        for name in names:
+            self._versions[name] = self.params[name]._version
 
     def _param_versions(self) -> dict[str, int]:
         return {n: p._version for n, p in self.params.items()}
@@ -225,6 +264,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if edited:
             for bucket in self.buckets:
                 bucket.load_master(self.params, edited)
+
+    def buffer_bytes(self) -> int:
+        """Bytes this optimizer keeps beside its state: the gradient shards, and master copies that are
+        not the parameters' own storage (bf16 parameters)."""
+        return sum(b.grad.numel() * b.grad.element_size()
+                   + (0 if b.masters_shared else b.master.numel() * b.master.element_size()) for b in self.buckets)
 
     def state_bytes(self) -> int:
         """Bytes of the inner optimizer's state tensors on this rank (the sharded part of the memory)."""

@@ -274,6 +274,10 @@ class RankEngine(nn.Module):
         """Whether a backward is split into B (input gradients) and W (weight gradients, by
         ``_weight_backward``): the schedule's choice (ZB-H1 and ZB-V place W actions of their own)."""
         self._ready_after = self._gradients_ready_after(local_params)
+        self._chunk_param_names = {c: [program.traced.param_of[ph] for ph in ch.params] for c, ch in self.chunks.items()}
+        """Chunk -> the names of the parameters its forward reads."""
+        self._param_gathers = None
+        """A distributed optimizer's parameter all-gathers (``ParamGathers``), waited for before a read."""
 
     def gradient_groups(self) -> list[list[str]]:
         """The groups of parameter names whose data-parallel reduction starts together (each final
@@ -281,7 +285,7 @@ class RankEngine(nn.Module):
         return [list(names) for names in self._ready_after.values()]
 
     def distributed_optimizer(self, optimizer_class: type, params=None, *, elementwise: bool = False,
-                              **defaults: Any) -> "DistributedOptimizer":
+                              overlap_param_gather: bool = True, **defaults: Any) -> "DistributedOptimizer":
         """``optimizer_class(params, **defaults)`` with its state sharded over the data-parallel replicas
         (Megatron's distributed optimizer, ZeRO stage 1; ``runtime/distributed_optimizer.py``).
 
@@ -289,16 +293,46 @@ class RankEngine(nn.Module):
         reduce-scattered from then on, so each replica holds the averaged gradient of its 1/d range
         only; ``clip_grad_norm_`` and ``full_grads`` read the shards, and the parameters' ``.grad``
         keep this replica's own gradients. ``elementwise=True`` accepts an optimizer class outside
-        the known element-wise ones. One per engine; made before the first ``train_step``.
+        the known element-wise ones. ``overlap_param_gather``: ``step()`` returns with the parameters'
+        all-gathers in flight, each waited for right before the first forward (or other read) of one
+        of its parameters; False waits for them inside ``step()``. One per engine; made before the
+        first ``train_step``.
         """
         from autopar.runtime.distributed_optimizer import DistributedOptimizer
 
         if self.grads.sharded is not None:
             raise RuntimeError("this engine already has a distributed optimizer: its gradients are reduce-scattered "
                                "into that optimizer's buffers; make one distributed optimizer per engine")
-        optimizer = DistributedOptimizer(self, optimizer_class, params, elementwise=elementwise, **defaults)
+        optimizer = DistributedOptimizer(self, optimizer_class, params, elementwise=elementwise,
+                                         overlap_param_gather=overlap_param_gather, **defaults)
         self.grads.reduce_scatter_into(optimizer.buckets)
+        self._param_gathers = optimizer.gathers
         return optimizer
+
+    def wait_parameters(self, where: str = "wait_parameters") -> None:
+        """Finish the distributed optimizer's parameter all-gathers still in flight, so the parameters
+        hold the last ``step()``'s values (every read of them by the engine does this first; call it
+        before reading a tensor of ``engine.parameters()`` kept from earlier). ``where``: recorded."""
+        if self._param_gathers is not None:
+            self._param_gathers.wait_all(where)
+
+    def named_parameters(self, *args, **kwargs):
+        """``nn.Module.named_parameters``, once the parameter all-gathers in flight are done."""
+        self.wait_parameters("named_parameters")
+        return super().named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        """``nn.Module.state_dict`` (the shards by engine key), once the all-gathers in flight are done."""
+        self.wait_parameters("state_dict")
+        return super().state_dict(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the shards' gradients; reads no parameter, so the all-gathers in flight go on."""
+        for p in self.shards.values():
+            if p.grad is not None and set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.requires_grad_(False).zero_()
 
     def _handlers(self) -> dict[Kind, Callable[[Action, StepState], None]]:
         """Action kind -> its handler, called ``handler(action, state)``; a communication handler
@@ -388,6 +422,7 @@ class RankEngine(nn.Module):
         self._run_actions(st)
         self.timelines.add(st.origin, st.events)
         self._wait_sends(st)
+        self.wait_parameters("train_step")  # a parameter no chunk read: nothing else waits for it
         self.grads.end_step()
         return self._reduce_loss(st)
 
@@ -400,6 +435,7 @@ class RankEngine(nn.Module):
         ``torch.no_grad()``: no context is kept, no ``.grad`` touched, and the random stream of
         training steps is left where it was.
         """
+        self.wait_parameters("eval_step")
         st = self._new_step(batch, self.eval_schedule, training=False)
         stream = self._rng_states  # random ops left in the evaluation graphs draw from a copy
         try:
@@ -545,6 +581,8 @@ class RankEngine(nn.Module):
         outputs to the next chunk when it lives on this stage, else keep them for ``SF``."""
         chunk = self.chunks[a.chunk]
         key = (a.chunk, a.microbatch)
+        if self._param_gathers is not None:  # the chunk's first forward of a step waits for its parameters
+            self._param_gathers.wait_for(self._chunk_param_names[a.chunk], str(a))
         inputs = [] if a.chunk == 0 else [t.detach().requires_grad_(st.training and b.requires_grad)
                                           for t, b in zip(st.take(Kind.RECV_F, key), chunk.inputs)]
         outs = self._run_chunk(st, key, self._chunk_args(chunk, st.micro[a.microbatch], inputs))
@@ -762,7 +800,9 @@ class RankEngine(nn.Module):
 
     # ---------------------------------------------------------------- parameters
     def named_local_parameters(self):
-        """(original name, local shard) of every parameter this rank holds."""
+        """(original name, local shard) of every parameter this rank holds (the all-gathers of a
+        distributed optimizer's step done)."""
+        self.wait_parameters("named_local_parameters")
         for name in self.program.param_names:
             if _key(name) in self.shards:
                 yield name, self.shards[_key(name)]
@@ -772,6 +812,7 @@ class RankEngine(nn.Module):
         in its order. Parameters under every name the model gives them (tied weights twice),
         gathered over tp, then over pp; persistent buffers; non-persistent buffers (a rotary
         ``inv_freq``) are not part of it, as in the model's own ``state_dict()``."""
+        self.wait_parameters("full_state_dict")
         params = self._gather(lambda p: p.detach())
         out = {}
         for source in state_sources(self.program):
@@ -853,6 +894,7 @@ class RankEngine(nn.Module):
         to host memory while a thread writes it; ``handle.wait()`` (or the next
         save or load) waits for it. Wait before the process group is destroyed.
         """
+        self.wait_parameters("save")
         return self._checkpoints().save(root, optimizer, step=step, scheduler=scheduler, extra=extra,
                                         async_save=async_save)
 
@@ -866,6 +908,7 @@ class RankEngine(nn.Module):
         checkpoint has been checked against this program; a problem any rank finds
         raises ``CheckpointError`` on every rank.
         """
+        self.wait_parameters("load")  # a gather finishing after the load would overwrite what it read
         return self._checkpoints().load(path, optimizer, scheduler)
 
     def _checkpoints(self) -> "Checkpointer":

@@ -8,9 +8,19 @@ Replica r owns the contiguous range ``[r * s, (r + 1) * s)`` of it
 range this replica keeps:
 
 - ``master``: the master copy of the parameters' entries it owns (fp32, or
-  wider when a parameter is), which the inner optimizer updates;
+  wider when a parameter is), which the inner optimizer updates. When the
+  parameters are already fp32, the bucket holds the parameters themselves
+  (``flat``: each parameter's ``.data`` becomes a view of it), so the owned
+  range of ``flat`` *is* the master, without a second copy, and the all-gather
+  writes straight into the parameters;
 - ``grad``: the reduced (data-parallel averaged) gradient of those entries,
   written by the gradient reduce-scatter.
+
+With 16-bit parameters (a model in bf16) the master copies stay fp32: the
+optimizer accumulates its small updates there, and only the all-gather back
+into the parameters rounds them, each replica's range cast to the parameters'
+dtype before it is sent (``param_dtype``: half the bytes on the wire, the same
+values as rounding after the gather).
 
 A ``Piece`` is where one parameter meets the owned range: a parameter may be
 split between two replicas, or not touch this replica's range at all. The
@@ -61,7 +71,7 @@ class FlatBucket:
     """One bucket: its slots, its padded size, this replica's owned range and buffers."""
 
     def __init__(self, params: dict[str, torch.Tensor], names: list[str], dp: int, dp_rank: int,
-                 tied: bool = False):
+                 tied: bool = False, share_params: bool = False):
         offsets, total = [], 0
         for name in names:
             offsets.append(Slot(name, total, params[name].numel()))
@@ -79,9 +89,35 @@ class FlatBucket:
         self.pieces: tuple[Piece, ...] = tuple(self._owned_pieces())
         device = params[names[0]].device
         self.dtype = master_dtype(params[n].dtype for n in names)
-        self.master = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        dtypes = {params[n].dtype for n in names}
+        self.param_dtype = dtypes.pop() if len(dtypes) == 1 else self.dtype
+        """What the owned ranges are all-gathered in: the parameters' one dtype (else the masters')."""
+        self.flat: torch.Tensor | None = None
+        """With ``share_params`` and parameters already in the masters' dtype (fp32): the parameters'
+        own storage, laid end to end (each parameter's ``.data`` a view of it); None otherwise."""
+        if share_params and all(params[n].dtype == self.dtype for n in names):
+            self.flat = torch.zeros(self.padded, dtype=self.dtype, device=device)
+            self._move_params_into_flat(params)
+            self.master = self.flat[self.owned[0] : self.owned[1]]
+        else:
+            self.master = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         self.grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         self.load_master(params, [p.name for p in self.pieces])
+
+    def _move_params_into_flat(self, params: dict[str, torch.Tensor]) -> None:
+        """Copy the parameters into ``flat`` and make each one's ``.data`` its view there: the owned
+        range of the parameters is then the master copy itself, not a second fp32 copy of it."""
+        with torch.no_grad():
+            for slot in self.slots:
+                p = params[slot.name]
+                view = self.flat[slot.offset : slot.offset + slot.numel].view(p.shape)
+                view.copy_(p)
+                p.data = view
+
+    @property
+    def masters_shared(self) -> bool:
+        """Whether the master range is the parameters' own storage (no copy to keep or save)."""
+        return self.flat is not None
 
     def _owned_pieces(self):
         lo, hi = self.owned
@@ -99,7 +135,10 @@ class FlatBucket:
         return [self.dp, self.dp_rank, [[s.name, s.numel] for s in self.slots]]
 
     def load_master(self, params: dict[str, torch.Tensor], names: list[str]) -> None:
-        """Copy the owned entries of parameters ``names`` into the master shard."""
+        """Copy the owned entries of parameters ``names`` into the master shard (nothing to copy when
+        the masters are the parameters' own storage)."""
+        if self.flat is not None:
+            return
         wanted = set(names)
         with torch.no_grad():
             for piece in self.pieces:
@@ -118,18 +157,24 @@ class FlatBucket:
         return flat
 
     def write_params(self, params: dict[str, torch.Tensor], full: torch.Tensor) -> None:
-        """Copy the gathered flat vector ``full`` (every replica's range) into the parameters."""
+        """Copy the gathered flat vector ``full`` (every replica's range) into the parameters
+        (rounded to their dtype when ``full`` is wider); nothing to copy when ``full`` is their storage."""
+        if full is self.flat:
+            return
         with torch.no_grad():
             for slot in self.slots:
                 p = params[slot.name]
                 p.copy_(full[slot.offset : slot.offset + slot.numel].view(p.shape))
 
 
-def gather_owned(bucket: FlatBucket, shard: torch.Tensor, group, async_op: bool = False):
+def gather_owned(bucket: FlatBucket, shard: torch.Tensor, group, async_op: bool = False,
+                 out: torch.Tensor | None = None):
     """The whole flat vector of ``bucket`` from every replica's owned range (``shard`` is this
-    replica's): ``full``, or ``(full, work)`` with ``async_op``. One replica: the shard itself."""
+    replica's, gathered in its own dtype) into ``out`` (else a new tensor): ``full``, or
+    ``(full, work)`` with ``async_op``. One replica: the shard itself (or ``out``, holding it)."""
     if bucket.dp == 1:
-        return (shard, None) if async_op else shard
-    full = torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
+        full = shard if out is None else out
+        return (full, None) if async_op else full
+    full = out if out is not None else torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
     work = dist.all_gather_single(full, shard, group=group, async_op=async_op)
     return (full, work) if async_op else full
