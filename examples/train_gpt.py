@@ -1,6 +1,8 @@
 """The main job: train a small GPT with 3D parallelism on local CPU ranks, the whole life of a run.
 
-    python examples/train_gpt.py                 # 8 ranks: tp=2 x pp=2 (interleaved, v=2) x dp=2
+    python examples/train_gpt.py                 # 8 ranks: tp=2 x pp=2 (interleaved, v=2) x dp=2,
+                                                 # sequence parallelism where it fits, AdamW sharded over dp
+    python examples/train_gpt.py --schedule zbv  # the zero-bubble V schedule (B and W split)
     python examples/train_gpt.py --resume        # continue from the newest checkpoint, exactly
     python examples/train_gpt.py --tp 2 --pp 1 --dp 1 --steps 100
     autopar run --nproc 8 examples/train_gpt.py  # or torchrun --nproc-per-node 8 examples/train_gpt.py
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -31,12 +34,15 @@ import torch
 from torch.utils.data import DistributedSampler
 
 import autopar
+from autopar.core.config import SCHEDULE_NAMES
 from autopar.reference.data import CorpusWindows
 from autopar.reference.models import ModelConfig, build
 from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
 
 CFG = ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128, dropout=0.0)
 EVAL_BATCHES = 2
+SEQUENCE_PARALLEL = {"auto": None, "on": True, "off": False}
+"""``--sequence-parallel`` -> ``parallelize(sequence_parallel=...)``."""
 """Held-out batches per evaluation (per replica)."""
 
 
@@ -79,7 +85,8 @@ class ReplicaData:
 def compile_program(args, world_size=None) -> autopar.ParallelProgram:
     x, y = ReplicaData("train", args.micro_batch, 1, 0).batch(0)
     return autopar.parallelize(make_model(), tp=args.tp, pp=args.pp, dp=args.dp, virtual_stages=args.vp,
-                               microbatches=args.microbatches, recompute=args.recompute, precision=args.precision,
+                               microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute,
+                               precision=args.precision, sequence_parallel=SEQUENCE_PARALLEL[args.sequence_parallel],
                                example_inputs=(x,), example_targets=y, world_size=world_size)
 
 
@@ -106,7 +113,10 @@ def train(args):
     import torch.distributed as dist
 
     engine = compile_program(args).materialize()
-    opt = torch.optim.AdamW(engine.parameters(), lr=args.lr, weight_decay=0.01)
+    if args.distributed_optimizer:  # AdamW's state sharded over the data-parallel replicas
+        opt = engine.distributed_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(engine.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, args.steps))
     rows = args.micro_batch * args.microbatches  # this replica's sequences per step
     data = ReplicaData("train", rows, engine.dp_size, engine.dp_rank)
@@ -148,6 +158,12 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--vp", type=int, default=2, help="virtual stages per pipeline stage (interleaved)")
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES,
+                    help="pipeline schedule (default: interleaved when --vp > 1, else 1f1b; zbv needs --vp 2)")
+    ap.add_argument("--sequence-parallel", default="auto", choices=sorted(SEQUENCE_PARALLEL),
+                    help="norms, dropout and residuals split over the tensor-parallel ranks (auto: where they fit)")
+    ap.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                    help="shard AdamW's state over the data-parallel replicas (default on)")
     ap.add_argument("--micro-batch", type=int, default=2, help="sequences per microbatch")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -192,7 +208,7 @@ def main() -> None:
     program = compile_program(args, world_size=world)
     if is_main:
         print(program.summary())
-        print(program.schedule)
+        print(program.schedule.wrapped(min(shutil.get_terminal_size().columns, 120)))
         tokens = args.micro_batch * args.microbatches * args.dp * CFG.seq_len
         print(f"\ntraining on {world} {'ranks' if launched else 'local CPU ranks (gloo)'}: "
               f"{args.steps} steps of {tokens} tokens; checkpoints in {args.ckpt_dir}")

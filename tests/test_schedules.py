@@ -505,3 +505,17 @@ def test_1f1b_with_fewer_microbatches_than_stages(p: int) -> None:
         result = dry_run(schedule, 1.0, 2.0)
         assert result.makespan == 3 * (m + p - 1), (p, m, result.makespan)
         assert all(b == pytest.approx((p - 1) / m) for b in result.bubble.values())
+
+
+def test_wrapped_grid_fits_the_width_and_keeps_every_action() -> None:
+    """A long lowered grid cut into blocks: every line within the width, every action once, in order."""
+    schedule = lower(interleaved_1f1b(4, 2, 8))
+    for width in (60, 100, 140):
+        text = schedule.wrapped(width)
+        assert max(len(line) for line in text.splitlines()) <= width
+        rows = {s: [] for s in range(4)}
+        for line in text.splitlines()[1:]:
+            label, _, rest = line.partition(":")
+            if label.startswith("stage"):
+                rows[int(label.split()[1])] += [w for w in rest.split() if w != "..."]
+        assert rows == {s: [str(a) for a in acts] for s, acts in schedule.actions.items()}

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from autopar.schedules.actions import Action, Loc
 
-__all__ = ["format_grid", "read_grid", "FORWARD_ONLY"]
+__all__ = ["format_grid", "wrap_grid", "read_grid", "FORWARD_ONLY"]
 
 FORWARD_ONLY = "forward-only"
 """The last word of a forward-only schedule's header (``1f1b p=2 v=1 m=4 forward-only``)."""
@@ -60,6 +60,23 @@ def format_grid(header: str, actions: Mapping[int, Sequence[Action]], marks: Ite
     lines = [header, row("step", [str(t) for t in range(lo, hi)])]
     lines += [row(f"stage {s}:", cells[s]) for s in stages]
     return "\n".join(lines)
+
+
+def wrap_grid(header: str, actions: Mapping[int, Sequence[Action]], width: int = 100) -> str:
+    """The grid of :func:`format_grid` cut into blocks of consecutive steps, each block no wider than
+    ``width`` characters (at least one step per block), for printing in a terminal."""
+    steps = max((len(acts) for acts in actions.values()), default=0)
+    label = len(f"stage {max(actions)}:") + 1 if actions else 0
+    blocks, lo, used = [], 0, label + 8  # room for the "... " and " ..." of a clipped block
+    for t in range(steps):
+        w = max([len(str(t))] + [len(str(acts[t])) for acts in actions.values() if t < len(acts)]) + 1
+        if used + w > width and t > lo:
+            blocks.append((lo, t))
+            lo, used = t, label + 8
+        used += w
+    blocks.append((lo, steps))
+    parts = [format_grid(header, actions, columns=c) for c in blocks]
+    return "\n".join([parts[0]] + [p.split("\n", 1)[1] for p in parts[1:]])
 
 
 def read_grid(text: str) -> tuple[str, int, int, int, dict[int, list[Action]], bool, str]:

@@ -28,7 +28,7 @@ from functools import cached_property
 
 from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, size_errors
 from autopar.schedules.actions import Action, Kind, Loc
-from autopar.schedules.grid import FORWARD_ONLY, format_grid, read_grid
+from autopar.schedules.grid import FORWARD_ONLY, format_grid, read_grid, wrap_grid
 from autopar.schedules.in_flight import in_flight_bound
 from autopar.schedules.placement import Placement, stage_of_chunk
 
@@ -132,6 +132,16 @@ class Schedule:
             return 0
         return in_flight_bound(self.name, self.p, self.v, self.m, stage)
 
+    def wrapped(self, width: int = 100) -> str:
+        """The grid cut into blocks of steps no wider than ``width`` (a terminal's), one under another."""
+        return wrap_grid(self._header(), self.actions, width)
+
+    def _header(self) -> str:
+        header = f"{self.name} p={self.p} v={self.v} m={self.m}"
+        if self.placement is not Placement.INTERLEAVED:
+            header += f" placement={self.placement}"
+        return header + (f" {FORWARD_ONLY}" if self.forward_only else "")
+
     def format_grid(self, marks: Iterable[Loc] = (), columns: tuple[int, int] | None = None) -> str:
         """Rank x time grid: one row per stage, column t = the stage's t-th action.
 
@@ -139,11 +149,7 @@ class Schedule:
         grid to steps ``lo .. hi-1`` (shown with ``...``; a clipped grid does
         not parse back).
         """
-        header = f"{self.name} p={self.p} v={self.v} m={self.m}"
-        if self.placement is not Placement.INTERLEAVED:
-            header += f" placement={self.placement}"
-        header += f" {FORWARD_ONLY}" if self.forward_only else ""
-        return format_grid(header, self.actions, marks, columns)
+        return format_grid(self._header(), self.actions, marks, columns)
 
     def __str__(self) -> str:
         return self.format_grid()
