@@ -184,7 +184,8 @@ def _space(args: argparse.Namespace) -> SearchSpace:
     one = (lambda x: None if x is None else (x,))
     scheds = SearchSpace.schedules if args.schedule is None else (args.schedule,)
     if args.schedule is None and args.vp is not None:
-        scheds = ("interleaved",) + (("zbv",) if args.vp == 2 else ()) if args.vp > 1 else ("1f1b", "zb-h1")
+        with_v = {1: ("1f1b", "zb-h1"), 2: ("interleaved", "zbv")}  # the schedules that run --vp chunks
+        scheds = with_v.get(args.vp, ("interleaved",))
     return SearchSpace(
         t=one(args.tp), p=one(args.pp), v=one(args.vp), b=one(args.micro_batch), schedules=scheds,
         recompute=_recompute_choices(args.recompute),
