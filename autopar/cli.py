@@ -78,8 +78,8 @@ def _add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) 
     lay.add_argument("--vp", type=int, help="model chunks per stage v (interleaved when > 1)")
     lay.add_argument("--micro-batch", type=int, help="micro-batch size b")
     lay.add_argument("--schedule", choices=SCHEDULE_NAMES,
-                     help="pipeline schedule; the zero-bubble ones ('zb-h1', 'zbv': v=2 in a V) simulate with "
-                          "unit costs only (--pp, --microbatches): the cost model prices 1f1b, interleaved, gpipe")
+                     help="pipeline schedule (default: search 1f1b, interleaved and the zero-bubble 'zb-h1' "
+                          "and 'zbv', v=2 in a V)")
     lay.add_argument("--recompute", choices=tuple(_RECOMPUTE_FLAG), default="any",
                      help="activation recomputation: 'layer' keeps each layer's input and recomputes the layer "
                           "in the backward ('full' is an alias, Megatron's name), 'none' keeps every activation, "
@@ -181,14 +181,11 @@ def _hf_spec(path: str, seq_len: int) -> ModelSpec:
 
 
 def _space(args: argparse.Namespace) -> SearchSpace:
-    if args.schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise SystemExit(f"autopar: the cost model prices 1f1b, interleaved and gpipe, not {args.schedule!r}; "
-                         f"simulate it with unit costs: autopar simulate --schedule {args.schedule} --pp P "
-                         f"--microbatches M (no model)")
     one = (lambda x: None if x is None else (x,))
-    scheds = ("1f1b", "interleaved") if args.schedule is None else (args.schedule,)
+    scheds = SearchSpace.schedules if args.schedule is None else (args.schedule,)
     if args.schedule is None and args.vp is not None:
-        scheds = ("interleaved",) if args.vp > 1 else ("1f1b",)
+        with_v = {1: ("1f1b", "zb-h1"), 2: ("interleaved", "zbv")}  # the schedules that run --vp chunks
+        scheds = with_v.get(args.vp, ("interleaved",))
     return SearchSpace(
         t=one(args.tp), p=one(args.pp), v=one(args.vp), b=one(args.micro_batch), schedules=scheds,
         recompute=_recompute_choices(args.recompute),
@@ -214,7 +211,8 @@ GiB = 2**30
 
 def _row(e: Estimate) -> list[str]:
     lay = e.layout
-    sched = {"1f1b": "1F1B", "interleaved": "interleaved", "gpipe": "GPipe"}[lay.schedule] if lay.p > 1 else "-"
+    sched = {"1f1b": "1F1B", "interleaved": "interleaved", "gpipe": "GPipe", "zb-h1": "ZB-H1",
+             "zbv": "ZB-V"}[lay.schedule] if lay.p > 1 else "-"
     return [str(lay.t), str(lay.p), str(lay.d), str(lay.v), str(lay.b), str(e.m),
             sched + ("*" if e.simulated else ""), str(lay.recompute),
             f"{e.t_iter:.3f}", f"{e.tflops_per_gpu:.1f}", f"{e.frac_peak:.1%}", f"{e.memory.total / GiB:.1f}",
@@ -436,7 +434,8 @@ def _simulate_model(args: argparse.Namespace, spec: ModelSpec,
     cluster = Cluster(args.gpus, _hardware(args), args.batch)
     space = _space(args)
     if all(x is not None for x in (args.tp, args.pp, args.micro_batch)):
-        lay = Layout(t=args.tp, p=args.pp, d=args.gpus // (args.tp * args.pp), b=args.micro_batch, v=args.vp or 1,
+        v = args.vp or (2 if args.schedule == "zbv" else 1)
+        lay = Layout(t=args.tp, p=args.pp, d=args.gpus // (args.tp * args.pp), b=args.micro_batch, v=v,
                      schedule=args.schedule or "", recompute=_recompute_choices(args.recompute)[0],
                      scatter_gather=not args.no_scatter_gather, dp_overlap=space.overlap_for(args.pp))
     else:
@@ -444,8 +443,10 @@ def _simulate_model(args: argparse.Namespace, spec: ModelSpec,
     if lay.p == 1:
         console.print(f"[yellow]{lay.short} has no pipeline (p = 1): the timeline is one rank.[/yellow]")
     est, eager = simulate_estimate(spec, cluster, lay)
+    split = lay.schedule in SPLIT_BACKWARD_SCHEDULES
     lowered = simulate_layout_lowered(lay.schedule, lay.p, lay.v, est.m, est.t_chunk_f, est.t_chunk_b,
-                                      est.t_p2p, (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))
+                                      est.t_p2p, (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b),
+                                      t_w=est.t_chunk_w if split else None, last_extra_w=est.t_head_w)
     t_iter_low = est.t_iter - est.t_pipeline + lowered.step_time
     tflops_low = est.flops / (t_iter_low * cluster.gpus) / 1e12
     title = f"{spec.label}, {lay.short}, {cluster.gpus} GPUs, batch {cluster.global_batch}"
@@ -454,7 +455,8 @@ def _simulate_model(args: argparse.Namespace, spec: ModelSpec,
              f"eager sends (the planner's model, Megatron-LM-like): pipeline {eager.step_time:.4g} s, bubble "
              f"{eager.bubble:.1%}, iteration {est.t_iter:.4g} s, {est.tflops_per_gpu:.1f} TFLOP/s/GPU",
              f"per chunk and microbatch: forward {est.t_chunk_f * 1e3:.3g} ms, backward (+recompute) "
-             f"{est.t_chunk_b * 1e3:.3g} ms, one send {est.t_p2p * 1e3:.3g} ms; drawn: "
+             f"{est.t_chunk_b * 1e3:.3g} ms" + (f" (W: {est.t_chunk_w * 1e3:.3g} ms)" if split else "")
+             + f", one send {est.t_p2p * 1e3:.3g} ms; drawn: "
              + ("eager sends" if args.eager else "the lowered schedule")]
     return eager, lowered, title, "s", notes
 

@@ -7,7 +7,8 @@ the schedule simulator through ``simulate.py``), the data-parallel gradient
 all-reduce (with the distributed optimizer: a reduce-scatter of the gradients and
 an all-gather of the parameters), the tied-embedding sync and the optimizer step
 (1/d of it with the distributed optimizer) into an iteration time, TFLOP/s per GPU (counted as the paper counts) and memory per GPU
-(``memory.py``).
+(``memory.py``). The zero-bubble schedules (ZB-H1, ZB-V) split each chunk's backward
+into B and W and have their own idle time (``zero_bubble_costs.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autopar.core.config import Recompute
+from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, Recompute
 from autopar.planning.hardware import Hardware
 from autopar.planning.layout import Cluster, Layout, layout_errors
 from autopar.planning.memory import Memory, memory_per_gpu
@@ -34,7 +35,9 @@ from autopar.planning.op_costs import FP16
 from autopar.planning.op_times import PhaseTime, layer_times
 from autopar.planning.simulate import simulate_layout_costs
 from autopar.planning.transformer import iteration_flops
+from autopar.planning.zero_bubble_costs import weight_grad_times, zero_bubble_idle
 from autopar.schedules import SimResult
+from autopar.schedules.placement import placement_of, stage_of_chunk
 
 __all__ = ["Estimate", "estimate", "simulate_estimate", "OPTIMIZER_STEP_TRAFFIC_PER_PARAM", "DDP_BUCKET_BYTES",
            "SIMULATION_LIMIT"]
@@ -104,6 +107,11 @@ class Estimate:
     sim: SimResult | None = field(default=None, repr=False, compare=False)
     """The simulated step when ``t_pipeline`` and ``bubble`` come from the schedule
     simulator (and memory from the schedule's real in-flight peak), else None."""
+    t_chunk_w: float = 0.0
+    """The weight-gradient part (W) of ``t_chunk_b``: its weight GEMMs (zero-bubble schedules run
+    it as a separate action; the rest, recomputation included, is their B)."""
+    t_head_w: float = 0.0
+    """The W part of ``t_head_b`` (the LM head's weight gradient)."""
 
     @property
     def simulated(self) -> bool:
@@ -154,7 +162,10 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     Closed form (``simulate=False``), with per-chunk forward t_F and backward
     t_B (recompute included) and a blocking send c per compute action:
         T_pipe = (m v + p - 1) (t_F + t_B + 2c) + m max(head, embedding)
-    i.e. ideal m v (t_F + t_B) plus the bubble (p-1)/(v m). With
+    i.e. ideal m v (t_F + t_B) plus the bubble (p-1)/(v m). The zero-bubble
+    schedules replace the (p-1)(t_F + t_B + 2c) by their idle time
+    (``zero_bubble_costs.zero_bubble_idle``: exact or an upper bound), and ZB-V
+    pays head + embedding (both on stage 0) instead of their max. With
     ``simulate=True`` the real schedule runs through the schedule simulator
     (``autopar.planning.simulate``) with the same per-chunk costs instead, unless it has
     more than ``SIMULATION_LIMIT`` actions (then ``Estimate.simulated`` is False).
@@ -178,7 +189,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     inflight = [sim.peak_in_flight[r] for r in range(lay.p)] if sim is not None else None
     return Estimate(
         spec=spec, cluster=cluster, layout=lay, m=m, chunk_layers=chunk.layers,
-        t_chunk_f=chunk.t_F, t_chunk_b=chunk.t_B, t_head_f=chunk.head_f, t_head_b=chunk.head_b,
+        t_chunk_f=chunk.t_F, t_chunk_b=chunk.t_B, t_chunk_w=chunk.t_W, t_head_w=chunk.head_w,
+        t_head_f=chunk.head_f, t_head_b=chunk.head_b,
         t_emb_f=chunk.emb_f, t_emb_b=chunk.emb_b, t_p2p=c, t_pipeline=t_pipe, bubble=bubble, t_dp=t_dp,
         t_dp_exposed=t_dp_exposed, t_emb_sync=t_emb, t_optimizer=t_opt, breakdown=breakdown,
         memory=memory_per_gpu(spec, lay, m, inflight),
@@ -196,15 +208,31 @@ class _Chunk:
     forward: PhaseTime
     backward: PhaseTime
     """Recomputation included."""
+    weight: PhaseTime
+    """The weight-gradient GEMMs of ``backward`` (a zero-bubble schedule's W; recomputation is B's)."""
     times: dict[str, PhaseTime]
-    """One layer's, the embedding's and the head's phases (``op_times.layer_times``)."""
+    """One layer's, the embedding's and the head's phases (``op_times.layer_times``), and the
+    head's W part (``head_w``)."""
+    ends_share_stage: bool = False
+    """The embedding and the head run on one stage (ZB-V's V puts the first and last chunk on stage 0)."""
 
     @classmethod
     def of(cls, spec: ModelSpec, hw: Hardware, lay: Layout) -> _Chunk:
         L = math.ceil(spec.layers / (lay.p * lay.v))
         tm = layer_times(spec, hw, lay.b, lay.t, lay.sp)
+        wt = weight_grad_times(spec, hw, lay.b, lay.t, lay.sp)
         rc = 1.0 if lay.recompute is Recompute.LAYER else 0.0  # each layer's forward again in its backward
-        return cls(L, tm["layer_f"] * L, tm["layer_b"] * L + tm["layer_f"] * (L * rc), tm)
+        last_stage = stage_of_chunk(placement_of(lay.schedule), lay.p, lay.p * lay.v - 1)
+        return cls(L, tm["layer_f"] * L, tm["layer_b"] * L + tm["layer_f"] * (L * rc), wt["layer_w"] * L,
+                   {**tm, "head_w": wt["head_w"]}, ends_share_stage=lay.p > 1 and last_stage == 0)
+
+    @property
+    def t_W(self) -> float:
+        return self.weight.total
+
+    @property
+    def head_w(self) -> float:
+        return self.times["head_w"].total
 
     @property
     def t_F(self) -> float:
@@ -232,15 +260,16 @@ class _Chunk:
 
     def ends(self, p: int) -> float:
         """The embedding's and the head's work per microbatch on the critical path: both
-        without a pipeline, the larger of the two (on different stages) with one."""
+        without a pipeline or when they share a stage, the larger of the two (on different
+        stages) otherwise."""
         head, emb = self.head_f + self.head_b, self.emb_f + self.emb_b
-        return max(head, emb) if p > 1 else self.head_f + self.head_b + self.emb_f + self.emb_b
+        return max(head, emb) if p > 1 and not self.ends_share_stage else head + emb
 
     def ends_phases(self, p: int) -> PhaseTime:
         """``ends`` by kind: the phases of the head and the embedding, or of the slower one."""
         head_t = self.times["head_f"] + self.times["head_b"]
         emb_t = self.times["emb_f"] + self.times["emb_b"]
-        if p == 1:
+        if p == 1 or self.ends_share_stage:
             return head_t + emb_t
         return head_t if head_t.total >= emb_t.total else emb_t  # the slower paces the pipeline
 
@@ -262,11 +291,22 @@ def _pipeline(lay: Layout, m: int, chunk: _Chunk, c: float, simulate: bool) -> t
     """(pipeline seconds, bubble fraction, the simulated step or None)."""
     p, v = lay.p, lay.v
     if simulate and p > 1 and 2 * p * v * m <= SIMULATION_LIMIT:
-        sim = simulate_layout_costs(lay.schedule, p, v, m, chunk.t_F, chunk.t_B, c,
-                                    first_extra=(chunk.emb_f, chunk.emb_b), last_extra=(chunk.head_f, chunk.head_b))
+        sim = _simulate_chunks(lay, m, chunk, c)
         return sim.step_time, sim.bubble, sim
+    if lay.schedule in SPLIT_BACKWARD_SCHEDULES:
+        idle, _ = zero_bubble_idle(lay.schedule, p, m, chunk.t_F, chunk.t_B, chunk.t_W, c)
+        busy = m * v * (chunk.t_F + chunk.t_B)
+        return busy + m * v * 2 * c + idle + m * chunk.ends(p), idle / busy, None
     steps = m * v + p - 1
     return steps * (chunk.t_F + chunk.t_B + 2 * c) + m * chunk.ends(p), (p - 1) / (v * m), None
+
+
+def _simulate_chunks(lay: Layout, m: int, chunk: _Chunk, c: float) -> SimResult:
+    """The schedule simulator on ``lay``'s chunk costs (eager sends; W priced for a split backward)."""
+    split = lay.schedule in SPLIT_BACKWARD_SCHEDULES
+    return simulate_layout_costs(lay.schedule, lay.p, lay.v, m, chunk.t_F, chunk.t_B, c,
+                                 first_extra=(chunk.emb_f, chunk.emb_b), last_extra=(chunk.head_f, chunk.head_b),
+                                 t_w=chunk.t_W if split else None, last_extra_w=chunk.head_w)
 
 
 def _dp_allreduce(hw: Hardware, lay: Layout, P_max: int, t_B: float) -> tuple[float, float]:
@@ -334,8 +374,10 @@ def simulate_estimate(spec: ModelSpec, cluster: Cluster, layout: Layout) -> tupl
         return est, est.sim
     lay = est.layout
     if lay.p > 1:  # over SIMULATION_LIMIT for the planner, but asked for explicitly
+        split = lay.schedule in SPLIT_BACKWARD_SCHEDULES
         sim = simulate_layout_costs(lay.schedule, lay.p, lay.v, est.m, est.t_chunk_f, est.t_chunk_b, est.t_p2p,
-                                    (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))
+                                    (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b),
+                                    t_w=est.t_chunk_w if split else None, last_extra_w=est.t_head_w)
         return est, sim
     sim = simulate_layout_costs("1f1b", 1, 1, est.m, est.t_chunk_f, est.t_chunk_b, 0.0,
                                 (est.t_emb_f, est.t_emb_b), (est.t_head_f, est.t_head_b))

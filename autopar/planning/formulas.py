@@ -12,6 +12,7 @@ import sympy as sp
 
 from autopar.core.config import Recompute
 from autopar.planning.estimate import Estimate
+from autopar.planning.zero_bubble_costs import ZB_IDLE_FORMULAS, zero_bubble_idle
 
 __all__ = ["FORMULAS", "Explained", "explain"]
 
@@ -75,8 +76,23 @@ def explain(est: Estimate) -> list[Explained]:
         if key == "X":
             val /= 1e12
         out.append(Explained(key, desc, expr, val, _UNITS[key]))
+    if lay.schedule in ZB_IDLE_FORMULAS and lay.p > 1:
+        out.insert(4, _zero_bubble_idle(est))
     if est.sim is not None:
         idle, busy = sp.symbols("idle busy", positive=True)
         out.insert(4, Explained("bubble_sim", "bubble as simulated (idle / compute, worst stage; "
                                 "includes the LM head's imbalance)", idle / busy, est.bubble))
     return out
+
+
+def _zero_bubble_idle(est: Estimate) -> Explained:
+    """The zero-bubble schedule's idle time per stage (``zero_bubble_costs.ZB_IDLE_FORMULAS``)
+    with the layout's chunk times, in seconds; the bubble fraction is it over m v (t_F + t_B)."""
+    lay = est.layout
+    idle, exact = zero_bubble_idle(lay.schedule, lay.p, est.m, est.t_chunk_f, est.t_chunk_b, est.t_chunk_w,
+                                   est.t_p2p)
+    formula = ZB_IDLE_FORMULAS[lay.schedule]
+    how = "exact" if exact else "an upper bound; the simulated bubble below is the schedule's"
+    desc = (f"{lay.schedule} idle time per stage, {formula} (t_W = {est.t_chunk_w * 1e3:.3g} ms of "
+            f"t_B = {est.t_chunk_b * 1e3:.3g} ms: the weight-gradient GEMMs; {how})")
+    return Explained("idle_zb", desc, sp.Symbol("T_idle_zb", positive=True), idle, "s")

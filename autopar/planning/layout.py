@@ -52,7 +52,8 @@ class Layout:
     v: int = 1
     """Model chunks per pipeline stage (interleaved schedule when > 1)."""
     schedule: str = ""
-    """``1f1b``, ``interleaved`` or ``gpipe``; empty means interleaved if v > 1 else 1f1b."""
+    """``1f1b``, ``interleaved``, ``gpipe``, or the zero-bubble ``zb-h1`` (v = 1) and ``zbv`` (v = 2);
+    empty means interleaved if v > 1 else 1f1b."""
     recompute: Recompute | str = Recompute.LAYER
     """Activation recomputation, ``core.config.Recompute``: ``layer`` (each layer's input kept,
     the layer recomputed in its backward: Megatron's "full" recomputation, as in every paper
@@ -127,7 +128,8 @@ class Layout:
         if self.v > 1:
             parts.append(f"v={self.v}")
         if self.p > 1:
-            parts.append({"1f1b": "1F1B", "interleaved": "int", "gpipe": "GPipe"}[self.schedule])
+            parts.append({"1f1b": "1F1B", "interleaved": "int", "gpipe": "GPipe", "zb-h1": "ZB-H1",
+                          "zbv": "ZB-V"}[self.schedule])
         if self.recompute is Recompute.NONE:
             parts.append("no-rc")
         if self.sp:

@@ -11,7 +11,7 @@ its (batch, M, N, K); ``gemm_op``, ``linear_op``, ``gemm_backward`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.core.flops import attention_flops, matmul_flops
 
@@ -102,6 +102,9 @@ class Op:
     """HBM bytes moved (for ``tp_allreduce``: the size of the reduced tensor)."""
     gemm: tuple[int, int, int, int] | None = None
     """(batch, M, N, K) for a GEMM: C (M, N) = A (M, K) B (K, N)."""
+    weight_grad: bool = False
+    """A weight's gradient GEMM (``dB`` of a linear): the work a zero-bubble schedule's W runs;
+    everything else of a backward is its B (``planning/zero_bubble_costs.py``)."""
 
 
 def gemm_op(name: str, batch: int, m: int, n: int, k: int, accumulate: bool = False) -> Op:
@@ -121,10 +124,11 @@ def gemm_backward(op: Op, weight: bool = True) -> list[Op]:
     """C = A B  ->  dA = dC B^T (M, K, N) and dB = A^T dC (K, N, M).
 
     A weight gradient (``weight=True``) accumulates into the gradient buffer,
-    so it also reads and writes the (K, N) output once more.
+    so it also reads and writes the (K, N) output once more, and is marked ``weight_grad``.
     """
     b, m, n, k = op.gemm
-    return [gemm_op(op.name + ".dA", b, m, k, n), gemm_op(op.name + ".dB", b, k, n, m, accumulate=weight)]
+    d_b = gemm_op(op.name + ".dB", b, k, n, m, accumulate=weight)
+    return [gemm_op(op.name + ".dA", b, m, k, n), replace(d_b, weight_grad=weight)]
 
 
 def memory_op(name: str, numel: float, reads: float, writes: float, mask: float = 0, flops_per: float = 0,

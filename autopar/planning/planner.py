@@ -9,7 +9,8 @@ parallelism (when t > 1), distributed optimizer (when d > 1)):
 - p divides n / t and p * v chunks fit the layers (divide them, by default,
   as Megatron requires);
 - d = n / (t p); b divides B / d, so m = B / (d b) microbatches;
-- 1F1B needs m >= p; interleaved needs v > 1 and m a multiple of p;
+- 1F1B needs m >= p; interleaved needs v > 1 and m a multiple of p; the zero-bubble
+  ZB-H1 (v = 1) and ZB-V (v = 2, a V) need m >= p;
 - the layout's memory on its fullest stage fits in the GPU.
 
 Every candidate is scored with the closed-form pipeline time (the bubble
@@ -50,7 +51,7 @@ class SearchSpace:
     """Chunks per stage to try (None: every valid one)."""
     b: tuple[int, ...] | None = None
     """Micro-batch sizes to try (None: every divisor of B/d up to ``max_micro_batch``)."""
-    schedules: tuple[str, ...] = ("1f1b", "interleaved")
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zbv")
     """Pipeline schedules to consider ('gpipe' too if asked: same time as 1F1B, more memory)."""
     recompute: tuple[Recompute | str, ...] = PRICED_RECOMPUTE
     """Activation recomputation choices (``core.config.Recompute``): 'layer' and 'none'."""
@@ -220,10 +221,12 @@ def _chunks_per_stage(spec: ModelSpec, p: int, space: SearchSpace) -> tuple[int,
 
 def _schedules_for(p: int, v: int, space: SearchSpace) -> list[str]:
     """The space's schedules that can run v chunks per stage (interleaved exactly when v > 1,
-    GPipe always); 1F1B alone without a pipeline."""
+    ZB-H1 when v = 1, ZB-V when v = 2, GPipe always); 1F1B alone without a pipeline."""
     if p == 1:
         return ["1f1b"]
-    return [s for s in space.schedules if (s == "interleaved") == (v > 1) or s == "gpipe"]
+    fixed = {"1f1b": 1, "zb-h1": 1, "zbv": 2}
+    return [s for s in space.schedules
+            if s == "gpipe" or (v == fixed[s] if s in fixed else (s == "interleaved") == (v > 1))]
 
 
 _RULES = (
@@ -234,7 +237,7 @@ _RULES = (
     ("must be divisible by p*v", "layers % (p*v) != 0"),
     ("not divisible by d*b", "batch % (d*b) != 0"),
     ("multiple of p", "interleaved: m % p != 0"),
-    ("at least one microbatch", "1F1B: m < p"),
+    ("at least one microbatch", "m < p"),
     ("needs a pipeline", "v > 1 without a pipeline"),
     ("sequence parallelism splits", "sequence parallelism: seq_len % t != 0"),
 )
@@ -332,6 +335,9 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
     if part == "tp_comm":
         return (f"2 all-reduces of b s h per layer in forward and backward (and recompute), "
                 f"t={la.t} b={la.b} vs t={lb.t} b={lb.b}")
+    if part == "bubble" and {la.schedule, lb.schedule} & {"zb-h1", "zbv"}:
+        return (f"{la.schedule} idles {a.bubble:.1%} of its work vs {lb.schedule} {b.bubble:.1%} "
+                f"(zero-bubble: W fills the bubble)")
     if part == "bubble":
         return (f"(p-1)/(v m) = {la.p - 1}/({la.v}*{a.m}) = {(la.p - 1) / (la.v * a.m):.1%} vs "
                 f"{lb.p - 1}/({lb.v}*{b.m}) = {(lb.p - 1) / (lb.v * b.m):.1%}")
