@@ -26,9 +26,9 @@ from autopar.planning.network import (
     dp_link,
     reduce_scatter_time,
     inter_node_bw,
-    intra_node_bw,
     p2p_time,
     stage_link,
+    tp_half_time,
 )
 from autopar.planning.op_costs import FP16
 from autopar.planning.op_times import PhaseTime, layer_times
@@ -251,10 +251,10 @@ def _send_time(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
     if lay.p == 1:
         return 0.0
     t = lay.t
-    bw, lat = stage_link(hw, t, lay.d)
+    bw, lat = stage_link(hw, t, lay.d, lay.p)
     msg = FP16 * lay.b * spec.seq_len * spec.hidden
     if lay.scatter_gather and t > 1:
-        return p2p_time(msg / t, bw, lat) + allgather_time(msg, t, intra_node_bw(hw), hw.nvlink_latency)
+        return p2p_time(msg / t, bw, lat) + tp_half_time(msg, t, hw)
     return p2p_time(msg, bw, lat)
 
 

@@ -42,7 +42,8 @@ class Layout:
     """One way to run: parallel degrees, micro-batch, schedule, recomputation."""
 
     t: int
-    """Tensor-parallel degree (inside a node)."""
+    """Tensor-parallel degree: a divisor of the GPUs of a node (NVLink), or a multiple of it
+    (the group spans t / G nodes, its all-reduces cross InfiniBand)."""
     p: int
     """Pipeline stages."""
     d: int
@@ -144,8 +145,10 @@ def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_laye
     if lay.t * lay.p * lay.d != cluster.gpus:
         errs.append(f"t({lay.t}) * p({lay.p}) * d({lay.d}) = {lay.t * lay.p * lay.d}, "
                     f"but the cluster has {cluster.gpus} GPUs")
-    if lay.t > hw.gpus_per_node or hw.gpus_per_node % lay.t:
-        errs.append(f"t={lay.t} must divide the {hw.gpus_per_node} GPUs of a node (tensor parallelism stays on NVLink)")
+    G = hw.gpus_per_node
+    if (lay.t < G and G % lay.t) or (lay.t > G and lay.t % G):
+        errs.append(f"t={lay.t} must divide the {G} GPUs of a node or be a multiple of it (a tensor-parallel "
+                    f"group fills whole nodes): try t in {sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if G % k == 0 or k % G == 0})}")
     if spec.heads % lay.t or spec.kv % lay.t:
         errs.append(f"heads ({spec.heads}, kv {spec.kv}) must be divisible by t={lay.t}")
     if spec.ffn_size % lay.t:

@@ -4,8 +4,9 @@ performance model (``autopar.planning.estimate``).
 The space is (t, p, d, v, micro-batch b, schedule, recomputation, sequence
 parallelism (when t > 1), distributed optimizer (when d > 1)):
 
-- t divides the GPUs of a node (tensor parallelism stays on NVLink) and the
-  head count, key/value head count and MLP width;
+- t divides the GPUs of a node (tensor parallelism on NVLink) or is a power-of-two
+  multiple of it (the group spans nodes), and divides the head count, key/value
+  head count and MLP width;
 - p divides n / t and p * v chunks fit the layers (divide them, by default,
   as Megatron requires);
 - d = n / (t p); b divides B / d, so m = B / (d b) microbatches;
@@ -169,7 +170,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
         key = _rule_of(errs)
         rej[key] = rej.get(key, 0) + 1
 
-    ts = space.t or tuple(t for t in _divisors(G) if n % t == 0)
+    ts = space.t or tensor_parallel_degrees(n, G)
     for t in ts:
         if n % t:
             reject([f"t={t} does not divide n"])
@@ -196,6 +197,15 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
                             reject(errs)
                         else:
                             yield lay
+
+
+def tensor_parallel_degrees(n: int, G: int) -> tuple[int, ...]:
+    """The t a search tries on n GPUs, G per node: the divisors of G (the group on NVLink) and
+    the multiples of G that divide n (the group spans whole nodes, its all-reduces cross
+    InfiniBand: priced, and rarely the fastest, but a layout people run)."""
+    inside = [t for t in _divisors(G) if n % t == 0]
+    across = [t for t in range(2 * G, n + 1, G) if n % t == 0 and (t // G) & (t // G - 1) == 0]
+    return tuple(inside + across)
 
 
 def _memory_features(t: int, d: int, space: SearchSpace) -> list[tuple[bool, bool]]:
@@ -227,7 +237,7 @@ def _schedules_for(p: int, v: int, space: SearchSpace) -> list[str]:
 
 
 _RULES = (
-    ("must divide the", "t must divide the GPUs of a node"),
+    ("must divide the", "t must divide the GPUs of a node or be a multiple of it"),
     ("heads", "heads % t != 0"),
     ("ffn", "ffn % t != 0"),
     ("cannot fill", "layers < p*v"),
