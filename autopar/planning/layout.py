@@ -11,7 +11,7 @@ from autopar.planning.hardware import Hardware, get_hardware
 from autopar.planning.models import ModelSpec
 from autopar.planning.precision import MIXED, Precision
 
-__all__ = ["Cluster", "Layout", "layout_errors", "PRICED_RECOMPUTE"]
+__all__ = ["Cluster", "Layout", "layout_errors", "runtime_errors", "PRICED_RECOMPUTE"]
 
 PRICED_RECOMPUTE: tuple[Recompute, ...] = (Recompute.LAYER, Recompute.NONE)
 """The recomputation modes the cost model prices. ``chunk`` (the whole chunk re-materialised in
@@ -138,8 +138,10 @@ class Layout:
         return " ".join(parts)
 
 
-def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_layers: bool = True) -> list[str]:
-    """Every rule ``lay`` breaks, each naming the numbers and the fix (empty if valid)."""
+def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_layers: bool = True,
+                  runnable: bool = True) -> list[str]:
+    """Every rule ``lay`` breaks, each naming the numbers and the fix (empty if valid); with
+    ``runnable=False`` only those the cost model needs, not the schedule's (``runtime_errors``)."""
     errs = []
     hw = cluster.hardware
     if lay.t * lay.p * lay.d != cluster.gpus:
@@ -166,8 +168,17 @@ def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_laye
     B = cluster.global_batch
     if B % (lay.d * lay.b):
         errs.append(f"global batch {B} is not divisible by d*b = {lay.d}*{lay.b} = {lay.d * lay.b}")
-    else:
-        m = B // (lay.d * lay.b)
-        errs += [f"with m = B/(d b) = {B}/({lay.d}*{lay.b}) = {m} microbatches, {e}"
-                 for e in microbatch_errors(lay.schedule, lay.p, lay.v, m)]
+    elif runnable:
+        errs += runtime_errors(cluster, lay)
     return errs
+
+
+def runtime_errors(cluster: Cluster, lay: Layout) -> list[str]:
+    """The rules of the schedule (``core.config.microbatch_errors``) that ``lay`` breaks: a layout
+    breaking only these can be priced (closed form) but not run by autopar's runtime."""
+    B = cluster.global_batch
+    if B % (lay.d * lay.b):
+        return []
+    m = B // (lay.d * lay.b)
+    return [f"with m = B/(d b) = {B}/({lay.d}*{lay.b}) = {m} microbatches, {e}"
+            for e in microbatch_errors(lay.schedule, lay.p, lay.v, m)]

@@ -72,6 +72,10 @@ class SearchSpace:
     """Sequence parallelism choices, tried when t > 1 (it changes nothing at t = 1)."""
     distributed_optimizer: tuple[bool, ...] = (False, True)
     """Distributed optimizer choices, tried when d > 1 (it changes nothing at d = 1)."""
+    include_unrunnable: bool = False
+    """Also price layouts that break only the schedule's rules (``layout.runtime_errors``, e.g.
+    interleaved with m % p != 0), closed form, marked ``Estimate.runnable`` False; for a layout
+    the user fixes, so the answer is a prediction and the fix rather than nothing."""
 
     def overlap_for(self, p: int) -> bool:
         """Whether a layout with ``p`` stages overlaps its gradient all-reduce."""
@@ -192,7 +196,8 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
                         lay = Layout(t=t, p=p, d=d, b=b, v=v, schedule=sched, recompute=rc,
                                      scatter_gather=space.scatter_gather, dp_overlap=space.overlap_for(p),
                                      sequence_parallel=sp, distributed_optimizer=zero)
-                        errs = layout_errors(spec, cluster, lay, space.divisible_layers)
+                        errs = layout_errors(spec, cluster, lay, space.divisible_layers,
+                                             runnable=not space.include_unrunnable)
                         if errs:
                             reject(errs)
                         else:
@@ -274,16 +279,17 @@ def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace()
     too_big: list[Estimate] = []
     n_eval = 0
     for lay in candidate_layouts(spec, cluster, space, rejected):
-        est = estimate(spec, cluster, lay, divisible_layers=space.divisible_layers)
+        est = estimate(spec, cluster, lay, divisible_layers=space.divisible_layers,
+                       runnable=not space.include_unrunnable)
         n_eval += 1
         (fits if est.fits else too_big).append(est)
     if too_big:
         rejected["does not fit in memory"] = len(too_big)
-    fits.sort(key=lambda e: e.t_iter)
+    fits.sort(key=lambda e: (not e.runnable, e.t_iter))  # what the runtime can run first
     too_big.sort(key=lambda e: e.t_iter)
     head = [_simulated(spec, cluster, e.layout, space) for e in fits[:simulate_top]]
     head = [e for e in head if e.fits]  # the real schedule can hold more than the closed form
-    ranked = sorted(head, key=lambda e: e.t_iter) + fits[simulate_top:top]
+    ranked = sorted(head, key=lambda e: (not e.runnable, e.t_iter)) + fits[simulate_top:top]
     ranked = ranked[:max(top, 1)]
 
     if reference is None:
@@ -295,7 +301,8 @@ def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace()
 
 
 def _simulated(spec: ModelSpec, cluster: Cluster, lay: Layout, space: SearchSpace) -> Estimate:
-    return estimate(spec, cluster, lay, simulate=True, divisible_layers=space.divisible_layers)
+    return estimate(spec, cluster, lay, simulate=True, divisible_layers=space.divisible_layers,
+                    runnable=not space.include_unrunnable)
 
 
 def paper_run_for(spec: ModelSpec, cluster: Cluster) -> PaperRun | None:
@@ -313,6 +320,7 @@ _PARTS = {
     "gemm": "GEMMs",
     "memory": "memory-bound kernels",
     "tp_comm": "tensor-parallel all-reduces",
+    "imbalance": "stage imbalance (embedding, LM head and loss on the end stages)",
     "p2p": "pipeline sends",
     "bubble": "pipeline bubble",
     "dp": "data-parallel all-reduce",
@@ -339,6 +347,9 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
         if la.p != lb.p:
             why.append(f"p={la.p} vs {lb.p}: the LM head sits on one of {la.p} vs {lb.p} stages")
         return "; ".join(why)
+    if part == "imbalance":
+        return (f"one microbatch's head or embedding work beyond its 1/p share, on one of {la.p} vs {lb.p} stages, "
+                f"m = {a.m} vs {b.m}")
     if part == "tp_comm":
         return (f"2 all-reduces of b s h per layer in forward and backward (and recompute), "
                 f"t={la.t} b={la.b} vs t={lb.t} b={lb.b}")
