@@ -30,6 +30,7 @@ from autopar.planning.layout import PRICED_RECOMPUTE, Cluster, Layout, layout_er
 from autopar.planning.memory import memory_per_gpu
 from autopar.planning.models import ModelSpec, params_per_stage
 from autopar.planning.sensitivity import flip_lines, memory_margin_line
+from autopar.planning.versus import term_lines
 
 __all__ = ["SearchSpace", "Plan", "search", "candidate_layouts", "why_differs", "paper_run_for",
            "memory_line"]
@@ -400,7 +401,8 @@ def why_differs(best: Estimate, ref: Estimate, label: str = "the reference") -> 
     usable = best.cluster.hardware.usable_bytes / gib
     lines.append(f"  memory per GPU: {best.memory.total / gib:.1f} GiB vs {ref.memory.total / gib:.1f} GiB "
                  f"({usable:.1f} GiB usable)")
-    return lines + feature_lines(best, ref, label)
+    lines += feature_lines(best, ref, label)
+    return lines + ["  the terms side by side (seconds per iteration):"] + term_lines(best, ref, "best", "other")
 
 
 def feature_lines(best: Estimate, ref: Estimate, label: str) -> list[str]:
