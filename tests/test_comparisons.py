@@ -122,10 +122,9 @@ def rankings(ranked) -> dict[tuple[str, int], list[int]]:
     return {key: list(r.order) for key, r in ranked.items()}
 
 
-@pytest.mark.parametrize("comp", COMPARISONS, ids=lambda c: c.key)
+@pytest.mark.parametrize("comp", [c for c in COMPARISONS if c.key != "micro-batch"], ids=lambda c: c.key)
 def test_planner_picks_the_measured_best(comp: Comparison, rankings):
-    if comp.key == "micro-batch":
-        pytest.skip("the batch-512 case is a tie: test_micro_batch_sweep")
+    # (the micro-batch sweep has a tie at batch 512: test_micro_batch_sweep)
     for B, best in zip(comp.batches, comp.measured_best):
         assert rankings[(comp.key, B)][0] == best, (B, rankings[(comp.key, B)])
 
