@@ -5,6 +5,7 @@
     autopar plan --layers 48 --hidden 8192 --heads 64 --gpus 512 --batch 1536 --tp 8 --pp 2 --vp 4 --micro-batch 4
     autopar plan ... --json          # the same results as JSON
     autopar plan ... --explain       # the paper's formulas, symbolic and with values
+    autopar plan ... --tp 8 --pp 8 --vs-tp 16 --vs-pp 4   # two layouts' terms side by side
     autopar simulate --model gpt-76b --gpus 1024 --batch 1792 --tp 8 --pp 4 --vp 3 --micro-batch 2 --svg step.svg
     autopar simulate --pp 4 --vp 2 --microbatches 8         # unit costs (F = 1, B = 2)
     autopar simulate ... --eager     # draw the planner's eager-send model instead of the lowered schedule
@@ -38,6 +39,7 @@ from autopar.planning.planner import Plan, SearchSpace, search
 from autopar.planning.sensitivity import flip_points
 from autopar.planning.simulate import runtime_schedule, simulate_layout_lowered
 from autopar.planning.transformer import layer_ops
+from autopar.planning.versus import term_lines, term_rows
 from autopar.schedules import Sends, SimResult, generate, simulate
 
 __all__ = ["main", "build_parser"]
@@ -108,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=10, help="rows to show")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan.add_argument("--explain", action="store_true", help="print the formulas and their values")
+    vs = plan.add_argument_group("versus: a second layout, its terms beside the first's (compute, bubble, "
+                                 "imbalance, tensor-parallel, pipeline and data-parallel communication, optimizer)")
+    vs.add_argument("--vs-tp", type=int, help="the other layout's t (default: the first's restriction)")
+    vs.add_argument("--vs-pp", type=int, help="the other layout's p")
+    vs.add_argument("--vs-vp", type=int, help="the other layout's v")
+    vs.add_argument("--vs-micro-batch", type=int, help="the other layout's micro-batch")
     sim = sub.add_parser("simulate", help="simulate a pipeline step and draw its timeline")
     _add_model_args(sim, required_cluster=False)
     sim.add_argument("--microbatches", type=int, help="m, for unit-cost simulation without a model")
@@ -188,6 +196,7 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         scheds = with_v.get(args.vp, ("interleaved",))
     return SearchSpace(
         t=one(args.tp), p=one(args.pp), v=one(args.vp), b=one(args.micro_batch), schedules=scheds,
+        include_unrunnable=args.tp is not None and args.pp is not None,  # a layout the user fixes
         recompute=_recompute_choices(args.recompute),
         dp_overlap=args.dp_overlap, pipeline_dp_overlap=args.dp_overlap_pipelined,
         scatter_gather=not args.no_scatter_gather,
@@ -214,7 +223,7 @@ def _row(e: Estimate) -> list[str]:
     sched = {"1f1b": "1F1B", "interleaved": "interleaved", "gpipe": "GPipe", "zb-h1": "ZB-H1",
              "zbv": "ZB-V"}[lay.schedule] if lay.p > 1 else "-"
     return [str(lay.t), str(lay.p), str(lay.d), str(lay.v), str(lay.b), str(e.m),
-            sched + ("*" if e.simulated else ""), str(lay.recompute),
+            sched + ("*" if e.simulated else "") + ("" if e.runnable else " !"), str(lay.recompute),
             f"{e.t_iter:.3f}", f"{e.tflops_per_gpu:.1f}", f"{e.frac_peak:.1%}", f"{e.memory.total / GiB:.1f}",
             f"{e.bubble:.1%}", f"{e.comm_time:.3f}"]
 
@@ -224,7 +233,8 @@ def _plan_table(plan: Plan, top: int) -> Table:
     tb = Table(title=f"{plan.spec.label} on {plan.cluster.gpus} x {hw.gpu} ({hw.name}), global batch "
                      f"{plan.cluster.global_batch}: {plan.evaluated} layouts in {plan.seconds:.2f} s",
                caption="ranked by predicted iteration time; TFLOP/s count the FLOPs executed (recomputation "
-                       "included, as the paper counts); * = schedule simulated; comm = exposed "
+                       "included, as the paper counts); * = schedule simulated; ! = priced but not runnable "
+                       "(the schedule's rules, listed below); comm = exposed "
                        "tensor-parallel, pipeline and data-parallel communication")
     for col in ("#", "t", "p", "d", "v", "b", "m", "schedule", "recompute", "iter (s)", "TFLOP/s/GPU",
                 "% peak", "GiB/GPU", "bubble", "comm (s)"):
@@ -298,12 +308,38 @@ def _flip_json(plan: Plan) -> list[dict]:
             for fp in flip_points(plan.best, other)]
 
 
+def _versus(args: argparse.Namespace, spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> Estimate | None:
+    """The fastest layout of ``space`` with the ``--vs-*`` flags replacing its restrictions, or
+    None without them; its search's own error when no layout is valid or fits."""
+    flags = {"t": args.vs_tp, "p": args.vs_pp, "v": args.vs_vp, "b": args.vs_micro_batch}
+    if all(x is None for x in flags.values()):
+        return None
+    over = {k: (x,) for k, x in flags.items() if x is not None}
+    if args.vs_vp is not None:
+        over["schedules"] = ("interleaved",) if args.vs_vp > 1 else ("1f1b",)
+    other = replace(space, **over, include_unrunnable=True)
+    plan = search(spec, cluster, other, top=1)
+    if plan.ranked:
+        return plan.ranked[0]
+    if plan.too_big:
+        return plan.too_big[0]
+    raise ValueError(f"--vs-*: {plan.no_fit_message()}")
+
+
+def _versus_json(best: Estimate, other: Estimate) -> dict:
+    return {"layout": other.as_dict(),
+            "terms": [{"term": r.term, "best_s": r.a, "other_s": r.b, "difference_s": r.difference}
+                      for r in term_rows(best, other)]}
+
+
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     spec = _spec(args)
     if spec is None:
         raise SystemExit("autopar plan: give --model, or --layers --hidden --heads")
     cluster = Cluster(args.gpus, _hardware(args), args.batch)
-    plan = search(spec, cluster, _space(args), top=args.top)
+    space = _space(args)
+    plan = search(spec, cluster, space, top=args.top)
+    other = _versus(args, spec, cluster, space)
     if args.json:
         out = {
             "model": {"name": spec.label, "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads,
@@ -315,6 +351,8 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
             "why": plan.why(),
             "flip_points": _flip_json(plan),
         }
+        if other is not None and plan.ranked:
+            out["versus"] = _versus_json(plan.best, other)
         if not plan.ranked:
             out["error"] = plan.no_fit_message()
         if args.explain and plan.ranked:
@@ -332,6 +370,14 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         console.print("[bold]compared with the paper's layout[/bold]" if plan.reference is not None else
                       "[bold]compared with the fastest layout of another (t, p)[/bold]")
         for line in why:
+            console.print(line, highlight=False)
+    for e in plan.ranked[:args.top]:
+        if not e.runnable:
+            console.print(f"[yellow]{e.layout.short}: priced, but autopar's runtime cannot run it: "
+                          f"{'; '.join(e.runtime_errors)}[/yellow]", highlight=False)
+    if other is not None:
+        console.print("[bold]versus[/bold]")
+        for line in term_lines(plan.best, other, "best", "vs"):
             console.print(line, highlight=False)
     if args.explain:
         best = plan.best

@@ -16,7 +16,7 @@ from autopar.planning.layout import Cluster, Layout, layout_errors
 from autopar.planning.memory import activation_bytes_per_layer, layer_backward_transient, memory_per_gpu
 from autopar.planning.models import PRESETS, ModelSpec, get_model, param_count, params_per_stage
 from autopar.planning.op_costs import attention_flops, linear_bytes, linear_flops, matmul_flops
-from autopar.planning.op_times import gemm_efficiency
+from autopar.planning.op_times import gemm_efficiency, tile_fill
 from autopar.planning.transformer import graph_flops, layer_ops, paper_flops
 
 A100 = get_hardware("dgx-a100-80gb")
@@ -85,8 +85,11 @@ def test_gemm_efficiency_depends_on_shape():
     assert big == pytest.approx(A100.eff.gemm * 2048 / 2052 * k_factor, rel=1e-9)
     # head_dim 64 attention matmul: K small -> the tile prologue/epilogue dominates
     assert gemm_efficiency(2048, 2048, 64, A100, batch=64) < 0.6 * big
-    # 109 tiles of 256x128 on 108 SMs: two waves, the second almost empty
-    assert gemm_efficiency(256 * 109, 128, 8192, A100) == pytest.approx(A100.eff.gemm * 109 / 216 * k_factor,
+    # 109 tiles of 256x128 on 108 SMs: two waves, the second almost empty (fill 109/216); in
+    # 128x128 tiles, 218 tiles in three waves (218/324): cuBLAS's pick, the better fill
+    assert tile_fill(256 * 109, 128, A100, tile=(256, 128)) == pytest.approx(109 / 216, rel=1e-12)
+    assert tile_fill(256 * 109, 128, A100, tile=(128, 128)) == pytest.approx(218 / 324, rel=1e-12)
+    assert gemm_efficiency(256 * 109, 128, 8192, A100) == pytest.approx(A100.eff.gemm * 218 / 324 * k_factor,
                                                                         rel=1e-9)
 
 
@@ -222,10 +225,12 @@ def test_optimizer_state_and_step_traffic_are_two_numbers():
     assert est.t_optimizer == pytest.approx(P * 52 / (hw.hbm_bw * hw.eff.hbm), rel=1e-12)
 
 
-def test_tensor_parallel_limited_to_a_node():
-    spec = get_model("gpt-76b")
-    errs = layout_errors(spec, Cluster.of(1024, "dgx-a100-80gb", 1792), Layout(t=16, p=2, d=32, b=2))
-    assert any("t=16 must divide the 8 GPUs of a node" in e for e in errs)
+def test_tensor_parallel_fills_a_node_or_whole_nodes():
+    spec = get_model("gpt-76b")  # 80 heads: t = 16 divides them, t = 5 splits a node unevenly
+    cluster = Cluster.of(1024, "dgx-a100-80gb", 1792)
+    assert layout_errors(spec, cluster, Layout(t=16, p=2, d=32, b=2)) == []
+    errs = layout_errors(spec, Cluster.of(960, "dgx-a100-80gb", 1920), Layout(t=5, p=4, d=48, b=2))
+    assert any("t=5 must divide the 8 GPUs of a node or be a multiple of it" in e for e in errs)
 
 
 # --------------------------------------------------------------- calibration

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, Recompute
 from autopar.planning.hardware import Hardware
-from autopar.planning.layout import Cluster, Layout, layout_errors
+from autopar.planning.layout import Cluster, Layout, layout_errors, runtime_errors
 from autopar.planning.memory import Memory, memory_per_gpu
 from autopar.planning.models import ModelSpec, params_per_stage
 from autopar.planning.network import (
@@ -27,9 +27,9 @@ from autopar.planning.network import (
     dp_link,
     reduce_scatter_time,
     inter_node_bw,
-    intra_node_bw,
     p2p_time,
     stage_link,
+    tp_half_time,
 )
 from autopar.planning.op_costs import FP16
 from autopar.planning.op_times import PhaseTime, layer_times
@@ -100,7 +100,7 @@ class Estimate:
     t_optimizer: float
     """Optimizer step (memory-bound)."""
     breakdown: dict[str, float]
-    """Critical-path seconds by cause: gemm, memory, tp_comm, p2p, bubble, dp, optimizer."""
+    """Critical-path seconds by cause: gemm, memory, tp_comm, imbalance, p2p, bubble, dp, optimizer."""
     memory: Memory
     flops: float
     """FLOPs of one iteration as the paper counts them."""
@@ -112,6 +112,13 @@ class Estimate:
     it as a separate action; the rest, recomputation included, is their B)."""
     t_head_w: float = 0.0
     """The W part of ``t_head_b`` (the LM head's weight gradient)."""
+    runtime_errors: tuple[str, ...] = ()
+    """The schedule's rules the layout breaks (``layout.runtime_errors``): priced with the closed
+    form, but autopar's runtime (and Megatron-LM) cannot run it as it is. Empty when runnable."""
+
+    @property
+    def runnable(self) -> bool:
+        return not self.runtime_errors
 
     @property
     def simulated(self) -> bool:
@@ -149,14 +156,15 @@ class Estimate:
             "dp_overlap": lay.dp_overlap,
             "iteration_s": self.t_iter, "tflops_per_gpu": self.tflops_per_gpu, "frac_peak": self.frac_peak,
             "bubble": self.bubble, "comm_s": self.comm_time, "memory_gib": self.memory.total / 2**30,
-            "fits": self.fits, "breakdown_s": dict(self.breakdown), "simulated": self.simulated,
+            "fits": self.fits, "runnable": self.runnable, "runtime_errors": list(self.runtime_errors),
+            "breakdown_s": dict(self.breakdown), "simulated": self.simulated,
             "memory_breakdown_gib": {k: getattr(self.memory, k) / 2**30
                                      for k in ("weights", "grads", "optimizer", "buffers", "activations")},
         }
 
 
 def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = False,
-             divisible_layers: bool = True) -> Estimate:
+             divisible_layers: bool = True, runnable: bool = True) -> Estimate:
     """Predict one iteration of ``lay``.
 
     Closed form (``simulate=False``), with per-chunk forward t_F and backward
@@ -170,12 +178,17 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     (``autopar.planning.simulate``) with the same per-chunk costs instead, unless it has
     more than ``SIMULATION_LIMIT`` actions (then ``Estimate.simulated`` is False).
     Then T_iter = T_pipe + exposed DP all-reduce + tied-embedding sync + optimizer.
+    With ``runnable=False`` a layout that breaks only the schedule's rules (interleaved with
+    m not a multiple of p, say) is priced too, with the closed form, and marked
+    (``Estimate.runtime_errors``).
     """
-    errs = layout_errors(spec, cluster, lay, divisible_layers)
+    errs = layout_errors(spec, cluster, lay, divisible_layers, runnable)
     if errs:
         raise ValueError(f"invalid layout {lay.short} for {spec.label} on {cluster.gpus} GPUs:\n  - "
                          + "\n  - ".join(errs))
     hw = cluster.hardware
+    unrunnable = tuple(runtime_errors(cluster, lay))
+    simulate = simulate and not unrunnable  # the schedule cannot be generated
     m = cluster.global_batch // (lay.d * lay.b)
     chunk = _Chunk.of(spec, hw, lay)
     c = _send_time(spec, hw, lay)
@@ -195,7 +208,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
         t_dp_exposed=t_dp_exposed, t_emb_sync=t_emb, t_optimizer=t_opt, breakdown=breakdown,
         memory=memory_per_gpu(spec, lay, m, inflight),
         flops=iteration_flops(spec, cluster.global_batch, lay.recompute is Recompute.LAYER),
-        sim=sim,
+        sim=sim, runtime_errors=unrunnable,
     )
 
 
@@ -280,10 +293,10 @@ def _send_time(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
     if lay.p == 1:
         return 0.0
     t = lay.t
-    bw, lat = stage_link(hw, t, lay.d)
+    bw, lat = stage_link(hw, t, lay.d, lay.p)
     msg = FP16 * lay.b * spec.seq_len * spec.hidden
     if lay.scatter_gather and t > 1:
-        return p2p_time(msg / t, bw, lat) + allgather_time(msg, t, intra_node_bw(hw), hw.nvlink_latency)
+        return p2p_time(msg / t, bw, lat) + tp_half_time(msg, t, hw)
     return p2p_time(msg, bw, lat)
 
 
@@ -350,13 +363,20 @@ def _embedding_sync(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
 
 def _breakdown(chunk: _Chunk, lay: Layout, m: int, c: float, t_pipe: float, t_dp: float,
                t_opt: float) -> dict[str, float]:
-    """Critical-path seconds by cause; the bubble is what the pipeline takes beyond its work."""
+    """Critical-path seconds by cause; the bubble is what the pipeline takes beyond its work.
+
+    The embedding's and the LM head's work sit on the first and last stage; spread evenly it
+    would cost each stage (head + embedding) / p per microbatch, so the kernels' terms count
+    that share and ``imbalance`` the rest, m (max(head, embedding) - (head + embedding) / p):
+    the time the other stages wait for the slowest one (0 without a pipeline)."""
     v, p = lay.v, lay.p
     ideal = m * v * (chunk.t_F + chunk.t_B) + m * chunk.ends(p)
     pipe_work = ideal + m * v * 2 * c
-    work = (chunk.forward + chunk.backward) * (m * v) + chunk.ends_phases(p) * m
+    ends = chunk.ends_phases(1)  # head and embedding together
+    work = (chunk.forward + chunk.backward) * (m * v) + ends * (m / p)
     return {
         "gemm": work.gemm, "memory": work.memory, "tp_comm": work.comm,
+        "imbalance": m * (chunk.ends(p) - ends.total / p),
         "p2p": m * v * 2 * c, "bubble": max(t_pipe - pipe_work, 0.0),
         "dp": t_dp, "optimizer": t_opt,
     }

@@ -28,11 +28,11 @@ GiB = 2**30
 class Efficiency:
     """The model's free constants (see docs/performance-model.md)."""
 
-    gemm: float = 0.71
+    gemm: float = 0.68
     """Fraction of peak FLOP/s reached by a large, well-shaped fp16 GEMM inside a
     training step (clocks under power load, kernel choice). Fitted on the paper's
     six rows by ``autopar.planning.calibration.fit_efficiency()``."""
-    hbm: float = 0.73
+    hbm: float = 0.76
     """Fraction of HBM bandwidth reached by the memory-bound kernels of a 2021
     Megatron step (softmax, dropout, LayerNorm, GeLU, casts, Adam). Fitted with ``gemm``."""
     gemm_k_overhead: float = 64.0

@@ -11,7 +11,7 @@ from autopar.planning.hardware import Hardware, get_hardware
 from autopar.planning.models import ModelSpec
 from autopar.planning.precision import MIXED, Precision
 
-__all__ = ["Cluster", "Layout", "layout_errors", "PRICED_RECOMPUTE"]
+__all__ = ["Cluster", "Layout", "layout_errors", "runtime_errors", "PRICED_RECOMPUTE"]
 
 PRICED_RECOMPUTE: tuple[Recompute, ...] = (Recompute.LAYER, Recompute.NONE)
 """The recomputation modes the cost model prices. ``chunk`` (the whole chunk re-materialised in
@@ -42,7 +42,8 @@ class Layout:
     """One way to run: parallel degrees, micro-batch, schedule, recomputation."""
 
     t: int
-    """Tensor-parallel degree (inside a node)."""
+    """Tensor-parallel degree: a divisor of the GPUs of a node (NVLink), or a multiple of it
+    (the group spans t / G nodes, its all-reduces cross InfiniBand)."""
     p: int
     """Pipeline stages."""
     d: int
@@ -139,15 +140,19 @@ class Layout:
         return " ".join(parts)
 
 
-def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_layers: bool = True) -> list[str]:
-    """Every rule ``lay`` breaks, each naming the numbers and the fix (empty if valid)."""
+def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_layers: bool = True,
+                  runnable: bool = True) -> list[str]:
+    """Every rule ``lay`` breaks, each naming the numbers and the fix (empty if valid); with
+    ``runnable=False`` only those the cost model needs, not the schedule's (``runtime_errors``)."""
     errs = []
     hw = cluster.hardware
     if lay.t * lay.p * lay.d != cluster.gpus:
         errs.append(f"t({lay.t}) * p({lay.p}) * d({lay.d}) = {lay.t * lay.p * lay.d}, "
                     f"but the cluster has {cluster.gpus} GPUs")
-    if lay.t > hw.gpus_per_node or hw.gpus_per_node % lay.t:
-        errs.append(f"t={lay.t} must divide the {hw.gpus_per_node} GPUs of a node (tensor parallelism stays on NVLink)")
+    G = hw.gpus_per_node
+    if (lay.t < G and G % lay.t) or (lay.t > G and lay.t % G):
+        errs.append(f"t={lay.t} must divide the {G} GPUs of a node or be a multiple of it (a tensor-parallel "
+                    f"group fills whole nodes): try t in {sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if G % k == 0 or k % G == 0})}")
     if spec.heads % lay.t or spec.kv % lay.t:
         errs.append(f"heads ({spec.heads}, kv {spec.kv}) must be divisible by t={lay.t}")
     if spec.ffn_size % lay.t:
@@ -165,8 +170,17 @@ def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_laye
     B = cluster.global_batch
     if B % (lay.d * lay.b):
         errs.append(f"global batch {B} is not divisible by d*b = {lay.d}*{lay.b} = {lay.d * lay.b}")
-    else:
-        m = B // (lay.d * lay.b)
-        errs += [f"with m = B/(d b) = {B}/({lay.d}*{lay.b}) = {m} microbatches, {e}"
-                 for e in microbatch_errors(lay.schedule, lay.p, lay.v, m)]
+    elif runnable:
+        errs += runtime_errors(cluster, lay)
     return errs
+
+
+def runtime_errors(cluster: Cluster, lay: Layout) -> list[str]:
+    """The rules of the schedule (``core.config.microbatch_errors``) that ``lay`` breaks: a layout
+    breaking only these can be priced (closed form) but not run by autopar's runtime."""
+    B = cluster.global_batch
+    if B % (lay.d * lay.b):
+        return []
+    m = B // (lay.d * lay.b)
+    return [f"with m = B/(d b) = {B}/({lay.d}*{lay.b}) = {m} microbatches, {e}"
+            for e in microbatch_errors(lay.schedule, lay.p, lay.v, m)]

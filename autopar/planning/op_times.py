@@ -3,7 +3,7 @@
 A GEMM runs at ``peak * gemm_efficiency(M, N, K)`` unless its bytes take
 longer at the achieved HBM rate; every other kernel is bytes / achieved HBM
 bandwidth; both pay a launch gap. A tensor-parallel all-reduce is a ring over
-NVLink (``network.py``). ``layer_times`` caches the forward and backward of
+NVLink inside a node, flat or hierarchical across nodes (``network.py``). ``layer_times`` caches the forward and backward of
 one layer, the embedding and the LM head per (model, hardware, b, t).
 """
 
@@ -15,28 +15,43 @@ from functools import lru_cache
 
 from autopar.planning.hardware import Hardware
 from autopar.planning.models import ModelSpec
-from autopar.planning.network import allgather_time, allreduce_time, intra_node_bw
+from autopar.planning.network import tp_allreduce_time, tp_half_time
 from autopar.planning.op_costs import Op
 from autopar.planning.transformer import embedding_ops, head_ops, layer_ops
 
-__all__ = ["gemm_efficiency", "op_time", "PhaseTime", "phase_time", "layer_times"]
+__all__ = ["GEMM_TILES", "tile_fill", "gemm_efficiency", "op_time", "PhaseTime", "phase_time", "layer_times"]
+
+
+GEMM_TILES: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128))
+"""The CTA output tiles cuBLAS's large fp16 kernels offer, (rows, columns). Its heuristic picks,
+per shape, the kernel that finishes first, which is the tile with the best wave fill: a
+128x128 tile still loads 32 FMAs' worth per byte from L2 (tm tn / (2 (tm + tn))), above the
+A100's 21.6 its tensor cores need (1024 FMA per clock per SM x 108 SMs over 5120 bytes per
+clock of L2, NVIDIA A100 whitepaper), so on the profiles here the three run at the same
+per-SM rate and only their fill differs."""
+
+
+def tile_fill(m: int, n: int, hw: Hardware, batch: int = 1, tile: tuple[int, int] = (256, 128)) -> float:
+    """The useful fraction of the SM-waves a GEMM with output (batch, M, N) runs in ``tile``s:
+    batch M N / (waves * sm_count * tile area), padding of partial tiles and the idle SMs of
+    the last wave wasted (wave quantisation)."""
+    tm, tn = tile
+    tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+    waves = math.ceil(tiles / hw.sm_count)
+    return batch * m * n / (waves * hw.sm_count * tm * tn)
 
 
 def gemm_efficiency(m: int, n: int, k: int, hw: Hardware, batch: int = 1) -> float:
     """Fraction of peak a GEMM (batch, M, N, K) reaches.
 
     eff = eff_gemm * fill * K / (K + K0), where
-      - fill: the output is cut into 256x128 tiles (the long side along the
-        longer of M, N) that run in waves of ``sm_count``; the last wave and
-        the padding of partial tiles are wasted:
-        fill = batch M N / (waves * sm_count * 256 * 128);
+      - fill: the output is cut into tiles that run in waves of ``sm_count``; the
+        last wave and the padding of partial tiles are wasted; the best of
+        ``GEMM_TILES`` (cuBLAS picks its kernel per shape);
       - K / (K + K0): each tile pays a fixed prologue/epilogue worth K0 steps
         of its K loop (matters for the K = head_dim attention matmul).
     """
-    tm, tn = (256, 128) if m >= n else (128, 256)
-    tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
-    waves = math.ceil(tiles / hw.sm_count)
-    fill = batch * m * n / (waves * hw.sm_count * tm * tn)
+    fill = max(tile_fill(m, n, hw, batch, tile) for tile in GEMM_TILES)
     return hw.eff.gemm * fill * k / (k + hw.eff.gemm_k_overhead)
 
 
@@ -50,9 +65,9 @@ def op_time(op: Op, hw: Hardware, t: int = 1) -> float:
     if op.kind == "memory":
         return op.bytes / (hw.hbm_bw * e.hbm) + e.kernel_overhead
     if op.kind == "tp_allreduce":
-        return allreduce_time(op.bytes, t, intra_node_bw(hw), hw.nvlink_latency)
+        return tp_allreduce_time(op.bytes, t, hw)
     if op.kind in ("tp_reduce_scatter", "tp_allgather"):  # each half of an all-reduce
-        return allgather_time(op.bytes, t, intra_node_bw(hw), hw.nvlink_latency)
+        return tp_half_time(op.bytes, t, hw)
     raise ValueError(f"unknown op kind {op.kind!r} for {op.name}")
 
 

@@ -4,8 +4,9 @@ performance model (``autopar.planning.estimate``).
 The space is (t, p, d, v, micro-batch b, schedule, recomputation, sequence
 parallelism (when t > 1), distributed optimizer (when d > 1)):
 
-- t divides the GPUs of a node (tensor parallelism stays on NVLink) and the
-  head count, key/value head count and MLP width;
+- t divides the GPUs of a node (tensor parallelism on NVLink) or is a power-of-two
+  multiple of it (the group spans nodes), and divides the head count, key/value
+  head count and MLP width;
 - p divides n / t and p * v chunks fit the layers (divide them, by default,
   as Megatron requires);
 - d = n / (t p); b divides B / d, so m = B / (d b) microbatches;
@@ -30,6 +31,7 @@ from autopar.planning.layout import PRICED_RECOMPUTE, Cluster, Layout, layout_er
 from autopar.planning.memory import memory_per_gpu
 from autopar.planning.models import ModelSpec, params_per_stage
 from autopar.planning.sensitivity import flip_lines, memory_margin_line
+from autopar.planning.versus import term_lines
 
 __all__ = ["SearchSpace", "Plan", "search", "candidate_layouts", "why_differs", "paper_run_for",
            "memory_line"]
@@ -72,6 +74,10 @@ class SearchSpace:
     """Sequence parallelism choices, tried when t > 1 (it changes nothing at t = 1)."""
     distributed_optimizer: tuple[bool, ...] = (False, True)
     """Distributed optimizer choices, tried when d > 1 (it changes nothing at d = 1)."""
+    include_unrunnable: bool = False
+    """Also price layouts that break only the schedule's rules (``layout.runtime_errors``, e.g.
+    interleaved with m % p != 0), closed form, marked ``Estimate.runnable`` False; for a layout
+    the user fixes, so the answer is a prediction and the fix rather than nothing."""
 
     def overlap_for(self, p: int) -> bool:
         """Whether a layout with ``p`` stages overlaps its gradient all-reduce."""
@@ -170,7 +176,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
         key = _rule_of(errs)
         rej[key] = rej.get(key, 0) + 1
 
-    ts = space.t or tuple(t for t in _divisors(G) if n % t == 0)
+    ts = space.t or tensor_parallel_degrees(n, G)
     for t in ts:
         if n % t:
             reject([f"t={t} does not divide n"])
@@ -192,11 +198,21 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
                         lay = Layout(t=t, p=p, d=d, b=b, v=v, schedule=sched, recompute=rc,
                                      scatter_gather=space.scatter_gather, dp_overlap=space.overlap_for(p),
                                      sequence_parallel=sp, distributed_optimizer=zero)
-                        errs = layout_errors(spec, cluster, lay, space.divisible_layers)
+                        errs = layout_errors(spec, cluster, lay, space.divisible_layers,
+                                             runnable=not space.include_unrunnable)
                         if errs:
                             reject(errs)
                         else:
                             yield lay
+
+
+def tensor_parallel_degrees(n: int, G: int) -> tuple[int, ...]:
+    """The t a search tries on n GPUs, G per node: the divisors of G (the group on NVLink) and
+    the multiples of G that divide n (the group spans whole nodes, its all-reduces cross
+    InfiniBand: priced, and rarely the fastest, but a layout people run)."""
+    inside = [t for t in _divisors(G) if n % t == 0]
+    across = [t for t in range(2 * G, n + 1, G) if n % t == 0 and (t // G) & (t // G - 1) == 0]
+    return tuple(inside + across)
 
 
 def _memory_features(t: int, d: int, space: SearchSpace) -> list[tuple[bool, bool]]:
@@ -230,7 +246,7 @@ def _schedules_for(p: int, v: int, space: SearchSpace) -> list[str]:
 
 
 _RULES = (
-    ("must divide the", "t must divide the GPUs of a node"),
+    ("must divide the", "t must divide the GPUs of a node or be a multiple of it"),
     ("heads", "heads % t != 0"),
     ("ffn", "ffn % t != 0"),
     ("cannot fill", "layers < p*v"),
@@ -267,16 +283,17 @@ def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace()
     too_big: list[Estimate] = []
     n_eval = 0
     for lay in candidate_layouts(spec, cluster, space, rejected):
-        est = estimate(spec, cluster, lay, divisible_layers=space.divisible_layers)
+        est = estimate(spec, cluster, lay, divisible_layers=space.divisible_layers,
+                       runnable=not space.include_unrunnable)
         n_eval += 1
         (fits if est.fits else too_big).append(est)
     if too_big:
         rejected["does not fit in memory"] = len(too_big)
-    fits.sort(key=lambda e: e.t_iter)
+    fits.sort(key=lambda e: (not e.runnable, e.t_iter))  # what the runtime can run first
     too_big.sort(key=lambda e: e.t_iter)
     head = [_simulated(spec, cluster, e.layout, space) for e in fits[:simulate_top]]
     head = [e for e in head if e.fits]  # the real schedule can hold more than the closed form
-    ranked = sorted(head, key=lambda e: e.t_iter) + fits[simulate_top:top]
+    ranked = sorted(head, key=lambda e: (not e.runnable, e.t_iter)) + fits[simulate_top:top]
     ranked = ranked[:max(top, 1)]
 
     if reference is None:
@@ -288,7 +305,8 @@ def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace()
 
 
 def _simulated(spec: ModelSpec, cluster: Cluster, lay: Layout, space: SearchSpace) -> Estimate:
-    return estimate(spec, cluster, lay, simulate=True, divisible_layers=space.divisible_layers)
+    return estimate(spec, cluster, lay, simulate=True, divisible_layers=space.divisible_layers,
+                    runnable=not space.include_unrunnable)
 
 
 def paper_run_for(spec: ModelSpec, cluster: Cluster) -> PaperRun | None:
@@ -306,6 +324,7 @@ _PARTS = {
     "gemm": "GEMMs",
     "memory": "memory-bound kernels",
     "tp_comm": "tensor-parallel all-reduces",
+    "imbalance": "stage imbalance (embedding, LM head and loss on the end stages)",
     "p2p": "pipeline sends",
     "bubble": "pipeline bubble",
     "dp": "data-parallel all-reduce",
@@ -332,6 +351,9 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
         if la.p != lb.p:
             why.append(f"p={la.p} vs {lb.p}: the LM head sits on one of {la.p} vs {lb.p} stages")
         return "; ".join(why)
+    if part == "imbalance":
+        return (f"one microbatch's head or embedding work beyond its 1/p share, on one of {la.p} vs {lb.p} stages, "
+                f"m = {a.m} vs {b.m}")
     if part == "tp_comm":
         return (f"2 all-reduces of b s h per layer in forward and backward (and recompute), "
                 f"t={la.t} b={la.b} vs t={lb.t} b={lb.b}")
@@ -385,7 +407,8 @@ def why_differs(best: Estimate, ref: Estimate, label: str = "the reference") -> 
     usable = best.cluster.hardware.usable_bytes / gib
     lines.append(f"  memory per GPU: {best.memory.total / gib:.1f} GiB vs {ref.memory.total / gib:.1f} GiB "
                  f"({usable:.1f} GiB usable)")
-    return lines + feature_lines(best, ref, label)
+    lines += feature_lines(best, ref, label)
+    return lines + ["  the terms side by side (seconds per iteration):"] + term_lines(best, ref, "best", "other")
 
 
 def feature_lines(best: Estimate, ref: Estimate, label: str) -> list[str]:
