@@ -212,6 +212,7 @@ def test_cli_versus_table(capsys):
 
 def test_cli_prices_a_fixed_unrunnable_layout_and_marks_it(capsys):
     dims = ["--layers", "32", "--hidden", "20480", "--heads", "128", "--gpus", "64", "--batch", "36"]
-    out = _plan_json(capsys, *dims, "--tp", "8", "--pp", "8", "--vp", "2", "--micro-batch", "1")
+    out = _plan_json(capsys, *dims, "--tp", "8", "--pp", "8", "--vp", "2", "--micro-batch", "1",
+                     "--schedule", "interleaved")
     row = out["ranked"][0]
     assert not row["runnable"] and "multiple of p" in row["runtime_errors"][0]

@@ -39,7 +39,7 @@ def test_plan_a_meta_model_like_a_preset():
         model = build("gpt", vocab_size=preset.vocab, seq_len=preset.seq_len, n_layer=preset.layers,
                       n_head=preset.heads, d_model=preset.hidden)
     ids = (torch.zeros(1, preset.seq_len, dtype=torch.long),)
-    space = SearchSpace(recompute=("layer",), sequence_parallel=(False,), distributed_optimizer=(False,), dp_overlap=True)
+    space = SearchSpace.megatron_2021(dp_overlap=True)
     got = autopar.plan(model, ids, gpus=32, global_batch=512, space=space)
     spec = got.spec
     assert (spec.layers, spec.hidden, spec.heads, spec.seq_len, spec.vocab, spec.ffn_size) == (

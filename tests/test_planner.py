@@ -82,7 +82,7 @@ def test_full_search_is_fast():
 @pytest.mark.parametrize("run", PAPER_RUNS, ids=lambda r: r.model)
 def test_paper_tp_pp_best_or_within_3_percent(run):
     """With the paper's (t, p) fixed, its micro-batch and v are best or within 3%."""
-    space = SearchSpace(sequence_parallel=(False,), distributed_optimizer=(False,), t=(run.t,), p=(run.p,), recompute=("layer",), dp_overlap=run.dp_overlap)
+    space = SearchSpace.megatron_2021(t=(run.t,), p=(run.p,), dp_overlap=run.dp_overlap)
     plan = search(run.spec, run.cluster(), space)
     assert plan.reference is not None and plan.reference.fits
     gain = plan.reference.t_iter / plan.best.t_iter - 1
@@ -113,7 +113,7 @@ MODEL_PREFERS_OTHER_LAYOUT = {
 def test_full_search_best_is_paper_or_within_3_percent(run, request):
     """The issue's criterion, over the whole space (layer recomputation, as in every paper run);
     ``pytest -s`` prints each row's comparison (docs/performance-model.md, section 8)."""
-    space = SearchSpace(recompute=("layer",), sequence_parallel=(False,), distributed_optimizer=(False,), dp_overlap=run.dp_overlap)
+    space = SearchSpace.megatron_2021(dp_overlap=run.dp_overlap)
     plan = search(run.spec, run.cluster(), space)
     gain = plan.reference.t_iter / plan.best.t_iter - 1
     gib = 2**30
@@ -127,7 +127,7 @@ def test_full_search_best_is_paper_or_within_3_percent(run, request):
 @pytest.mark.parametrize("run", [r for r in PAPER_RUNS if r.model in MODEL_PREFERS_OTHER_LAYOUT],
                          ids=lambda r: r.model)
 def test_disagreements_are_explained(run):
-    space = SearchSpace(recompute=("layer",), sequence_parallel=(False,), distributed_optimizer=(False,), dp_overlap=run.dp_overlap)
+    space = SearchSpace.megatron_2021(dp_overlap=run.dp_overlap)
     plan = search(run.spec, run.cluster(), space)
     why = plan.why()
     assert why[0].startswith(f"best {plan.best.layout.short} is predicted +")
@@ -141,7 +141,7 @@ def test_paper_layout_wins_because_faster_ones_do_not_fit():
     """3.6B: t=1 would be faster, but with PyTorch DDP (buckets, 2 B/param) and the optimizer
     step's fp32 gradient copy (4 B/param) it needs 22 B/param = 73.0 GiB > 72.0 GiB."""
     run = next(r for r in PAPER_RUNS if r.model == "gpt-3.6b")
-    plan = search(run.spec, run.cluster(), SearchSpace(recompute=("layer",), sequence_parallel=(False,), distributed_optimizer=(False,), dp_overlap=run.dp_overlap))
+    plan = search(run.spec, run.cluster(), SearchSpace.megatron_2021(dp_overlap=run.dp_overlap))
     assert plan.best.layout == plan.reference.layout
     why = plan.why()
     assert why[0] == f"the best layout is the reference layout ({run.layout().short})"
@@ -152,10 +152,10 @@ def test_paper_layout_wins_because_faster_ones_do_not_fit():
 def test_pipelined_layouts_do_not_overlap_the_gradient_all_reduce_by_default():
     # Megatron-LM 2021: PyTorch DDP (overlap) only without a pipeline; local DDP after the flush otherwise
     run = PAPER_RUNS[3]
-    plan = search(run.spec, run.cluster(), SearchSpace(recompute=("layer",), sequence_parallel=(False,), distributed_optimizer=(False,), dp_overlap=True), top=30)
+    plan = search(run.spec, run.cluster(), SearchSpace.megatron_2021(dp_overlap=True), top=30)
     assert {e.layout.dp_overlap for e in plan.ranked if e.layout.p > 1} == {False}
     assert {e.layout.dp_overlap for e in plan.ranked if e.layout.p == 1} <= {True}
-    both = search(run.spec, run.cluster(), SearchSpace(recompute=("layer",), sequence_parallel=(False,), distributed_optimizer=(False,), dp_overlap=True,
+    both = search(run.spec, run.cluster(), SearchSpace.megatron_2021(dp_overlap=True,
                                                        pipeline_dp_overlap=True), top=30)
     assert {e.layout.dp_overlap for e in both.ranked} == {True}
 
@@ -203,7 +203,7 @@ def test_cli_plan_by_dimensions_prints_table(capsys):
     out = capsys.readouterr().out
     # the same dimensions as the paper's 1.7B row: its layout is the reference, and it is the best
     spec = ModelSpec(layers=24, hidden=2304, heads=24)
-    plan = search(spec, Cluster.of(32, "dgx-a100-80gb", 512), SearchSpace(recompute=("layer",), sequence_parallel=(False,), distributed_optimizer=(False,)), top=3)
+    plan = search(spec, Cluster.of(32, "dgx-a100-80gb", 512), SearchSpace.megatron_2021(), top=3)
     assert plan.reference is not None and plan.best.layout == plan.reference.layout
     assert "compared with the paper's layout" in out
     assert plan.why()[0] == "the best layout is the reference layout (t=1 p=1 d=32 b=16)"

@@ -25,7 +25,7 @@ def _ratio_at(chosen, other, knob, factor):
 
 
 def _plan(run):
-    return search(run.spec, run.cluster(), SearchSpace(recompute=("layer",), sequence_parallel=(False,), distributed_optimizer=(False,), dp_overlap=run.dp_overlap))
+    return search(run.spec, run.cluster(), SearchSpace.megatron_2021(dp_overlap=run.dp_overlap))
 
 
 @pytest.mark.parametrize("model", ["gpt-7.5b", "gpt-18b", "gpt-39b"])
@@ -78,7 +78,7 @@ def test_seven_b_needs_impossible_nvlink_and_is_tight_on_memory():
 
 def test_without_a_reference_the_runner_up_has_another_decomposition():
     spec = ModelSpec(layers=32, hidden=4096, heads=32)  # not a paper row: no reference
-    plan = search(spec, Cluster.of(64, "dgx-a100-80gb", 512), SearchSpace(recompute=("layer",), sequence_parallel=(False,), distributed_optimizer=(False,)))
+    plan = search(spec, Cluster.of(64, "dgx-a100-80gb", 512), SearchSpace.megatron_2021())
     assert plan.reference is None
     other, label = plan.compared_with()
     assert label == "the runner-up"
@@ -96,7 +96,10 @@ def test_cli_memory_headroom_and_flip_points_json(capsys):
     args = ["plan", "--model", "gpt-7.5b", "--gpus", "128", "--batch", "512", "--recompute", "full",
             "--dp-overlap", "--top", "3", "--json"]
     run = next(r for r in PAPER_RUNS if r.model == "gpt-7.5b")
-    best = search(run.spec, run.cluster(), SearchSpace(recompute=("layer",), sequence_parallel=(False,), distributed_optimizer=(False,), dp_overlap=True), top=3).best
+    # the CLI's search: the paper's recomputation, no sequence parallelism or distributed optimizer
+    # unless asked, every schedule
+    space = SearchSpace.megatron_2021(dp_overlap=True, schedules=SearchSpace().schedules)
+    best = search(run.spec, run.cluster(), space, top=3).best
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["ranked"][0]["t"], out["ranked"][0]["p"], out["ranked"][0]["v"]) == (best.layout.t, best.layout.p,
@@ -118,7 +121,7 @@ def test_seven_b_with_one_percent_more_headroom_comes_within_3_percent_of_the_pa
     from dataclasses import replace
 
     run = next(r for r in PAPER_RUNS if r.model == "gpt-7.5b")
-    space = SearchSpace(recompute=("layer",), sequence_parallel=(False,), distributed_optimizer=(False,), dp_overlap=run.dp_overlap)
+    space = SearchSpace.megatron_2021(dp_overlap=run.dp_overlap)
     unconstrained = search(run.spec, run.cluster(), space).best  # fits by less than 1% of the HBM
     hw = replace(run.cluster().hardware, memory_headroom=0.89)
     assert unconstrained.memory.total > hw.usable_bytes

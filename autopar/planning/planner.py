@@ -79,6 +79,15 @@ class SearchSpace:
     interleaved with m % p != 0), closed form, marked ``Estimate.runnable`` False; for a layout
     the user fixes, so the answer is a prediction and the fix rather than nothing."""
 
+    @classmethod
+    def megatron_2021(cls, **overrides) -> "SearchSpace":
+        """The choices the paper's Megatron-LM (2021) had: full (layer) recomputation, 1F1B or
+        interleaved 1F1B, no sequence parallelism, no distributed optimizer; for reproducing its
+        layouts. ``overrides`` set any other field."""
+        fields = dict(recompute=("layer",), schedules=("1f1b", "interleaved"), sequence_parallel=(False,),
+                      distributed_optimizer=(False,))
+        return cls(**{**fields, **overrides})
+
     def overlap_for(self, p: int) -> bool:
         """Whether a layout with ``p`` stages overlaps its gradient all-reduce."""
         return self.dp_overlap if p == 1 else self.pipeline_dp_overlap
