@@ -71,6 +71,10 @@ _WHOLE_OUTPUT = (comm.reduce_from_tp, comm.gather_from_tp, comm.vocab_parallel_e
 """Collectives whose output is whole on every tensor-parallel rank whatever their inputs."""
 
 
+_SEED_TARGETS = (comm.reduce_from_tp, comm.vocab_parallel_embedding)
+"""Where a split region can start: g, and the vocabulary-parallel embedding (whose all-reduce is a g)."""
+
+
 class SequenceParallelError(ValueError):
     """Sequence parallelism was asked for and cannot split the tokens; the message has the numbers and the fix."""
 
@@ -203,7 +207,7 @@ def _seeds(nodes: list[fx.Node], tp: int) -> tuple[dict[str, Shard], list[tuple[
     does not divide it."""
     seeds, problems = {}, []
     for n in nodes:
-        if n.op != "call_function" or n.target is not comm.reduce_from_tp:
+        if n.op != "call_function" or n.target not in _SEED_TARGETS:
             continue
         shape = tuple(int(s) for s in n.meta["val"].shape)
         dim = token_dim(shape)
@@ -347,8 +351,7 @@ def _rewrite(gm, tp_n, seeds, region, decisions, ends, partial, copies, param_of
     tp = next(iter(graph.nodes))
     by_name = {n.name: n for n in graph.nodes}
     for name, sh in seeds.items():
-        g = by_name[name]
-        g.target, g.args, g.kwargs = comm.reduce_scatter_to_sp, (g.args[0], tp, sh.dim), {}
+        _start_split(by_name[name], tp, sh)
     inserted: dict[tuple, fx.Node] = {}
     for name, dec in decisions.items():
         if name in region:
@@ -365,6 +368,16 @@ def _rewrite(gm, tp_n, seeds, region, decisions, ends, partial, copies, param_of
         copies=tuple(sorted({operand(by_name[n], p).name for n, p in copies})),
         token_dims={s: sh.dim for s, sh in seeds.items()},
         shapes={s: str(list(by_name[s].meta["local_val"].shape)) for s in seeds})
+
+
+def _start_split(seed: fx.Node, tp: fx.Node, split: Shard) -> None:
+    """A seed's all-reduce becomes a reduce-scatter along its token dim: g, or the embedding's."""
+    if seed.target is comm.vocab_parallel_embedding:
+        weight, ids, _tp, *padding = seed.args
+        seed.target, seed.args = comm.vocab_parallel_embedding_sp, (weight, ids, tp, split.dim, *padding)
+    else:
+        seed.target, seed.args = comm.reduce_scatter_to_sp, (seed.args[0], tp, split.dim)
+    seed.kwargs = {}
 
 
 def _localize(graph: fx.Graph, node: fx.Node, dec: Decision, tp: fx.Node, copies: set, inserted: dict) -> None:

@@ -21,10 +21,13 @@ short-circuits when the group has one rank. Each is registered once with
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.core.collectives import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective, fp32_per_reduced, fp32_per_row,
                                       input_bytes, output_bytes, twice)
@@ -38,6 +41,7 @@ __all__ = [
     "reduce_scatter_to_sp",
     "gather_from_sp",
     "vocab_parallel_embedding",
+    "vocab_parallel_embedding_sp",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_logsumexp",
     "vocab_parallel_softmax",
@@ -47,6 +51,7 @@ __all__ = [
     "vocab_parallel_soft_cross_entropy",
     "local_slice",
     "tp_rng_call",
+    "keeping_gathered_slices",
 ]
 
 
@@ -303,14 +308,108 @@ def reduce_scatter_to_sp(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor
     return _ReduceScatterToSP.apply(x, tp, dim)
 
 
-@collective("f (gather_from_sp)", "fwd all-gather; bwd reduce-scatter", (ALL_GATHER, REDUCE_SCATTER),
-            twice(output_bytes), forward_nbytes=output_bytes)
+def _gathered_thrice(node) -> int:
+    return 3 * output_bytes(node)
+
+
+@collective("f (gather_from_sp)", "fwd all-gather; bwd reduce-scatter, all-gather of the kept slice",
+            (ALL_GATHER, REDUCE_SCATTER, ALL_GATHER), _gathered_thrice, forward_nbytes=output_bytes)
 def gather_from_sp(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
     """f of sequence parallelism: the tokens split along ``dim`` all-gathered before a column-parallel
-    region; backward reduce-scatters the region's partial gradients (the sum f's all-reduce made)."""
+    region; backward reduce-scatters the region's partial gradients (the sum f's all-reduce made).
+
+    Inside ``keeping_gathered_slices`` (the engine runs every chunk so) the ops reading the gathered
+    value save this rank's slice ``x`` instead, and the backward all-gathers it again once for them
+    all: 1/t of the bytes kept, one more all-gather of the value moved (counted in its bytes)."""
     if tp.size == 1:
         return x
-    return _GatherFromSP.apply(x, tp, dim)
+    full = _GatherFromSP.apply(x, tp, dim)
+    if torch.is_grad_enabled() and x.requires_grad:
+        _GATHERED[full] = (x.detach(), _Regather(tp, dim))
+    return full
+
+
+# ------------------------------------------------------------------ kept slices of gathered values
+
+
+class _Regather:
+    """One all-gathered value whose consumers kept this rank's slice: gathered again at most once in
+    the backward, however many consumers (a layer's q, k and v projections) read it."""
+
+    __slots__ = ("tp", "dim", "full")
+
+    def __init__(self, tp: TPGroup, dim: int) -> None:
+        self.tp, self.dim = tp, dim
+        self.full: torch.Tensor | None = None
+
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        if self.full is None:
+            self.full = _all_gather_dim(local, self.tp, self.dim)
+        return self.full
+
+
+class _KeptSlice:
+    """What a consumer saves instead of (a view of) a gathered value: the outer hooks' packing of
+    this rank's slice, the shared re-gather, and the view's size, strides and offset."""
+
+    __slots__ = ("packed", "regather", "geometry")
+
+    def __init__(self, packed, regather: _Regather, geometry: tuple) -> None:
+        self.packed, self.regather, self.geometry = packed, regather, geometry
+
+
+_GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Value ``gather_from_sp`` made (while it is alive) -> (this rank's slice, its re-gather)."""
+
+
+def _identity(t):
+    return t
+
+
+@contextlib.contextmanager
+def keeping_gathered_slices() -> Iterator[None]:
+    """Inside this block, an op that saves for its backward a value ``gather_from_sp`` made (or a
+    view of it: the column-parallel linears after sequence parallelism's all-gather) saves this
+    rank's 1/t slice instead, and the backward all-gathers it again when it reads it, as Megatron
+    does: the whole-sequence input is not kept from the forward to the backward on every rank.
+
+    The hooks compose with those already set (the engine's byte count, a saved-tensor store of a
+    split backward): the slice goes through them, so they see and count 1/t of the bytes, and every
+    other saved tensor passes through them unchanged. A checkpointed region sets its own hooks and
+    keeps only its inputs, so this block does not reach inside it. The re-gather is a collective:
+    every rank of the group unpacks in the same order (the same autograd graph on each)."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        yield
+        return
+    # private: the pair of hooks set now, to compose with (torch has no public accessor)
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (_identity, _identity)
+
+    def pack(t: torch.Tensor):
+        source = _GATHERED.get(t if t._base is None else t._base)
+        if source is None:
+            return outer_pack(t)
+        local, regather = source
+        return _KeptSlice(outer_pack(local), regather, (t.size(), t.stride(), t.storage_offset()))
+
+    def unpack(packed) -> torch.Tensor:
+        if isinstance(packed, _KeptSlice):
+            return packed.regather.whole(outer_unpack(packed.packed)).as_strided(*packed.geometry)
+        return outer_unpack(packed)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def _vocab_lookup(weight_local: torch.Tensor, ids: torch.Tensor, tp: TPGroup, padding_idx: int) -> torch.Tensor:
+    """This rank's part of the embedding: the rows it holds looked up, zeros for every other id."""
+    rows = weight_local.shape[0]
+    start = tp.rank * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    local_pad = padding_idx - start if start <= padding_idx < start + rows else -1
+    out = torch.ops.aten.embedding(weight_local, local_ids, local_pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 @collective("vocab_parallel_embedding", "fwd all-reduce", ALL_REDUCE, output_bytes)
@@ -325,14 +424,19 @@ def vocab_parallel_embedding(weight_local: torch.Tensor, ids: torch.Tensor, tp: 
     """
     if tp.size == 1:
         return torch.ops.aten.embedding(weight_local, ids, padding_idx)
-    rows = weight_local.shape[0]
-    start = tp.rank * rows
-    outside = (ids < start) | (ids >= start + rows)
-    local_ids = (ids - start).masked_fill(outside, 0)
-    local_pad = padding_idx - start if start <= padding_idx < start + rows else -1
-    out = torch.ops.aten.embedding(weight_local, local_ids, local_pad)
-    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-    return reduce_from_tp(out, tp)
+    return reduce_from_tp(_vocab_lookup(weight_local, ids, tp, padding_idx), tp)
+
+
+@collective("vocab_parallel_embedding_sp", "fwd reduce-scatter; bwd all-gather", (REDUCE_SCATTER, ALL_GATHER),
+            twice(output_bytes), forward_nbytes=output_bytes)
+def vocab_parallel_embedding_sp(weight_local: torch.Tensor, ids: torch.Tensor, tp: TPGroup, dim: int,
+                                padding_idx: int = -1) -> torch.Tensor:
+    """The vocabulary-parallel embedding feeding sequence-parallel ops: its partial lookups are
+    reduce-scattered along the token dim ``dim`` instead of all-reduced, each rank keeping the
+    embeddings of its 1/t of the tokens (backward: the gradient all-gathered along it)."""
+    if tp.size == 1:
+        return torch.ops.aten.embedding(weight_local, ids, padding_idx)
+    return reduce_scatter_to_sp(_vocab_lookup(weight_local, ids, tp, padding_idx), tp, dim)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
