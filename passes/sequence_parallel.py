@@ -216,7 +216,8 @@ def _seeds(nodes: list[fx.Node], tp: int) -> tuple[dict[str, Shard], list[tuple[
         if dim is None or shape[dim] == 1:
             continue
         if shape[dim] % tp:
-            problems.append((n, dim, shape))
+            if n.target is comm.reduce_from_tp:  # the embedding then keeps its all-reduce
+                problems.append((n, dim, shape))
         else:
             seeds[n.name] = Shard(dim, _segments(shape[dim], sequences, tp) if dim == len(shape) - 2 else None)
     return seeds, problems

@@ -31,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.core.collectives import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective, fp32_per_reduced, fp32_per_row,
                                       input_bytes, output_bytes, twice)
+from autopar.core.graph import local_val
 
 __all__ = [
     "TPGroup",
@@ -460,8 +461,14 @@ def vocab_parallel_embedding(weight_local: torch.Tensor, ids: torch.Tensor, tp: 
     return reduce_from_tp(_vocab_lookup(weight_local, ids, tp, padding_idx), tp)
 
 
+def _embedded_bytes(node) -> int:
+    """The bytes of the whole embedding of a node's ids (its second argument): what it reduces."""
+    ids, out = local_val(node.args[1]), local_val(node)
+    return ids.numel() * out.shape[-1] * out.element_size()
+
+
 @collective("vocab_parallel_embedding_sp", "fwd reduce-scatter; bwd all-gather", (REDUCE_SCATTER, ALL_GATHER),
-            twice(output_bytes), forward_nbytes=output_bytes)
+            twice(_embedded_bytes), forward_nbytes=_embedded_bytes)
 def vocab_parallel_embedding_sp(weight_local: torch.Tensor, ids: torch.Tensor, tp: TPGroup, dim: int,
                                 segments: tuple[int, ...] | None = None, padding_idx: int = -1) -> torch.Tensor:
     """The vocabulary-parallel embedding feeding sequence-parallel ops: its partial lookups are
