@@ -43,6 +43,7 @@ whole across the tensor-parallel ranks, where the two agree.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
@@ -69,6 +70,10 @@ _WHOLE_OUTPUT = (comm.reduce_from_tp, comm.gather_from_tp, comm.vocab_parallel_e
                  comm.vocab_parallel_cross_entropy, comm.vocab_parallel_logsumexp, comm.vocab_parallel_nll_loss,
                  comm.vocab_parallel_soft_cross_entropy)
 """Collectives whose output is whole on every tensor-parallel rank whatever their inputs."""
+
+
+_SEED_TARGETS = (comm.reduce_from_tp, comm.vocab_parallel_embedding)
+"""Where a split region can start: g, and the vocabulary-parallel embedding (whose all-reduce is a g)."""
 
 
 class SequenceParallelError(ValueError):
@@ -202,18 +207,45 @@ def _seeds(nodes: list[fx.Node], tp: int) -> tuple[dict[str, Shard], list[tuple[
     """g nodes whose value splits along its token dim -> that split; and (g, dim, shape) where t
     does not divide it."""
     seeds, problems = {}, []
+    sequences = _sequence_shapes(nodes)
     for n in nodes:
-        if n.op != "call_function" or n.target is not comm.reduce_from_tp:
+        if n.op != "call_function" or n.target not in _SEED_TARGETS:
             continue
         shape = tuple(int(s) for s in n.meta["val"].shape)
         dim = token_dim(shape)
         if dim is None or shape[dim] == 1:
             continue
         if shape[dim] % tp:
-            problems.append((n, dim, shape))
+            if n.target is comm.reduce_from_tp:  # the embedding then keeps its all-reduce
+                problems.append((n, dim, shape))
         else:
-            seeds[n.name] = Shard(dim)
+            seeds[n.name] = Shard(dim, _segments(shape[dim], sequences, tp) if dim == len(shape) - 2 else None)
     return seeds, problems
+
+
+def _sequence_shapes(nodes: list[fx.Node]) -> Counter:
+    """How often each (..., sequences, tokens) leading shape occurs among the graph's values of
+    three or more dims whose token dim is their last leading one: the layouts a flattened token
+    dim may be viewed back to."""
+    found: Counter = Counter()
+    for n in nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() >= 3:
+            lead = tuple(int(s) for s in val.shape[:-1])
+            if token_dim(tuple(val.shape)) == len(lead) - 1 and math.prod(lead[:-1]) > 1:
+                found[lead] += 1
+    return found
+
+
+def _segments(size: int, sequences: Counter, tp: int) -> tuple[int, ...] | None:
+    """The split of a token dim of ``size`` that survives viewing it back as sequences: when the
+    graph views ``size`` tokens as (B, T) (the most frequent such layout), each of the B sequences
+    split t ways (segments of T), so the view keeps a split of T; else one contiguous split."""
+    layouts = [(count, lead) for lead, count in sequences.items() if math.prod(lead) == size and lead[-1] % tp == 0]
+    if not layouts:
+        return None
+    lead = max(layouts)[1]
+    return (lead[-1],) * math.prod(lead[:-1])
 
 
 def _dim_error(problems: list[tuple[fx.Node, int, tuple]], tp: int) -> str:
@@ -347,8 +379,7 @@ def _rewrite(gm, tp_n, seeds, region, decisions, ends, partial, copies, param_of
     tp = next(iter(graph.nodes))
     by_name = {n.name: n for n in graph.nodes}
     for name, sh in seeds.items():
-        g = by_name[name]
-        g.target, g.args, g.kwargs = comm.reduce_scatter_to_sp, (g.args[0], tp, sh.dim), {}
+        _start_split(by_name[name], tp, sh)
     inserted: dict[tuple, fx.Node] = {}
     for name, dec in decisions.items():
         if name in region:
@@ -365,6 +396,17 @@ def _rewrite(gm, tp_n, seeds, region, decisions, ends, partial, copies, param_of
         copies=tuple(sorted({operand(by_name[n], p).name for n, p in copies})),
         token_dims={s: sh.dim for s, sh in seeds.items()},
         shapes={s: str(list(by_name[s].meta["local_val"].shape)) for s in seeds})
+
+
+def _start_split(seed: fx.Node, tp: fx.Node, split: Shard) -> None:
+    """A seed's all-reduce becomes a reduce-scatter along its token dim: g, or the embedding's."""
+    if seed.target is comm.vocab_parallel_embedding:
+        weight, ids, _tp, *padding = seed.args
+        seed.target = comm.vocab_parallel_embedding_sp
+        seed.args = (weight, ids, tp, split.dim, split.segments, *padding)
+    else:
+        seed.target, seed.args = comm.reduce_scatter_to_sp, (seed.args[0], tp, split.dim, split.segments)
+    seed.kwargs = {}
 
 
 def _localize(graph: fx.Graph, node: fx.Node, dec: Decision, tp: fx.Node, copies: set, inserted: dict) -> None:
@@ -406,8 +448,8 @@ def _close(graph: fx.Graph, tp: fx.Node, region: dict, ends: dict, by_name: dict
         for user in list(value.users):
             if user.name in region:
                 continue
-            if user.target is comm.copy_to_tp and placement.segments is None:
-                user.target, user.args = comm.gather_from_sp, (value, tp, placement.dim)
+            if user.target is comm.copy_to_tp:
+                user.target, user.args = comm.gather_from_sp, (value, tp, placement.dim, placement.segments)
                 f_gathers.append(user.name)
                 continue
             # the value's size along the tokens before the split: its local_val is still the whole one

@@ -77,7 +77,10 @@ def _step(recompute):
     model = seeded(build, "gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=LAYERS, n_head=4, d_model=64, dropout=0.5)
     model.train()
     (x,), (y,) = token_batches(VOCAB, steps=1, rows=M * MB * DP, seed=5, seq=SEQ)[0]
-    program = parallelize_on(model, [((x,), (y,))], MB, tp=2, pp=2, dp=DP, microbatches=M, recompute=recompute)
+    # the residual stream replicated on the tp ranks (sequence parallelism would split it, each rank
+    # drawing for its own tokens)
+    program = parallelize_on(model, [((x,), (y,))], MB, tp=2, pp=2, dp=DP, microbatches=M, recompute=recompute,
+                             sequence_parallel=False)
     engine = program.materialize()
     before = torch.get_rng_state()
     rec = _Masks()

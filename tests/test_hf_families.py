@@ -97,7 +97,8 @@ def _worker(names, make=_make):
     out = {}
     for name in names:
         data = _data()
-        program = parallelize_on(make(name), data, ROWS // M, tp=2, pp=2, microbatches=M)
+        # f and g of tensor parallelism alone are counted per layer
+        program = parallelize_on(make(name), data, ROWS // M, tp=2, pp=2, microbatches=M, sequence_parallel=False)
         losses, grads = train_steps(program.materialize(), data, LR)
         per_layer = program.collectives(by_layer=True)
         out[name] = (losses, grads, program.fallbacks(), [r.reason for r in program.plan.rejected],

@@ -262,6 +262,7 @@ def data():
 
 
 def _compile(model, **config):
+    config.setdefault("sequence_parallel", False)  # the structure counts tensor parallelism's all-reduces
     return parallelize_on(model, data(), 8 // config.get("microbatches", 1), **config)
 
 

@@ -171,7 +171,8 @@ def _worker():
     out = {}
     for name in VARIANTS:
         d = data()
-        program = parallelize_on(make(name), d, 4, tp=2, pp=2, microbatches=2)
+        # f and g of tensor parallelism alone are counted per layer
+        program = parallelize_on(make(name), d, 4, tp=2, pp=2, microbatches=2, sequence_parallel=False)
         per_layer = {k: v for k, v in program.collectives(by_layer=True).items() if k[0] is not None}
         out[name] = (
             train_steps(program.materialize(), d, 1e-3),

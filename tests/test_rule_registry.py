@@ -66,7 +66,7 @@ def _program():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g)
-    return autopar.parallelize(LM(), tp=2, example_inputs=(x,), example_targets=y)
+    return autopar.parallelize(LM(), tp=2, example_inputs=(x,), example_targets=y, sequence_parallel=False)
 
 
 def _custom_nodes(program) -> list[str]:
@@ -145,7 +145,7 @@ def test_every_claimed_op_resolves_to_exactly_one_rule():
 def test_every_collective_is_registered_once_with_its_bytes_and_direction():
     names = {c.name for c in registered()}
     assert names == {"copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "vocab_parallel_embedding",
-                     "vocab_parallel_cross_entropy", "vocab_parallel_logsumexp", "vocab_parallel_softmax",
+                     "vocab_parallel_embedding_sp", "vocab_parallel_cross_entropy", "vocab_parallel_logsumexp", "vocab_parallel_softmax",
                      "vocab_parallel_log_softmax", "vocab_parallel_nll_loss", "vocab_parallel_soft_cross_entropy",
                      "reduce_scatter_to_sp", "gather_from_sp"}
     assert collective_named("copy_to_tp").fn is comm.copy_to_tp

@@ -2,7 +2,9 @@
 
 Parity (one spawn of 4 gloo ranks, every case in it): sequence parallelism at
 tp=4 and tp=2, with pp=2 interleaved (v=2), with recompute='layer', with
-dp=2, on the reference models, three HuggingFace families (GPT-2: tied head;
+dp=2, on the reference models (the GPT's tied embedding reduce-scattered along
+the tokens), three HuggingFace families (GPT-2: tied head, 2 sequences per
+microbatch split sequence by sequence;
 Llama: grouped-query attention; GPT-J: parallel blocks) and an
 ``nn.TransformerEncoder`` language model; loss and every gradient against the
 single-device run, tolerances as in test_tp_parity (``families.assert_steps_match``:
@@ -13,7 +15,8 @@ Structure (compile only, no process group): each all-reduce after a
 row-parallel linear becomes one reduce-scatter and the next f one all-gather,
 the same bytes on the wire; a pipeline boundary inside the split region sends
 1/t of the replicated one. Kept activations: the engine's saved-tensor count
-falls by what the graph predicts (the split ops save 1/t).
+falls by what the graph predicts (the split ops and the linears after each
+all-gather save 1/t), and each layer keeps 1/t of what it keeps on one device.
 """
 
 import pytest
@@ -23,11 +26,14 @@ from families import SEQ, hf_gptj, make, train_steps
 from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, spawn_ranks, token_batches
 
 import autopar
-from autopar.core.collectives import collective_named, wire_factor
-from autopar.core.comm import TPGroup
+from autopar.core import comm
+from autopar.core.collectives import collective_named, output_bytes, wire_factor
+from autopar.core.comm import TPGroup, keeping_gathered_slices
 from autopar.reference.models import build
 
 LR, ROWS = 1e-3, 4
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.t.default,
+          torch.ops.aten.transpose.int, torch.ops.aten.flatten.using_ints, torch.ops.aten.alias.default}
 
 
 class EncoderLM(nn.Module):
@@ -58,6 +64,9 @@ def _model(name: str):
 
 
 # (model, tp, pp, virtual stages, recompute) on 4 ranks: dp = 4 / (tp * pp)
+# (model, tp, pp, virtual stages, recompute) on 4 ranks: dp = 4 / (tp * pp). hf-gpt2 has 2
+# sequences per microbatch (flattened tokens split sequence by sequence); nanogpt ties its head to
+# the vocabulary-parallel embedding, whose output runs split.
 CASES = [("nanogpt", 4, 1, 1, "none"), ("llama-4", 2, 2, 2, "layer"), ("hf-gpt2", 2, 2, 1, "none"),
          ("hf-llama", 2, 1, 1, "none"), ("hf-gptj", 2, 1, 1, "layer"), ("encoder", 2, 1, 1, "none")]
 
@@ -113,46 +122,138 @@ def test_kept_activations_fall_as_the_graph_predicts(ranks):
     data = _data(vocab)
     whole = parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=False)
     split = parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=True)
-    saved = _saved_by_node(whole)
-    # the ops split on the tokens save 1/t of what they saved whole; every other op the same
-    predicted = sum(b // 2 if n in split.sequence.split else b for n, b in saved.items())
-    region_bytes = sum(b for n, b in saved.items() if n in split.sequence.split)
-    assert region_bytes > 0
-    for kept in (r[1] for r in ranks):
-        assert kept[False] == sum(saved.values())
-        assert kept[True] == predicted == kept[False] - region_bytes // 2
+    saved_whole, saved_split = _saved_by_node(whole), _saved_by_node(split)
+    # the ops split on the tokens and the readers of each all-gathered value (the column-parallel
+    # linears, keeping the local slice) save 1/t of what they saved whole; every other op the same
+    # (the embedding looks up every token before its reduce-scatter: it keeps all the ids)
+    at_one_tp_th = set(split.sequence.split) - set(split.sequence.seeds) | _gathered_readers(split)
+    assert at_one_tp_th & set(saved_whole)
+    for node, nbytes in saved_whole.items():
+        assert saved_split.get(node, 0) == (nbytes // 2 if node in at_one_tp_th else nbytes), node
+    for kept in (r[1] for r in ranks):  # the engine counts what the graph says
+        assert kept[False] == sum(saved_whole.values())
+        assert kept[True] == sum(saved_split.values())
 
 
-def _saved_by_node(program) -> dict[str, int]:
-    """Bytes autograd saves for the backward during each node of the (one-chunk) program, weights
-    excluded as the engine excludes them: one run on random tensors of one rank's shapes with an
-    inspection group (collectives give shapes only)."""
-    chunk = program.split.chunks[0]
-    params = {p: torch.randn(program.local_shape(program.traced.param_of[p]), requires_grad=True) for p in chunk.params}
-    ptrs = {t.data_ptr() for t in params.values()}
+def _gathered_readers(program) -> set[str]:
+    """Nodes reading an all-gather of split tokens (through views)."""
+    graph = program.split.chunks[0].gm.graph
+    todo = [n for n in graph.nodes if n.target is comm.gather_from_sp]
+    readers: set[str] = set()
+    while todo:
+        for user in todo.pop().users:
+            readers.add(user.name)
+            if user.target in _VIEWS:
+                todo.append(user)
+    return readers
+
+
+def _chunk_args(program, params):
+    """One rank's arguments of the (one-chunk) program: an inspection group (collectives give
+    shapes only), the parameters, zeros of the inputs' local shapes."""
     args = [TPGroup(0, program.tp, None)]
-    for node in list(chunk.gm.graph.nodes)[1:]:
+    for node in list(program.split.chunks[0].gm.graph.nodes)[1:]:
         if node.op != "placeholder":
             break
         val = node.meta["local_val"]
         args.append(params[node.name] if node.name in params else torch.zeros(val.shape, dtype=val.dtype))
-    saved: dict[str, int] = {}
+    return args
+
+
+def _record_saved(program, on_save) -> None:
+    """Run the (one-chunk) program once as the engine does (kept slices of gathered values on),
+    calling ``on_save(node, tensor)`` for each tensor autograd saves, weights left out."""
+    chunk = program.split.chunks[0]
+    params = {p: torch.randn(program.local_shape(program.traced.param_of[p]), requires_grad=True) for p in chunk.params}
+    ptrs = {t.untyped_storage().data_ptr() for t in params.values()}
     run = torch.fx.Interpreter(chunk.gm)
     current = [None]
 
     def run_node(n, _run=run.run_node):
-        current[0] = n.name
+        current[0] = n
         return _run(n)
 
     def pack(t):
-        if t.data_ptr() not in ptrs:
-            saved[current[0]] = saved.get(current[0], 0) + t.numel() * t.element_size()
+        if t.untyped_storage().data_ptr() not in ptrs:
+            on_save(current[0], t)
         return t
 
     run.run_node = run_node
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run.run(*args)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeping_gathered_slices():
+        run.run(*_chunk_args(program, params))
+
+
+def _saved_by_node(program) -> dict[str, int]:
+    """Bytes autograd saves during each node, counted per save as the engine counts them."""
+    saved: dict[str, int] = {}
+
+    def on_save(node, t):
+        saved[node.name] = saved.get(node.name, 0) + t.numel() * t.element_size()
+
+    _record_saved(program, on_save)
     return saved
+
+
+def _kept_by_layer(program) -> dict[int | None, int]:
+    """Bytes of the activations kept for the backward, per layer: each storage once, in the layer
+    of the op that saved it first."""
+    seen: set[int] = set()
+    kept: dict[int | None, int] = {}
+
+    def on_save(node, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            layer = program._layer_of_node(node)
+            kept[layer] = kept.get(layer, 0) + storage.nbytes()
+
+    _record_saved(program, on_save)
+    return kept
+
+
+def test_each_layer_keeps_one_tp_th_of_its_activations():
+    """Korthikanti et al.: with sequence parallelism a layer keeps s b h (34 + 5 a s / h) / t bytes
+    in 16-bit, the whole replicated region at 1/t. The fp32 analogue for the reference GPT (fused
+    attention: no s^2 terms, dropout 0: no masks), counted from its graph: 4 (16 s b h + 4 s b + a s b)
+    bytes per layer (LN inputs and outputs, q/k/v, the attention output, the MLP's two 4h values;
+    two LN statistics each; the attention's log-sum-exp), at tp=1, and exactly 1/t of it per layer
+    with sequence parallelism at tp=2 and tp=4 (the linears keep their input's local slice)."""
+    s, b, h, a = SEQ, 2, 64, 4
+    per_layer = 4 * (16 * s * b * h + 4 * s * b + a * s * b)
+    one = _kept_by_layer(_program(1, sp=False))
+    assert one[0] == one[1] == per_layer
+    for tp in (2, 4):
+        kept = _kept_by_layer(_program(tp))
+        assert kept[0] == kept[1] == per_layer // tp, tp
+        tp_only = _kept_by_layer(_program(tp, sp=False))
+        assert tp_only[0] > kept[0] * 1.2  # tensor parallelism alone keeps the replicated region whole
+
+
+def test_flattened_tokens_of_several_sequences_stay_split_through_the_views():
+    """HF GPT-2 views (B, T, C) as (B*T, C) around each linear; with 2 sequences per microbatch the
+    tokens are split sequence by sequence (each t ways), so no gather is added, and each layer
+    keeps 1/t of what it keeps at tp=1, but for the attention mask (per sequence pair of tokens,
+    computed from positions: whole on every rank)."""
+    model, vocab = make("hf-gpt2")
+    data = _data(vocab)
+    one = _kept_by_layer(parallelize_on(model, data, 2, tp=1, dp=1))
+    for tp in (2, 4):
+        program = parallelize_on(model, data, 2, tp=tp, dp=1, sequence_parallel=True)
+        assert program.sequence.gathers == () and "no gather added" in program.summary()
+        assert {program.sequence.split[g].segments for g in program.sequence.seeds} >= {(SEQ, SEQ)}
+        mask = _attention_mask_bytes(program)
+        assert mask > 0
+        kept = _kept_by_layer(program)
+        assert kept[0] == kept[1] == (one[0] - mask) // tp + mask, tp
+
+
+def _attention_mask_bytes(program) -> int:
+    """Bytes of one layer's attention mask argument (the same at any tp)."""
+    for node in program.split.chunks[0].gm.graph.nodes:
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default and len(node.args) > 3:
+            mask = node.args[3].meta["local_val"]
+            return 4 * mask.numel()  # the float mask SDPA saves
+    return 0
 
 
 def _program(tp, pp=1, sp=True, layers=2, **kw):
@@ -178,15 +279,19 @@ def test_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_of_the_same_
     for layer in range(2):
         assert before[(layer, "reduce_from_tp")] == 2 and after[(layer, "reduce_from_tp")] == 0
         assert after[(layer, "reduce_scatter_to_sp")] == 2
-        # the f before each column-parallel region becomes the all-gather (layer 0's attention
-        # reads the embedding, which is whole: its f stays)
-        assert after[(layer, "gather_from_sp")] + after[(layer, "copy_to_tp")] == before[(layer, "copy_to_tp")] == 2
-    assert split.collectives()["gather_from_sp"] == split.collectives()["reduce_scatter_to_sp"] == 4
-    # a ring all-reduce is a reduce-scatter plus an all-gather: g and f moved 2 all-reduces of the
-    # layer's activation; now 2 reduce-scatters and 2 all-gathers of it, the same bytes
-    assert _wire_bytes(split, {"reduce_scatter_to_sp", "gather_from_sp"}) == pytest.approx(
-        _wire_bytes(whole, {"reduce_from_tp"}) + _wire_bytes(whole, {"copy_to_tp"})
-        - _wire_bytes(split, {"copy_to_tp"}))
+        # every f before a column-parallel region becomes the all-gather (layer 0's too: the
+        # embedding's all-reduce became a reduce-scatter, its output runs split)
+        assert after[(layer, "gather_from_sp")] == before[(layer, "copy_to_tp")] == 2
+        assert after[(layer, "copy_to_tp")] == 0
+    counts = split.collectives()
+    assert counts["vocab_parallel_embedding_sp"] == 1 and counts["vocab_parallel_embedding"] == 0
+    assert counts["gather_from_sp"] == 5 and counts["reduce_scatter_to_sp"] == 4  # + the head's f
+    # a ring all-reduce is a reduce-scatter plus an all-gather: the same bytes as the g and f
+    # all-reduces, plus one all-gather of each f's value in the backward (the kept slice gathered again)
+    gathered = sum(output_bytes(n) for n in split.rank_module.graph.nodes if n.target is comm.gather_from_sp)
+    assert _wire_bytes(split, {"reduce_scatter_to_sp", "gather_from_sp", "vocab_parallel_embedding_sp"}) == \
+        pytest.approx(_wire_bytes(whole, {"reduce_from_tp", "copy_to_tp", "vocab_parallel_embedding"})
+                      + gathered * (tp - 1) / tp)
     assert "reduce_scatter_to_sp" in split.code(0) and "gather_from_sp" in split.code(0)
 
 
@@ -202,8 +307,10 @@ def test_a_boundary_inside_the_split_region_sends_one_tp_th():
 def test_summary_lists_what_runs_split_and_the_gathers():
     text = _program(2).summary()
     assert "Sequence parallelism" in text and "layer_norm" in text and "reduce_scatter_to_sp" in text
+    # GPT-2 with 2 sequences of 6 tokens at tp=4: 6 does not split 4 ways, so the 12 flattened
+    # tokens are split in 4 blocks of 3 and viewing them back as (2, 6, C) needs the gather
     model, vocab = make("hf-gpt2")
-    data = _data(vocab)
+    data = token_batches(vocab, steps=1, rows=2, seed=5, seq=6)
     tp4 = parallelize_on(model, data, 2, tp=4, dp=1, sequence_parallel=True)
     assert len(tp4.sequence.gathers) == 4 and all("transformer.h." in g.module for g in tp4.sequence.gathers)
     assert "view splits the sharded dim unevenly" in " ".join(tp4.summary().split())

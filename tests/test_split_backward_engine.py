@@ -103,7 +103,8 @@ class _CountCollectives:
 
 def _tp2_rank():
     torch.set_num_threads(1)
-    engine, batch = _engine(tp=2)
+    # tensor parallelism alone: sequence parallelism sums its partial norm gradients after the last W
+    engine, batch = _engine(tp=2, sequence_parallel=False)
     engine.train_step(*batch)
     want = engine.full_grads()
     engine.zero_grad(set_to_none=True)
@@ -112,14 +113,26 @@ def _tp2_rank():
     with _CountCollectives(in_step):  # the counter sees B's collectives: it would see W's
         _split_step(engine, batch, interleave=False, during_w=lambda: _CountCollectives(in_w))
     got = engine.full_grads()
-    return len(in_w), len(in_step), {n: (got[n], want[n]) for n in want}
+    return len(in_w), len(in_step), {n: (got[n], want[n]) for n in want}, _tp2_sequence_parallel_grads()
+
+
+def _tp2_sequence_parallel_grads() -> dict:
+    """With sequence parallelism (the linears keep their input's local slice in the saved-tensor
+    store and gather it again when B or W reads it): (split, train_step) gradients per parameter."""
+    engine, batch = _engine(tp=2, sequence_parallel=True)
+    engine.train_step(*batch)
+    want = engine.full_grads()
+    engine.zero_grad(set_to_none=True)
+    _split_step(engine, batch, interleave=True)
+    got = engine.full_grads()
+    return {n: (got[n], want[n]) for n in want}
 
 
 @pytest.mark.multiprocess
 def test_tp2_weight_backward_runs_no_collective():
     """At tp=2 (f and g in every layer, vocabulary-parallel embedding and loss) W posts no
     collective, and the gradients equal ``train_step``'s."""
-    for in_w, in_step, grads in autopar.spawn(_tp2_rank, 2, timeout_s=600):
+    for in_w, in_step, grads, sp_grads in autopar.spawn(_tp2_rank, 2, timeout_s=600):
         assert in_w == 0 and in_step > 0
-        for name, (got, want) in grads.items():
+        for name, (got, want) in [*grads.items(), *sp_grads.items()]:
             torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")

@@ -13,7 +13,7 @@ from autopar.core.placement import Shard
 
 def _program(fam, tp):
     model, vocab = make(fam)
-    return parallelize_on(model, batches(vocab, steps=1), BATCH, tp=tp), vocab
+    return parallelize_on(model, batches(vocab, steps=1), BATCH, tp=tp, sequence_parallel=False), vocab  # the all-reduces of tensor parallelism alone
 
 
 @pytest.mark.parametrize("fam", list(FAMILIES))
@@ -88,7 +88,7 @@ def test_tied_embedding_and_head_share_one_shard():
 
 def test_code_shows_collectives_and_summary_lists_fallbacks():
     model, vocab = make_fallback_model()
-    program = parallelize_on(model, batches(vocab, steps=1), BATCH, tp=2)
+    program = parallelize_on(model, batches(vocab, steps=1), BATCH, tp=2, sequence_parallel=False)
     code = program.code(rank=1)
     for name in ("copy_to_tp", "reduce_from_tp", "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
                  "gather_from_tp"):

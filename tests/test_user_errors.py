@@ -259,7 +259,7 @@ def _measure_tp_bytes():
         model = build("llama", ModelConfig(n_head=8, n_kv_head=4, d_model=64, vocab_size=VOCAB, n_layer=2,
                                            seq_len=SEQ))
         (x,), (y,) = batches(VOCAB, steps=1, seed=1, rows=4)[0]
-        program = autopar.parallelize(model, tp=2, pp=2, microbatches=2, recompute=recompute,
+        program = autopar.parallelize(model, tp=2, pp=2, microbatches=2, recompute=recompute, sequence_parallel=False,
                                       example_inputs=(x[:2],), example_targets=y[:2])
         engine = program.materialize()
         with _TPBytes(engine.tp.pg) as counter:

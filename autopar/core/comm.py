@@ -21,13 +21,17 @@ short-circuits when the group has one rank. Each is registered once with
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.core.collectives import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, collective, fp32_per_reduced, fp32_per_row,
                                       input_bytes, output_bytes, twice)
+from autopar.core.graph import local_val
 
 __all__ = [
     "TPGroup",
@@ -38,6 +42,7 @@ __all__ = [
     "reduce_scatter_to_sp",
     "gather_from_sp",
     "vocab_parallel_embedding",
+    "vocab_parallel_embedding_sp",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_logsumexp",
     "vocab_parallel_softmax",
@@ -47,6 +52,7 @@ __all__ = [
     "vocab_parallel_soft_cross_entropy",
     "local_slice",
     "tp_rng_call",
+    "keeping_gathered_slices",
 ]
 
 
@@ -241,76 +247,203 @@ def scatter_to_tp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, .
     return _ScatterToTP.apply(x, tp, dim, segments)
 
 
-def _reduce_scatter_dim(x: torch.Tensor, group: TPGroup, dim: int) -> torch.Tensor:
-    """Sum over the ranks; this rank keeps its 1/t block along ``dim`` (contiguous).
+def _rank_major(front: torch.Tensor, t: int, segments: tuple[int, ...] | None) -> torch.Tensor:
+    """``front`` (the split dim first) reordered so that rank r's pieces (its 1/t of every
+    segment, in order) form the r-th contiguous block of dim 0."""
+    if segments is None:
+        return front
+    pieces = [seg.reshape(t, seg.shape[0] // t, *seg.shape[1:]) for seg in front.split(list(segments))]
+    return torch.cat(pieces, dim=1).reshape(front.shape)
+
+
+def _segment_major(blocks: torch.Tensor, t: int, segments: tuple[int, ...] | None) -> torch.Tensor:
+    """The inverse of ``_rank_major``: rank blocks along dim 0 back to the global order."""
+    if segments is None:
+        return blocks
+    by_rank = blocks.reshape(t, blocks.shape[0] // t, *blocks.shape[1:])
+    parts = by_rank.split([s // t for s in segments], dim=1)
+    return torch.cat([p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]) for p in parts], dim=0)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, group: TPGroup, dim: int,
+                        segments: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Sum over the ranks; this rank keeps its 1/t along ``dim``: one block, or with ``segments``
+    its 1/t of each segment (each of several sequences flattened into one token dim).
 
     One ``reduce_scatter_single`` over the dim moved to the front (NCCL and gloo in torch 2.13
-    both have it); an inspection group (no process group) only takes the block, for shapes."""
+    both have it); an inspection group (no process group) only takes the slice, for shapes."""
     t = group.size
-    if x.shape[dim] % t:
-        raise ValueError(f"reduce-scatter along dim {dim} of size {x.shape[dim]} needs a multiple of tp={t}")
+    if any(s % t for s in (segments or (x.shape[dim],))):
+        raise ValueError(f"reduce-scatter along dim {dim} of size {x.shape[dim]} (segments {segments}) needs "
+                         f"multiples of tp={t}")
     if group.pg is None:
-        return x.narrow(dim, group.rank * (x.shape[dim] // t), x.shape[dim] // t).contiguous()
-    front = x.movedim(dim, 0).contiguous()
+        return local_slice(x, group.rank, t, dim, segments).contiguous()
+    front = _rank_major(x.movedim(dim, 0), t, segments).contiguous()
     out = torch.empty((front.shape[0] // t, *front.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, front, group=group.pg)
     return out.movedim(0, dim).contiguous()
 
 
-def _all_gather_dim(x: torch.Tensor, group: TPGroup, dim: int) -> torch.Tensor:
-    """Every rank's block concatenated along ``dim`` in rank order: one ``all_gather_single`` over
-    the dim moved to the front; an inspection group repeats this rank's block, for shapes."""
-    if group.pg is None:
-        return torch.cat([x] * group.size, dim=dim)
+def _all_gather_dim(x: torch.Tensor, group: TPGroup, dim: int,
+                    segments: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Every rank's slice put back along ``dim`` (rank order, segment by segment): one
+    ``all_gather_single`` over the dim moved to the front; an inspection group repeats this
+    rank's slice, for shapes."""
     front = x.movedim(dim, 0).contiguous()
-    out = torch.empty((front.shape[0] * group.size, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, front, group=group.pg)
-    return out.movedim(0, dim).contiguous()
+    if group.pg is None:
+        out = torch.cat([front] * group.size, dim=0)
+    else:
+        out = torch.empty((front.shape[0] * group.size, *front.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(out, front, group=group.pg)
+    return _segment_major(out, group.size, segments).movedim(0, dim).contiguous()
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.args = (group, dim)
-        return _reduce_scatter_dim(x, group, dim)
+    def forward(ctx, x, group, dim, segments):
+        ctx.args = (group, dim, segments)
+        return _reduce_scatter_dim(x, group, dim, segments)
 
     @staticmethod
     def backward(ctx, grad):
-        group, dim = ctx.args
-        return _all_gather_dim(grad, group, dim), None, None
+        return _all_gather_dim(grad, *ctx.args), None, None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.args = (group, dim)
-        return _all_gather_dim(x, group, dim)
+    def forward(ctx, x, group, dim, segments):
+        ctx.args = (group, dim, segments)
+        return _all_gather_dim(x, group, dim, segments)
 
     @staticmethod
     def backward(ctx, grad):
-        group, dim = ctx.args
-        return _reduce_scatter_dim(grad, group, dim), None, None
+        return _reduce_scatter_dim(grad, *ctx.args), None, None, None
 
 
 @collective("g (reduce_scatter_to_sp)", "fwd reduce-scatter; bwd all-gather", (REDUCE_SCATTER, ALL_GATHER),
             twice(input_bytes), forward_nbytes=input_bytes)
-def reduce_scatter_to_sp(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+def reduce_scatter_to_sp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, ...] | None = None
+                         ) -> torch.Tensor:
     """g of sequence parallelism: the partial sums reduce-scattered along the token dim ``dim``, each
     rank keeping its 1/t of the tokens; backward all-gathers the gradient. A ring all-reduce is
-    exactly a reduce-scatter then an all-gather: the same bytes, split across g and the next f."""
+    exactly a reduce-scatter then an all-gather: the same bytes, split across g and the next f.
+    ``segments``: the token dim holds several sequences (flattened (B*T, C)); each rank keeps its
+    1/t of every one, so viewing the tokens back as (B, T, C) keeps a split of T."""
     if tp.size == 1:
         return x
-    return _ReduceScatterToSP.apply(x, tp, dim)
+    return _ReduceScatterToSP.apply(x, tp, dim, segments)
 
 
-@collective("f (gather_from_sp)", "fwd all-gather; bwd reduce-scatter", (ALL_GATHER, REDUCE_SCATTER),
-            twice(output_bytes), forward_nbytes=output_bytes)
-def gather_from_sp(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+def _gathered_thrice(node) -> int:
+    return 3 * output_bytes(node)
+
+
+@collective("f (gather_from_sp)", "fwd all-gather; bwd reduce-scatter, all-gather of the kept slice",
+            (ALL_GATHER, REDUCE_SCATTER, ALL_GATHER), _gathered_thrice, forward_nbytes=output_bytes)
+def gather_from_sp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, ...] | None = None
+                   ) -> torch.Tensor:
     """f of sequence parallelism: the tokens split along ``dim`` all-gathered before a column-parallel
-    region; backward reduce-scatters the region's partial gradients (the sum f's all-reduce made)."""
+    region; backward reduce-scatters the region's partial gradients (the sum f's all-reduce made).
+
+    Inside ``keeping_gathered_slices`` (the engine runs every chunk so) the ops reading the gathered
+    value save this rank's slice ``x`` instead, and the backward all-gathers it again once for them
+    all: 1/t of the bytes kept, one more all-gather of the value moved (counted in its bytes)."""
     if tp.size == 1:
         return x
-    return _GatherFromSP.apply(x, tp, dim)
+    full = _GatherFromSP.apply(x, tp, dim, segments)
+    if torch.is_grad_enabled() and x.requires_grad:
+        _GATHERED[_root(full)] = (x.detach(), _Regather(tp, dim, segments))
+    return full
+
+
+# ------------------------------------------------------------------ kept slices of gathered values
+
+
+class _Regather:
+    """One all-gathered value whose consumers kept this rank's slice: gathered again at most once in
+    the backward, however many consumers (a layer's q, k and v projections) read it."""
+
+    __slots__ = ("tp", "dim", "segments", "full")
+
+    def __init__(self, tp: TPGroup, dim: int, segments: tuple[int, ...] | None) -> None:
+        self.tp, self.dim, self.segments = tp, dim, segments
+        self.full: torch.Tensor | None = None
+
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        if self.full is None:
+            self.full = _all_gather_dim(local, self.tp, self.dim, self.segments)
+        return self.full
+
+
+class _KeptSlice:
+    """What a consumer saves instead of (a view of) a gathered value: the outer hooks' packing of
+    this rank's slice, the shared re-gather, and the view's size, strides and offset."""
+
+    __slots__ = ("packed", "regather", "geometry")
+
+    def __init__(self, packed, regather: _Regather, geometry: tuple) -> None:
+        self.packed, self.regather, self.geometry = packed, regather, geometry
+
+
+_GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Memory of a value ``gather_from_sp`` made (its root tensor, while alive) -> (this rank's slice,
+its re-gather)."""
+
+
+def _identity(t):
+    return t
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor owning ``t``'s memory: ``t`` itself, or the base it is a view of (the gathered
+    value may itself be a view of the buffer the all-gather filled)."""
+    return t if t._base is None else t._base
+
+
+@contextlib.contextmanager
+def keeping_gathered_slices() -> Iterator[None]:
+    """Inside this block, an op that saves for its backward a value ``gather_from_sp`` made (or a
+    view of it: the column-parallel linears after sequence parallelism's all-gather) saves this
+    rank's 1/t slice instead, and the backward all-gathers it again when it reads it, as Megatron
+    does: the whole-sequence input is not kept from the forward to the backward on every rank.
+
+    The hooks compose with those already set (the engine's byte count, a saved-tensor store of a
+    split backward): the slice goes through them, so they see and count 1/t of the bytes, and every
+    other saved tensor passes through them unchanged. A checkpointed region sets its own hooks and
+    keeps only its inputs, so this block does not reach inside it. The re-gather is a collective:
+    every rank of the group unpacks in the same order (the same autograd graph on each)."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        yield
+        return
+    # private: the pair of hooks set now, to compose with (torch has no public accessor)
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (_identity, _identity)
+
+    def pack(t: torch.Tensor):
+        source = _GATHERED.get(_root(t))
+        if source is None:
+            return outer_pack(t)
+        local, regather = source
+        return _KeptSlice(outer_pack(local), regather, (t.size(), t.stride(), t.storage_offset()))
+
+    def unpack(packed) -> torch.Tensor:
+        if isinstance(packed, _KeptSlice):
+            return packed.regather.whole(outer_unpack(packed.packed)).as_strided(*packed.geometry)
+        return outer_unpack(packed)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def _vocab_lookup(weight_local: torch.Tensor, ids: torch.Tensor, tp: TPGroup, padding_idx: int) -> torch.Tensor:
+    """This rank's part of the embedding: the rows it holds looked up, zeros for every other id."""
+    rows = weight_local.shape[0]
+    start = tp.rank * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    local_pad = padding_idx - start if start <= padding_idx < start + rows else -1
+    out = torch.ops.aten.embedding(weight_local, local_ids, local_pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 @collective("vocab_parallel_embedding", "fwd all-reduce", ALL_REDUCE, output_bytes)
@@ -325,14 +458,25 @@ def vocab_parallel_embedding(weight_local: torch.Tensor, ids: torch.Tensor, tp: 
     """
     if tp.size == 1:
         return torch.ops.aten.embedding(weight_local, ids, padding_idx)
-    rows = weight_local.shape[0]
-    start = tp.rank * rows
-    outside = (ids < start) | (ids >= start + rows)
-    local_ids = (ids - start).masked_fill(outside, 0)
-    local_pad = padding_idx - start if start <= padding_idx < start + rows else -1
-    out = torch.ops.aten.embedding(weight_local, local_ids, local_pad)
-    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-    return reduce_from_tp(out, tp)
+    return reduce_from_tp(_vocab_lookup(weight_local, ids, tp, padding_idx), tp)
+
+
+def _embedded_bytes(node) -> int:
+    """The bytes of the whole embedding of a node's ids (its second argument): what it reduces."""
+    ids, out = local_val(node.args[1]), local_val(node)
+    return ids.numel() * out.shape[-1] * out.element_size()
+
+
+@collective("vocab_parallel_embedding_sp", "fwd reduce-scatter; bwd all-gather", (REDUCE_SCATTER, ALL_GATHER),
+            twice(_embedded_bytes), forward_nbytes=_embedded_bytes)
+def vocab_parallel_embedding_sp(weight_local: torch.Tensor, ids: torch.Tensor, tp: TPGroup, dim: int,
+                                segments: tuple[int, ...] | None = None, padding_idx: int = -1) -> torch.Tensor:
+    """The vocabulary-parallel embedding feeding sequence-parallel ops: its partial lookups are
+    reduce-scattered along the token dim ``dim`` instead of all-reduced, each rank keeping the
+    embeddings of its 1/t of the tokens (backward: the gradient all-gathered along it)."""
+    if tp.size == 1:
+        return torch.ops.aten.embedding(weight_local, ids, padding_idx)
+    return reduce_scatter_to_sp(_vocab_lookup(weight_local, ids, tp, padding_idx), tp, dim, segments)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -69,7 +69,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.core.checkpoint import count_kept_bytes
-from autopar.core.comm import TPGroup, _all_gather, seed_forked, whole_from_shards
+from autopar.core.comm import TPGroup, _all_gather, keeping_gathered_slices, seed_forked, whole_from_shards
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
 from autopar.runtime.device_graphs import on_device
@@ -618,12 +618,12 @@ class RankEngine(nn.Module):
 
         if self.split_backward:
             split = st.splits[key] = SplitBackward(st.param_ptrs)
-            with split.recording(), self._autocast(), self._random_stream():
+            with split.recording(), keeping_gathered_slices(), self._autocast(), self._random_stream():
                 outs = self.runnables[key[0]](*args)
             st.saved[key] = split.held_bytes()
             return outs
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self._autocast(), \
-                self._random_stream(), count_kept_bytes() as kept:
+                keeping_gathered_slices(), self._random_stream(), count_kept_bytes() as kept:
             outs = self.runnables[key[0]](*args)
         st.saved[key] = saved + kept.nbytes
         return outs
