@@ -31,6 +31,7 @@ import torch
 from helpers import spawn_ranks
 
 import autopar
+from autopar.core.comm import keeping_gathered_slices
 from autopar.compiler.model_spec import spec_from_model
 from autopar.planning.layout import Layout
 from autopar.planning.memory import Memory, stage_memory
@@ -93,7 +94,7 @@ def _count_kept_by_storage(engine) -> None:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), engine._autocast(), \
-                engine._random_stream():
+                keeping_gathered_slices(), engine._random_stream():
             outs = engine.runnables[key[0]](*args)
         for o in outs:
             storages.setdefault(o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
@@ -144,10 +145,13 @@ def _layout(index: int) -> tuple[ModelSpec, Layout, int]:
     model = _model(name)
     example = torch.zeros(b, SHAPES[name]["seq_len"], dtype=torch.long)
     spec = spec_from_model(model, (example,), name=name)
-    cfg = autopar.parallelize(model, example_inputs=(example,), example_targets=example, world_size=WORLD,
-                              **config).config
+    program = autopar.parallelize(model, example_inputs=(example,), example_targets=example, world_size=WORLD,
+                                  **config)
+    cfg = program.config
     lay = Layout.from_config(cfg, b, precision=runtime_precision(cfg.precision))
-    return spec, dataclasses.replace(lay, distributed_optimizer=distributed), cfg.microbatches
+    # sequence parallelism as the compiler decided it (on by default where it fits)
+    lay = dataclasses.replace(lay, distributed_optimizer=distributed, sequence_parallel=program.sequence is not None)
+    return spec, lay, cfg.microbatches
 
 
 def _predict(index: int, stage: int) -> Memory:

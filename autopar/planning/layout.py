@@ -113,14 +113,15 @@ class Layout:
         ``config.microbatches * d * micro_batch_size`` sequences, so that m is the
         config's. Sequence parallelism and the distributed optimizer are read from the
         config when it has them (``sequence_parallel``, ``distributed_optimizer``; off
-        otherwise). Memory is priced in ``precision``: mixed precision (16-bit weights and
+        otherwise; ``sequence_parallel=None``, "on where it fits", counts as on when t > 1:
+        a compiled program's own answer is ``program.sequence is not None``). Memory is priced in ``precision``: mixed precision (16-bit weights and
         activations, fp32 master weights and Adam state, the paper's) by default, or
         ``precision.runtime_precision(config.precision)`` for what autopar's runtime holds.
         ``recompute='chunk'`` is refused (``PRICED_RECOMPUTE``).
         """
         return cls(t=config.tp, p=config.pp, d=config.data_parallel, b=micro_batch_size, v=config.virtual_stages,
                    schedule=config.schedule, recompute=config.recompute, scatter_gather=config.scatter_gather,
-                   dp_overlap=True, sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+                   dp_overlap=True, sequence_parallel=_sequence_parallel(config),
                    distributed_optimizer=bool(getattr(config, "distributed_optimizer", False)), precision=precision)
 
     @property
@@ -184,3 +185,10 @@ def runtime_errors(cluster: Cluster, lay: Layout) -> list[str]:
     m = B // (lay.d * lay.b)
     return [f"with m = B/(d b) = {B}/({lay.d}*{lay.b}) = {m} microbatches, {e}"
             for e in microbatch_errors(lay.schedule, lay.p, lay.v, m)]
+
+
+def _sequence_parallel(config) -> bool:
+    """A config's sequence parallelism as the cost model prices it: None (on where it fits) is on
+    whenever there is more than one tensor-parallel rank."""
+    sp = getattr(config, "sequence_parallel", False)
+    return config.tp > 1 if sp is None else bool(sp)
