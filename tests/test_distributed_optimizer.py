@@ -92,10 +92,13 @@ def _refusals() -> dict:
         engine.distributed_optimizer(torch.optim.AdamW, lr=0.1)
     messages["held"] = str(err.value)
     engine.zero_grad()
-    engine.distributed_optimizer(torch.optim.AdamW, lr=0.1)
+    opt = engine.distributed_optimizer(torch.optim.AdamW, lr=0.1)
     with pytest.raises(RuntimeError) as err:
         engine.distributed_optimizer(torch.optim.SGD, lr=0.1)
     messages["second"] = str(err.value)
+    with pytest.raises(RuntimeError) as err:  # its flat buffers are laid out once
+        opt.add_param_group({"params": list(engine.parameters())[:1]})
+    messages["add_group"] = str(err.value)
     return messages
 
 
@@ -120,8 +123,18 @@ def _overlap(overlap: bool) -> dict:
     actions = engine.schedule.actions[engine.stage]
     first_f = [str(next(a for a in actions if a.kind.value == "F" and a.chunk == c)) for c in sorted(engine.chunks)]
     first_f.sort(key=[str(a) for a in actions].index)
-    return {"losses": losses, "weights": engine.full_state_dict(), "waits": waits, "first_f": first_f,
-            "buckets": len(opt.buckets), "pending_after_step": pending_after_step, "eval_waits": eval_waits}
+    weights = engine.full_state_dict()
+    # a load while a step's all-gathers are in flight: the gathers land first, the loaded values stay
+    zeros = {key: torch.zeros_like(value) for key, value in engine.state_dict().items()}
+    engine.train_step(*data[0][0], *data[0][1])
+    opt.step()
+    in_flight = len(opt.gathers.pending)
+    engine.load_state_dict(zeros)
+    engine.eval_step(*data[0][0], *data[0][1])
+    loaded_kept = all(bool((p == 0).all()) for p in engine.parameters())
+    return {"losses": losses, "weights": weights, "waits": waits, "first_f": first_f,
+            "buckets": len(opt.buckets), "pending_after_step": pending_after_step, "eval_waits": eval_waits,
+            "load_in_flight": in_flight, "loaded_kept": loaded_kept}
 
 
 def _bf16(distributed: bool) -> dict:
@@ -228,6 +241,7 @@ def test_refused_optimizers_name_the_class_and_the_fix(results):
         assert messages["sharded_after"] is False and messages["loss"] > 0
         assert "already hold gradients" in messages["held"] and "engine.zero_grad()" in messages["held"]
         assert "already has a distributed optimizer" in messages["second"]
+        assert "add_param_group cannot join more" in messages["add_group"] and "params=[" in messages["add_group"]
 
 
 def test_flat_bucket_pieces_cover_each_entry_once_with_fp32_masters():
@@ -254,6 +268,14 @@ def test_overlapped_parameter_gathers_change_nothing(results):
         assert overlap[True]["losses"] == overlap[False]["losses"], rank
         for key, want in overlap[False]["weights"].items():
             assert torch.equal(overlap[True]["weights"][key], want), (rank, key)
+
+
+def test_a_load_during_the_gathers_keeps_the_loaded_values(results):
+    """engine.load_state_dict while a step's all-gathers are in flight waits for them first: the
+    loaded values are what the next forward reads (a gather landing later would undo the load)."""
+    for rank, (*_, overlap, _) in enumerate(results):
+        assert overlap[True]["load_in_flight"] > 0 and overlap[False]["load_in_flight"] == 0, rank
+        assert overlap[True]["loaded_kept"] and overlap[False]["loaded_kept"], rank
 
 
 def test_gathers_are_waited_for_at_each_chunks_first_forward(results):

@@ -36,8 +36,8 @@ def _run(layout):
     model, vocab = make(fam, layers=LAYERS)
     data = batches(vocab, rows=BATCH * _m(layout))
     program = parallelize_on(model, data, BATCH, tp=tp, pp=pp, virtual_stages=v, microbatches=_m(layout),
-                             schedule=sched,
-                             scatter_gather=sg)
+                             schedule=sched, scatter_gather=sg,
+                             sequence_parallel=False)  # boundaries replicated: what scatter/gather halves
     engine = program.materialize()
     losses, grads = train_steps(engine, data, LR)
     stats = {"bytes_sent": dict(engine.stats["bytes_sent"]), "peak_in_flight": engine.stats["peak_in_flight"],

@@ -25,6 +25,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
@@ -363,11 +365,12 @@ class _Regather:
     """One all-gathered value whose consumers kept this rank's slice: gathered again at most once in
     the backward, however many consumers (a layer's q, k and v projections) read it."""
 
-    __slots__ = ("tp", "dim", "segments", "full")
+    __slots__ = ("tp", "dim", "segments", "full", "__weakref__")
 
     def __init__(self, tp: TPGroup, dim: int, segments: tuple[int, ...] | None) -> None:
         self.tp, self.dim, self.segments = tp, dim, segments
         self.full: torch.Tensor | None = None
+        _REGATHERS.add(self)
 
     def whole(self, local: torch.Tensor) -> torch.Tensor:
         if self.full is None:
@@ -386,6 +389,17 @@ class _KeptSlice:
 
 
 _GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_REGATHERS: weakref.WeakSet = weakref.WeakSet()
+"""Every live ``_Regather``: ``release_regathered`` drops their whole values."""
+
+
+def release_regathered() -> None:
+    """Drop the whole values re-gathered so far: a split backward calls it after B, whose autograd
+    nodes unpack every saved tensor (the linears' inputs too, re-gathering them) although only the
+    input gradients are wanted; W then gathers again what its weight gradients read, so between B
+    and W a microbatch keeps only the 1/t slices, as between F and B."""
+    for regather in list(_REGATHERS):
+        regather.full = None
 """Memory of a value ``gather_from_sp`` made (its root tensor, while alive) -> (this rank's slice,
 its re-gather)."""
 

@@ -113,6 +113,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._versions = self._param_versions()
         self._opt_called = False
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused: the flat buffers, the owned ranges and the gradients' reduce-scatter are laid out
+        once, for the parameters given at construction."""
+        raise RuntimeError("the distributed optimizer lays out its flat buffers for the parameters it is made "
+                           "with; add_param_group cannot join more. Fix: pass every group when making it "
+                           "(engine.distributed_optimizer(cls, params=[{...}, {...}])); a group can start "
+                           "frozen with lr=0 and get its learning rate later")
+
     # ------------------------------------------------------------- layout
     def _user_groups(self, params) -> list[tuple[list[str], dict]]:
         """The parameter groups as (parameter names, options): all of the engine's by default; else

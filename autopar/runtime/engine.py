@@ -69,7 +69,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.core.checkpoint import count_kept_bytes
-from autopar.core.comm import TPGroup, _all_gather, keeping_gathered_slices, seed_forked, whole_from_shards
+from autopar.core.comm import (TPGroup, _all_gather, keeping_gathered_slices, release_regathered, seed_forked,
+                               whole_from_shards)
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
 from autopar.runtime.device_graphs import on_device
@@ -325,6 +326,17 @@ class RankEngine(nn.Module):
         """``nn.Module.state_dict`` (the shards by engine key), once the all-gathers in flight are done."""
         self.wait_parameters("state_dict")
         return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        """``nn.Module.load_state_dict``, once the all-gathers in flight are done (a gather landing
+        later would overwrite the loaded values)."""
+        self.wait_parameters("load_state_dict")
+        return super().load_state_dict(*args, **kwargs)
+
+    def _apply(self, *args, **kwargs):
+        """``.to()``, ``.float()`` and the like, once the all-gathers in flight are done."""
+        self.wait_parameters("_apply")
+        return super()._apply(*args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the shards' gradients; reads no parameter, so the all-gathers in flight go on."""
@@ -644,6 +656,7 @@ class RankEngine(nn.Module):
         if self.split_backward:
             split = st.wctx[key] = st.splits.pop(key)
             got = split.input_grads(tensors, grads, inputs)
+            release_regathered()  # W gathers again the slices its weight GEMMs read
             in_grads = [g if b.requires_grad else None for g, b in zip(got, chunk.inputs)]
         else:
             if tensors:

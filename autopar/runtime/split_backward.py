@@ -17,7 +17,10 @@ The split, on the graph of nodes reachable from the outputs:
 
 - the B side: nodes that lead to a chunk input or to a custom autograd function
   (the tensor-parallel collectives of ``core/comm.py`` are ones: B runs them all,
-  W none); every other node leading to a weight is on the W side;
+  W none of them; under sequence parallelism W does all-gather again the 1/t
+  slices a column-parallel GEMM kept, which B dropped after unpacking them, and
+  a chunk's last W sums the norm weights' partial gradients over tp, as a last
+  B does without the split); every other node leading to a weight is on the W side;
 - entries: edges from the B side into the W side. The B-side node of an entry
   that is a weight GEMM (``GEMM_NODES``: mm, addmm, bmm, convolution) is
   *deferred*: B runs it for its input gradient only and keeps the gradient
