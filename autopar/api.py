@@ -77,7 +77,7 @@ def parallelize(
     scatter_gather: bool = True,
     recompute: str = "none",
     precision: str = "fp32",
-    sequence_parallel: bool | None = None,
+    sequence_parallel: bool | None = False,
 ) -> ParallelProgram:
     """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
@@ -94,8 +94,9 @@ def parallelize(
 
     ``sequence_parallel``: run norms, dropout and residual adds between tensor-parallel regions on
     1/tp of the tokens (reduce-scatter and all-gather instead of all-reduces; ``docs/sequence-parallel.md``).
-    None (the default) turns it on when tp > 1 and the tokens split t ways after every all-reduce;
-    True asks for it (an error if tp = 1 or tp does not divide the token dim); False leaves it off.
+    None turns it on when tp > 1 and the tokens split t ways after every all-reduce; True asks for
+    it (an error if tp = 1 or tp does not divide the token dim); False (the default) leaves it off:
+    on CPU gloo ranks it measured slower (``bench/memory_features.py``).
     """
     if example_inputs is None:
         raise ValueError("parallelize() needs example_inputs: one microbatch with the real shapes")

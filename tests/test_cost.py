@@ -198,12 +198,12 @@ def test_layout_from_config():
     config = ParallelConfig(tp=4, pp=2, virtual_stages=3, microbatches=8, schedule="interleaved", dp=4,
                             recompute="layer", scatter_gather=False)
     lay = Layout.from_config(config, micro_batch_size=2)
-    # sequence parallelism defaults to "where it fits", priced as on at t > 1
     assert lay == Layout(t=4, p=2, d=4, b=2, v=3, schedule="interleaved", recompute=Recompute.LAYER,
-                         scatter_gather=False, dp_overlap=True, sequence_parallel=True)
-    off = ParallelConfig(tp=4, pp=2, virtual_stages=3, microbatches=8, schedule="interleaved", dp=4,
-                         recompute="layer", scatter_gather=False, sequence_parallel=False)
-    assert Layout.from_config(off, micro_batch_size=2) == dataclasses.replace(lay, sequence_parallel=False)
+                         scatter_gather=False, dp_overlap=True)
+    # sequence_parallel=None ("where it fits") is priced as on at t > 1
+    fits = ParallelConfig(tp=4, pp=2, virtual_stages=3, microbatches=8, schedule="interleaved", dp=4,
+                          recompute="layer", scatter_gather=False, sequence_parallel=None)
+    assert Layout.from_config(fits, micro_batch_size=2) == dataclasses.replace(lay, sequence_parallel=True)
     # on a cluster of t p d GPUs with B = m d b, the estimate runs the config's microbatches
     est = estimate(ModelSpec(layers=12, hidden=1024, heads=16), Cluster.of(32, "dgx-a100-80gb", 8 * 4 * 2), lay)
     assert est.m == config.microbatches

@@ -161,12 +161,14 @@ class ParallelConfig:
     """Activation recomputation: 'none', 'layer' (keep each layer's input) or 'chunk' (each chunk's input)."""
     precision: str = "fp32"
     """'fp32', or 'bf16': bf16 autocast with fp32 parameters, gradients and gradient reduction."""
-    sequence_parallel: bool | None = None
+    sequence_parallel: bool | None = False
     """Run the ops between a row-parallel all-reduce and the next column-parallel input (norms, dropout,
-    residual adds) on 1/tp of the tokens (``passes/sequence_parallel.py``). None (the default): on
-    when tp > 1 and every all-reduce's value splits along its tokens (off, and the summary says why,
-    when tp does not divide them); True: on, or an error naming the dim that does not split; False:
-    off (``docs/sequence-parallel.md``)."""
+    residual adds) on 1/tp of the tokens (``passes/sequence_parallel.py``). None: on when tp > 1 and
+    every all-reduce's value splits along its tokens (off, and the summary says why, when tp does not
+    divide them); True: on, or an error naming the dim that does not split; False (the default): off.
+    Off by default because on CPU gloo ranks, the only ones measured so far, it makes the tp=2 step
+    slower (``bench/memory_features.py``, ``docs/sequence-parallel.md``); it cuts the activations
+    kept by about (t-1)/t of the replicated region whatever the device."""
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
