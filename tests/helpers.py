@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from families import SEQ, assert_steps_match, batches
 
 import autopar
@@ -60,6 +61,12 @@ def spawn_ranks(worker: Callable, world: int, *args, timeout_s: float = 900) -> 
     results = autopar.spawn(worker, world, args, timeout_s=timeout_s)
     assert len(results) == world, f"{len(results)} results from {world} ranks"
     return results
+
+
+def on_rank0(value):
+    """``value`` on global rank 0 only, None elsewhere (for what every rank holds alike, such as the
+    full weights: one copy comes back from the spawn)."""
+    return value if dist.get_rank() == 0 else None
 
 
 def assert_ranks_match(reference: tuple[list[float], list[dict]], per_rank: Sequence[tuple[list[float], list[dict]]],

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import parallelize_on, seeded, spawn_ranks, token_batches
+from helpers import on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
 from safetensors.torch import load_file
 
 import autopar
@@ -101,22 +101,15 @@ def _train(engine, optimizer, scheduler, batches) -> list[float]:
     return losses
 
 
-def _rank0(value):
-    """``value`` on global rank 0 only: the full weights are the same on every rank."""
-    import torch.distributed as dist
-
-    return value if dist.get_rank() == 0 else None
-
-
 # ------------------------------------------------------------------ the spawns
 def _save_run(make, vocab: int, layout: dict, root: str, async_save: bool = False, **config) -> dict:
     """Uninterrupted STEPS steps; then from the same start SAVE_AT steps, saved."""
     engine, optimizer, scheduler, data = _engine(make(), vocab, layout, **config)
     losses = _train(engine, optimizer, scheduler, data)
-    weights = _rank0(engine.full_state_dict())
+    weights = on_rank0(engine.full_state_dict())
     engine, optimizer, scheduler, data = _engine(make(), vocab, layout, **config)
     _train(engine, optimizer, scheduler, data[:SAVE_AT])
-    saved = _rank0(engine.full_state_dict())
+    saved = on_rank0(engine.full_state_dict())
     handle = engine.save(root, optimizer, step=SAVE_AT, scheduler=scheduler, extra={"next_batch": SAVE_AT},
                          async_save=async_save)
     handle.wait()
@@ -148,10 +141,10 @@ def _resume(engine, data, path: str) -> dict:
     """``engine`` loads ``path`` with a new optimizer and schedule and trains the remaining steps."""
     optimizer, scheduler = _optimizer(engine)
     step, extra = engine.load(path, optimizer, scheduler)
-    loaded = _rank0(engine.full_state_dict())
+    loaded = on_rank0(engine.full_state_dict())
     losses = _train(engine, optimizer, scheduler, data[extra["next_batch"]:])
     return {"step": step, "extra": extra, "loaded": loaded, "losses": losses,
-            "weights": _rank0(engine.full_state_dict())}
+            "weights": on_rank0(engine.full_state_dict())}
 
 
 def _failures(engine, root: str) -> dict:
@@ -179,7 +172,7 @@ def _load_worker(root: str) -> dict:
         engine, _, _, data = _engine(_fused(), FUSED_VOCAB, layout)
         if name == "tp4-pp2":  # this engine also meets the bad checkpoints and the killed run's
             out["failures"] = _failures(engine, root)
-            out["after_kill"] = (engine.load(f"{root}/kill"), _rank0(engine.full_state_dict()))
+            out["after_kill"] = (engine.load(f"{root}/kill"), on_rank0(engine.full_state_dict()))
             out["pad"] = _resume(engine, data, f"{root}/pad")
         out[name] = _resume(engine, data, f"{root}/reshard")
     return out

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import parallelize_on, seeded, spawn_ranks, token_batches
+from helpers import on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.reference.models import build
@@ -79,22 +79,16 @@ def _train(engine, optimizer, scheduler, batches) -> list[float]:
     return losses
 
 
-def _rank0(value):
-    import torch.distributed as dist
-
-    return value if dist.get_rank() == 0 else None
-
-
 def _save_run(root: str, layout: dict, distributed: bool, dtype=torch.float32, go_on: bool = False) -> dict:
     """SAVE_AT steps, saved; with ``go_on`` the same engine goes on to STEPS steps (a save changes nothing
     a step reads), the uninterrupted run the resumed ones are compared with."""
     engine, optimizer, scheduler, data = _engine(layout, distributed, dtype)
     losses = _train(engine, optimizer, scheduler, data[:SAVE_AT])
-    out = {"saved": _rank0(engine.full_state_dict())}
+    out = {"saved": on_rank0(engine.full_state_dict())}
     engine.save(root, optimizer, step=SAVE_AT, scheduler=scheduler).wait()
     if go_on:
         out["losses"] = losses + _train(engine, optimizer, scheduler, data[SAVE_AT:])
-        out["weights"] = _rank0(engine.full_state_dict())
+        out["weights"] = on_rank0(engine.full_state_dict())
     return out
 
 
@@ -108,10 +102,10 @@ def _save_worker(root: str) -> dict:
 def _load_run(root: str, case: str, source: str, layout: dict, distributed: bool, dtype=torch.float32) -> dict:
     engine, optimizer, scheduler, data = _engine(layout, distributed, dtype)
     step, _ = engine.load(f"{root}/{source}", optimizer, scheduler)
-    loaded = _rank0(engine.full_state_dict())
+    loaded = on_rank0(engine.full_state_dict())
     engine.save(f"{root}/resaved/{case}", optimizer, step=step, scheduler=scheduler).wait()
     losses = _train(engine, optimizer, scheduler, data[step:])
-    return {"loaded": loaded, "losses": losses, "weights": _rank0(engine.full_state_dict())}
+    return {"loaded": loaded, "losses": losses, "weights": on_rank0(engine.full_state_dict())}
 
 
 def _load_worker(root: str) -> dict:

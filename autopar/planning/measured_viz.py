@@ -13,7 +13,7 @@ from __future__ import annotations
 from html import escape
 
 from autopar.planning.measured import Comparison
-from autopar.planning.viz import _COMM, _IDLE, _colour, _nice_step, _svg_legend  # the project's drawing
+from autopar.planning.viz import _COMM, _IDLE, _colour, _svg_legend, svg_time_axis  # the project's drawing
 from autopar.schedules import Event
 
 __all__ = ["comparison_svg", "write_comparison_svg"]
@@ -37,7 +37,8 @@ def comparison_svg(comp: Comparison, title: str = "", width: int = 1400) -> str:
              '<line x1="0" y1="0" x2="0" y2="6" stroke="#9a9a9a" stroke-width="2"/></pattern></defs>',
              '<rect width="100%" height="100%" fill="white"/>']
     parts += _titles(comp, title)
-    parts += _axis(span, sx, top, axis_y, width)
+    # the axis in milliseconds: span and pixels per unit scaled from seconds
+    parts += svg_time_axis(span * 1e3, _LEFT, width - 24 - _LEFT, sx / 1e3, top, axis_y, "ms")
     p = comp.run.schedule.p
     for i, rank in enumerate(ranks):
         y_meas = top + i * (_ROW_H + _GAP)
@@ -70,20 +71,6 @@ def _titles(comp: Comparison, title: str) -> list[str]:
     for line in lines:
         parts.append(f'<text x="{_LEFT}" y="{y}" fill="#333">{escape(line)}</text>')
         y += 16
-    return parts
-
-
-def _axis(span: float, sx: float, top: float, axis_y: float, width: int) -> list[str]:
-    """Grid lines at round milliseconds across both bands, and the axis under them."""
-    step = _nice_step(span * 1e3)
-    parts, k = [], 0
-    while k * step <= span * 1e3 * (1 + 1e-9):
-        x = _LEFT + k * step / 1e3 * sx
-        parts.append(f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{axis_y}" stroke="#eeeeee"/>')
-        parts.append(f'<text x="{x:.1f}" y="{axis_y + 17}" text-anchor="middle">{k * step:.4g}</text>')
-        k += 1
-    parts.append(f'<line x1="{_LEFT}" y1="{axis_y}" x2="{width - 24}" y2="{axis_y}" stroke="#333"/>')
-    parts.append(f'<text x="{width - 24}" y="{axis_y + 32}" text-anchor="end">time (ms)</text>')
     return parts
 
 

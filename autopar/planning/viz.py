@@ -21,7 +21,7 @@ from rich.text import Text
 
 from autopar.schedules import Event, Sends, SimResult
 
-__all__ = ["timeline_text", "timeline_svg", "write_svg"]
+__all__ = ["timeline_text", "timeline_svg", "write_svg", "svg_time_axis"]
 
 # one shade per local chunk (chunk // p), lightest first
 _F_COLOURS = ("#6b9bd1", "#3f74b5", "#21508f", "#11335f")
@@ -192,18 +192,25 @@ def _svg_titles(sim: SimResult, frame: _Frame, title: str, notes: tuple[str, ...
 
 def _svg_time_axis(sim: SimResult, frame: _Frame, axis_y: float) -> list[str]:
     """Vertical grid lines at round times, the axis under the rows, its ticks and label."""
-    span = float(sim.step_time or 1.0)
+    return svg_time_axis(float(sim.step_time or 1.0), frame.left, frame.plot_w, frame.sx, frame.top, axis_y,
+                         frame.unit)
+
+
+def svg_time_axis(span: float, left: float, plot_w: float, sx: float, top: float, axis_y: float,
+                  unit: str) -> list[str]:
+    """SVG parts: grid lines at round times from ``top`` down to the axis at ``axis_y``, the axis
+    from ``left`` over ``plot_w`` pixels, its ticks and its label; ``span`` in ``unit``s, ``sx``
+    pixels per ``unit``."""
     step = _nice_step(span)
-    left, top, plot_w = frame.left, frame.top, frame.plot_w
     parts, k = [], 0
     while k * step <= span * (1 + 1e-9):
-        x = left + k * step * frame.sx
+        x = left + k * step * sx
         parts.append(f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{axis_y}" stroke="#eeeeee"/>')
         parts.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 5}" stroke="#333"/>')
         parts.append(f'<text x="{x:.1f}" y="{axis_y + 17}" text-anchor="middle">{k * step:.4g}</text>')
         k += 1
     parts.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + plot_w}" y2="{axis_y}" stroke="#333"/>')
-    parts.append(f'<text x="{left + plot_w}" y="{axis_y + 32}" text-anchor="end">time ({frame.unit})</text>')
+    parts.append(f'<text x="{left + plot_w}" y="{axis_y + 32}" text-anchor="end">time ({unit})</text>')
     return parts
 
 

@@ -148,19 +148,26 @@ def saved_state_keys(saved_keys, name: str) -> set[str]:
     return {k for k in rest if "." not in k and k != GROUP_KEY}
 
 
+def restore_objects(state: dict, holder: torch.Tensor, name: str, loaded: dict) -> None:
+    """Into ``state[holder]`` (the state of parameter ``name``, or of the range of it a sharded
+    optimizer owns) the stored values DCP does not fill in place (step counts and other objects);
+    no state at all when the checkpoint holds none for it (it had had no gradient when saved)."""
+    keys = [k for k in state[holder] if f"optim.{name}.{k}" in loaded]
+    if not keys:
+        state.pop(holder, None)
+    for key in keys:
+        value = loaded[f"optim.{name}.{key}"]
+        if not isinstance(value, (torch.Tensor, Pieces)):
+            state[holder][key] = value
+
+
 def apply_loaded(engine, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
     """After DCP filled ``loaded`` (``optimizer_targets``): the stored values into the state, each
     group's hyperparameters, and no state for a parameter the checkpoint holds none for (it had
     had no gradient yet when saved)."""
     groups_done = set()
     for name, p, group in named_params(engine, optimizer):
-        keys = [k for k in optimizer.state[p] if f"optim.{name}.{k}" in loaded]
-        if not keys:
-            optimizer.state.pop(p, None)
-        for key in keys:
-            value = loaded[f"optim.{name}.{key}"]
-            if not isinstance(value, (torch.Tensor, Pieces)):
-                optimizer.state[p][key] = value
+        restore_objects(optimizer.state, p, name, loaded)
         if id(group) not in groups_done:
             groups_done.add(id(group))
             set_hyperparameters(group, loaded[f"optim.{name}.{GROUP_KEY}"])

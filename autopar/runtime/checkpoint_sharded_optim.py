@@ -38,6 +38,7 @@ from autopar.runtime.checkpoint_optim import (
     GROUP_KEY,
     hyperparameters,
     missing_state_error,
+    restore_objects,
     saved_state_keys,
     set_hyperparameters,
     state_keys_errors,
@@ -187,13 +188,7 @@ def apply_loaded(engine, optimizer, loaded: dict) -> None:
     """After DCP filled ``loaded``: stored objects into the state, no state for a range the checkpoint
     holds none for, each group's options, and the master copies (read, or re-read from the parameters)."""
     for name, (_, _, view) in optimizer.owned.items():
-        keys = [k for k in optimizer.state[view] if f"optim.{name}.{k}" in loaded]
-        if not keys:
-            optimizer.state.pop(view, None)
-        for key in keys:
-            value = loaded[f"optim.{name}.{key}"]
-            if not isinstance(value, (torch.Tensor, Pieces)):
-                optimizer.state[view][key] = value
+        restore_objects(optimizer.state, view, name, loaded)
     first_name = {}
     for name, index in optimizer.group_of.items():
         first_name.setdefault(index, name)
