@@ -19,10 +19,11 @@ import torch
 
 from autopar.core.mesh import MeshShape
 from autopar.planning.measured import compare, read_trace
-from autopar.planning.measured_costs import BLOCKED_S, action_costs, compute_samples, received_messages
+from autopar.planning.measured_costs import (BLOCKED_S, action_costs, compute_samples, received_messages,
+                                             transfer_pairs)
 from autopar.planning.simulate import runtime_schedule
 from autopar.runtime.timeline import write_chrome_trace
-from autopar.schedules import Event, Sends, SimResult, simulate
+from autopar.schedules import Action, Event, Kind, Sends, SimResult, simulate
 
 PP2 = MeshShape(pp=2)
 
@@ -33,7 +34,7 @@ def _as_measured(sim: SimResult, offset: float = 0.0) -> dict[int, list[Event]]:
     simulator's ``wait`` then ``comm``) one ``wait`` event."""
     out: dict[int, list[Event]] = {}
     for s, acts in sim.schedule.actions.items():
-        events = [e for e in sim.events[s] if e.kind in ("F", "B")]
+        events = [e for e in sim.events[s] if e.kind in ("F", "B", "W")]
         t = 0
         while t < len(acts):
             if acts[t].is_comm:
@@ -64,13 +65,62 @@ def _known_costs(name: str, p: int, v: int, m: int, comm: float) -> SimResult:
 @pytest.mark.parametrize("name, v", [("1f1b", 1), ("interleaved", 2)])
 def test_costs_of_a_simulated_step_are_the_costs_it_was_simulated_with(name, v):
     sim = _known_costs(name, 2, v, 4, comm=0.25)
-    costs = action_costs([_as_measured(sim)], PP2)
+    costs = action_costs([_as_measured(sim)], PP2, sim.schedule.chunk_stages)
     assert costs.compute == {(k, c): (1.0 + c / 2) * (1 if k == "F" else 2) for k in "FB" for c in range(2 * v)}
     # every message whose consumer blocked timed the transfer exactly; the rest are bounded by it
     assert costs.blocked > 0
     assert all(t == pytest.approx(0.25) for t in costs.transfer.values()), costs.transfer
     again = simulate(sim.schedule, costs.cost_f, costs.cost_b, costs.comm, sends=Sends.POSTED)
     assert again.step_time == pytest.approx(sim.step_time)
+
+
+def _zero_bubble_costs(name: str, p: int, v: int, m: int, comm: float) -> SimResult:
+    """A zero-bubble step simulated with forward 1 + chunk / 2, input gradient (B) 1.25 + chunk / 2
+    and weight gradient (W) 0.75 + chunk / 4, ``comm`` per message."""
+    return simulate(runtime_schedule(name, p, v, m), lambda a: 1.0 + a.chunk / 2,
+                    lambda a: 2.0 + 3 * a.chunk / 4, comm, sends=Sends.POSTED, cost_w=lambda a: 0.75 + a.chunk / 4)
+
+
+@pytest.mark.parametrize("name, v", [("zb-h1", 1), ("zbv", 2)])
+def test_costs_of_a_zero_bubble_step_give_w_apart_and_pair_the_placements_stages(name, v):
+    sim = _zero_bubble_costs(name, 2, v, 4, comm=0.25)
+    stages = sim.schedule.chunk_stages
+    costs = action_costs([_as_measured(sim)], PP2, stages)
+    want = {("F", c): 1.0 + c / 2 for c in range(2 * v)} | {("B", c): 1.25 + c / 2 for c in range(2 * v)} \
+        | {("W", c): 0.75 + c / 4 for c in range(2 * v)}
+    assert costs.compute == pytest.approx(want) and costs.splits_backward
+    # the simulator's cost_b is the whole backward, B + W
+    assert costs.cost_b(Action(Kind.B, 0, 0)) == pytest.approx(2.0)
+    assert costs.simulate(sim.schedule).step_time == pytest.approx(sim.step_time)
+    # every message went between the stages that hold its producer's and its consumer's chunks (under
+    # ZB-V chunks 1 and 2 share stage 1 and 0 and 3 stage 0: the hop 1 -> 2 sends nothing)
+    pairs = transfer_pairs([_as_measured(sim)], PP2, stages)
+    want_pairs = {("F", c): {(stages[c], stages[c + 1])} for c in range(2 * v - 1) if stages[c] != stages[c + 1]}
+    want_pairs |= {("B", c): {(stages[c], stages[c - 1])} for c in range(1, 2 * v) if stages[c] != stages[c - 1]}
+    assert pairs == want_pairs
+    if name == "zbv":
+        assert pairs == {("F", 0): {(0, 1)}, ("F", 2): {(1, 0)}, ("B", 3): {(0, 1)}, ("B", 1): {(1, 0)}}
+        with pytest.raises(ValueError, match="waited for RF3.0, but the step has no batch posting RF3.0<0"):
+            action_costs([_as_measured(sim)], PP2, (0, 1, 0, 1))  # the interleaved c % p is not this run's
+
+
+def test_a_measured_step_without_its_schedules_w_is_refused():
+    sim = _zero_bubble_costs("zb-h1", 2, 1, 4, comm=0.0)
+    no_w = {r: [e for e in evs if e.kind != "W"] for r, evs in _as_measured(sim).items()}
+    with pytest.raises(ValueError, match="splits its backwards but the measured step has no W actions"):
+        action_costs([no_w], PP2, (0, 1)).simulate(sim.schedule)
+
+
+def test_a_failed_trace_write_leaves_the_file_that_was_there(tmp_path):
+    path = tmp_path / "trace.json"
+    write_chrome_trace([Event(0, "F", "F0.0", 0.0, 1.0)], str(path))
+    before = path.read_text()
+    with pytest.raises(ValueError, match=r"events of unknown kind \['X'\]"):
+        write_chrome_trace([Event(0, "X", "X0.0", 0.0, 1.0)], str(path))
+    assert path.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
+    with pytest.raises(ValueError):
+        write_chrome_trace([Event(0, "X", "X0.0", 0.0, 1.0)], str(tmp_path / "new.json"))
+    assert not (tmp_path / "new.json").exists()
 
 
 def test_occupancy_includes_the_batch_posted_after_an_action():
@@ -87,14 +137,14 @@ def test_a_receives_wait_splits_into_the_peers_lateness_and_the_transfer():
             1: [Event(1, "comm", "RF1.0<0", 0.0, 0.1), Event(1, "wait", "RF1.0", 0.1, 1.5),
                 Event(1, "F", "F1.0", 1.5, 1.9), Event(1, "comm", "RF1.1<0", 1.9, 2.0),
                 Event(1, "wait", "RF1.1", 2.0, 2.0 + BLOCKED_S / 10), Event(1, "F", "F1.1", 2.0, 2.4)]}
-    first, second = received_messages(step, PP2)
+    first, second = received_messages(step, PP2, (0, 1))
     assert (first.name, first.produced, first.microbatch) == ("RF1.0", ("F", 0), 0)
     assert first.blocked and first.posted == pytest.approx(1.2)
     assert first.peer_late == pytest.approx(1.1) and first.in_flight == pytest.approx(0.3)
     assert first.since_posted == pytest.approx(0.3)
     # already there when asked: arrived between both posted (2.0) and asked (2.0): a bound only
     assert not second.blocked and second.since_posted == pytest.approx(0.0)
-    costs = action_costs([step], PP2)
+    costs = action_costs([step], PP2, (0, 1))
     assert costs.transfer == {("F", 0): pytest.approx(0.3)} and (costs.blocked, costs.received) == (1, 2)
 
 
@@ -102,7 +152,7 @@ def test_a_step_without_its_partners_batch_is_refused():
     step = {0: [Event(0, "F", "F0.0", 0.0, 1.0)],
             1: [Event(1, "comm", "RF1.0<0", 0.0, 0.1), Event(1, "wait", "RF1.0", 0.1, 1.5)]}
     with pytest.raises(ValueError, match=r"rank 1 waited for RF1.0, but .* SF0.0>1 on rank 0"):
-        received_messages(step, PP2)
+        received_messages(step, PP2, (0, 1))
 
 
 def _metadata(schedule, steps) -> dict:
@@ -229,3 +279,65 @@ def test_simulator_fed_the_runs_costs_predicts_the_measured_step(traces):
         assert len(comp.per_step) == STEPS - 1
         assert abs(comp.replay_ratio - 1) <= 0.15, comp.summary()
         assert abs(comp.per_step_ratio - 1) <= 0.35, comp.summary()
+
+
+# ------------------------------------------------------------ zero-bubble schedules on two ranks
+
+ZB_CASES = (("zbv", 2), ("zb-h1", 1))
+ZB_STEPS, ZB_M = 3, 4
+
+
+def _train_zero_bubble_and_trace(directory: str) -> list[str]:
+    import autopar
+    from autopar.reference.models import build
+
+    paths = []
+    for name, v in ZB_CASES:
+        torch.manual_seed(0)
+        model = build("gpt", vocab_size=128, seq_len=16, n_layer=4, n_head=2, d_model=32)
+        tokens = torch.randint(0, 128, (2 * ZB_M, 17), generator=torch.Generator().manual_seed(0))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        program = autopar.parallelize(model, pp=2, virtual_stages=v, microbatches=ZB_M, schedule=name,
+                                      example_inputs=(x[:2],), example_targets=y[:2])
+        engine = program.materialize()
+        for _ in range(ZB_STEPS):
+            engine.train_step(x, y)
+        paths.append(f"{directory}/{name}.json")
+        engine.write_trace(paths[-1], steps=ZB_STEPS)
+    return paths
+
+
+@pytest.mark.multiprocess
+def test_zero_bubble_traces_are_written_and_simulated(tmp_path_factory, capsys):
+    from helpers import spawn_ranks
+
+    from autopar.cli import main
+
+    paths = spawn_ranks(_train_zero_bubble_and_trace, 2, str(tmp_path_factory.mktemp("zero-bubble")))[0]
+    for (name, v), path in zip(ZB_CASES, paths):
+        run = read_trace(path)
+        stages = run.schedule.chunk_stages
+        assert run.schedule == runtime_schedule(name, 2, v, ZB_M) and sorted(run.steps) == list(range(ZB_STEPS))
+        assert json.loads(open(path).read())["autopar"]["chunk_stages"] == list(stages)
+        for step in run.steps.values():
+            for events in step.values():  # every F, B and W of the rank, once
+                assert sorted({k[0] for k in compute_samples(events)}) == ["B", "F", "W"]
+                assert len(compute_samples(events)) == 3 * v * ZB_M
+        comp = compare(run)
+        assert {k for k in comp.costs.compute if k[0] == "W"} == {("W", c) for c in range(2 * v)}
+        assert all(t > 0 for t in comp.costs.compute.values())
+        # each message went from the stage of its producer's chunk to the stage of its consumer's
+        pairs = transfer_pairs(list(run.steps.values()), run.shape, stages)
+        want = {("F", c): {(stages[c], stages[c + 1])} for c in range(2 * v - 1) if stages[c] != stages[c + 1]}
+        want |= {("B", c): {(stages[c], stages[c - 1])} for c in range(1, 2 * v) if stages[c] != stages[c - 1]}
+        assert pairs == want
+        svg = tmp_path_factory.mktemp("pictures") / f"{name}.svg"
+        assert main(["simulate", "--measured", path, "--svg", str(svg)]) == 0
+        picture = svg.read_text()
+        assert "weight gradient (W)" in picture and ">rank 1 (predicted)<" in picture
+        both = json.loads(open(path.replace(".json", "-vs-predicted.json")).read())["traceEvents"]
+        # W events in both rows of each rank, measured (pid < 2) and predicted, each with its duration
+        for pids in ({0, 1}, {2, 3}):
+            ws = [x for x in both if x.get("cat") == "W" and x["pid"] in pids]
+            assert len(ws) == 2 * v * ZB_M and all(x["dur"] > 0 for x in ws)
+    assert "predicted / measured" in capsys.readouterr().out

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from autopar.core.mesh import MeshShape
 from autopar.planning.measured_costs import ActionCosts, Step, action_costs, received_messages
-from autopar.schedules import Event, Schedule, Sends, SimResult, parse_grid, simulate
+from autopar.schedules import Event, Schedule, SimResult, parse_grid
 
 __all__ = ["TRACE_FORMAT", "MeasuredRun", "read_trace", "StepComparison", "Comparison", "compare", "step_time"]
 
@@ -71,7 +71,15 @@ def read_trace(path: str) -> MeasuredRun:
                for k in sorted(steps)}
     sizes = {d: {int(c): n for c, n in meta.get("message_bytes", {}).get(d, {}).items()}
              for d in ("forward", "backward")}
-    return MeasuredRun(parse_grid(meta["grid"]), shape, ordered, sizes)
+    schedule = parse_grid(meta["grid"])
+    recorded = meta.get("chunk_stages")
+    if recorded is not None and tuple(recorded) != schedule.chunk_stages:
+        raise ValueError(f"{path}: its chunk placement {recorded} is not its schedule's ({schedule.name}, "
+                         f"{schedule.placement} placement: {list(schedule.chunk_stages)}): the file was edited or "
+                         f"written by another version; write the trace again with engine.write_trace")
+    if shape.pp != schedule.p:
+        raise ValueError(f"{path}: the mesh has pp={shape.pp} but the schedule {schedule.name} p={schedule.p}")
+    return MeasuredRun(schedule, shape, ordered, sizes)
 
 
 def step_time(step: Step) -> float:
@@ -80,7 +88,7 @@ def step_time(step: Step) -> float:
 
 
 def _simulate(schedule: Schedule, costs: ActionCosts) -> SimResult:
-    return simulate(schedule, costs.cost_f, costs.cost_b, costs.comm, sends=Sends.POSTED)
+    return costs.simulate(schedule)
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,8 @@ class Comparison:
         each receive's wait split into waiting for the peer (``wait``) and the transfer (``comm``)."""
         events = self.run.steps[self.shown_step if step is None else step]
         zero = min(e.start for evs in events.values() for e in evs)
-        split = {(r.rank, r.name): r for r in received_messages(events, self.run.shape)}
+        split = {(r.rank, r.name): r for r in received_messages(events, self.run.shape,
+                                                                 self.run.schedule.chunk_stages)}
         out: dict[int, list[Event]] = {}
         for rank, evs in events.items():
             out[rank] = [replace(x, start=x.start - zero, end=x.end - zero)
@@ -188,7 +197,7 @@ def compare(run: MeasuredRun, warmup: int = 1) -> Comparison:
         raise ValueError(f"the trace holds {len(run.steps)} step(s) and the first {warmup} are a warm-up: "
                          f"record more training steps (engine.write_trace(path, steps=k) writes the last k)")
     steps: Sequence[Step] = [run.steps[k] for k in keys]
-    costs = action_costs(steps, run.shape)
+    costs = action_costs(steps, run.shape, run.schedule.chunk_stages)
     per_step = [_compare_step(run, k) for k in keys]
     return Comparison(run, costs, _simulate(run.schedule, costs), per_step)
 
@@ -197,6 +206,7 @@ def _compare_step(run: MeasuredRun, k: int) -> StepComparison:
     """Step ``k`` measured, simulated with its own costs (means over its microbatches: a rank
     descheduled inside one action still counts) and replayed with each action's time."""
     step = [run.steps[k]]
-    medians = _simulate(run.schedule, action_costs(step, run.shape, average=statistics.fmean))
-    replay = _simulate(run.schedule, action_costs(step, run.shape, per_microbatch=True))
+    stages = run.schedule.chunk_stages
+    medians = _simulate(run.schedule, action_costs(step, run.shape, stages, average=statistics.fmean))
+    replay = _simulate(run.schedule, action_costs(step, run.shape, stages, per_microbatch=True))
     return StepComparison(k, step_time(run.steps[k]), float(medians.step_time), float(replay.step_time))

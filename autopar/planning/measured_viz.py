@@ -4,7 +4,8 @@ Two bands on one time axis: the measured step (the run's median step, every
 rank on one clock, each receive's wait split into waiting for the peer and
 the transfer) and the same schedule simulated with the run's per-action
 costs, rank by rank, in the colours of ``viz.py`` (forward blue, backward
-green, transfer dark grey, waiting for the partner hatched, bubble pale red).
+green, a zero-bubble schedule's weight gradient orange, transfer dark grey,
+waiting for the partner hatched, bubble pale red).
 Above them, a line with both step times and their ratio.
 """
 
@@ -48,7 +49,7 @@ def comparison_svg(comp: Comparison, title: str = "", width: int = 1400) -> str:
     parts.append(f'<text x="{_LEFT}" y="{top + band_h + _BAND_GAP - 10}" fill="#444" font-weight="bold">'
                  f'predicted: {escape(comp.run.schedule.name)} simulated with the measured per-action costs '
                  f'(posted sends)</text>')
-    parts += _svg_legend(max(comp.run.schedule.v, 1), _LEFT, axis_y + 52)
+    parts += _svg_legend(max(comp.run.schedule.v, 1), _LEFT, axis_y + 52, split=comp.run.schedule.splits_backward)
     parts.append("</svg>")
     return "\n".join(parts)
 

@@ -8,13 +8,15 @@ training steps in a :class:`StepHistory`.
 
 ``write_chrome_trace`` writes events as the Trace Event JSON that
 chrome://tracing and ui.perfetto.dev open: one row per rank, forward and
-backward named like the schedule (``F2.0``, ``B2.0``). A trace the engine
+backward named like the schedule (``F2.0``, ``B2.0``; a zero-bubble schedule's
+weight gradients ``W2.0``). A trace the engine
 writes (``engine.write_trace(path, steps=k)``) holds ``k`` steps of every
 rank on one clock (each rank's ``perf_counter`` shifted to rank 0's, the
 offset measured right after barriers: :func:`clock_offset`), every event
 tagged with its step (``args.step``), and a top-level ``"autopar"`` object
 (:func:`trace_metadata`): the schedule every rank ran (its grid text), p, v,
-m, the mesh and the bytes of each stage-to-stage message, so
+m, the stage of each chunk (``chunk_stages``: ``c % p``, or ZB-V's V), the
+mesh and the bytes of each stage-to-stage message, so
 ``autopar simulate --measured`` can simulate the same step and lay the
 prediction beside the measurement. ``Event`` is the one event record of
 ``autopar.schedules`` (the simulator's), re-exported here for the engine.
@@ -22,7 +24,9 @@ prediction beside the measurement. ``Event`` is the one event record of
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import time
 from collections import deque
@@ -134,7 +138,8 @@ def trace_metadata(program: Program, mesh: Mesh) -> dict[str, Any]:
     chunks = program.split.chunks
     return {
         "format": TRACE_FORMAT, "schedule": sched.name, "p": sched.p, "v": sched.v, "m": sched.m,
-        "grid": sched.format_grid(), "tp": tp, "dp": shape.dp, "pp": shape.pp, "world": shape.world,
+        "grid": sched.format_grid(), "chunk_stages": list(sched.chunk_stages),
+        "tp": tp, "dp": shape.dp, "pp": shape.pp, "world": shape.world,
         "stage_of_rank": [shape.coords(r)[0] for r in range(shape.world)],
         "message_bytes": {"forward": {str(c.index): sent(c.outputs, False) for c in chunks if c.outputs},
                           "backward": {str(c.index): sent(c.inputs, True) for c in chunks if c.index > 0}},
@@ -142,7 +147,9 @@ def trace_metadata(program: Program, mesh: Mesh) -> dict[str, Any]:
     }
 
 
-_COLORS = {"F": "good", "B": "terrible", "comm": "grey", "wait": "grey"}
+_COLORS = {"F": "good", "B": "terrible", "W": "yellow", "comm": "grey", "wait": "grey"}
+"""Trace viewer colour names per event kind (forward, backward or input gradient, weight gradient,
+a batch of sends/receives, a wait for a received tensor)."""
 
 
 def chrome_trace(events: Sequence[Event], *, steps: Sequence[int] | None = None,
@@ -156,6 +163,10 @@ def chrome_trace(events: Sequence[Event], *, steps: Sequence[int] | None = None,
         trace.append({"name": "process_name", "ph": "M", "pid": rank,
                       "args": {"name": names.get(rank, f"rank {rank}")}})
         trace.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": order}})
+    unknown = sorted({e.kind for e in events} - set(_COLORS))
+    if unknown:
+        raise ValueError(f"events of unknown kind {unknown} (known: {', '.join(_COLORS)}): an event is an F, B "
+                         f"or W action, a batch of sends/receives ('comm') or a wait for a received tensor")
     for i, e in enumerate(events):
         item = {"name": e.name, "cat": e.kind, "ph": "X", "pid": e.rank, "tid": 0,
                 "ts": float(e.start) * 1e6, "dur": max(float(e.end - e.start), 0.0) * 1e6,
@@ -171,9 +182,20 @@ def chrome_trace(events: Sequence[Event], *, steps: Sequence[int] | None = None,
 
 def write_chrome_trace(events: Sequence[Event], path: str, **kwargs: Any) -> None:
     """Write ``chrome_trace(events, **kwargs)`` as JSON: measured events, or a simulated
-    step's (``[e for evs in sim.events.values() for e in evs]``, times in its costs' units)."""
-    with open(path, "w") as f:
-        json.dump(chrome_trace(events, **kwargs), f)
+    step's (``[e for evs in sim.events.values() for e in evs]``, times in its costs' units).
+
+    The trace is built whole, written to a temporary file beside ``path`` and renamed onto it:
+    a failure leaves no file, or the one that was there, never an empty or partial trace."""
+    text = json.dumps(chrome_trace(events, **kwargs))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def aligned_steps(per_rank: Sequence[tuple[int, float, list[StepTimeline]]]) -> tuple[list[Event], list[int]]:
