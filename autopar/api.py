@@ -78,6 +78,7 @@ def parallelize(
     recompute: str = "none",
     precision: str = "fp32",
     sequence_parallel: bool | None = False,
+    loss_reduction: str = "tokens",
 ) -> ParallelProgram:
     """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
@@ -97,6 +98,11 @@ def parallelize(
     None turns it on when tp > 1 and the tokens split t ways after every all-reduce; True asks for
     it (an error if tp = 1 or tp does not divide the token dim); False (the default) leaves it off:
     on CPU gloo ranks it measured slower (``bench/memory_features.py``).
+
+    ``loss_reduction``: 'tokens' (the default) gives the one-device loss of the global batch when the
+    loss is a mean cross-entropy / nll with an ignore_index: each microbatch's mean is weighted by its
+    share of the counted targets (padding and masks included); 'microbatch' averages the microbatch
+    means (``docs/training.md``).
     """
     if example_inputs is None:
         raise ValueError("parallelize() needs example_inputs: one microbatch with the real shapes")
@@ -106,7 +112,7 @@ def parallelize(
         tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches or pp,
         schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,
         scatter_gather=scatter_gather, recompute=recompute, precision=precision,
-        sequence_parallel=sequence_parallel)
+        sequence_parallel=sequence_parallel, loss_reduction=loss_reduction)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     return compile_program(model, config, example_inputs, example_targets, loss_fn, output_fn,

@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.compiler.batch_roles import BatchRoles, find_batch_roles
 from autopar.compiler.local_shapes import param_local_shape, propagate_local_shapes
 from autopar.compiler.report import render_summary
 from autopar.compiler.tp_traffic import tp_traffic
@@ -107,6 +108,9 @@ class Program:
     """Parameters read on more than one stage -> those stages."""
     sequence: SequenceParallelPlan | None = None
     """What runs split along the tokens (sequence parallelism); None when it is off."""
+    batch_roles: BatchRoles | None = field(default=None)
+    """What the batch tensors are to the traced graph: ids and the tables they index, the token-mean
+    loss (``compiler/batch_roles.py``); read from the traced graph when the program is built."""
 
     @property
     def pp(self) -> int:
@@ -326,6 +330,8 @@ class Program:
         return render_summary(self)
 
     def __post_init__(self):
+        if self.batch_roles is None:
+            object.__setattr__(self, "batch_roles", find_batch_roles(self.traced))
         object.__setattr__(self, "_phs", {n.name: n for n in self.traced.gm.graph.nodes if n.op == "placeholder"})
         object.__setattr__(self, "_placeholder_of", {v: k for k, v in self.traced.param_of.items()})
 

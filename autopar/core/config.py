@@ -13,7 +13,7 @@ from enum import Enum
 
 from autopar.core.mesh import MeshShape
 
-__all__ = ["ParallelConfig", "Recompute", "RECOMPUTE", "PRECISIONS", "SCHEDULE_NAMES", "SPLIT_BACKWARD_SCHEDULES",
+__all__ = ["ParallelConfig", "Recompute", "RECOMPUTE", "PRECISIONS", "LOSS_REDUCTIONS", "SCHEDULE_NAMES", "SPLIT_BACKWARD_SCHEDULES",
            "FEWER_MICROBATCHES_THAN_STAGES", "microbatch_errors", "size_errors", "sequence_parallel_errors",
            "mesh_errors", "optimizer_bytes_per_param"]
 
@@ -34,6 +34,8 @@ class Recompute(str, Enum):
 
 RECOMPUTE: tuple[str, ...] = tuple(r.value for r in Recompute)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+LOSS_REDUCTIONS: tuple[str, ...] = ("tokens", "microbatch")
+"""How a step's microbatch losses make its loss (``ParallelConfig.loss_reduction``)."""
 SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 """Pipeline schedules the generators know (``autopar.schedules.generate``)."""
 SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("zb-h1", "zbv")
@@ -169,11 +171,21 @@ class ParallelConfig:
     Off by default because on CPU gloo ranks, the only ones measured so far, it makes the tp=2 step
     slower (``bench/memory_features.py``, ``docs/sequence-parallel.md``); it cuts the activations
     kept by about (t-1)/t of the replicated region whatever the device."""
+    loss_reduction: str = "tokens"
+    """How the step's loss is made of its microbatches' (``docs/training.md``). 'tokens': when the traced
+    loss is a mean-reduced cross-entropy / nll over targets with an ignore_index, microbatch i's loss
+    is weighted by n_i / N (its counted targets over those of the whole global batch, every replica's),
+    which is the one-device loss and gradient of the global batch whatever the padding; any other loss
+    weights the microbatches equally. 'microbatch': always equally (the mean of the microbatch means)."""
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
         object.__setattr__(self, "recompute", Recompute(self.recompute))
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {list(LOSS_REDUCTIONS)}, got {self.loss_reduction!r}: "
+                             f"'tokens' (the default) averages a token loss over every counted target of the "
+                             f"global batch, as one device does; 'microbatch' averages the microbatch means")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         for name in ("tp", "pp", "virtual_stages", "microbatches"):

@@ -12,8 +12,9 @@ maps each action kind to its handler, the same in both steps:
 
 - ``F c.i``  forward of chunk c on microbatch i; in a training step, inputs that
              arrived from the previous stage become leaves that require grad
-             and the context is kept until ``B c.i`` (the last chunk scales its
-             loss by 1/m); in an evaluation step nothing is kept;
+             and the context is kept until ``B c.i`` (the last chunk weights its
+             loss: by n_i / N, its share of the counted targets, for a token loss;
+             ``runtime/loss_weights.py``); in an evaluation step nothing is kept;
 - ``B c.i``  backward of the kept outputs with the received output gradients;
              the gradients of the inputs are what the previous stage needs;
              with ``split_backward`` on, the input gradients only (B), the
@@ -73,9 +74,11 @@ from autopar.core.comm import (TPGroup, _all_gather, keeping_gathered_slices, re
                                whole_from_shards)
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
+from autopar.runtime.batch_checks import agree, cast_dtypes, find_id_problem, id_error
 from autopar.runtime.device_graphs import on_device
 from autopar.runtime.export import RankHoldings, save_pretrained
 from autopar.runtime.gradients import GradientSync
+from autopar.runtime.loss_weights import StepWeights, equal_weights, step_weights, token_counts
 from autopar.runtime.split_backward import SplitBackward
 from autopar.runtime.state_keys import state_sources, untraced_value
 from autopar.runtime.timeline import (Event, StepHistory, aligned_steps, clock_offset, gather_objects,
@@ -178,13 +181,15 @@ class StepState:
     m: int
     """Microbatches per step."""
     loss_sum: torch.Tensor
-    """Float64 scalar: the sum of the last chunk's microbatch losses."""
+    """Float64 scalar: the sum of the last chunk's microbatch losses, each times its weight."""
     param_ptrs: set[int]
     """Storage addresses of the parameters: weights autograd saves are not activations."""
+    weights: StepWeights | None = None
+    """Each microbatch's weight in the loss and the backward's seed (``runtime/loss_weights.py``)."""
     events: list[Event] = field(default_factory=list)
     """Measured timeline of the step (``engine.events``)."""
     ctx: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
-    """F done, B pending: (the chunk's inputs as leaves, its outputs; the last chunk's: [loss / m])."""
+    """F done, B pending: (the chunk's inputs as leaves, its outputs; the last chunk's: [loss * seed])."""
     outgoing: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     """F done, SF pending: the outputs to send to the next chunk's stage."""
     saved: dict[Key, int] = field(default_factory=dict)
@@ -460,8 +465,9 @@ class RankEngine(nn.Module):
 
     def _new_step(self, batch, schedule: Schedule, training: bool) -> StepState:
         """The state of a step over ``batch``; resets ``stats`` and ``events`` to this step's."""
-        st = StepState(schedule=schedule, training=training, micro=self._microbatches(batch),
-                       m=self.program.microbatches,
+        micro, whole = self._microbatches(batch)
+        st = StepState(schedule=schedule, training=training, micro=micro, m=self.program.microbatches,
+                       weights=self._step_weights(batch, micro, whole),
                        loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
                        param_ptrs={p.data_ptr() for p in self.shards.values()})
         self.stats = {"bytes_sent": defaultdict(int), "peak_in_flight": 0, "peak_activation_bytes": 0}
@@ -531,11 +537,14 @@ class RankEngine(nn.Module):
                    f"(stage {self.stage}, {where}, marked [..] below): {type(e).__name__}: {e}\n{grid}")
         return ActionError(message, self.mesh.rank, coords, actions, marks)
 
-    def _microbatches(self, batch) -> list[list[torch.Tensor]]:
-        """[microbatch][input or target]: this replica's slices, on the engine's device.
+    def _microbatches(self, batch) -> tuple[list[list[torch.Tensor]], bool]:
+        """([microbatch][input or target]: this replica's slices, on the engine's device; whether the
+        batch is the global one).
 
         Each tensor is the global batch (leading size d*m*b: this replica's rows are kept) or this
         replica's own (m*b); all of the batch's tensors the same way (one and the same when d = 1).
+        Each has its traced dtype, or is an integer tensor the graph uses as indices only, cast to it
+        (``runtime/batch_checks.py``).
         """
         traced = self.program.traced
         names = traced.input_names + traced.target_names
@@ -551,13 +560,14 @@ class RankEngine(nn.Module):
                               for n, x, g in zip(names, batch, whole))
             raise ValueError(f"the batch mixes the global batch and this replica's ({kinds}): pass every "
                              f"input and target the same way, all global or all this replica's")
+        batch = cast_dtypes(names, batch, [phs[name].meta["val"].dtype for name in names], self.program.batch_roles)
         out = [[] for _ in range(m)]
         for x, want, is_global in zip(batch, wants, whole):
             start = self.dp_rank * want[0] * m if is_global else 0
             mine = x.narrow(0, start, want[0] * m).to(self.device)
             for i, piece in enumerate(mine.split(want[0], dim=0)):
                 out[i].append(piece)
-        return out
+        return out, whole[0]
 
     def _is_global_batch(self, name: str, shape: tuple[int, ...], want: tuple[int, ...]) -> bool:
         """Whether batch tensor ``name`` of ``shape`` is the global batch (True) or this replica's
@@ -575,6 +585,33 @@ class RankEngine(nn.Module):
                         f"the example microbatch's shape), or {replica}, this replica's own batch "
                         f"({m} microbatch(es) of {want}; replica {self.dp_rank} of {d})")
         raise ValueError(f"batch tensor '{name}' has shape {shape}, but the program expects {expected}")
+
+    def _step_weights(self, batch, micro: list[list[torch.Tensor]], whole: bool) -> StepWeights:
+        """Ids checked against what they index and the microbatches' weights, before the step's first action.
+
+        The ids of ``batch`` as passed (the global batch on every rank, or this replica's own) are
+        checked with a min/max each; a token loss counts each microbatch's targets. With this
+        replica's own batch and d > 1, one all-gather over dp of a few numbers gives every rank the
+        count N of the global batch and any replica's problem, so every rank raises alike (with the
+        global batch every rank checked all of it)."""
+        roles, d, m = self.program.batch_roles, self.dp_size, self.program.microbatches
+        traced = self.program.traced
+        names = traced.input_names + traced.target_names
+        problem = find_id_problem(roles.ids, dict(zip(names, batch)))
+        if problem is not None and whole:
+            raise id_error(problem, roles, whole, d)
+        tokens = roles.loss is not None and self.program.config.loss_reduction == "tokens"
+        counts = []
+        if tokens:
+            if "_loss_targets" not in self.__dict__:  # a plain attribute, not a submodule of the engine
+                self.__dict__["_loss_targets"] = on_device(roles.loss.targets, self.device)
+            counts = token_counts(roles.loss, self.__dict__["_loss_targets"], [dict(zip(names, mb)) for mb in micro])
+        total = sum(counts)
+        if d > 1 and (tokens or (roles.ids and not whole)):
+            problem, total = agree(problem, total, self.mesh.groups["dp"], d, self.device)
+        if problem is not None:
+            raise id_error(problem, roles, whole, d)
+        return step_weights(counts, total, d) if tokens else equal_weights(m, d)
 
     def _chunk_args(self, chunk: "Chunk", micro_i: list[torch.Tensor], inputs: list[torch.Tensor]) -> list:
         """The chunk's graph arguments: the tp group, its parameter shards, its feeds, its inputs."""
@@ -599,8 +636,10 @@ class RankEngine(nn.Module):
                                           for t, b in zip(st.take(Kind.RECV_F, key), chunk.inputs)]
         outs = self._run_chunk(st, key, self._chunk_args(chunk, st.micro[a.microbatch], inputs))
         if a.chunk == self.program.split.n - 1:
-            st.loss_sum += outs[0].detach().double()
-            outs = [outs[0] / st.m]  # what the backward differentiates
+            weight = st.weights.loss[a.microbatch]
+            if weight:  # 0: a microbatch that counts no target (its mean is 0/0) adds nothing
+                st.loss_sum += outs[0].detach().double() * weight
+            outs = [outs[0] * st.weights.seed[a.microbatch]]  # what the backward differentiates
         elif (a.chunk + 1) in self.chunks:  # next chunk on this stage: hand over directly
             st.fwd_in[(a.chunk + 1, a.microbatch)] = [o.detach().to(b.dtype) for o, b in zip(outs, chunk.outputs)]
         else:
@@ -647,8 +686,9 @@ class RankEngine(nn.Module):
         inputs, outs = st.ctx.pop(key)
         st.saved.pop(key, None)
         chunk = self.chunks[a.chunk]
-        if a.chunk == self.program.split.n - 1:
-            tensors, grads = outs, [None]
+        last = a.chunk == self.program.split.n - 1
+        if last:  # seed 0 (a microbatch that counts no target): nothing to differentiate, zero gradients
+            tensors, grads = (outs, [None]) if st.weights.seed[a.microbatch] else ([], [])
         else:
             got = st.take(Kind.RECV_B, key)
             pairs = [(o, g) for o, g, b in zip(outs, got, chunk.outputs) if b.requires_grad and o.requires_grad]
@@ -662,6 +702,8 @@ class RankEngine(nn.Module):
             if tensors:
                 torch.autograd.backward(tensors, grads)
             in_grads = [x.grad if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
+        if last and not tensors:
+            in_grads = [torch.zeros_like(x) if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
         st.b_done[a.chunk] += 1
         if st.b_done[a.chunk] == st.m and not self.split_backward:
             self.grads.start(self._ready_after.get(a.chunk, []))
@@ -787,14 +829,14 @@ class RankEngine(nn.Module):
         return self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
 
     def _reduce_loss(self, st: StepState) -> float:
-        """The mean loss: from the last stage to the others, averaged over the replicas."""
-        loss = (st.loss_sum / st.m).float().reshape(1)
+        """The step's loss: the weighted sum of the microbatch losses (``runtime/loss_weights.py``), from
+        the last stage to the others, summed over the replicas (their weights sum to one)."""
+        loss = st.loss_sum.reshape(1)
         if self.mesh.shape.pp > 1:  # the stage of the last chunk (stage 0 in ZB-V's V)
             last = self.mesh.peer(self.program.stage_of_chunk(self.program.split.n - 1))
             dist.broadcast(loss, src=last, group=self.mesh.groups["pp"])
         if self.mesh.shape.dp > 1:
             dist.all_reduce(loss, group=self.mesh.groups["dp"])
-            loss /= self.mesh.shape.dp
         return float(loss)
 
     def write_trace(self, path: str, steps: int | None = 1) -> None:
