@@ -10,7 +10,11 @@ and its fused segments put back in the model's order, then streamed to the file.
 What is written is the model's own ``state_dict()`` (``state_keys``): its names
 and unpadded shapes, persistent buffers, not non-persistent ones (a rotary
 ``inv_freq``), and HuggingFace's rules for tied weights and ignored keys
-(``hf_layout``). A parameter that several stages read (a tied embedding and LM
+(``hf_layout``); then, for a HuggingFace model, under the names and in the
+layout its own ``save_pretrained`` writes: transformers' checkpoint conversion
+reversed (``hf_conversion.saved_view``; GPT-NeoX's ``lm_head`` is written as
+``embed_out``, stacked experts one tensor each). A written tensor made of
+several of the model's is written by their stage (they must share one). A parameter that several stages read (a tied embedding and LM
 head on the first and last stages) is written once, by the first of them; a
 buffer by the first stage that reads it. Global rank 0 writes the index (p > 1)
 and ``config.json`` / ``generation_config.json`` for a HuggingFace model.
@@ -46,6 +50,7 @@ from autopar.runtime.hf_layout import (
     write_configs,
     write_index,
 )
+from autopar.runtime.hf_conversion import Lazy, Leaf, Reads, Region, saved_view
 from autopar.runtime.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
 from autopar.runtime.state_keys import StateSource, state_sources, untraced_value
 
@@ -76,13 +81,13 @@ class RankHoldings:
 def save_pretrained(path: str, rank: RankHoldings) -> list[str]:
     """Write the HuggingFace directory ``path``; the names of the files this rank wrote."""
     program, mesh, path = rank.program, rank.mesh, str(path)
-    files, sources = stage_files(program)
+    files, values = stage_files(program)
     writer = mesh.dp_rank == 0 and mesh.tp_rank == 0
     _raise_if_any(check_output_dir(path) if writer else None, ValueError)
     written, error = [], None
     if mesh.dp_rank == 0:
         file = files[mesh.pp_rank]
-        error = _write_file(os.path.join(path, file.name), file, lambda e: _whole(rank, sources[e.name]), writer)
+        error = _write_file(os.path.join(path, file.name), file, _file_values(rank, file, values), writer)
         written = [file.name] if writer and error is None else []
     if _global_rank() == 0 and error is None:
         error, extra = _guarded(_write_directory_files, path, program, files)
@@ -91,24 +96,59 @@ def save_pretrained(path: str, rank: RankHoldings) -> list[str]:
     return written
 
 
-def stage_files(program: "Program") -> tuple[list[HFFile], dict[str, StateSource]]:
+def stage_files(program: "Program") -> tuple[list[HFFile], dict[str, Lazy]]:
     """One file per pipeline stage, each with the tensors its stage writes in the model's key
-    order; and tensor name -> where its value lives. Tied duplicates and ignored keys left out."""
+    order; and written name -> its value over the model's tensors (each a ``Leaf`` whose ``info``
+    is its ``StateSource``). Tied duplicates and ignored keys left out; names and shapes as
+    ``save_pretrained`` writes them."""
     model = program.model
     skip = ignored_on_save(model)
     patterns = tied_weight_patterns(model)
     for names in program.traced.aliases.values():
         skip.update(tied_duplicates(names, patterns))
+    kept = {}
+    for source in state_sources(program):
+        if source.key not in skip:
+            check_dtype(source.key, source.dtype)
+            kept[source.key] = Leaf(source.key, torch.empty(source.shape, dtype=source.dtype, device="meta"), source)
+    values = saved_view(model, kept)
     p = program.pp
     by_stage: list[list[TensorEntry]] = [[] for _ in range(p)]
-    sources = {}
-    for source in state_sources(program):
-        if source.key in skip:
-            continue
-        check_dtype(source.key, source.dtype)
-        by_stage[_writing_stage(program, source)].append(TensorEntry(source.key, source.shape, source.dtype))
-        sources[source.key] = source
-    return [HFFile(weight_file_name(s + 1, p), tuple(entries)) for s, entries in enumerate(by_stage)], sources
+    for name, value in values.items():
+        leaves = value.leaves()
+        stages = sorted({_writing_stage(program, leaf.info) for leaf in leaves})
+        if len(stages) > 1:
+            raise ValueError(f"'{name}' is saved as one tensor made of {[leaf.key for leaf in leaves]}, which "
+                             f"pipeline stages {stages} hold: save_pretrained writes each stage's tensors on that "
+                             "stage; export a checkpoint instead (engine.save, then autopar export --to-hf)")
+        check_dtype(name, value.dtype)
+        by_stage[stages[0]].append(TensorEntry(name, tuple(value.shape), value.dtype))
+    return [HFFile(weight_file_name(s + 1, p), tuple(entries)) for s, entries in enumerate(by_stage)], values
+
+
+def _file_values(rank: RankHoldings, file: HFFile, values: dict[str, Lazy]) -> Callable[[TensorEntry], torch.Tensor]:
+    """Each entry's whole value, asked for in the file's order: a model tensor that several
+    written ones are made of is made whole once (gathered over tp) and kept until the last of them."""
+    position = {e.name: i for i, e in enumerate(file.entries)}
+    last_use = {leaf.key: position[e.name] for e in file.entries for leaf in values[e.name].leaves()}
+    held: dict[str, torch.Tensor] = {}
+
+    def fetch(leaf: Leaf, region: Region | None) -> torch.Tensor:
+        if leaf.key not in held:
+            held[leaf.key] = _whole(rank, leaf.info)
+        value = held[leaf.key]
+        return value if region is None else value[tuple(slice(a, b) for a, b in region)]
+
+    reads = Reads(fetch)
+
+    def whole(entry: TensorEntry) -> torch.Tensor:
+        try:
+            return values[entry.name].whole(reads)
+        finally:
+            for key in [k for k in held if last_use[k] <= position[entry.name]]:
+                del held[key]
+
+    return whole
 
 
 def _writing_stage(program: "Program", source: StateSource) -> int:

@@ -18,9 +18,11 @@ The checkpoint contract read here (the checkpoint writer's):
   persistent buffer, whole, with the model's shapes (``optim.*`` is not read).
 
 The file layout and the rules for tied weights and ignored keys are
-``hf_layout``'s. For them, and for ``config.json``, the model is built from
-``hf_config`` on the meta device (no memory); files are cut by size, as
-``save_pretrained``'s ``max_shard_size`` does.
+``hf_layout``'s. For them, for ``config.json``, and for the names and layout
+``save_pretrained`` writes (transformers' checkpoint conversion reversed,
+``hf_conversion.saved_view``: GPT-NeoX's ``lm_head`` as ``embed_out``), the
+model is built from ``hf_config`` on the meta device (no memory); files are cut
+by size, as ``save_pretrained``'s ``max_shard_size`` does.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ from autopar.runtime.hf_layout import (
     write_configs,
     write_index,
 )
-from autopar.runtime.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
 from autopar.runtime.errors import CheckpointError
+from autopar.runtime.hf_conversion import Lazy, Leaf, Reads, Region, saved_view
+from autopar.runtime.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
 
 __all__ = ["CheckpointError", "Manifest", "resolve_checkpoint", "read_manifest", "export_checkpoint"]
 
@@ -90,10 +93,11 @@ def export_checkpoint(checkpoint: str, out: str, max_shard_bytes: int = DEFAULT_
     remove_stale_weight_files(out, [f.name for f in files])
     progress(f"{manifest.step_dir}: {sum(len(f.entries) for f in files)} tensors, "
              f"{_size(sum(f.nbytes for f in files))} -> {out}, {len(files)} file(s)")
+    reads = _Reads(reader)
     for k, file in enumerate(files, 1):
         with SafetensorsStream(os.path.join(out, file.name), list(file.entries), FILE_METADATA) as stream:
             for entry in file.entries:
-                stream.write(entry.name, _read(reader, read_as[entry.name]))
+                stream.write(entry.name, read_as[entry.name].whole(reads).contiguous())
         progress(f"[{k}/{len(files)}] {file.name}: {len(file.entries)} tensors, {_size(file.nbytes)}")
     return [f.name for f in files] + _directory_files(out, manifest, files, model)
 
@@ -181,10 +185,11 @@ def _dcp_sources(manifest: Manifest, metadata) -> dict[str, _Source]:
 
 
 def _files(manifest: Manifest, sources: dict[str, _Source], model: nn.Module | None,
-           max_shard_bytes: int) -> tuple[list[HFFile], dict[str, _Source]]:
+           max_shard_bytes: int) -> tuple[list[HFFile], dict[str, Lazy]]:
     """The weight files: every name the model gives each tensor, less tied duplicates and ignored
-    keys, in the manifest's order, cut into files of at most ``max_shard_bytes`` (a larger tensor
-    alone in its file); and written name -> the DCP tensor it reads."""
+    keys, in the manifest's order, under the names ``save_pretrained`` writes, cut into files of
+    at most ``max_shard_bytes`` (a larger tensor alone in its file); and written name -> its
+    value over the DCP tensors (``Leaf.info``: the ``_Source``)."""
     skip, patterns = ignored_on_save(model), tied_weight_patterns(model)
     names = {name: manifest.aliases[name] for name in manifest.params}
     names.update({name: [name] for name in manifest.buffers})
@@ -195,8 +200,11 @@ def _files(manifest: Manifest, sources: dict[str, _Source], model: nn.Module | N
             if name not in dropped and name not in skip:
                 source = sources[canonical]
                 check_dtype(name, source.dtype)
-                entries.append(TensorEntry(name, source.shape, source.dtype))
-                read_as[name] = source
+                read_as[name] = Leaf(name, torch.empty(source.shape, dtype=source.dtype, device="meta"), source)
+    read_as = saved_view(model, read_as)
+    for name, value in read_as.items():
+        check_dtype(name, value.dtype)
+        entries.append(TensorEntry(name, tuple(value.shape), value.dtype))
     groups = _cut_by_size(entries, max_shard_bytes)
     return [HFFile(weight_file_name(k, len(groups)), tuple(g)) for k, g in enumerate(groups, 1)], read_as
 
@@ -212,6 +220,22 @@ def _cut_by_size(entries: list[TensorEntry], max_bytes: int) -> list[list[Tensor
         groups[-1].append(entry)
         size += entry.nbytes
     return groups
+
+
+class _Reads(Reads):
+    """Reads of DCP tensors, whole; the last one kept (several written tensors may be made of it)."""
+
+    def __init__(self, reader: dcp.FileSystemReader):
+        super().__init__(self._fetch)
+        self.reader = reader
+        self._held: tuple[str | None, torch.Tensor | None] = (None, None)
+
+    def _fetch(self, leaf: Leaf, region: Region | None) -> torch.Tensor:
+        if self._held[0] != leaf.info.key:
+            self._held = (None, None)
+            self._held = (leaf.info.key, _read(self.reader, leaf.info))
+        value = self._held[1]
+        return value if region is None else value[tuple(slice(a, b) for a, b in region)]
 
 
 def _read(reader: dcp.FileSystemReader, source: _Source) -> torch.Tensor:

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from autopar.compiler.program import Program
-from autopar.runtime.hf_weights import Entry, HFCheckpoint
+from autopar.runtime.hf_conversion import Lazy
+from autopar.runtime.hf_weights import HFCheckpoint
 from autopar.runtime.initialize import initialise_modules
 from autopar.runtime.module_init import check_initialisable
 from autopar.runtime.shards import Reader, assemble, narrow_reader
@@ -47,12 +48,12 @@ class WeightPlan:
     given: dict[str, torch.Tensor] = field(default_factory=dict)
     """Parameter -> its full value (the ``state_dict``'s or the model's own)."""
     checkpoint: HFCheckpoint | None = None
-    entries: dict[str, Entry] = field(default_factory=dict)
-    """Parameter -> its tensor in the checkpoint."""
+    entries: dict[str, Lazy] = field(default_factory=dict)
+    """Parameter -> its tensor in the checkpoint (after transformers' conversion mapping)."""
     init_params: set[str] = field(default_factory=set)
     """Parameters made by the model's initialisation."""
     given_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    checkpoint_buffers: dict[str, Entry] = field(default_factory=dict)
+    checkpoint_buffers: dict[str, Lazy] = field(default_factory=dict)
     init_buffers: set[str] = field(default_factory=set)
 
     def load(self, stage: int, tp_rank: int, device: torch.device, seed: int
@@ -81,10 +82,10 @@ class WeightPlan:
         with self.checkpoint.opened(device) as ckpt:
             for n in names:
                 dtype = model.get_parameter(n).dtype
-                read = ckpt.reader(self.entries[n], self.program.param_spec(n), dtype)
+                read = ckpt.reader(self.entries[n], self.program.param_spec(n), dtype, n)
                 local[n] = self._shard(n, read, dtype, tp_rank, device)
             for n, entry in self.checkpoint_buffers.items():
-                buffers[n] = ckpt.read(entry, model.get_buffer(n).dtype).to(device)
+                buffers[n] = ckpt.read(entry, model.get_buffer(n).dtype, n).to(device)
 
     def _keep(self, made: dict[str, torch.Tensor], params: set[str], local: dict, buffers: dict, tp_rank: int,
               device: torch.device) -> None:
@@ -154,7 +155,8 @@ def _plan_buffers(plan: WeightPlan, state_dict: dict[str, torch.Tensor]) -> None
     model_buffers = dict(plan.program.model.named_buffers(remove_duplicate=False))
     for name in dict.fromkeys(plan.program.traced.buffer_of.values()):
         own = model_buffers[name]
-        entry = plan.checkpoint.buffer(name, tuple(own.shape)) if plan.checkpoint and name not in state_dict \
+        entry = plan.checkpoint.buffer(name, tuple(own.shape), plan.program.model) \
+            if plan.checkpoint and name not in state_dict \
             else None
         if name in state_dict:
             plan.given_buffers[name] = state_dict[name]
