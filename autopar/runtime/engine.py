@@ -31,7 +31,9 @@ What a step holds between actions (kept contexts, arrived tensors, receives in
 flight, the loss) lives in one ``StepState``, made per step and dropped after
 it. An action that raises is re-raised as ``ActionError`` naming the rank, its
 (pp, dp, tp) coordinates and the action, with the schedule grid around it (the
-action marked ``[..]``).
+action marked ``[..]``). With peers, the failure is published to them and every
+rank raises the same root cause; a failed engine refuses further steps
+(``runtime/failures.py``).
 
 Every tensor the engine makes lives on its device (``self.device``: the device
 of its parameters; the current GPU when the process group is NCCL), so no
@@ -59,6 +61,7 @@ the same masks with or without evaluations before it (and evaluations repeat).
 from __future__ import annotations
 
 import contextlib
+import secrets
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -77,6 +80,7 @@ from autopar.core.placement import Shard
 from autopar.runtime.batch_checks import agree, cast_dtypes, find_id_problem, id_error
 from autopar.runtime.device_graphs import on_device
 from autopar.runtime.export import RankHoldings, save_pretrained
+from autopar.runtime.failures import EngineFailedError, Failure, FailureBoard, failure_timeout
 from autopar.runtime.gradients import GradientSync
 from autopar.runtime.loss_weights import StepWeights, equal_weights, step_weights, token_counts
 from autopar.runtime.split_backward import SplitBackward
@@ -91,7 +95,7 @@ if TYPE_CHECKING:
     from autopar.runtime.checkpoint import Checkpointer, SaveHandle
     from autopar.runtime.distributed_optimizer import DistributedOptimizer
 
-__all__ = ["RankEngine", "StepState", "ActionError", "rank_device"]
+__all__ = ["RankEngine", "StepState", "ActionError", "EngineFailedError", "rank_device"]
 
 Key = tuple[int, int]
 """(chunk, microbatch)."""
@@ -104,22 +108,33 @@ class ActionError(RuntimeError):
     """An action of this rank's schedule raised; ``__cause__`` is the original exception.
 
     The message names the rank, its (pp, dp, tp) coordinates and the action(s),
-    and ends with the schedule grid around them, marked ``[..]``.
+    and ends with the schedule grid around them, marked ``[..]``. With peers, the
+    message starts with the root cause (the first failure any rank published:
+    ``root``) and, on the other ranks, says where this rank saw it.
     """
 
     def __init__(self, message: str, rank: int, coords: tuple[int, int, int],
-                 actions: Iterable[Action], marks: Iterable[tuple[int, int]]) -> None:
+                 actions: Iterable[Action], marks: Iterable[tuple[int, int]], root: Failure | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.coords = coords
         """(pp, dp, tp) of the rank."""
         self.actions = tuple(actions)
-        """The failing action, or the run of sends/receives that was being posted."""
+        """The failing action, or the run of sends/receives that was being posted (empty: the
+        failure came outside the schedule's actions, or a peer's was seen at the step's end)."""
         self.marks = tuple(marks)
         """(stage, index in the stage's action list) of each failing action."""
+        self.root = root
+        """The root cause: the failure published first (this rank's own when it is the root);
+        None without peers."""
+
+    @property
+    def root_rank(self) -> int:
+        """The rank that failed first (this one without peers)."""
+        return self.rank if self.root is None else self.root.rank
 
     def __reduce__(self):
-        return type(self), (str(self), self.rank, self.coords, self.actions, self.marks)
+        return type(self), (str(self), self.rank, self.coords, self.actions, self.marks, self.root)
 
 
 def rank_device(tensors: Iterable[torch.Tensor]) -> torch.device:
@@ -218,6 +233,16 @@ class StepState:
     """``time.perf_counter()`` when the step's first action started: its events' zero."""
     waits: list[tuple[float, float]] = field(default_factory=list)
     """(start, end) perf_counter times the current F or B waited for its received tensors."""
+    number: int = 0
+    """The engine's step number (train and eval steps counted together, from 1)."""
+    at: list[int] = field(default_factory=list)
+    """Indices in this stage's action list of what runs now (empty: outside the actions)."""
+    phase: str = "the step's start"
+    """What runs outside the actions (a failure there names it)."""
+    progress: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` when the current action (or phase) started: the failure watch's clock."""
+    waiting_for: str | None = None
+    """The RF/RB whose tensors the current F or B waits for."""
 
     def store(self, kind: Kind) -> dict[Key, list]:
         """Where an RF (``fwd_in``) or RB (``grad_out``) puts what it receives."""
@@ -229,7 +254,9 @@ class StepState:
         pending = self.pending_recv.pop((kind, *key), None)
         if pending is not None:
             waited_from = time.perf_counter()
+            self.waiting_for = f"{'RF' if kind is Kind.RECV_F else 'RB'}{key[0]}.{key[1]}"
             store[key] = pending.wait()
+            self.waiting_for = None
             self.waits.append((waited_from, time.perf_counter()))
         return store.pop(key)
 
@@ -388,11 +415,22 @@ class RankEngine(nn.Module):
     def _stream_seed(self, mesh: Mesh) -> int:
         """Global rank 0's ``torch.initial_seed()``, offset by this rank's (stage, replica).
         A broadcast over the world: every rank builds its engine (``materialize`` is collective)."""
-        base = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.device)
+        # with it, rank 0's token for this engine's failure board (the same broadcast)
+        base = torch.tensor([torch.initial_seed() % 2**62, secrets.randbits(62)], dtype=torch.int64,
+                            device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(base, src=0)
+        self._failures = FailureBoard(f"autopar/failure/{int(base[1]):x}", mesh.shape.world)
+        """Where this engine's ranks publish a step's failure (``runtime/failures.py``)."""
+        self._failed: tuple[int, str, Failure] | None = None
+        """(step number, step kind, root cause) once a step failed with peers: steps are refused."""
+        self._steps = 0
+        """Steps started (train and eval)."""
+        self.failure_timeout_s = failure_timeout()
+        """Seconds an action may make no progress (waiting for a peer) before this rank fails the step
+        with a ``TimeoutError`` its peers raise too: ``AUTOPAR_FAILURE_TIMEOUT``, default 300."""
         replica = mesh.dp_rank + mesh.shape.dp * mesh.pp_rank
-        return (int(base) + 1_000_003 * replica) % 2**63
+        return (int(base[0]) + 1_000_003 * replica) % 2**63
 
     def _get_rng(self) -> list[torch.Tensor]:
         return [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in self._rng_devices]
@@ -434,14 +472,18 @@ class RankEngine(nn.Module):
         global batch, the same on every rank), or (m * b, ...): this replica's own batch. On any
         device (what this replica uses is moved to the engine's).
         """
+        self._refuse_if_failed("train_step", read_board=True)
         st = self._new_step(batch, self.schedule, training=True)
-        self.grads.begin_step(self.stats)
-        self._run_actions(st)
-        self.timelines.add(st.origin, st.events)
-        self._wait_sends(st)
-        self.wait_parameters("train_step")  # a parameter no chunk read: nothing else waits for it
-        self.grads.end_step()
-        return self._reduce_loss(st)
+        with self._failing_together(st):
+            self.grads.begin_step(self.stats)
+            self._run_actions(st)
+            self.timelines.add(st.origin, st.events)
+            self._phase(st, "the step's end (sends, gradient reductions, loss)")
+            self._wait_sends(st)
+            self.wait_parameters("train_step")  # a parameter no chunk read: nothing else waits for it
+            self.grads.end_step()
+            loss = self._reduce_loss(st)
+        return loss
 
     def eval_step(self, *batch: torch.Tensor) -> float:
         """Forward only, over the pipeline; returns the mean loss (same on every rank) as the
@@ -465,6 +507,8 @@ class RankEngine(nn.Module):
 
     def _new_step(self, batch, schedule: Schedule, training: bool) -> StepState:
         """The state of a step over ``batch``; resets ``stats`` and ``events`` to this step's."""
+        self._refuse_if_failed("train_step" if training else "eval_step")
+        self._steps += 1
         micro, whole = self._microbatches(batch)
         st = StepState(schedule=schedule, training=training, micro=micro, m=self.program.microbatches,
                        weights=self._step_weights(batch, micro, whole),
@@ -472,7 +516,70 @@ class RankEngine(nn.Module):
                        param_ptrs={p.data_ptr() for p in self.shards.values()})
         self.stats = {"bytes_sent": defaultdict(int), "peak_in_flight": 0, "peak_activation_bytes": 0}
         self.events = st.events
+        st.number = self._steps
         return st
+
+    # ------------------------------------------------------------------ failures
+    def _refuse_if_failed(self, what: str, read_board: bool = False) -> None:
+        """``EngineFailedError`` when a step of this engine failed, here or (``read_board``: one store
+        round trip) on a peer: its state is inconsistent and its communication stopped."""
+        if self._failed is None and read_board:
+            root = self._failures.read()
+            if root is not None:  # a peer failed after this rank's last exchange with it
+                self._failures.stop()
+                self._failed = (self._steps, "step", root)
+        if self._failed is None:
+            return
+        number, kind, root = self._failed
+        pp, dp, tp = self.mesh.shape.coords(self.mesh.rank)
+        raise EngineFailedError(
+            f"this engine failed at step {number} ({kind}) on rank {self.mesh.rank} (pp={pp}, dp={dp}, tp={tp}): "
+            f"{root.headline()}; its state is inconsistent (sends in flight, partial gradients, peers stopped) "
+            f"and its process groups are stopped, so {what} is refused: restart the job and restore the last "
+            f"checkpoint with a new engine", root)
+
+    @staticmethod
+    def _phase(st: StepState, phase: str) -> None:
+        """The step is outside its actions now, in ``phase``."""
+        st.at, st.phase, st.progress = [], phase, time.monotonic()
+
+    @contextlib.contextmanager
+    def _failing_together(self, st: StepState):
+        """Around a step's communicating part: with peers, a watch reads the failure board (and
+        bounds a wait by ``failure_timeout_s``); a failure outside the actions is published like an
+        action's; a failure a peer published is raised at the step's end if this rank saw none."""
+        if not self._failures.shared:
+            yield
+            return
+        watch = self._failures.watch(self.failure_timeout_s, lambda: st.progress,
+                                     lambda idle: self._own_failure(st, st.at, TimeoutError(
+                                         f"no progress for {idle:.0f} s (engine.failure_timeout_s = "
+                                         f"{self.failure_timeout_s:g} s): a peer stopped communicating, or "
+                                         f"this rank's work hangs")))
+        try:
+            with watch:
+                yield
+            seen = self._failures.read()
+            if seen is not None:
+                raise self._failure(None, [], st)
+        except ActionError:
+            raise
+        except Exception as e:
+            raise self._failure(e, list(st.at), st) from e
+
+    def _own_failure(self, st: StepState, steps: list[int], e: BaseException | None) -> Failure:
+        """This rank's failure: at ``steps`` of its action list (or in ``st.phase``), raising ``e``."""
+        actions = [st.schedule.actions[self.stage][t] for t in steps]
+        if actions:
+            what = " ".join(map(str, actions))
+            where = f"stage {self.stage}, " + (f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}")
+            if st.waiting_for:
+                where += f", waiting for {st.waiting_for}"
+        else:
+            what, where = st.phase, ""
+        error = "" if e is None else f"{type(e).__name__}: {e}"
+        return Failure(self.mesh.rank, self.mesh.shape.coords(self.mesh.rank), what, where, error, st.number,
+                       "train_step" if st.training else "eval_step", tuple((self.stage, t) for t in steps))
 
     @staticmethod
     def _wait_sends(st: StepState) -> None:
@@ -508,34 +615,52 @@ class RankEngine(nn.Module):
     def _run(self, st: StepState, handlers: dict, actions: list[Action], i: int, j: int) -> tuple[str, str]:
         """Run ``actions[i:j]``: one compute action, or a run of communication actions posted as
         one batch. Returns the event's (name, kind); a failure is re-raised as ``ActionError``."""
-        at = [i]
+        at = st.at = [i]
+        st.progress = time.monotonic()
         try:
             if actions[i].is_compute:
                 handlers[actions[i].kind](actions[i], st)
                 return str(actions[i]), actions[i].kind.value
             st.comm = _CommBatch()
             for k in range(i, j):
-                at = [k]
+                at = st.at = [k]
                 handlers[actions[k].kind](actions[k], st)
-            at = list(range(i, j))  # posting the batch: it is the run's, not one action's
+            at = st.at = list(range(i, j))  # posting the batch: it is the run's, not one action's
             self._post(st)
             return " ".join(map(str, actions[i:j])), "comm"
         except Exception as e:
-            raise self._failure(e, at, st.schedule) from e
+            raise self._failure(e, at, st) from e
 
-    def _failure(self, e: Exception, steps: list[int], schedule: Schedule) -> ActionError:
+    def _failure(self, e: Exception | None, steps: list[int], st: StepState) -> ActionError:
         """``e`` with context: the rank, its coordinates, the action(s) at ``steps`` (indices in this
-        stage's action list of ``schedule``) and the schedule grid around them, marked."""
-        actions = [schedule.actions[self.stage][t] for t in steps]
-        marks = [(self.stage, t) for t in steps]
-        coords = self.mesh.shape.coords(self.mesh.rank)
-        pp, dp, tp = coords
-        what = " ".join(map(str, actions))
-        where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
-        grid = schedule.format_grid(marks, columns=(steps[0] - 8, steps[-1] + 9))
-        message = (f"rank {self.mesh.rank} (pp={pp}, dp={dp}, tp={tp}) failed running {what} "
-                   f"(stage {self.stage}, {where}, marked [..] below): {type(e).__name__}: {e}\n{grid}")
-        return ActionError(message, self.mesh.rank, coords, actions, marks)
+        stage's action list of ``st.schedule``; none: ``st.phase``) and the schedule grid around them,
+        marked.
+
+        With peers: the failure is published (unless one is already: that one is the root cause,
+        and this rank says where it saw it), this rank's communication is stopped so that none of
+        its peers keeps waiting on it, and the engine refuses further steps. ``e`` None: a peer's
+        failure seen at the step's end."""
+        own = self._own_failure(st, steps, e)
+        root = own
+        if self._failures.shared:
+            root = self._failures.publish(own) if e is not None else (self._failures.read() or own)
+            self._failures.stop()
+            self._failed = (st.number, own.kind, root)
+        pp, dp, tp = own.coords
+        if root == own:
+            message = own.headline(marked=True)
+        else:
+            seen = ("at the end of its step" if e is None and not steps else
+                    f"while running {own.what}{f' ({own.where})' if own.where else ''}")
+            first_line = own.error.splitlines()[0][:300] if own.error else ""
+            message = (f"{root.headline(marked=root.kind == own.kind)}\nseen from rank {own.rank} "
+                       f"(pp={pp}, dp={dp}, tp={tp}) {seen}{f': {first_line}' if first_line else ''}")
+        marks = list(own.marks) + (list(root.marks) if root != own and root.kind == own.kind else [])
+        if marks:
+            ts = [t for _, t in marks]
+            message += "\n" + st.schedule.format_grid(marks, columns=(min(ts) - 8, max(ts) + 9))
+        actions = [st.schedule.actions[self.stage][t] for t in steps]
+        return ActionError(message, self.mesh.rank, own.coords, actions, own.marks, root if self._failures.shared else None)
 
     def _microbatches(self, batch) -> tuple[list[list[torch.Tensor]], bool]:
         """([microbatch][input or target]: this replica's slices, on the engine's device; whether the
