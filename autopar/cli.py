@@ -541,8 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "simulate":
             return _cmd_simulate(args, console)
         if args.command == "run":
-            from autopar.runtime.launch import run_script
-
+            try:
+                from autopar.runtime.launch import run_script
+            except KeyboardInterrupt:  # Ctrl-C while torch loads: no rank started yet
+                print("autopar run: interrupted: stopped 0 ranks", file=sys.stderr)
+                return 130
             return run_script(args.nproc, args.script, args.script_args, args.timeout)
         if args.command == "export":
             return _cmd_export(args, console)

@@ -494,16 +494,19 @@ class RankEngine(nn.Module):
         ``torch.no_grad()``: no context is kept, no ``.grad`` touched, and the random stream of
         training steps is left where it was.
         """
+        self._refuse_if_failed("eval_step", read_board=True)
         self.wait_parameters("eval_step")
         st = self._new_step(batch, self.eval_schedule, training=False)
         stream = self._rng_states  # random ops left in the evaluation graphs draw from a copy
-        try:
-            with torch.no_grad():
-                self._run_actions(st)
-        finally:
-            self._rng_states = stream
-        self._wait_sends(st)
-        return self._reduce_loss(st)
+        with self._failing_together(st):
+            try:
+                with torch.no_grad():
+                    self._run_actions(st)
+            finally:
+                self._rng_states = stream
+            self._phase(st, "the step's end (sends, loss)")
+            self._wait_sends(st)
+            return self._reduce_loss(st)
 
     def _new_step(self, batch, schedule: Schedule, training: bool) -> StepState:
         """The state of a step over ``batch``; resets ``stats`` and ``events`` to this step's."""

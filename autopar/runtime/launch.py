@@ -4,8 +4,11 @@
 process group initialised on 127.0.0.1 and returns the ranks' results in rank
 order. A rank that raises makes ``spawn`` raise ``RankError`` with that rank's
 traceback after stopping the others; a rank that hangs is stopped after
-``timeout_s``. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) nothing is
-spawned: ``fn`` runs in this process on the existing group.
+``timeout_s``. Ranks that fail because another did report that rank's failure
+(``ActionError.root_rank``): ``spawn`` reports the root one. Ctrl-C (SIGINT) or
+SIGTERM stops the ranks and exits with 130 (143) after one line. Under
+``torchrun`` (``RANK``/``WORLD_SIZE`` set) nothing is spawned: ``fn`` runs in
+this process on the existing group.
 
 ``join_from_env()`` is what ``materialize()`` calls when no process group
 exists: a process started by ``autopar run`` or torchrun (which set
@@ -17,9 +20,14 @@ on the CPU with gloo elsewhere; the group is destroyed when the process exits.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 import traceback
 import warnings
@@ -39,6 +47,38 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 class RankError(RuntimeError):
     """A rank failed; the message holds its rank and traceback."""
+
+
+ROOT_WAIT_S = 5.0
+"""How long ``spawn`` waits for the report of the rank whose failure another rank reported."""
+STOP_GRACE_S = 5.0
+"""How long stopped ranks get to exit after SIGTERM before SIGKILL."""
+
+
+@contextlib.contextmanager
+def _interrupts():
+    """While ranks run: SIGINT and SIGTERM recorded (the list yielded) instead of raising, so the
+    launcher stops its ranks and says so in one line. Only in the main thread (where handlers live)."""
+    caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def record(signum, frame):
+        caught.append(signum)
+
+    for s in previous:
+        signal.signal(s, record)
+    try:
+        yield caught
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _interrupted_line(signum: int, stopped: int) -> str:
+    return f"{'interrupted' if signum == signal.SIGINT else 'terminated'}: stopped {stopped} rank{'s' * (stopped != 1)}"
 
 
 def free_port() -> int:
@@ -107,6 +147,7 @@ def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeou
             fn: Callable, args: tuple, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the ranks
     torch.set_num_threads(threads)
     try:
         if backend == "nccl":
@@ -114,9 +155,11 @@ def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeou
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         out = fn(*args)
         # plain pickle bytes: tensors pickled by value (not in shared memory), so they outlive this process
-        results.put((rank, True, pickle.dumps(out)))
+        results.put((rank, True, pickle.dumps(out), None))
     except BaseException as e:  # noqa: BLE001 - reported to the parent with the traceback
-        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        # root_rank: the rank whose failure this one saw (an engine's ActionError), else this one
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
+                     getattr(e, "root_rank", rank)))
     finally:
         if dist.is_initialized():
             try:
@@ -150,39 +193,74 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
         p.start()
     out: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
+    reported: dict[int, tuple[str, int]] = {}
+    """Failed ranks: (report, the rank whose failure they saw)."""
     deadline = time.monotonic() + timeout_s
-    try:
-        while len(out) < nprocs and failure is None:
-            if not results.empty():
-                rank, ok, value = results.get()
-                if ok:
-                    out[rank] = pickle.loads(value)  # noqa: S301 - bytes from the ranks this call started
-                else:
-                    failure = (rank, value)
-                continue
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and r not in out]
-            if dead and results.empty():
-                time.sleep(0.2)
-                if results.empty():
-                    failure = (dead[0], f"process exited with code {procs[dead[0]].exitcode}")
-                continue
-            if time.monotonic() > deadline:
-                missing = [r for r in range(nprocs) if r not in out]
-                failure = (missing[0], f"ranks {missing} did not finish within {timeout_s:.0f}s")
-                continue
-            time.sleep(0.01)
-    finally:
-        for p in procs:
-            p.join(timeout=0 if failure else 10)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+    with _interrupts() as caught:
+        try:
+            failure = _collect(procs, results, out, reported, nprocs, deadline, timeout_s, caught)
+        finally:
+            stopped = sum(p.is_alive() for p in procs)
+            for p in procs:
+                p.join(timeout=0 if failure or caught else 10)
                 if p.is_alive():
-                    p.kill()
+                    p.terminate()
+                    p.join(STOP_GRACE_S)
+                    if p.is_alive():
+                        p.kill()
+    if caught:
+        print(_interrupted_line(caught[0], stopped), file=sys.stderr, flush=True)
+        raise SystemExit(128 + caught[0])
     if failure is not None:
         rank, text = failure
         raise RankError(f"rank {rank} of {nprocs} failed: {text}")
     return [out[r] for r in range(nprocs)]
+
+
+def _collect(procs, results, out: dict, reported: dict, nprocs: int, deadline: float, timeout_s: float,
+             caught: list) -> tuple[int, str] | None:
+    """Read the ranks' reports until all succeeded, one failed (the rank whose failure the others saw,
+    waited for ``ROOT_WAIT_S``), a rank died or hung, or a signal came; returns the failure to report."""
+    root_wait: float | None = None
+    while not caught:
+        if len(out) + len(reported) == nprocs and reported:
+            return _root_report(reported)
+        if len(out) == nprocs:
+            return None
+        if not results.empty():
+            rank, ok, value, root = results.get()
+            if ok:
+                out[rank] = pickle.loads(value)  # noqa: S301 - bytes from the ranks this call started
+                continue
+            reported[rank] = (value, root)
+            if root == rank or root in reported:
+                return _root_report(reported)
+            root_wait = root_wait or time.monotonic() + ROOT_WAIT_S
+            continue
+        if root_wait is not None and time.monotonic() > root_wait:
+            return _root_report(reported)
+        if root_wait is None:
+            dead = [r for r, p in enumerate(procs)
+                    if not p.is_alive() and p.exitcode not in (0, None) and r not in out and r not in reported]
+            if dead and results.empty():
+                time.sleep(0.2)
+                if results.empty():
+                    return dead[0], f"process exited with code {procs[dead[0]].exitcode}"
+                continue
+            if time.monotonic() > deadline:
+                missing = [r for r in range(nprocs) if r not in out]
+                return missing[0], f"ranks {missing} did not finish within {timeout_s:.0f}s"
+        time.sleep(0.01)
+    return None
+
+
+def _root_report(reported: dict[int, tuple[str, int]]) -> tuple[int, str]:
+    """The failure to report: the rank the others' failures name as the root, when it reported."""
+    for rank, (text, root) in reported.items():
+        if root in reported:
+            return root, reported[root][0]
+    rank, (text, _) = next(iter(reported.items()))
+    return rank, text
 
 
 def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float | None = None) -> int:
@@ -191,41 +269,65 @@ def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float
     Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     (so ``autopar.spawn`` inside the script runs in place). When one rank
     exits with an error, the others are stopped and its exit code returned.
+    Each rank runs in a process group of its own, so a terminal's Ctrl-C
+    reaches the launcher alone: it stops the ranks (SIGTERM to each group,
+    SIGKILL after ``STOP_GRACE_S``), prints ``interrupted: stopped N ranks``
+    and returns 130 (SIGTERM: 143).
     """
-    import subprocess
-    import sys
-
     port = free_port()
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        procs.append(subprocess.Popen([sys.executable, script, *script_args], env=env))
+    procs: list[subprocess.Popen] = []
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failed: tuple[int, int] | None = None
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed = bad[0]
-                break
-            if all(c == 0 for c in codes):
-                return 0
-            if deadline is not None and time.monotonic() > deadline:
-                failed = (next(r for r, c in enumerate(codes) if c is None), 124)
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    with _interrupts() as caught:
+        try:
+            for rank in range(nproc):
+                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                           LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                procs.append(subprocess.Popen([sys.executable, script, *script_args], env=env,
+                                              start_new_session=True))
+            while not caught:
+                codes = [p.poll() for p in procs]
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    failed = bad[0]
+                    break
+                if all(c == 0 for c in codes):
+                    return 0
+                if deadline is not None and time.monotonic() > deadline:
+                    failed = (next(r for r, c in enumerate(codes) if c is None), 124)
+                    break
+                time.sleep(0.05)
+        finally:
+            stopped = _stop_groups(procs, STOP_GRACE_S if caught else 10.0)
+    if caught:
+        print(f"autopar run: {_interrupted_line(caught[0], stopped)}", file=sys.stderr, flush=True)
+        return 128 + caught[0]
     rank, code = failed
     print(f"autopar run: rank {rank} of {nproc} exited with code {code}; stopped the others", file=sys.stderr)
     return code
+
+
+def _stop_groups(procs: list[subprocess.Popen], grace_s: float) -> int:
+    """Stop the ranks still running: SIGTERM to each one's process group (the rank and what it
+    started), SIGKILL to those left after ``grace_s``. Returns how many were running."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        _signal_group(p, signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    for p in running:
+        try:
+            p.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+    for p in running:  # what a stopped rank started and left behind in its group
+        _signal_group(p, signal.SIGKILL)
+    return len(running)
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,273 @@
+"""When one rank's step fails, every rank of the engine raises the same root cause, and none hangs.
+
+A rank whose action raises publishes the failure (``Failure``: its rank,
+(pp, dp, tp), the action, the original exception's type and message) on the
+engine's *board*: one key of the process group's c10d store, written once
+(the first failure published is the root cause; later ones read it). Then it
+stops its own communication (``stop_communication``), which breaks its peers
+out of the waits they have on it:
+
+- gloo: a receive that times out closes every connection of its group, so
+  one timed-out receive per group makes every pending operation of a peer
+  with this rank fail ("Connection closed by peer") at once;
+- NCCL: ``_abort_process_group()`` aborts this rank's communicators (a peer's
+  NCCL kernels are not interrupted by it: each peer's watch, below, aborts its
+  own).
+
+A rank whose communication fails reads the board and raises the published
+root cause as its own error, saying where it saw it; it stops its own
+communication too, so the ranks waiting on it are freed in turn. During a
+step a *watch* thread on each rank polls the board (``poll_s``): a failure
+published elsewhere stops this rank's communication even while it is blocked
+in a collective. The watch also bounds every wait: an action that makes no
+progress for ``timeout_s`` (``engine.failure_timeout_s``, default
+``AUTOPAR_FAILURE_TIMEOUT`` or 300 s, well under torch's 30 minutes) is
+published as this rank's failure, a ``TimeoutError`` naming the action.
+
+A failed engine refuses every further step (``EngineFailedError``): its
+state (sends in flight, partial gradients) and its process groups are gone.
+
+The store lives in rank 0's process (``MASTER_ADDR``): a rank 0 that stopped
+for a failure waits at exit (up to ``exit_wait_s``) until every rank has read
+the root cause, so a peer slower to notice still finds it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Failure", "FailureBoard", "EngineFailedError", "stop_communication", "failure_timeout",
+           "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
+
+TIMEOUT_ENV = "AUTOPAR_FAILURE_TIMEOUT"
+"""Environment variable: the default ``engine.failure_timeout_s``, in seconds."""
+DEFAULT_TIMEOUT_S = 300.0
+_CLOSE_TAG = 2**30 + 611
+"""The tag of the receive that times out on purpose (no engine message uses it)."""
+_READERS: list[tuple[object, str, int, float]] = []
+"""(store, key, world, seconds) of the failures this process's store holds: waited for at exit."""
+
+
+def failure_timeout() -> float:
+    """Seconds an action may make no progress before its rank fails it: ``AUTOPAR_FAILURE_TIMEOUT`` or 300."""
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: the failure timeout must be positive seconds")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failure in a step, as published on the board."""
+
+    rank: int
+    coords: tuple[int, int, int]
+    """(pp, dp, tp) of the rank."""
+    what: str
+    """The action(s) (``F0.1``, ``RF1.0 SB1.0``) or the part of the step (``the step's end ...``)."""
+    where: str
+    """``stage s, step t`` for actions; empty otherwise."""
+    error: str
+    """``Type: message`` of the original exception."""
+    step: int
+    """The engine's step number (train and eval steps counted together, from 1)."""
+    kind: str
+    """``train_step`` or ``eval_step``."""
+    marks: tuple[tuple[int, int], ...] = ()
+    """(stage, index in the stage's action list) of the failing actions."""
+
+    def headline(self, marked: bool = False) -> str:
+        """``rank 1 (pp=0, dp=0, tp=1) failed running F0.1 (stage 0, step 2): IndexError: ...``."""
+        pp, dp, tp = self.coords
+        where = self.where + (", marked [..] below" if marked and self.marks else "")
+        verb = "failed running" if self.marks else "failed in"
+        return (f"rank {self.rank} (pp={pp}, dp={dp}, tp={tp}) {verb} {self.what}"
+                f"{f' ({where})' if where else ''}: {self.error}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Failure":
+        d = json.loads(text)
+        return cls(d["rank"], tuple(d["coords"]), d["what"], d["where"], d["error"], d["step"], d["kind"],
+                   tuple(tuple(m) for m in d["marks"]))
+
+
+class EngineFailedError(RuntimeError):
+    """A step (or other collective call) on an engine that failed earlier: refused before any work.
+    ``root`` is the failure that stopped it (``Failure``)."""
+
+    def __init__(self, message: str, root: Failure) -> None:
+        super().__init__(message)
+        self.root = root
+
+    def __reduce__(self):
+        return type(self), (str(self), self.root)
+
+
+def stop_communication() -> None:
+    """Stop this process's communication so that no peer waits on it, and no wait of its own
+    stays blocked: NCCL's communicators aborted (every group), gloo's connections closed (one
+    receive that times out per group). The groups are unusable afterwards."""
+    if not dist.is_initialized():
+        return
+    c10d = dist.distributed_c10d
+    groups = list(c10d._world.pg_map)
+    if any("nccl" in str(dist.get_backend(pg)) for pg in groups):
+        try:
+            c10d._abort_process_group()  # all groups, inside one NCCL group call (no abort deadlock)
+        except Exception:  # noqa: BLE001 - already aborted or destroyed
+            pass
+        return
+    for pg in groups:
+        if str(dist.get_backend(pg)) == "gloo":
+            _close_gloo_group(pg)
+
+
+def _close_gloo_group(pg) -> None:
+    """Close every connection of a gloo group: a receive that times out closes its context's pairs,
+    and each peer's pending operation with this rank fails with "Connection closed by peer"."""
+    try:
+        if pg.size() < 2:
+            return
+        work = pg.recv([torch.empty(1)], (pg.rank() + 1) % pg.size(), _CLOSE_TAG)
+        work.wait(timedelta(milliseconds=1))
+    except Exception:  # noqa: BLE001 - the expected timeout, or connections closed already
+        pass
+
+
+class FailureBoard:
+    """The failures of one engine's steps, shared by its ranks through the default group's store.
+
+    Without peers (one rank, no process group) nothing is shared: ``shared`` is False and
+    a failure stays this rank's own.
+    """
+
+    def __init__(self, key: str, world: int) -> None:
+        self.key = key
+        """The store key: per engine (a token rank 0 drew when the engine was made)."""
+        self.store = dist.distributed_c10d._get_default_store() if world > 1 and dist.is_initialized() else None
+        self.world = world
+        self.hosts_store = self.store is not None and dist.get_rank() == 0
+        """Rank 0: the process that serves the store (``MASTER_ADDR``'s port)."""
+        self.poll_s = 0.2 * max(1.0, world / 64)
+        """How often a watch reads the board (less often in large worlds: one store serves all)."""
+        self.exit_wait_s = 30.0
+        """How long rank 0 waits at exit for every rank to read a failure."""
+        self.root: Failure | None = None
+        """The root cause once this rank knows it (kept: the store may be gone later)."""
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    @property
+    def shared(self) -> bool:
+        return self.store is not None
+
+    def publish(self, failure: Failure) -> Failure:
+        """Publish ``failure`` unless one is published already; returns the one published (the root)."""
+        if self.root is not None:
+            return self.root
+        if self.store is None:
+            return failure
+        try:
+            self.root = Failure.from_json(self.store.compare_set(self.key, "", failure.to_json()))
+        except Exception:  # noqa: BLE001 - the store's host is gone: this rank's failure is all there is
+            self.root = failure
+        return self.root
+
+    def read(self) -> Failure | None:
+        """The failure published for this engine, if any (one store round trip)."""
+        if self.root is not None or self.store is None:
+            return self.root
+        try:
+            if self.store.check([self.key]):
+                self.root = Failure.from_json(self.store.get(self.key))
+        except Exception:  # noqa: BLE001 - the store's host is gone: nothing more can be learnt
+            pass
+        return self.root
+
+    def stop(self) -> None:
+        """``stop_communication()``, once; counts this rank among those that read the root cause
+        (rank 0 waits for all of them at exit)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        stop_communication()
+        if self.store is None:
+            return
+        try:
+            self.store.add(self.key + "/read", 1)
+        except Exception:  # noqa: BLE001 - the store's host is gone
+            return
+        if self.hosts_store:
+            if not _READERS:
+                atexit.register(_wait_for_readers)
+            _READERS.append((self.store, self.key + "/read", self.world, self.exit_wait_s))
+
+    def watch(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure]) -> "Watch":
+        """A watch over one step: ``progress()`` is the ``time.monotonic()`` of the step's last
+        progress, ``on_timeout(seconds)`` this rank's failure after ``timeout_s`` without any."""
+        return Watch(self, timeout_s, progress, on_timeout)
+
+
+def _wait_for_readers() -> None:
+    """At exit of the store's host: wait until every rank has read each failure it holds (bounded)."""
+    for store, key, world, seconds in _READERS:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                if store.add(key, 0) >= world:
+                    break
+            except Exception:  # noqa: BLE001
+                break
+            time.sleep(0.05)
+
+
+class Watch:
+    """A thread for the length of a step (``with board.watch(...):``): reads the board every
+    ``poll_s`` and stops this rank's communication when a failure is published, or publishes this
+    rank's timeout when the step has made no progress for ``timeout_s``."""
+
+    def __init__(self, board: FailureBoard, timeout_s: float, progress: Callable[[], float],
+                 on_timeout: Callable[[float], Failure]) -> None:
+        self.board, self.timeout_s, self.progress, self.on_timeout = board, timeout_s, progress, on_timeout
+        self.seen: Failure | None = None
+        """What the watch found published (a peer's failure, or this rank's timeout)."""
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autopar-failure-watch", daemon=True)
+
+    def __enter__(self) -> "Watch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.board.poll_s):
+            seen = self.board.read()
+            idle = time.monotonic() - self.progress()
+            if seen is None and idle > self.timeout_s and not self._done.is_set():
+                seen = self.board.publish(self.on_timeout(idle))
+            if seen is not None:
+                self.seen = seen
+                self.board.stop()
+                return
