@@ -20,6 +20,14 @@ What the graph cannot show is left as traced and listed: random ops without
 such an argument (noise a model adds under ``if self.training:``, a branch
 taken at trace time) draw in evaluation too, and each is named in the notes.
 The result is a new graph; the training graph is not touched.
+
+The last chunk's evaluation graph (``last=True``) also returns the logits: the
+value ``output_fn`` returned, found by the mark tracing put in its meta
+(``LOGITS_META``), as a second output after the loss. It is computed for the
+loss anyway, so returning it costs nothing; ``engine.eval_step(outputs=True)``
+keeps it, a plain ``eval_step`` drops it. A graph where no one node carries
+the mark (``output_fn`` returned no tensor, a pass rewrote the value into a new
+node) returns the loss alone; ``eval_step(outputs=True)`` then says why.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core import comm
+from autopar.core.graph import LOGITS_META
 
 __all__ = ["EvalGraph", "eval_graph", "TRAIN_FLAGS"]
 
@@ -99,10 +108,12 @@ class _Call:
         return f"{self.node.name} ({self.op._schema.name.replace('::', '.')})"
 
 
-def eval_graph(gm: fx.GraphModule) -> EvalGraph:
-    """A copy of ``gm`` with every op in its evaluation form (see the module's docstring)."""
+def eval_graph(gm: fx.GraphModule, last: bool = False) -> EvalGraph:
+    """A copy of ``gm`` with every op in its evaluation form (see the module's docstring); ``last``:
+    the last chunk's, which returns ``(loss, logits)`` where a node is marked as the logits."""
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     notes: list[str] = []
+    logits = _marked_logits(out.graph) if last else None
     for node in list(out.graph.nodes):
         call = _Call.of(node)
         if call is None:
@@ -111,15 +122,32 @@ def eval_graph(gm: fx.GraphModule) -> EvalGraph:
         if changes and _returns_input(call):
             node.replace_all_uses_with(call.args[0])
             out.graph.erase_node(node)
+            logits = call.args[0] if node is logits else logits
             notes.append(f"{call.label}: removed (the identity when not training)")
         elif changes:
             node.target, node.args, node.kwargs = call.op, tuple(call.args), call.kwargs
             notes.append(f"{call.label}: {', '.join(changes)}")
         elif _random_in_eval(call):
             notes.append(f"{call.label}: random, draws in evaluation too (no training argument switches it)")
+    if logits is not None:
+        _return_logits(out.graph, logits)
     out.graph.lint()
     out.recompile()
     return EvalGraph(out, tuple(notes))
+
+
+def _marked_logits(graph: fx.Graph) -> fx.Node | None:
+    """The one node that carries tracing's logits mark (``LOGITS_META``); None when none does
+    (``output_fn`` returned no tensor, a pass replaced the value by a new node) or several do."""
+    marked = [n for n in graph.nodes if n.meta.get(LOGITS_META) and n.op != "output"]
+    return marked[0] if len(marked) == 1 and isinstance(marked[0].meta.get("val"), torch.Tensor) else None
+
+
+def _return_logits(graph: fx.Graph, logits: fx.Node) -> None:
+    """The graph's output ``(loss,)`` becomes ``(loss, logits)``."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    (loss,) = output.args[0]
+    output.args = ((loss, logits),)
 
 
 def _switch_off_training(call: _Call) -> list[str]:

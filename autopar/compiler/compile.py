@@ -96,7 +96,7 @@ def _split(traced, rank_module, config: ParallelConfig, layers: LayerInfo,
                            chunk_stages)
     chunks = []
     for c in split.chunks:
-        evaluation = eval_graph(c.gm)
+        evaluation = eval_graph(c.gm, last=c.index == split.n - 1)  # the last one returns the logits too
         chunks.append(dataclasses.replace(c, module=with_recompute(c.gm, config.recompute, layers),
                                           eval_gm=evaluation.gm, eval_notes=evaluation.notes))
     return dataclasses.replace(split, chunks=chunks)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.compiler.signatures import batch_names, call_errors
-from autopar.core.graph import TracedModel, strip_wrapper
+from autopar.core.graph import LOGITS_META, TracedModel, strip_wrapper
 
 __all__ = ["TraceError", "trace", "default_logits", "lm_cross_entropy"]
 
@@ -82,7 +82,39 @@ class _LossWrapper(nn.Module):
 
     def forward(self, **batch):
         logits = self.output_fn(self.model(*(batch[n] for n in self.input_names)))
+        if isinstance(logits, torch.Tensor):  # marked for the evaluation graph (``_unmark_logits``)
+            logits = _logits_marker(logits)
         return self.loss_fn(logits, *(batch[n] for n in self.target_names))
+
+
+@torch.library.custom_op("autopar::logits", mutates_args=())
+def _logits_marker(x: torch.Tensor) -> torch.Tensor:
+    """The identity, as an op of its own: the node of ``output_fn``'s value in the exported graph.
+    ``_unmark_logits`` removes it right after the export, so no pass ever sees it."""
+    return x.clone()
+
+
+@_logits_marker.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_logits_marker.register_autograd(lambda ctx, grad: grad)
+
+
+def _unmark_logits(gm: fx.GraphModule) -> str | None:
+    """Remove the logits marker; its input (the value ``output_fn`` returned) gets ``meta[LOGITS_META]``.
+    Returns that node's name (None when ``output_fn`` returned no tensor)."""
+    name = None
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.autopar.logits.default:
+            value = node.args[0]
+            value.meta[LOGITS_META] = True
+            name = value.name
+            node.replace_all_uses_with(value)
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return name
 
 
 
@@ -114,6 +146,7 @@ def trace(
     ep = _export(model, wrapper, dict(zip(input_names + target_names, inputs + targets, strict=True)), functions)
     _check_functions(model, functions.calls)
     _check_static_shapes(model, ep.graph_module)
+    logits = _unmark_logits(ep.graph_module)
     param_of, buffer_of, constant_of, user = _placeholders(ep)
     _check_outputs(ep)
     aliases = _aliases(model)
@@ -128,6 +161,7 @@ def trace(
         constants={k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)},
         aliases=aliases,
         model_name=type(model).__name__,
+        logits=logits,
     )
 
 

@@ -16,10 +16,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-__all__ = ["TracedModel", "module_path", "user_path", "source_line", "local_val", "WRAPPER_PREFIX", "strip_wrapper"]
+__all__ = ["TracedModel", "module_path", "user_path", "source_line", "local_val", "WRAPPER_PREFIX", "strip_wrapper",
+           "LOGITS_META"]
 
 WRAPPER_PREFIX = "model."
 """Tracing wraps the model with its loss; module paths start with this prefix in the graph."""
+
+LOGITS_META = "autopar_logits"
+"""``node.meta`` key (value True) of the value ``output_fn`` returned: the logits. Set at tracing; the
+passes copy a node's meta with it, so the last chunk's evaluation graph finds the logits by it."""
 
 
 @dataclass
@@ -43,6 +48,9 @@ class TracedModel:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     """Canonical parameter name -> every name it has in the model (tied weights)."""
     model_name: str = "model"
+    logits: str | None = None
+    """The traced node of the value ``output_fn`` returned (marked ``meta[LOGITS_META]``); None when it
+    returned no tensor."""
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]

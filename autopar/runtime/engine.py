@@ -79,6 +79,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
 from autopar.runtime.batch_checks import agree, cast_dtypes, find_id_problem, id_error
 from autopar.runtime.device_graphs import on_device
+from autopar.runtime.eval_outputs import LogitsOutput, askers, gather_logits
 from autopar.runtime.export import RankHoldings, save_pretrained
 from autopar.runtime.failures import EngineFailedError, Failure, FailureBoard, failure_timeout
 from autopar.runtime.gradients import GradientSync
@@ -243,6 +244,9 @@ class StepState:
     """``time.monotonic()`` when the current action (or phase) started: the failure watch's clock."""
     waiting_for: str | None = None
     """The RF/RB whose tensors the current F or B waits for."""
+    logits: dict[int, torch.Tensor] | None = None
+    """``eval_step(outputs=True)``: microbatch -> this rank's piece of the logits the last chunk's
+    evaluation graph returned; None: not kept."""
 
     def store(self, kind: Kind) -> dict[Key, list]:
         """Where an RF (``fwd_in``) or RB (``grad_out``) puts what it receives."""
@@ -485,7 +489,7 @@ class RankEngine(nn.Module):
             loss = self._reduce_loss(st)
         return loss
 
-    def eval_step(self, *batch: torch.Tensor) -> float:
+    def eval_step(self, *batch: torch.Tensor, outputs: bool = False, to: str | int | Iterable[int] = "all"):
         """Forward only, over the pipeline; returns the mean loss (same on every rank) as the
         model in ``eval()`` mode computes it.
 
@@ -493,10 +497,23 @@ class RankEngine(nn.Module):
         over each chunk's evaluation graph (dropout removed, training flags off) under
         ``torch.no_grad()``: no context is kept, no ``.grad`` touched, and the random stream of
         training steps is left where it was.
+
+        ``outputs=True``: returns ``(loss, logits)``, the logits (``output_fn``'s value) whole:
+        gathered over tp, the microbatches concatenated along their first dim, this replica's rows
+        (its own batch given) or every replica's in the global batch's order (the global batch
+        given); on the ranks ``to`` names (``"all"``, ``"last"``: the last stage's, a rank or a
+        list of ranks; the same on every rank), None on the others. They are rows x ... x V values
+        on each of those ranks: ask where they are needed (``runtime/eval_outputs.py``).
         """
+        if outputs:  # what cannot be returned fails here, on every rank, before any work
+            spec = LogitsOutput.of(self.program)
+            last = self.program.stage_of_chunk(self.program.split.n - 1)
+            ranks = askers(to, self.mesh.shape.world,
+                           [r for r in range(self.mesh.shape.world) if self.mesh.shape.coords(r)[0] == last])
         self._refuse_if_failed("eval_step", read_board=True)
         self.wait_parameters("eval_step")
         st = self._new_step(batch, self.eval_schedule, training=False)
+        st.logits = {} if outputs else None
         stream = self._rng_states  # random ops left in the evaluation graphs draw from a copy
         with self._failing_together(st):
             try:
@@ -504,9 +521,17 @@ class RankEngine(nn.Module):
                     self._run_actions(st)
             finally:
                 self._rng_states = stream
-            self._phase(st, "the step's end (sends, loss)")
+            self._phase(st, "the step's end (sends, loss, outputs)")
             self._wait_sends(st)
-            return self._reduce_loss(st)
+            loss = self._reduce_loss(st)
+            if not outputs:
+                return loss
+            return loss, gather_logits(self, spec, st.logits, ranks, self._global_rows(batch))
+
+    def _global_rows(self, batch) -> bool:
+        """Whether ``batch`` (checked by ``_microbatches``) is the global batch, not this replica's own."""
+        want = next(n for n in self.program.traced.placeholders() if n.name == self.program.traced.input_names[0])
+        return self.dp_size > 1 and batch[0].shape[0] == self.dp_size * self.program.microbatches * want.meta["val"].shape[0]
 
     def _new_step(self, batch, schedule: Schedule, training: bool) -> StepState:
         """The state of a step over ``batch``; resets ``stats`` and ``events`` to this step's."""
@@ -767,6 +792,8 @@ class RankEngine(nn.Module):
             weight = st.weights.loss[a.microbatch]
             if weight:  # 0: a microbatch that counts no target (its mean is 0/0) adds nothing
                 st.loss_sum += outs[0].detach().double() * weight
+            if st.logits is not None:  # an evaluation step asked for its outputs
+                st.logits[a.microbatch] = outs[1]
             outs = [outs[0] * st.weights.seed[a.microbatch]]  # what the backward differentiates
         elif (a.chunk + 1) in self.chunks:  # next chunk on this stage: hand over directly
             st.fwd_in[(a.chunk + 1, a.microbatch)] = [o.detach().to(b.dtype) for o, b in zip(outs, chunk.outputs)]

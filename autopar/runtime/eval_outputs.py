@@ -1,0 +1,192 @@
+"""The logits of an evaluation step, whole, on the ranks that ask (``engine.eval_step(outputs=True)``).
+
+The last chunk's evaluation graph returns, besides the loss, the value the
+user's ``output_fn`` returned (tracing marks it; ``passes/eval_mode.py``
+returns it). On a rank of the last chunk's stage that is one microbatch's
+logits as this tensor-parallel rank holds them: split over the tp group as the
+compiler placed them (the vocabulary-parallel head leaves them ``Shard(-1)``;
+sequence parallelism may split the tokens). ``LogitsOutput.of(program)`` reads
+that placement from the program (the sharding plan's decision for the node,
+the sequence-parallel plan's split), checked against the node's local shape.
+
+``gather_logits`` then makes them whole:
+
+1. on the last stage, each microbatch's pieces all-gathered over the tp group
+   along each split dim (padding beyond the global size dropped, e.g. a
+   vocabulary padded to a multiple of t), and the microbatches concatenated
+   along the logits' first dim, in order: this replica's rows;
+2. sent point to point to each rank that asks, from the last-stage rank of the
+   replica with the asker's tp index (so the t ranks of the last stage share
+   the sending); with the global batch the asker gets every replica's rows,
+   concatenated in replica order (the global batch's row order), with this
+   replica's own batch only its replica's.
+
+Memory: the whole logits of a batch are rows x ... x V values (a batch of 8
+sequences of 2048 tokens over a 50k vocabulary is 3.3 GB in fp32). Each asker
+holds them; each last-stage rank of a replica some rank asks for holds that
+replica's whole logits while sending, and its tp pieces until the end of the
+step. Ask on the ranks that need them (``to=[0]``, ``to="last"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from autopar.core.comm import whole_from_shards
+from autopar.core.graph import LOGITS_META, local_val, module_path, source_line
+from autopar.core.placement import Replicate, Shard, local_size
+
+if TYPE_CHECKING:
+    from autopar.compiler.program import Program
+    from autopar.runtime.engine import RankEngine
+
+__all__ = ["LogitsOutput", "askers", "gather_logits"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
+"""The dtypes the logits can be sent in; the sender tells the askers which one (a header)."""
+
+
+@dataclass(frozen=True)
+class LogitsOutput:
+    """The logits as the last chunk's evaluation graph returns them, and how they are split."""
+
+    node: str
+    """The node of the evaluation graph (the value ``output_fn`` returned)."""
+    shape: tuple[int, ...]
+    """Whole, one microbatch."""
+    local_shape: tuple[int, ...]
+    """On one tensor-parallel rank, one microbatch."""
+    splits: tuple[Shard, ...]
+    """The dims split over the tp group, each all-gathered back: the tensor-parallel placement
+    (the vocabulary), then sequence parallelism's split of the tokens."""
+    where: str
+    """The node's module path and source line, for messages."""
+
+    @staticmethod
+    def of(program: "Program") -> "LogitsOutput":
+        """The program's logits, or ``ValueError`` saying why the evaluation graph cannot return them."""
+        last = program.split.chunks[-1]
+        if last.eval_gm is None:
+            raise ValueError("the program has no evaluation graphs (made at compile time by passes/eval_mode.py)")
+        output = next(n for n in reversed(last.eval_gm.graph.nodes) if n.op == "output")
+        if len(output.args[0]) < 2:
+            return _missing(program, last.eval_gm)
+        node = output.args[0][1]
+        where = " ".join(filter(None, (f"module '{module_path(node)}'" if module_path(node) else "",
+                                       source_line(node))))
+        where = f"node {node.name}" + (f" ({where})" if where else "")
+        decision = program.plan.decisions.get(node.name)
+        placement = decision.out if decision is not None else Replicate()
+        if decision is not None and decision.reduce_out or not isinstance(placement, (Replicate, Shard)):
+            raise ValueError(f"the logits ({where}) are {'a partial sum' if decision.reduce_out else placement} "
+                             f"on each tensor-parallel rank, not pieces of the whole value: evaluation outputs "
+                             f"need them replicated or split along a dim (tp=1 avoids the split)")
+        sequence = program.sequence.split.get(node.name) if program.sequence is not None else None
+        splits = tuple(p for p in (placement, sequence) if isinstance(p, Shard))
+        shape = tuple(int(s) for s in node.meta["val"].shape)
+        local = list(shape)
+        for split in splits:
+            local[split.dim] = local_size(shape[split.dim], split, program.config.tp)
+        recorded = tuple(int(s) for s in local_val(node).shape)
+        if tuple(local) != recorded:
+            raise ValueError(f"internal error: the logits ({where}) of shape {shape} split as {list(splits)} over "
+                             f"tp={program.config.tp} are {tuple(local)} on a rank, but the graph records "
+                             f"{recorded}; please report it with the model")
+        if not shape:
+            raise ValueError(f"the logits ({where}) are a scalar: output_fn must return a tensor with a batch dim "
+                             f"(microbatches are concatenated along the first dim)")
+        return LogitsOutput(node.name, shape, tuple(local), splits, where)
+
+
+def _missing(program: "Program", graph_module) -> LogitsOutput:
+    """Why the last chunk's evaluation graph returns the loss alone, as a ``ValueError``."""
+    if program.traced.logits is None:
+        raise ValueError("the program has no logits to return: output_fn did not return a tensor when the model "
+                         "was traced; pass output_fn=lambda out: <the logits tensor> to parallelize()")
+    marked = [n.name for n in graph_module.graph.nodes if n.meta.get(LOGITS_META) and n.op != "output"]
+    why = (f"{len(marked)} of its nodes carry the logits mark ({', '.join(marked)})" if marked else
+           "none of its nodes carries the logits mark: a pass replaced the value by a new node")
+    raise ValueError(f"the last chunk's evaluation graph does not return the logits (the value output_fn returned, "
+                     f"traced as node {program.traced.logits}): {why}; please report it with the model")
+
+
+def askers(to: str | int | Iterable[int], world: int, last_stage: list[int]) -> tuple[int, ...]:
+    """The global ranks ``to`` names: ``"all"``, ``"last"`` (the last chunk's stage), a rank or ranks.
+    ``ValueError`` for anything else, before any work."""
+    if to == "all":
+        return tuple(range(world))
+    if to == "last":
+        return tuple(last_stage)
+    ranks = [to] if isinstance(to, int) else list(to) if not isinstance(to, str) else None
+    if ranks is None or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise ValueError(f"to={to!r}: expected 'all', 'last' (the ranks of the last pipeline stage), a global "
+                         f"rank or a list of them")
+    bad = sorted({r for r in ranks if not 0 <= r < world})
+    if bad:
+        raise ValueError(f"to={to!r} names rank(s) {bad} outside the world of {world} ranks (0..{world - 1})")
+    return tuple(sorted(set(ranks)))
+
+
+def gather_logits(engine: "RankEngine", spec: LogitsOutput, pieces: dict[int, torch.Tensor],
+                  ranks: tuple[int, ...], global_batch: bool) -> torch.Tensor | None:
+    """The whole logits of the step on each rank of ``ranks``, None elsewhere (see the module's
+    docstring). Collective over the world: every rank calls it with the same ``ranks``.
+
+    ``pieces``: microbatch -> this rank's piece (last stage only, empty elsewhere).
+    """
+    mesh, program = engine.mesh, engine.program
+    shape = mesh.shape
+    last = program.stage_of_chunk(program.split.n - 1)
+    me = mesh.rank
+
+    def replicas_of(rank: int) -> list[int]:
+        return list(range(shape.dp)) if global_batch else [shape.coords(rank)[1]]
+
+    mine = None
+    if engine.stage == last and any(mesh.dp_rank in replicas_of(r) for r in ranks):
+        mine = _whole_rows(engine, spec, pieces)
+    sends = [r for r in ranks if r != me and mine is not None and mesh.dp_rank in replicas_of(r)
+             and shape.coords(r)[2] == mesh.tp_rank]
+    sources = [] if me not in ranks else [shape.rank(last, d, mesh.tp_rank) for d in replicas_of(me)]
+    receives = [s for s in sources if s != me]
+    headers = _exchange([(r, torch.tensor([_DTYPES.index(mine.dtype)], device=engine.device)) for r in sends],
+                        [(s, torch.empty(1, dtype=torch.int64, device=engine.device)) for s in receives])
+    rows = (program.microbatches * spec.shape[0], *spec.shape[1:])
+    got = _exchange([(r, mine) for r in sends],
+                    [(s, torch.empty(rows, dtype=_DTYPES[int(h)], device=engine.device))
+                     for s, h in zip(receives, headers)])
+    if me not in ranks:
+        return None
+    by_source = dict(zip(receives, got))
+    parts = [mine if s == me else by_source[s] for s in sources]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _whole_rows(engine: "RankEngine", spec: LogitsOutput, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+    """This replica's logits, whole: each microbatch's pieces all-gathered over tp along each split
+    dim, then the microbatches concatenated along the first dim."""
+    whole = []
+    for i in range(engine.program.microbatches):
+        x = pieces[i]
+        if tuple(x.shape) != spec.local_shape:
+            raise RuntimeError(f"the logits ({spec.where}) of microbatch {i} are {tuple(x.shape)} on this rank; "
+                               f"the program recorded {spec.local_shape}")
+        for split in reversed(spec.splits):
+            x = whole_from_shards(x, engine.tp, split.dim, split.segments, spec.shape[split.dim])
+        whole.append(x)
+    return torch.cat(whole, dim=0).contiguous()
+
+
+def _exchange(sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+    """Point-to-point sends and receives of one round, posted together; the received buffers."""
+    ops = [dist.P2POp(dist.isend, t, peer) for peer, t in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in receives]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return [t for _, t in receives]

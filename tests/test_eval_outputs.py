@@ -1,0 +1,201 @@
+"""The logits of an evaluation step: ``engine.eval_step(x, y, outputs=True) -> (loss, logits)``.
+
+On 4 gloo ranks (one spawn, every layout of 4 ranks in it): the reference GPT
+with a tied head at tp=2 x pp=2 (the head's weight on the last stage, the
+embedding's on the first) with sequence parallelism, with an untied head at
+tp=2 x dp=2, and HuggingFace GPT-2 (a prime vocabulary of 257, padded to 258
+for the vocabulary-parallel head) at tp=2 x dp=2. The logits every asking rank
+gets equal the single-device model's in ``eval()`` mode for the same batch;
+the loss still equals its evaluation loss, and the argmax accuracy computed
+from the logits equals the one computed on one device. Asking on one rank, on
+the last stage, and with a replica's own batch return what they say and None
+elsewhere. Without a process group: the training graphs are the same with the
+logits marked as without, and what cannot be returned fails before any work.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from families import make
+from helpers import parallelize_on, seeded, spawn_ranks, token_batches
+
+import autopar
+import autopar.compiler.trace as trace_module
+from autopar.compiler.trace import default_logits
+from autopar.reference.models import build
+
+VOCAB, SEQ, M, MB = 320, 16, 2, 2
+# fp32 on both sides; the parallel logits differ from one device's only by reordered sums
+# (tensor-parallel all-reduces in the blocks, sequence parallelism's reduce-scatters): a few
+# units in the last place of values of about 1, well inside rtol 1e-5 / atol 1e-5. The loss
+# is a mean of about 6 over 4 sequences of 16 tokens: within 1e-5 relative.
+LOGITS_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def _gpt(tied: bool):
+    return seeded(build, "gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, d_model=64, dropout=0.5,
+                  tie_embeddings=tied)
+
+
+def _hf_gpt2():
+    return make("hf-gpt2", seed=0)[0]
+
+
+# name -> (model factory, vocabulary, layout)
+LAYOUTS = {
+    "gpt-tied tp2pp2 sp": (functools.partial(_gpt, True), VOCAB, dict(tp=2, pp=2, dp=1, sequence_parallel=True)),
+    "gpt-untied tp2dp2": (functools.partial(_gpt, False), VOCAB, dict(tp=2, pp=1, dp=2)),
+    "hf-gpt2 tp2dp2": (_hf_gpt2, 257, dict(tp=2, pp=1, dp=2)),
+}
+
+
+def _batch(vocab: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    (x,), (y,) = token_batches(vocab, steps=1, rows=dp * M * MB, seed=5, seq=SEQ)[0]
+    return x, y
+
+
+def _worker() -> dict:
+    """Per layout: the logits asked for everywhere, on rank 0 only, and (with dp) on the last stage
+    with this replica's own rows; the losses of each."""
+    out = {}
+    for name, (factory, vocab, layout) in LAYOUTS.items():
+        x, y = _batch(vocab, layout["dp"])
+        engine = parallelize_on(factory(), [((x,), (y,))], MB, microbatches=M, **layout).materialize()
+        loss, logits = engine.eval_step(x, y, outputs=True)
+        r = {"loss": loss, "logits": logits, "plain": engine.eval_step(x, y), "stage": engine.stage,
+             "dp": engine.dp_rank}
+        r["loss_rank0"], r["logits_rank0"] = engine.eval_step(x, y, outputs=True, to=[0])
+        if layout["dp"] > 1:
+            rows = x.shape[0] // engine.dp_size
+            mine = slice(engine.dp_rank * rows, (engine.dp_rank + 1) * rows)
+            r["loss_own"], r["logits_own"] = engine.eval_step(x[mine], y[mine], outputs=True, to="last")
+        out[name] = r
+    return out
+
+
+@functools.cache
+def _results() -> list[dict]:
+    return spawn_ranks(_worker, 4, timeout_s=600)
+
+
+@functools.cache
+def _reference(name: str) -> tuple[torch.Tensor, float]:
+    """One device, ``eval()`` mode: the logits and the loss of the layout's global batch."""
+    factory, vocab, layout = LAYOUTS[name]
+    model = factory().eval()
+    x, y = _batch(vocab, layout["dp"])
+    with torch.no_grad():
+        logits = default_logits(model(x))
+    return logits, float(F.cross_entropy(logits.flatten(0, -2), y.flatten()))
+
+
+def _accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:
+    return float((logits.argmax(-1) == y).float().mean())
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_logits_equal_one_device(name):
+    """Every rank gets the whole logits of the global batch (all microbatches, every replica's rows,
+    in order), equal to the single-device model's; the loss is unchanged by asking for them."""
+    ref_logits, ref_loss = _reference(name)
+    _, vocab, layout = LAYOUTS[name]
+    _, y = _batch(vocab, layout["dp"])
+    for rank, results in enumerate(_results()):
+        r = results[name]
+        assert r["logits"].shape == ref_logits.shape, (name, rank, r["logits"].shape)
+        torch.testing.assert_close(r["logits"], ref_logits, **LOGITS_TOLERANCE,
+                                   msg=lambda m, rank=rank: f"{name} rank {rank}: {m}")
+        torch.testing.assert_close(r["loss"], ref_loss, **LOSS_TOLERANCE)
+        assert r["loss"] == r["plain"], (name, rank, r["loss"], r["plain"])
+        # argmax over logits equal within 1e-5 picks the same token unless two differ by less:
+        # none do for these batches, so the accuracies are equal, not close
+        assert _accuracy(r["logits"], y) == _accuracy(ref_logits, y), (name, rank)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_logits_on_the_ranks_that_ask(name):
+    """``to=[0]``: rank 0 only gets them (the same as everywhere), the loss everywhere. With dp, a
+    replica's own batch and ``to="last"``: the last stage's ranks get their replica's rows."""
+    ref_logits, ref_loss = _reference(name)
+    _, _, layout = LAYOUTS[name]
+    per_replica = ref_logits.shape[0] // layout["dp"]
+    for rank, results in enumerate(_results()):
+        r = results[name]
+        torch.testing.assert_close(r["loss_rank0"], ref_loss, **LOSS_TOLERANCE)
+        if rank == 0:
+            assert torch.equal(r["logits_rank0"], r["logits"])
+        else:
+            assert r["logits_rank0"] is None, (name, rank)
+        if layout["dp"] == 1:
+            continue
+        assert r["logits_own"] is not None if r["stage"] == layout["pp"] - 1 else r["logits_own"] is None
+        if r["logits_own"] is not None:
+            rows = slice(r["dp"] * per_replica, (r["dp"] + 1) * per_replica)
+            torch.testing.assert_close(r["logits_own"], ref_logits[rows], **LOGITS_TOLERANCE)
+
+
+# ---------------------------------------------------------------- without a process group
+def _program(model, **layout):
+    (x,), (y,) = token_batches(VOCAB, steps=1, rows=M * MB, seed=5, seq=SEQ)[0]
+    return parallelize_on(model, [((x,), (y,))], MB, microbatches=M, world_size=layout["tp"] * layout["pp"],
+                          **layout), x, y
+
+
+def test_training_graphs_unchanged(monkeypatch):
+    """The logits are an extra output of the last chunk's evaluation graph only: every chunk's
+    training graph (and its balanced cost) is the same as when tracing marks nothing."""
+    marked, _, _ = _program(_gpt(False), tp=2, pp=2)
+    monkeypatch.setattr(trace_module, "_logits_marker", lambda t: t)
+    unmarked, _, _ = _program(_gpt(False), tp=2, pp=2)
+    assert unmarked.traced.logits is None and marked.traced.logits is not None
+    for a, b in zip(marked.split.chunks, unmarked.split.chunks, strict=True):
+        assert a.gm.code == b.gm.code, a.index
+        assert len(a.gm.graph.nodes) == len(b.gm.graph.nodes), a.index
+        assert a.eval_gm.code == b.eval_gm.code or a.index == len(marked.split.chunks) - 1
+    assert marked.split.costs == unmarked.split.costs
+    last = marked.split.chunks[-1]
+    outputs = [n for n in last.gm.graph.nodes if n.op == "output"][0].args[0]
+    eval_outputs = [n for n in last.eval_gm.graph.nodes if n.op == "output"][0].args[0]
+    assert len(outputs) == 1 and len(eval_outputs) == 2, (outputs, eval_outputs)
+    assert eval_outputs[1].name == marked.traced.logits
+    # rank 2 holds the last stage (tp=2): its evaluation code returns the loss and the logits, its
+    # training code the loss alone
+    returns = [line.strip() for line in marked.code(2, eval=True).splitlines() if "return (" in line]
+    assert returns[-1].endswith(f", {marked.traced.logits})"), returns
+    returns = [line.strip() for line in marked.code(2).splitlines() if "return (" in line]
+    assert returns[-1].count(",") == 1 and returns[-1].endswith(",)"), returns
+
+
+def test_one_device_logits():
+    """One rank, no process group: the logits of both microbatches equal ``model.eval()``'s."""
+    model = _gpt(True)
+    program, x, y = _program(model, tp=1, pp=1)
+    loss, logits = program.materialize().eval_step(x, y, outputs=True)
+    with torch.no_grad():
+        want = model.eval()(x)
+    torch.testing.assert_close(logits, want, rtol=0, atol=0)  # the same ops in the same order
+    torch.testing.assert_close(loss, float(F.cross_entropy(want.flatten(0, 1), y.flatten())), **LOSS_TOLERANCE)
+
+
+def test_what_cannot_be_returned_fails_first():
+    """``output_fn`` returning no tensor, or ``to`` naming no rank of the world: a ValueError that
+    says what and how to fix it, raised before the step runs."""
+    model = _gpt(True)
+    (x,), (y,) = token_batches(VOCAB, steps=1, rows=M * MB, seed=5, seq=SEQ)[0]
+    program = autopar.parallelize(model, example_inputs=(x[:MB],), example_targets=(y[:MB],), microbatches=M,
+                                  world_size=1, output_fn=lambda out: (out,),
+                                  loss_fn=lambda out, t: F.cross_entropy(out[0].flatten(0, 1), t.flatten()))
+    engine = program.materialize()
+    with pytest.raises(ValueError, match="output_fn did not return a tensor"):
+        engine.eval_step(x, y, outputs=True)
+    assert engine.events == []  # nothing ran
+    assert isinstance(engine.eval_step(x, y), float)  # the loss alone still works
+    good = _program(_gpt(True), tp=1, pp=1)[0].materialize()
+    for to, match in ((3, r"rank\(s\) \[3\] outside the world of 1"), ("first", "expected 'all', 'last'")):
+        with pytest.raises(ValueError, match=match):
+            good.eval_step(x, y, outputs=True, to=to)
