@@ -33,7 +33,7 @@ import torch
 if TYPE_CHECKING:
     from autopar.compiler.batch_roles import TokenLoss
 
-__all__ = ["StepWeights", "token_counts", "step_weights"]
+__all__ = ["StepWeights", "token_counts", "step_weights", "equal_weights"]
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,8 @@ class StepWeights:
 def token_counts(loss: "TokenLoss", targets, micro: list[dict[str, torch.Tensor]]) -> list[int]:
     """The targets not equal to the ignore_index in each microbatch: the loss's own targets, computed
     from the batch tensors by ``targets`` (``loss.targets`` on the engine's device)."""
-    counts = []
-    for tensors in micro:
-        t = targets(*(tensors[name] for name in loss.reads))
-        counts.append(int((t != loss.ignore_index).sum()))
-    return counts
+    counts = [(targets(*(tensors[name] for name in loss.reads)) != loss.ignore_index).sum() for tensors in micro]
+    return [int(n) for n in torch.stack(counts).tolist()]  # one transfer from the device
 
 
 def equal_weights(m: int, d: int) -> StepWeights:
