@@ -1,6 +1,8 @@
 """Launching: `autopar run` and torchrun start a script's ranks; a failing rank stops them all."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -63,3 +65,60 @@ def test_autopar_run_stops_all_ranks_when_one_fails(script):
     assert out.returncode != 0
     assert "boom on rank 1" in out.stderr and "stopped the others" in out.stderr
     assert time.monotonic() - start < 120
+
+
+SLEEPER = textwrap.dedent("""
+    import os, sys, time
+
+    def sleep_forever(folder):
+        with open(os.path.join(folder, "rank%s.pid" % os.environ["RANK"]), "w") as f:
+            f.write(str(os.getpid()))
+        while True:
+            time.sleep(0.05)
+
+    if __name__ == "__main__":
+        if sys.argv[2] == "spawn":  # this process is the parent of the ranks autopar.spawn starts
+            import autopar
+            autopar.spawn(sleep_forever, 2, (sys.argv[1],))
+        else:  # started by autopar run: this process is a rank
+            sleep_forever(sys.argv[1])
+""")
+
+
+def _interrupted(cmd: list[str], folder) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Start ``cmd``, wait until both ranks wrote their pid, send SIGINT (Ctrl-C) to it alone."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_files = [folder / f"rank{r}.pid" for r in range(2)]
+    deadline = time.monotonic() + 120
+    while not all(f.exists() and f.read_text() for f in pid_files):
+        assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), [int(f.read_text()) for f in pid_files]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("launcher", ["autopar run", "spawn"])
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path, launcher):
+    """SIGINT to the launcher (``autopar run``, or a script whose ``autopar.spawn`` is the ranks'
+    parent): the ranks are stopped, one line says so, the exit code is 130, no traceback."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    if launcher == "spawn":
+        cmd = [sys.executable, str(script), str(tmp_path), "spawn"]
+    else:
+        cmd = [sys.executable, "-m", "autopar.cli", "run", "--nproc", "2", str(script), str(tmp_path), "rank"]
+    out, pids = _interrupted(cmd, tmp_path)
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert out.returncode == 130, lines
+    assert "Traceback" not in out.stdout + out.stderr
+    assert len(lines) == 1 and lines[0].endswith("interrupted: stopped 2 ranks"), lines
+    assert not any(_alive(pid) for pid in pids)
