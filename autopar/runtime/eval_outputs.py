@@ -43,7 +43,6 @@ from autopar.core.placement import Replicate, Shard, local_size
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
-    from autopar.runtime.engine import RankEngine
 
 __all__ = ["LogitsOutput", "askers", "gather_logits"]
 
@@ -82,10 +81,11 @@ class LogitsOutput:
         where = f"node {node.name}" + (f" ({where})" if where else "")
         decision = program.plan.decisions.get(node.name)
         placement = decision.out if decision is not None else Replicate()
-        if decision is not None and decision.reduce_out or not isinstance(placement, (Replicate, Shard)):
-            raise ValueError(f"the logits ({where}) are {'a partial sum' if decision.reduce_out else placement} "
-                             f"on each tensor-parallel rank, not pieces of the whole value: evaluation outputs "
-                             f"need them replicated or split along a dim (tp=1 avoids the split)")
+        partial = decision is not None and decision.reduce_out  # a row-parallel output, before its g
+        if partial or not isinstance(placement, (Replicate, Shard)):
+            raise ValueError(f"the logits ({where}) are {'a partial sum' if partial else placement} on each "
+                             f"tensor-parallel rank, not pieces of the whole value: evaluation outputs need them "
+                             f"replicated or split along a dim (tp=1 avoids the split)")
         sequence = program.sequence.split.get(node.name) if program.sequence is not None else None
         splits = tuple(p for p in (placement, sequence) if isinstance(p, Shard))
         shape = tuple(int(s) for s in node.meta["val"].shape)
@@ -132,10 +132,11 @@ def askers(to: str | int | Iterable[int], world: int, last_stage: list[int]) -> 
     return tuple(sorted(set(ranks)))
 
 
-def gather_logits(engine: "RankEngine", spec: LogitsOutput, pieces: dict[int, torch.Tensor],
+def gather_logits(engine, spec: LogitsOutput, pieces: dict[int, torch.Tensor],
                   ranks: tuple[int, ...], global_batch: bool) -> torch.Tensor | None:
     """The whole logits of the step on each rank of ``ranks``, None elsewhere (see the module's
     docstring). Collective over the world: every rank calls it with the same ``ranks``.
+    ``engine``: this rank's ``RankEngine`` (its mesh, program, tp group and device).
 
     ``pieces``: microbatch -> this rank's piece (last stage only, empty elsewhere).
     """
@@ -167,7 +168,7 @@ def gather_logits(engine: "RankEngine", spec: LogitsOutput, pieces: dict[int, to
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def _whole_rows(engine: "RankEngine", spec: LogitsOutput, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+def _whole_rows(engine, spec: LogitsOutput, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
     """This replica's logits, whole: each microbatch's pieces all-gathered over tp along each split
     dim, then the microbatches concatenated along the first dim."""
     whole = []
