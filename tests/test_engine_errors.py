@@ -131,14 +131,23 @@ def _failing_step_then_another(family: str, config: dict, failing_rank: int, bad
         refused = None
     except EngineFailedError as e:
         refused = (str(e), e.root.rank)
-    return failed, failed_after, refused, time.monotonic() - start
+    refused_after = time.monotonic() - start
+    also_refused = []  # the evaluation step and the collectives outside the schedule
+    for name, call in [("eval_step", lambda: engine.eval_step(*_batch(None))),
+                       ("clip_grad_norm_", lambda: engine.clip_grad_norm_(1.0)),
+                       ("full_state_dict", engine.full_state_dict)]:
+        try:
+            call()
+        except EngineFailedError as e:
+            also_refused.append(name if f"so {name} is refused" in str(e) else str(e))
+    return failed, failed_after, refused, refused_after, also_refused
 
 
 def _assert_every_rank_raised(results, root: str, coords: list[str]):
     """Every rank raised ``root`` (the failing rank's headline and the original error), said where
     it saw it, and refused the next step at once with the root cause."""
     root_rank = int(root.split()[1])
-    for rank, (failed, failed_after, refused, refused_after) in enumerate(results):
+    for rank, (failed, failed_after, refused, refused_after, also_refused) in enumerate(results):
         assert failed is not None, f"rank {rank} finished the failing step"
         msg, raised_on, named_root, cause = failed
         assert raised_on == rank and named_root == root_rank, (rank, failed)
@@ -156,6 +165,7 @@ def _assert_every_rank_raised(results, root: str, coords: list[str]):
                                f"{root}"), (rank, text)
         assert "its state is inconsistent" in text and "restart the job" in text
         assert refused_after < 5, (rank, refused_after)
+        assert also_refused == ["eval_step", "clip_grad_norm_", "full_state_dict"], (rank, also_refused)
 
 
 @pytest.mark.multiprocess

@@ -981,6 +981,7 @@ class RankEngine(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip all gradients by their global 2-norm over every rank; returns the norm before clipping."""
+        self._refuse_if_failed("clip_grad_norm_")
         return self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
 
     def _reduce_loss(self, st: StepState) -> float:
@@ -1001,6 +1002,7 @@ class RankEngine(nn.Module):
 
         Collective: every rank calls it; rank 0 writes ``path``.
         """
+        self._refuse_if_failed("write_trace")
         offset = clock_offset(self.device)
         per_rank = gather_objects((self.mesh.rank, offset, self.timelines.last(steps)))
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -1022,6 +1024,7 @@ class RankEngine(nn.Module):
         in its order. Parameters under every name the model gives them (tied weights twice),
         gathered over tp, then over pp; persistent buffers; non-persistent buffers (a rotary
         ``inv_freq``) are not part of it, as in the model's own ``state_dict()``."""
+        self._refuse_if_failed("full_state_dict")
         self.wait_parameters("full_state_dict")
         params = self._gather(lambda p: p.detach())
         out = {}
@@ -1037,6 +1040,7 @@ class RankEngine(nn.Module):
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full gradients under every original parameter name, on every rank (with a distributed
         optimizer: the reduced gradients, all-gathered from the replicas' shards)."""
+        self._refuse_if_failed("full_grads")
         if self.grads.sharded is not None:
             reduced = self.grads.reduced_grads()
             name_of = {id(p): n for n, p in self.named_local_parameters()}
@@ -1086,6 +1090,7 @@ class RankEngine(nn.Module):
 
         Collective: every rank calls it. Returns the names of the files this rank wrote.
         """
+        self._refuse_if_failed("save_pretrained")
         holdings = RankHoldings(self.program, self.mesh, self.tp, dict(self.named_local_parameters()),
                                 self._feeds, self.device)
         return save_pretrained(path, holdings)
@@ -1104,6 +1109,7 @@ class RankEngine(nn.Module):
         to host memory while a thread writes it; ``handle.wait()`` (or the next
         save or load) waits for it. Wait before the process group is destroyed.
         """
+        self._refuse_if_failed("save")
         self.wait_parameters("save")
         return self._checkpoints().save(root, optimizer, step=step, scheduler=scheduler, extra=extra,
                                         async_save=async_save)
@@ -1118,6 +1124,7 @@ class RankEngine(nn.Module):
         checkpoint has been checked against this program; a problem any rank finds
         raises ``CheckpointError`` on every rank.
         """
+        self._refuse_if_failed("load")
         self.wait_parameters("load")  # a gather finishing after the load would overwrite what it read
         return self._checkpoints().load(path, optimizer, scheduler)
 
