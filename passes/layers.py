@@ -28,6 +28,14 @@ with any keys, separate attributes, nested containers, an ``nn.Sequential``
 with the embedding and head around them, or one block called several times
 (weights shared across layers, as ALBERT). Layer i is the i-th call met in
 graph order. Nothing here depends on names or container types.
+
+A hybrid stack where no structure repeats (every block one of a few kinds:
+attention, a state-space mixer, an MLP, experts, all behind one block class)
+is found as the calls of one module class side by side (same parent call,
+same depth), each a block, in two structures or more; it competes with the
+repeated structures by the nodes it covers. Calls of one class that each hold
+a repeated block themselves (an encoder stack and a decoder stack) are stacks,
+not layers, and are not such a group.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ __all__ = ["LOOKED_FOR", "LayerInfo", "find_layers", "layer_of_node", "layer_of_
 
 LOOKED_FOR = ("a module call repeated at least twice with the same module classes called in the same order on "
               "the same shapes, each running two ops or more with a matmul among them (blocks held in any "
-              "container or attribute, or one block called repeatedly)")
+              "container or attribute, or one block called repeatedly), or calls of one module class side by side in two "
+              "structures or more (a hybrid stack)")
 """What ``find_layers`` looks for, for the messages of the features that need layers."""
 
 
@@ -93,7 +102,10 @@ class LayerInfo:
             return f"no repeated layers (looked for {LOOKED_FOR})"
         where = f"'{self.paths[0]}' .. '{self.paths[-1]}'" if self.paths else f"'{self.prefix}'"
         shared = ", one block called repeatedly" if self.by_calls else ""
-        return f"{self.count} layers ({where}{shared})"
+        firsts = sorted(set(self.kinds))
+        kinds = "" if len(firsts) < 2 else f"; {len(firsts)} structures: " + ", ".join(
+            f"{self.kinds.count(f)} like '{self.label(f)}'" for f in firsts)
+        return f"{self.count} layers ({where}{shared}{kinds})"
 
 
 def _signature(node: fx.Node, depth: int) -> tuple:
@@ -166,10 +178,11 @@ def find_layers(gm: fx.GraphModule) -> LayerInfo:
     for key, kind in calls.kind.items():
         groups[kind].append(key)
     candidates = [keys for keys in groups.values() if len(keys) >= 2 and calls.is_block(keys[0])]
+    candidates += _mixed_stacks(calls)
     if not candidates:
         return LayerInfo("", 0, {})
-    size, depth = (lambda k: len(calls.members[k])), (lambda k: calls.call[k][2])
-    best = max(candidates, key=lambda ks: (len(ks) * size(ks[0]), len(ks), -depth(ks[0])))
+    size, depth = (lambda ks: sum(len(calls.members[k]) for k in ks)), (lambda k: calls.call[k][2])
+    best = max(candidates, key=lambda ks: (size(ks), len(ks), -depth(ks[0])))
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     start = lambda k: order[calls.members[k][0].name]  # noqa: E731
     best = sorted(best + _beside(best, calls), key=start)
@@ -180,6 +193,34 @@ def find_layers(gm: fx.GraphModule) -> LayerInfo:
     return LayerInfo(prefix, len(best), node_layer, by_calls=len(set(paths)) < len(paths), offset=offset,
                      paths=paths, keys={k: i for i, k in enumerate(best)},
                      kinds=tuple(first[calls.kind[k]] for k in best))
+
+
+def _mixed_stacks(calls: _Calls) -> list[list[str]]:
+    """Blocks of one module class side by side (same parent call, same depth) in two structures or more,
+    as a hybrid stack whose every block is one of a few kinds (attention, state-space mixer, MLP,
+    mixture of experts behind one block class), where no single structure need repeat. A group whose
+    every member holds a repeated block itself is a group of stacks (an encoder and a decoder), not of
+    layers."""
+    by_class: dict[tuple, list[str]] = defaultdict(list)
+    for key, (_, cls, depth) in calls.call.items():
+        if calls.is_block(key):
+            by_class[(cls, calls.parent[key], depth)].append(key)
+    return [keys for keys in by_class.values()
+            if len(keys) >= 2 and len({calls.kind[k] for k in keys}) >= 2
+            and not all(_holds_repeat(k, calls) for k in keys)]
+
+
+def _holds_repeat(key: str, calls: _Calls) -> bool:
+    """Two calls or more of one block structure run inside this call."""
+    seen, todo = set(), list(calls.children.get(key, ()))
+    while todo:
+        k = todo.pop()
+        if calls.is_block(k):
+            if calls.kind[k] in seen:
+                return True
+            seen.add(calls.kind[k])
+        todo.extend(calls.children.get(k, ()))
+    return False
 
 
 def _beside(stack: list[str], calls: _Calls) -> list[str]:

@@ -67,10 +67,10 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
     node_layer = {n.name: layer for n in nodes if n.op == "call_function"
                   and (layer := layers.node_layer.get(n.name, layer_of_node(n, layers))) is not None}
     if layers.count == 0:  # one chunk holds everything: nothing to cut between
-        unit = [sum(node_cost(n, param_phs) for n in nodes if n.op == "call_function" and n.name not in free)]
+        unit = [sum(_cost(n, rank_gm, param_phs) for n in nodes if n.op == "call_function" and n.name not in free)]
         chunk_of_layer: dict[int, int] = {}
     else:
-        unit = _layer_costs(nodes, free, node_layer, layers.count, param_phs)
+        unit = _layer_costs(rank_gm, nodes, free, node_layer, layers.count, param_phs)
         starts = balance_stages(unit, chunk_stages or tuple(range(n_chunks)))
         chunk_of_layer = {layer: c for c, s in enumerate(starts)
                           for layer in range(s, starts[c + 1] if c + 1 < n_chunks else layers.count)}
@@ -103,7 +103,7 @@ def _check_layer_count(layers: LayerInfo, n_chunks: int) -> None:
             f"parallelism need no layers), or give the model a stack of blocks of one structure")
     if layers.count < n_chunks:
         raise PipelineError(
-            f"the model has {layers.count} layers (under '{layers.prefix}') but pp * virtual_stages = "
+            f"the model has {layers.describe()} but pp * virtual_stages = "
             f"{n_chunks} chunks need at least one layer each. Fix: use pp * virtual_stages <= {layers.count}"
             f" (e.g. pp={layers.count}, virtual_stages=1)"
         )
@@ -120,27 +120,39 @@ def _parameter_free(nodes: list[fx.Node], param_phs: set[str]) -> set[str]:
     return {n.name for n in nodes if n.op == "call_function" and n.name not in anchored}
 
 
-def _layer_costs(nodes: list[fx.Node], free: set[str], node_layer: dict[str, int], count: int,
+def _layer_costs(gm: fx.GraphModule, nodes: list[fx.Node], free: set[str], node_layer: dict[str, int], count: int,
                  param_phs: set[str]) -> list[float]:
     """Roofline cost of each layer; what comes before the first layer (embedding) counts with
-    the first, what follows the last (final norm, head, loss) with the last."""
+    the first, what follows a layer outside any (between two layers, or the final norm, head and
+    loss after the last) with the latest layer before it, the layer whose chunk it lands in."""
     layer_cost = [0.0] * count
-    pre = post = 0.0
-    seen_layer = False
+    pre = 0.0
+    latest = None
     for n in nodes:
         if n.op != "call_function" or n.name in free:
             continue
-        c = node_cost(n, param_phs)
+        c = _cost(n, gm, param_phs)
         if n.name in node_layer:
-            layer_cost[node_layer[n.name]] += c
-            seen_layer = True
-        elif seen_layer:
-            post += c
+            latest = node_layer[n.name]
+            layer_cost[latest] += c
+        elif latest is not None:
+            layer_cost[latest] += c
         else:
             pre += c
     layer_cost[0] += pre
-    layer_cost[-1] += post
     return layer_cost
+
+
+def _cost(node: fx.Node, gm: fx.GraphModule, params: set[str]) -> float:
+    """A node's roofline cost (``node_cost``); a higher-order op (``torch.cond``, a ``no_grad`` or
+    ``autocast`` region, ...) adds that of the costliest graph it holds (get_attr sub-modules: a
+    cond's branches, of which one runs), a third of it for a ``no_grad`` region (no backward)."""
+    cost = node_cost(node, params)
+    subs = [getattr(gm, a.target) for a in node.all_input_nodes if a.op == "get_attr"]
+    held = max((sum(_cost(n, sub, frozenset()) for n in sub.graph.nodes)
+                for sub in subs if isinstance(sub, fx.GraphModule)), default=0.0)
+    # forward costs stand for forward + backward (about 2x the forward); a no_grad region has no backward
+    return cost + (held / 3 if _grad_off(node) else held)
 
 
 def _assign_chunks(nodes: list[fx.Node], free: set[str], node_layer: dict[str, int],
@@ -181,13 +193,22 @@ def _live_values(nodes: list[fx.Node], chunk_of: dict[str, int], n_chunks: int) 
 
 
 def _requires_grad(nodes: list[fx.Node], param_phs: set[str]) -> set[str]:
+    """Values a gradient flows back through: floats computed from a parameter (a tuple of them too,
+    as a higher-order op returns: its items follow), except what a ``no_grad`` region returns."""
     rg = set(param_phs)
     for n in nodes:
-        if n.op == "call_function" and any(a.name in rg for a in n.all_input_nodes):
+        if n.op == "call_function" and any(a.name in rg for a in n.all_input_nodes) and not _grad_off(n):
             val = local_val(n)
-            if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+            items = val if isinstance(val, (tuple, list)) else (val,)
+            if any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in items):
                 rg.add(n.name)
     return rg
+
+
+def _grad_off(node: fx.Node) -> bool:
+    """A region traced under ``torch.no_grad()`` (export wraps it in ``wrap_with_set_grad_enabled(False,
+    ...)``): what it returns carries no gradient."""
+    return node.target is torch.ops.higher_order.wrap_with_set_grad_enabled and node.args[0] is False
 
 
 def _boundary(node: fx.Node, requires_grad: set[str], global_shapes: dict[str, tuple]) -> Boundary:
@@ -237,9 +258,9 @@ def _build_chunk(rank_gm, nodes, by_name, k, chunk_of, free, live, tp_node, para
         p.meta.update(by_name[nm].meta)
         env[nm] = p
     for n in nodes:
-        if n.op != "call_function":
-            continue
-        if chunk_of.get(n.name) == k or n.name in needed_free:
+        # a sub-module a higher-order op runs (get_attr): copied into each chunk that reads it, and
+        # GraphModule(rank_gm, ...) below carries the sub-module itself
+        if (n.op == "get_attr" and n.name in wanted) or chunk_of.get(n.name) == k or n.name in needed_free:
             new = g.node_copy(n, lambda a: env[a.name])
             env[n.name] = new
     if loss is not None:
