@@ -344,3 +344,21 @@ def test_a_damaged_file_fails_before_any_read(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 1000) + b"{}")
     with pytest.raises(CheckpointError, match=r"the header length says 1000 bytes of header, found 2 bytes"):
         HFCheckpoint.open(tmp_path)
+
+
+def test_cli_export_writes_what_save_pretrained_writes(tmp_path):
+    """``autopar export CKPT --to-hf DIR`` of a GPT-NeoX checkpoint: transformers' own names
+    (``embed_out``) and shapes, and ``from_pretrained`` of it holds the checkpoint's weights."""
+    import transformers
+    from test_export import _contract_checkpoint
+
+    from autopar.runtime.export_checkpoint import export_checkpoint
+
+    torch.manual_seed(2)
+    model = _hf_gpt_neox()
+    saved = _contract_checkpoint(model, tmp_path / "ckpt")
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    model.save_pretrained(tmp_path / "own")
+    assert _stored(tmp_path / "hf") == _stored(tmp_path / "own") and "embed_out.weight" in _stored(tmp_path / "hf")
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())
