@@ -3,7 +3,8 @@
 The first source that has it, for a parameter:
 
 1. ``state_dict`` (full weights: then it must hold every parameter);
-2. ``checkpoint``, a HuggingFace safetensors checkpoint (``hf_weights``);
+2. ``checkpoint``, a HuggingFace safetensors checkpoint (``hf_weights``; names through
+   transformers' conversion mapping, ``hf_conversion``);
 3. the model's own parameter, when it is real;
 4. the model's own initialisation, for a parameter on the meta device
    (``initialize``), seeded by the base seed and the module's path;
