@@ -38,6 +38,7 @@ from autopar.planning.op_times import op_time
 from autopar.planning.planner import Plan, SearchSpace, search
 from autopar.planning.sensitivity import flip_points
 from autopar.planning.simulate import runtime_schedule, simulate_layout_lowered
+from autopar.planning.tables import PIPED_WIDTH, compact_table
 from autopar.planning.transformer import layer_ops
 from autopar.planning.versus import term_lines, term_rows
 from autopar.schedules import Sends, SimResult, generate, simulate
@@ -67,6 +68,10 @@ def _add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) 
     g.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 * hidden)")
     g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: heads)")
     g.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (three projections)")
+    for flag, default, what in _FEATURES:
+        g.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"{what} (dimensions: default {'on' if default else 'off'}, as current models; "
+                            f"--model: the preset's; --hf-config reads it from the model)")
     c = ap.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, required=required_cluster)
     c.add_argument("--batch", type=int, required=required_cluster, help="global batch (sequences)")
@@ -146,13 +151,36 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+_FEATURES = (
+    ("fused-attention", True, "attention as one fused kernel (FlashAttention, sdpa) keeping no s x s scores"),
+    ("dropout", False, "dropout after the embedding, on the attention and before each residual add"),
+    ("tied-head", False, "the LM head uses the word embedding's table (GPT-2) instead of its own (Llama)"),
+    ("learned-positions", False, "a learned position table (GPT-2) instead of rotary positions (Llama)"),
+)
+"""(flag, default for a model given by its dimensions, what it is): what the dimensions do not say
+(``ModelSpec``'s fields of the same names); the defaults fit current models (Llama, Mistral, Qwen)."""
+
+
+def _feature_flags(args: argparse.Namespace) -> dict[str, bool]:
+    """The ``_FEATURES`` flags given on the command line, as ``ModelSpec`` fields."""
+    given = {flag.replace("-", "_"): getattr(args, flag.replace("-", "_"), None) for flag, _, _ in _FEATURES}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _spec(args: argparse.Namespace) -> ModelSpec | None:
     if getattr(args, "hf_config", None):
+        given = [f"--{a.replace('_', '-')}" for a in ("layers", "hidden", "heads", "vocab", "ffn", "kv_heads")
+                 if getattr(args, a) is not None]
+        given += ["--gated-mlp"] * args.gated_mlp + [f"--{k.replace('_', '-')}" for k in _feature_flags(args)]
+        if given:
+            raise SystemExit(f"autopar: --hf-config reads the model from its graph; {', '.join(given)} would be "
+                             f"ignored: drop them, or describe the model by its dimensions instead")
         return _hf_spec(args.hf_config, args.seq_len or 2048)
     if args.model:
         spec = get_model(args.model)
         over = {k: getattr(args, a) for k, a in (("seq_len", "seq_len"), ("vocab", "vocab"))
                 if getattr(args, a) is not None}
+        over |= _feature_flags(args)
         if over:
             spec = replace(spec, **over)
         return spec
@@ -161,9 +189,10 @@ def _spec(args: argparse.Namespace) -> ModelSpec | None:
         return None
     if any(x is None for x in dims):
         raise SystemExit("autopar: give --model, or all of --layers --hidden --heads")
+    features = {flag.replace("-", "_"): default for flag, default, _ in _FEATURES} | _feature_flags(args)
     return ModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,
                      seq_len=args.seq_len or 2048, vocab=args.vocab or 51200, ffn=args.ffn,
-                     kv_heads=args.kv_heads, gated_mlp=args.gated_mlp)
+                     kv_heads=args.kv_heads, gated_mlp=args.gated_mlp, **features)
 
 
 def _hf_spec(path: str, seq_len: int) -> ModelSpec:
@@ -220,55 +249,53 @@ GiB = 2**30
 
 def _row(e: Estimate) -> list[str]:
     lay = e.layout
-    sched = {"1f1b": "1F1B", "interleaved": "interleaved", "gpipe": "GPipe", "zb-h1": "ZB-H1",
+    sched = {"1f1b": "1F1B", "interleaved": "interl.", "gpipe": "GPipe", "zb-h1": "ZB-H1",
              "zbv": "ZB-V"}[lay.schedule] if lay.p > 1 else "-"
     return [str(lay.t), str(lay.p), str(lay.d), str(lay.v), str(lay.b), str(e.m),
-            sched + ("*" if e.simulated else "") + ("" if e.runnable else " !"), str(lay.recompute),
+            sched + ("*" if e.simulated else "") + ("" if e.runnable else "!"), str(lay.recompute),
+            "on" if lay.sp else "-", "on" if lay.distopt else "-",
             f"{e.t_iter:.3f}", f"{e.tflops_per_gpu:.1f}", f"{e.frac_peak:.1%}", f"{e.memory.total / GiB:.1f}",
             f"{e.bubble:.1%}", f"{e.comm_time:.3f}"]
 
 
+_PLAN_COLUMNS = ("#", "t", "p", "d", "v", "b", "m", "sched", "recomp", "SP", "DO", "iter s", "TFLOP/s",
+                 "peak", "GiB", "bubble", "comm s")
+"""The plan table's headers, short so that the table fits 120 columns (the caption says each)."""
+
+
 def _plan_table(plan: Plan, top: int) -> Table:
     hw = plan.cluster.hardware
-    tb = Table(title=f"{plan.spec.label} on {plan.cluster.gpus} x {hw.gpu} ({hw.name}), global batch "
-                     f"{plan.cluster.global_batch}: {plan.evaluated} layouts in {plan.seconds:.2f} s",
-               caption="ranked by predicted iteration time; TFLOP/s count the FLOPs executed (recomputation "
-                       "included, as the paper counts); * = schedule simulated; ! = priced but not runnable "
-                       "(the schedule's rules, listed below); comm = exposed "
-                       "tensor-parallel, pipeline and data-parallel communication")
-    for col in ("#", "t", "p", "d", "v", "b", "m", "schedule", "recompute", "iter (s)", "TFLOP/s/GPU",
-                "% peak", "GiB/GPU", "bubble", "comm (s)"):
-        tb.add_column(col, justify="left" if col in ("schedule", "recompute") else "right")
-    rows = list(plan.ranked[:top])
-    for k, e in enumerate(rows, 1):
-        tb.add_row(str(k), *_row(e))
-    ref = plan.reference
-    if ref is not None:
-        tb.add_row("paper", *_row(ref), style="yellow")
-    return tb
+    rows = [[str(k), *_row(e)] for k, e in enumerate(plan.ranked[:top], 1)]
+    styles: list[str | None] = [None] * len(rows)
+    if plan.reference is not None:
+        rows.append(["paper", *_row(plan.reference)])
+        styles.append("yellow")
+    return compact_table(
+        f"{plan.spec.label} on {plan.cluster.gpus} x {hw.gpu} ({hw.name}), global batch "
+        f"{plan.cluster.global_batch}: {plan.evaluated} layouts in {plan.seconds:.2f} s", _PLAN_COLUMNS, rows,
+        caption="ranked by predicted iteration time (s); sched: schedule (interl. = interleaved 1F1B, * = simulated, "
+                "! = priced but not runnable: the schedule's rules, listed below); recomp: recomputation; SP: "
+                "sequence parallelism; DO: distributed optimizer; TFLOP/s per GPU count the FLOPs executed "
+                "(recomputation included, as the paper counts); peak: of the GPU's peak; GiB per GPU; comm: "
+                "exposed tensor-parallel, pipeline and data-parallel communication (s)",
+        left=("sched", "recomp", "SP", "DO"), styles=styles)
 
 
 def _breakdown_table(e: Estimate) -> Table:
-    tb = Table(title=f"where the time goes: {e.layout.short}")
-    tb.add_column("part")
-    tb.add_column("seconds", justify="right")
-    tb.add_column("share", justify="right")
-    for k, v in e.breakdown.items():
-        tb.add_row(k, f"{v:.3f}", f"{v / e.t_iter:.1%}")
-    tb.add_row("iteration", f"{e.t_iter:.3f}", "100%", style="bold")
-    return tb
+    rows = [[k, f"{v:.3f}", f"{v / e.t_iter:.1%}"] for k, v in e.breakdown.items()]
+    rows.append(["iteration", f"{e.t_iter:.3f}", "100%"])
+    return compact_table(f"where the time goes: {e.layout.short}", ("part", "seconds", "share"), rows,
+                         left=("part",), styles=[None] * (len(rows) - 1) + ["bold"])
 
 
 def _ops_table(e: Estimate) -> Table:
     hw, lay = e.cluster.hardware, e.layout
     ops = layer_ops(e.spec, lay.b, lay.t)
-    tb = Table(title=f"one layer, forward, on one GPU (b={lay.b}, t={lay.t})")
-    for col in ("op", "kind", "GEMM (batch, M, N, K)", "GFLOP", "MB", "time (us)"):
-        tb.add_column(col, justify="left" if col in ("op", "kind", "GEMM (batch, M, N, K)") else "right")
-    for op in ops.forward:
-        tb.add_row(op.name, op.kind, str(op.gemm) if op.gemm else "", f"{op.flops / 1e9:.2f}",
-                   f"{op.bytes / 1e6:.1f}", f"{op_time(op, hw, lay.t) * 1e6:.0f}")
-    return tb
+    rows = [[op.name, op.kind, str(op.gemm) if op.gemm else "", f"{op.flops / 1e9:.2f}", f"{op.bytes / 1e6:.1f}",
+             f"{op_time(op, hw, lay.t) * 1e6:.0f}"] for op in ops.forward]
+    return compact_table(f"one layer, forward, on one GPU (b={lay.b}, t={lay.t})",
+                         ("op", "kind", "GEMM (batch, M, N, K)", "GFLOP", "MB", "time (us)"), rows,
+                         left=("op", "kind", "GEMM (batch, M, N, K)"))
 
 
 def _explain_lines(e: Estimate) -> list[tuple[str, str, str, str]]:
@@ -284,7 +311,7 @@ def _explain_table(e: Estimate) -> Table:
     tb.add_column("name")
     tb.add_column("what")
     tb.add_column("formula")
-    tb.add_column("value", justify="right")
+    tb.add_column("value", justify="right", no_wrap=True)  # a number and its unit, never cut
     for row in _explain_lines(e):
         tb.add_row(*row)
     return tb
@@ -343,12 +370,15 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         out = {
             "model": {"name": spec.label, "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads,
-                      "seq_len": spec.seq_len, "vocab": spec.vocab, "ffn": spec.ffn_size, "kv_heads": spec.kv},
+                      "seq_len": spec.seq_len, "vocab": spec.vocab, "ffn": spec.ffn_size, "kv_heads": spec.kv,
+                      "gated_mlp": spec.gated_mlp, "fused_attention": spec.fused_attention, "dropout": spec.dropout,
+                      "tied_head": spec.tied_head, "learned_positions": spec.learned_positions},
             "cluster": {"gpus": cluster.gpus, "hardware": cluster.hardware.name, "global_batch": args.batch},
             "evaluated": plan.evaluated, "seconds": plan.seconds, "rejected": plan.rejected,
             "ranked": [e.as_dict() for e in plan.ranked[:args.top]],
             "reference": plan.reference.as_dict() if plan.reference else None,
             "why": plan.why(),
+            "notes": plan.notes(),
             "flip_points": _flip_json(plan),
         }
         if other is not None and plan.ranked:
@@ -362,9 +392,13 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if not plan.ranked:
         console.print(f"[red]{plan.no_fit_message()}[/red]")
         return 1
+    console.print(f"model {spec.label}: {spec.features}", highlight=False)
     console.print(_plan_table(plan, args.top))
     if plan.rejected:
-        console.print("rejected: " + ", ".join(f"{n} x {rule}" for rule, n in plan.rejected.items()))
+        console.print("rejected: " + ", ".join(f"{n} x {rule}" for rule, n in plan.rejected.items()),
+                      highlight=False)
+    for line in plan.notes():
+        console.print(line, highlight=False)
     why = plan.why()
     if why:
         console.print("[bold]compared with the paper's layout[/bold]" if plan.reference is not None else
@@ -442,13 +476,10 @@ def _simulate_measured(args: argparse.Namespace, console: Console) -> int:
 
 def _measured_table(comp) -> Table:
     """Per step: measured, predicted with its own median costs, replayed action by action."""
-    table = Table(title="steps (ms): measured, simulated with the step's own costs, replayed action by action")
-    for col in ("step", "measured", "predicted", "ratio", "replayed", "ratio"):
-        table.add_column(col, justify="right")
-    for s in comp.per_step:
-        table.add_row(str(s.step), f"{s.measured * 1e3:.2f}", f"{s.predicted * 1e3:.2f}", f"{s.ratio:.3f}",
-                      f"{s.replayed * 1e3:.2f}", f"{s.replay_ratio:.3f}")
-    return table
+    rows = [[str(s.step), f"{s.measured * 1e3:.2f}", f"{s.predicted * 1e3:.2f}", f"{s.ratio:.3f}",
+             f"{s.replayed * 1e3:.2f}", f"{s.replay_ratio:.3f}"] for s in comp.per_step]
+    return compact_table("steps (ms): measured, simulated with the step's own costs, replayed action by action",
+                         ("step", "measured", "predicted", "ratio", "replayed", "ratio"), rows)
 
 
 def _simulate_unit_costs(args: argparse.Namespace) -> tuple[SimResult, SimResult, str, str, list[str]]:
@@ -530,11 +561,18 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def make_console(width: int | None = None) -> Console:
+    """The console the commands print to: ``width`` columns if given, else the terminal's, or
+    ``PIPED_WIDTH`` when the output is not a terminal (rich would assume 80 and cut the tables)."""
+    console = Console(width=width)
+    if width is None and not console.is_terminal:
+        console = Console(width=PIPED_WIDTH)
+    return console
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=150)
+    console = make_console()
     try:
         if args.command == "plan":
             return _cmd_plan(args, console)

@@ -17,7 +17,11 @@ finished). --resume continues from the newest complete checkpoint: parameters,
 AdamW moments, learning-rate schedule, random streams and data position, so
 the losses are those of an uninterrupted run. A run from step 0 checks its
 first step against single-device training (same loss, same gradients). The
-last line reports the final training loss, the one the progress bar shows.
+last line reports the final training loss, the one the progress bar shows,
+and the throughput as the bar shows it (``throughput``): global tokens per
+second, the tokens of one step over all replicas divided by the median step
+time of the steps run so far (optimizer step included; evaluation and
+checkpoint saves not).
 """
 
 from __future__ import annotations
@@ -100,12 +104,26 @@ def evaluate(engine, heldout: ReplicaData) -> float:
     return statistics.mean(engine.eval_step(*heldout.batch(i)) for i in range(EVAL_BATCHES))
 
 
+def step_tokens(args) -> int:
+    """Tokens of one training step over all data-parallel replicas."""
+    return args.micro_batch * args.microbatches * args.dp * CFG.seq_len
+
+
+def throughput(tokens_per_step: int, step_times: list[float]) -> str:
+    """Global tokens per second of the steps run so far, as the progress bar and the last line
+    print it: ``tokens_per_step`` over the median of ``step_times`` (seconds), e.g.
+    ``12,345 tokens/s``; ``- tokens/s`` before the first step."""
+    if not step_times:
+        return "- tokens/s"
+    return f"{tokens_per_step / statistics.median(step_times):,.0f} tokens/s"
+
+
 def _bar(main: bool):
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = [TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-               TextColumn("loss {task.fields[loss]:.3f}  eval {task.fields[eval]:.3f}  "
-                          "{task.fields[tps]:.0f} tokens/s"), TimeRemainingColumn()]
+               TextColumn("loss {task.fields[loss]:.3f}  eval {task.fields[eval]:.3f}  {task.fields[tps]}"),
+               TimeRemainingColumn()]
     return Progress(*columns, disable=not main, transient=False)
 
 
@@ -126,9 +144,10 @@ def train(args):
         start, _ = engine.load(str(root), opt, sched)
     out = {"start": start, "losses": [], "evals": [], "times": [], "grads": None}
     stop, pending, eval_loss = min(args.steps, args.stop_at or args.steps), None, float("nan")
-    tokens = rows * engine.dp_size * CFG.seq_len
+    tokens = step_tokens(args)  # rows * engine.dp_size * CFG.seq_len: the last line's count too
     with _bar(dist.get_rank() == 0) as bar:
-        task = bar.add_task("train", total=args.steps, completed=start, loss=float("nan"), eval=eval_loss, tps=0.0)
+        task = bar.add_task("train", total=args.steps, completed=start, loss=float("nan"), eval=eval_loss,
+                            tps=throughput(tokens, []))
         for step in range(start, stop):
             t0 = time.perf_counter()
             out["losses"].append(engine.train_step(*data.batch(step)))
@@ -145,7 +164,7 @@ def train(args):
                     pending.wait()
                 pending = engine.save(str(root), opt, step=step + 1, scheduler=sched,
                                       extra={"data": data.position(step + 1)}, async_save=True)
-            bar.update(task, advance=1, loss=out["losses"][-1], eval=eval_loss, tps=tokens / out["times"][-1])
+            bar.update(task, advance=1, loss=out["losses"][-1], eval=eval_loss, tps=throughput(tokens, out["times"]))
     if pending is not None:
         pending.wait()
     return out
@@ -209,7 +228,7 @@ def main() -> None:
     if is_main:
         print(program.summary())
         print(program.schedule.wrapped(min(shutil.get_terminal_size().columns, 120)))
-        tokens = args.micro_batch * args.microbatches * args.dp * CFG.seq_len
+        tokens = step_tokens(args)
         print(f"\ntraining on {world} {'ranks' if launched else 'local CPU ranks (gloo)'}: "
               f"{args.steps} steps of {tokens} tokens; checkpoints in {args.ckpt_dir}")
     out = autopar.spawn(train, world, (args,))[0]
@@ -222,12 +241,12 @@ def main() -> None:
     if not out["losses"]:
         print(f"nothing to do: the checkpoint is at step {out['start']} of {args.steps}")
         return
-    tokens = args.micro_batch * args.microbatches * args.dp * CFG.seq_len
     median = statistics.median(out["times"])
     evals = ", ".join(f"{loss:.3f} (step {s})" for s, loss in out["evals"])
     print(f"held-out loss: {evals}")
     print(f"final loss {out['losses'][-1]:.3f} at step {out['start'] + len(out['losses'])} "
-          f"(first {out['losses'][0]:.3f}); median step {median * 1e3:.0f} ms, {tokens / median:.0f} tokens/s")
+          f"(first {out['losses'][0]:.3f}); median step {median * 1e3:.0f} ms, "
+          f"{throughput(step_tokens(args), out['times'])}")
 
 
 if __name__ == "__main__":

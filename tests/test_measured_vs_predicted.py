@@ -216,7 +216,17 @@ def test_cli_draws_measured_above_predicted(tmp_path, capsys):
     both = json.loads((tmp_path / "step-vs-predicted.json").read_text())["traceEvents"]
     rows = {x["args"]["name"] for x in both if x["name"] == "process_name"}
     assert rows == {"rank 0", "rank 1", "rank 0 (predicted)", "rank 1 (predicted)"}
-    assert "predicted / measured" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "predicted / measured" in out
+    assert max(len(line) for line in out.splitlines()) <= 120  # piped: 120 columns, the step table whole
+    assert _table_steps(out) == [1, 2]
+
+
+def _table_steps(out: str) -> list[int]:
+    """The step numbers of the per-step table ``autopar simulate --measured`` prints."""
+    lines = out.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line.startswith("──"))
+    return [int(line.split()[0]) for line in lines[rule + 1:] if line.split() and line.split()[0].isdigit()]
 
 
 # ---------------------------------------------------------------------------- on two ranks

@@ -80,7 +80,8 @@ def test_cli_plans_from_a_huggingface_config(tmp_path, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == {"name": "llama", "layers": 8, "hidden": 1024, "heads": 16, "seq_len": 1024,
-                            "vocab": 32000, "ffn": 2816, "kv_heads": 4}
+                            "vocab": 32000, "ffn": 2816, "kv_heads": 4, "gated_mlp": True, "fused_attention": True,
+                            "dropout": False, "tied_head": False, "learned_positions": False}
     assert out["ranked"] and out["ranked"][0]["fits"]
     with pytest.raises(SystemExit, match="cannot read a HuggingFace config"):
         main(["plan", "--hf-config", str(tmp_path / "missing.json"), "--gpus", "16", "--batch", "128"])

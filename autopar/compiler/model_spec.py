@@ -19,7 +19,15 @@ and shape, never by name:
   when the MLP is gated (SwiGLU);
 - dropout: a dropout op left in layer 0 (normalisation drops those with p = 0);
 - fused attention: the attention is one ``scaled_dot_product_attention`` call
-  (it keeps its output and log-sum-exp, not the s x s scores).
+  (it keeps its output and log-sum-exp, not the s x s scores);
+- tied head: the last projection outside the layers (the LM head) multiplies by
+  the word embedding's own table (tied weights are one graph input);
+- learned positions: a second embedding table outside the layers (rotary
+  positions have none).
+
+A projection is a linear, or a matrix product with a parameter 2-D weight
+(``addmm(bias, x, W)``, ``mm(x, W)``: HuggingFace GPT-2's ``Conv1D``, weight
+stored (in, out)).
 
 The planner then models the model as a GPT-shaped decoder with those
 dimensions (``cost.ModelSpec``). A block the graph does not show in that form
@@ -89,11 +97,11 @@ def spec_from_graph(gm: fx.GraphModule, params: set[str], seq_len: int, name: st
     q = _shape(attn.args[0])
     heads, head_dim = q[-3], q[-1]
 
-    linears = [n for n in first if n.target == aten.linear.default]
+    linears = [n for n in first if _projection(n, params) is not None]
     before = [n for n in linears if n in _ancestors(attn)]
     after = [n for n in linears if n not in before]
-    out_f = lambda n: _shape(n.args[1])[0]  # noqa: E731
-    in_f = lambda n: _shape(n.args[1])[1]  # noqa: E731
+    in_f = lambda n: _projection(n, params)[1]  # noqa: E731
+    out_f = lambda n: _projection(n, params)[2]  # noqa: E731
     qkv_total = sum(out_f(n) for n in before)
     kv = (qkv_total // head_dim - heads) // 2 if qkv_total % head_dim == 0 else 0
     if kv <= 0 or heads % kv:
@@ -110,9 +118,30 @@ def spec_from_graph(gm: fx.GraphModule, params: set[str], seq_len: int, name: st
         raise SpecError(f"{name}: the MLP's up projections hold {ups} features for a width of {ffn}; "
                         f"give --ffn (and --gated-mlp) by hand")
     dropout = any(n.target in _DROPOUTS for n in first)
+    word = max(tables, key=lambda n: _shape(n.args[0])[0]).args[0]
+    heads_out = [n for n in nodes if layers.node_layer.get(n.name) is None and _projection(n, params) is not None]
+    tied = bool(heads_out) and _projection(heads_out[-1], params)[0] is word
+    positions = any(t.args[0] is not word for t in tables)
     return ModelSpec(layers=layers.count, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
                      kv_heads=kv, gated_mlp=ups == 2 * ffn, dropout=dropout,
-                     fused_attention=attn.target == aten.scaled_dot_product_attention.default, name=name)
+                     fused_attention=attn.target == aten.scaled_dot_product_attention.default,
+                     tied_head=tied, learned_positions=positions, name=name)
+
+
+def _projection(n: fx.Node, params: set[str]) -> tuple[fx.Node, int, int] | None:
+    """(weight, in features, out features) of a projection by a parameter: ``linear(x, W)``
+    (W stored (out, in)), ``addmm(bias, x, W)`` or ``mm(x, W)`` (W stored (in, out)); else None."""
+    if n.target == aten.linear.default:
+        w = n.args[1]
+        out_features, in_features = _shape(w)
+    elif n.target in (aten.addmm.default, aten.mm.default):
+        w = n.args[-1]
+        if not isinstance(w, fx.Node) or len(_shape(w)) != 2:
+            return None
+        in_features, out_features = _shape(w)
+    else:
+        return None
+    return (w, in_features, out_features) if isinstance(w, fx.Node) and w.name in params else None
 
 
 _DROPOUTS = (aten.dropout.default, aten.native_dropout.default)

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.compiler.sequence_report import sequence_parallel_lines
+from autopar.planning.tables import PIPED_WIDTH, compact_table
 from autopar.core.collectives import collective_named
 import torch
 
@@ -109,9 +110,10 @@ def predicted_bubble(program: Program) -> float:
     return float(run.bubble_fraction)
 
 
-def render_summary(program: Program, width: int = 120) -> str:
-    """The plan as text: header, stages and memory, parameters, collectives, and whatever
-    runs slower than it could (fallbacks, weights left whole, linears left replicated)."""
+def render_summary(program: Program, width: int = PIPED_WIDTH) -> str:
+    """The plan as text ``width`` columns wide: header, stages and memory, parameters,
+    collectives, and whatever runs slower than it could (fallbacks, weights left whole, linears
+    left replicated). Numbers and names are never cut or wrapped (``planning/tables.py``)."""
     console = Console(record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None)
     console.print(_header(program))
     if program.layers.count:
@@ -170,23 +172,19 @@ def _layers_table(program: Program) -> Table:
     for node in program.traced.gm.graph.nodes:
         if (layer := layers.node_layer.get(node.name)) is not None:
             nodes.setdefault(layer, []).append(node.name)
-    table = Table(title="Layers: the repeated module calls, in graph order")
-    for col in ("layer", "module", "nodes (first .. last)", "count"):
-        table.add_column(col)
+    rows = []
     for i in range(layers.count):
         names = nodes.get(i, [])
         span = f"{names[0]} .. {names[-1]}" if names else "-"
-        table.add_row(str(i), layers.label(i), span, str(len(names)))
-    return table
+        rows.append([str(i), layers.label(i), span, str(len(names))])
+    return compact_table("Layers: the repeated module calls, in graph order",
+                         ("layer", "module", "nodes (first .. last)", "count"), rows, left=("module",),
+                         wrap=("nodes (first .. last)",))
 
 
 def _stages_table(program: Program) -> Table:
     mesh = program.config.mesh
-    stages = Table(title="Pipeline stages: layers per chunk, memory per rank")
-    for col in ("stage", "ranks", "chunks: layers", "params/rank", "weights", "grads", "optimizer",
-                "distopt", "activations (peak)", "with SP", "total"):
-        stages.add_column(col)
-    mem = memory_per_rank(program)
+    mem, rows = memory_per_rank(program), []
     for s in range(mesh.pp):
         chunks = program.chunks_of_stage(s)
         desc = "; ".join(f"{c.index}: {_span(c.layers)}" for c in chunks)
@@ -194,12 +192,14 @@ def _stages_table(program: Program) -> Table:
         m = mem[s]
         opt = m["optimizer_distopt"] if m["distributed_optimizer"] else m["optimizer"]
         act = m["activations_sp"] if m["sequence_parallel"] else m["activations"]
-        stages.add_row(str(s), _ranks(ranks), desc, f"{m['params']:,}", _gib(m["weights"]), _gib(m["grads"]),
-                       _gib(m["optimizer"]), _gib(m["optimizer_distopt"]) if mesh.dp > 1 else "-",
-                       f"{_gib(m['activations'])} ({m['in_flight']} in flight)",
-                       _gib(m["activations_sp"]) if mesh.tp > 1 else "-",
-                       _gib(m["weights"] + m["grads"] + opt + act))
-    return stages
+        rows.append([str(s), _ranks(ranks), desc, f"{m['params']:,}", _gib(m["weights"]), _gib(m["grads"]),
+                     _gib(m["optimizer"]), _gib(m["optimizer_distopt"]) if mesh.dp > 1 else "-",
+                     _gib(m["activations"]), str(m["in_flight"]), _gib(m["activations_sp"]) if mesh.tp > 1 else "-",
+                     _gib(m["weights"] + m["grads"] + opt + act)])
+    return compact_table("Pipeline stages: layers per chunk, memory per rank",
+                         ("stage", "ranks", "chunks: layers", "params", "weights", "grads", "optimizer", "distopt",
+                          "act. peak", "in flight", "with SP", "total"), rows, left=("ranks",),
+                         wrap=("chunks: layers",))
 
 
 def _stage_notes(program: Program) -> list[str]:
@@ -208,9 +208,10 @@ def _stage_notes(program: Program) -> list[str]:
     if mesh.pp > 1:
         per_chunk += (f"; predicted bubble {predicted_bubble(program):.1%} (uniform costs: (p-1)/(v*m) = "
                       f"{(mesh.pp - 1) / (cfg.virtual_stages * cfg.microbatches):.1%})")
-    lines = [per_chunk, "distopt: optimizer state with the distributed optimizer (fp32 master + Adam's m, v: "
-             "12 bytes per parameter / d); with SP: activations with sequence parallelism (values whole on "
-             "every tensor-parallel rank split t ways); total: the program's own choices"]
+    lines = [per_chunk, "params: per rank; distopt: optimizer state with the distributed optimizer (fp32 master + "
+             "Adam's m, v: 12 bytes per parameter / d); act. peak: activations at the peak, with the microbatches "
+             "in flight; with SP: activations with sequence parallelism (values whole on every tensor-parallel "
+             "rank split t ways); total: the program's own choices"]
     if program.tied_params:
         lines.append("held by several stages (gradients summed across them): "
                      + ", ".join(f"{n} on stages {list(s)}" for n, s in program.tied_params.items()))
@@ -219,33 +220,31 @@ def _stage_notes(program: Program) -> list[str]:
 
 def _params_table(program: Program) -> Table:
     """Every parameter's split; layer 0 stands for every layer."""
-    params = Table(title="Parameters (tensor-parallel split; each layer as the first of its kind)")
-    for col in ("parameter", "full shape", "placement", "local shape", "role"):
-        params.add_column(col)
-    roles = _roles(program)
+    roles, rows = _roles(program), []
     for name in program.param_names:
         layer = program.layer_params(name)
         if layer is not None and program.layers.stands_for(layer) != layer:
             continue
-        params.add_row(name, str(list(program.full_shape(name))), repr(program.param_spec(name)),
-                       str(list(program.local_shape(name))), roles.get(name, ""))
-    return params
+        rows.append([name, str(list(program.full_shape(name))), repr(program.param_spec(name)),
+                     str(list(program.local_shape(name))), roles.get(name, "")])
+    return compact_table("Parameters (tensor-parallel split; each layer as the first of its kind)",
+                         ("parameter", "full shape", "placement", "local shape", "role"), rows,
+                         left=("parameter", "full shape", "local shape"), wrap=("placement", "role"))
 
 
 def _collectives_table(program: Program) -> Table:
     """Per pipeline stage, what one of its ranks moves: its own chunks' tensor-parallel collectives
     (stages alike share a row), then the pipeline sends and the data-parallel gradient reduction."""
-    coll = Table(title="Collectives per step (one rank of each stage: its own chunks)")
-    for col in ("stages", "where", "collective", "direction", "calls / microbatch", "bytes / step / rank"):
-        coll.add_column(col)
-    per_stage = [program.tp_communication(s) for s in range(program.pp)]
+    per_stage, rows = [program.tp_communication(s) for s in range(program.pp)], []
     for key in dict.fromkeys(k for stage in per_stage for k in stage):
         for stages, (calls, nbytes) in _runs([stage.get(key) for stage in per_stage]):
-            coll.add_row(_stage_span(stages), _where(program, key[0], stages[0]), key[1], _direction(*key),
-                         str(calls), _gib(nbytes))
+            rows.append([_stage_span(stages), _where(program, key[0], stages[0]), key[1], _direction(*key),
+                         str(calls), _gib(nbytes)])
     for label, value in program.p2p_and_dp_bytes().items():
-        coll.add_row("", label[0], label[1], label[2], "", _gib(value))
-    return coll
+        rows.append(["", label[0], label[1], label[2], "", _gib(value)])
+    return compact_table("Collectives per step (one rank of each stage: its own chunks)",
+                         ("stages", "where", "collective", "direction", "calls / microbatch", "bytes / step / rank"),
+                         rows, left=("stages", "collective"), wrap=("where", "direction"))
 
 
 def _collective_notes(program: Program) -> list[str]:
@@ -303,12 +302,9 @@ def _fallbacks_table(program: Program) -> Table | str:
     fallbacks = program.fallbacks()
     if not fallbacks:
         return "fallbacks: none (every op on a sharded value has a rule)"
-    fb = Table(title=f"Fallbacks: {len(fallbacks)} op(s) run replicated (inputs all-gathered) — slower")
-    for col in ("node", "reason", "source"):
-        fb.add_column(col)
-    for node, reason, src in fallbacks:
-        fb.add_row(node, reason, src)
-    return fb
+    return compact_table(f"Fallbacks: {len(fallbacks)} op(s) run replicated (inputs all-gathered) — slower",
+                         ("node", "reason", "source"), [list(f) for f in fallbacks], left=("node",),
+                         wrap=("reason", "source"))
 
 
 def _unsplit_weights_table(program: Program) -> Table | None:
@@ -317,16 +313,16 @@ def _unsplit_weights_table(program: Program) -> Table | None:
         return None
     total_params = sum(math.prod(program.full_shape(n)) for n in program.param_names)
     n_whole = sum(n for _, n, _ in whole)
-    wt = Table(title=f"Weights not split: {n_whole:,} parameters ({n_whole / total_params:.0%} of the model) "
-                     f"held whole by every tp rank — more memory, computed {program.tp} times")
-    for col in ("parameter (each layer as the first of its kind)", "elements", "why"):
-        wt.add_column(col)
+    rows = []
     for name, n, why in whole:
         layer = program.layer_params(name)
         if layer is not None and program.layers.stands_for(layer) != layer:
             continue
-        wt.add_row(name, f"{n:,}", why)
-    return wt
+        rows.append([name, f"{n:,}", why])
+    return compact_table(f"Weights not split: {n_whole:,} parameters ({n_whole / total_params:.0%} of the model) "
+                         f"held whole by every tp rank — more memory, computed {program.tp} times",
+                         ("parameter (each layer as the first of its kind)", "elements", "why"), rows,
+                         left=("parameter (each layer as the first of its kind)",), wrap=("why",))
 
 
 def _rejected_table(program: Program) -> Table | None:
@@ -334,10 +330,7 @@ def _rejected_table(program: Program) -> Table | None:
     if not program.plan.rejected:
         return None
     layers = program.layers
-    rj = Table(title="Left replicated (not split)")
-    for col in ("node", "module", "layers", "why"):
-        rj.add_column(col)
-    groups: dict[str, list] = {}
+    rows, groups = [], {}
     for r in program.plan.rejected:
         layer = layers.node_layer.get(r.node)
         key = r.module.replace(layers.label(layer), "*", 1) if layer is not None else r.module
@@ -345,8 +338,9 @@ def _rejected_table(program: Program) -> Table | None:
     for entries in groups.values():
         idx = sorted(x for x, _ in entries if x is not None)
         first = entries[0][1]
-        rj.add_row(first.node, first.module, _span(idx) if idx else "-", first.reason)
-    return rj
+        rows.append([first.node, first.module, _span(idx) if idx else "-", first.reason])
+    return compact_table("Left replicated (not split)", ("node", "module", "layers", "why"), rows,
+                         left=("node", "module", "layers"), wrap=("why",))
 
 
 def _span(layers: list[int]) -> str:
@@ -356,6 +350,9 @@ def _span(layers: list[int]) -> str:
 
 
 def _ranks(ranks: list[int]) -> str:
+    """``4-7`` for consecutive ranks (a stage's, rank = tp + dp*t + pp*t*d), else listed."""
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
     return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]},{ranks[1]},...,{ranks[-1]}"
 
 

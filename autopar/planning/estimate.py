@@ -153,7 +153,7 @@ class Estimate:
             "global_batch": self.cluster.global_batch,
             "t": lay.t, "p": lay.p, "d": lay.d, "v": lay.v, "b": lay.b, "m": self.m,
             "schedule": lay.schedule, "recompute": str(lay.recompute), "scatter_gather": lay.scatter_gather,
-            "dp_overlap": lay.dp_overlap,
+            "dp_overlap": lay.dp_overlap, "sequence_parallel": lay.sp, "distributed_optimizer": lay.distopt,
             "iteration_s": self.t_iter, "tflops_per_gpu": self.tflops_per_gpu, "frac_peak": self.frac_peak,
             "bubble": self.bubble, "comm_s": self.comm_time, "memory_gib": self.memory.total / 2**30,
             "fits": self.fits, "runnable": self.runnable, "runtime_errors": list(self.runtime_errors),
@@ -354,8 +354,8 @@ def _dp_sharded(hw: Hardware, lay: Layout, P_max: int, t_B: float) -> tuple[floa
 
 def _embedding_sync(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
     """All-reduce of the tied word embedding's gradient (V h / t) between the first and the
-    last stage, across nodes; 0 without a pipeline."""
-    if lay.p == 1:
+    last stage, across nodes; 0 without a pipeline, or for a head of its own (untied)."""
+    if lay.p == 1 or not spec.tied_head:
         return 0.0
     V_l = math.ceil(spec.vocab / lay.t)
     return allreduce_time(FP16 * V_l * spec.hidden, 2, inter_node_bw(hw), hw.ib_latency)

@@ -36,6 +36,13 @@ class ModelSpec:
     """The attention runs as one fused kernel that keeps only its output and the log-sum-exp
     per query for the backward (FlashAttention, ``scaled_dot_product_attention`` without
     dropout on the CPU); False for the paper's attention, which keeps the s x s scores."""
+    tied_head: bool = True
+    """The LM head multiplies by the word embedding's table (the paper's GPT, GPT-2): one
+    parameter, its gradient summed between the first and the last stage; False for a head of
+    its own (Llama, most current large models): V h more parameters, no cross-stage sum."""
+    learned_positions: bool = True
+    """A learned position embedding (an s x h table on the first stage, the paper's GPT);
+    False for positions computed in the attention (rotary) with no parameters."""
     name: str = ""
     """Display name, e.g. ``gpt-39b``."""
 
@@ -67,6 +74,19 @@ class ModelSpec:
     @property
     def label(self) -> str:
         return self.name or f"l{self.layers}-h{self.hidden}-a{self.heads}"
+
+    @property
+    def features(self) -> str:
+        """What the dimensions do not say, in words: ``SwiGLU MLP, fused attention, no dropout,
+        untied head, no position table``."""
+        return ", ".join([
+            f"{'SwiGLU' if self.gated_mlp else 'GeLU'} MLP {self.ffn_size}",
+            f"{self.heads} heads" + (f" ({self.kv} key/value)" if self.kv != self.heads else ""),
+            f"vocab {self.vocab}", f"seq {self.seq_len}",
+            "fused attention" if self.fused_attention else "unfused attention",
+            "dropout" if self.dropout else "no dropout",
+            "tied head" if self.tied_head else "untied head",
+            "learned positions" if self.learned_positions else "no position table"])
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -101,12 +121,14 @@ def get_model(name: str) -> ModelSpec:
 
 
 def param_count(spec: ModelSpec) -> int:
-    """Exact parameter count (weights and biases, tied embedding counted once).
+    """Exact parameter count (weights and biases, tied embedding counted once; an untied head
+    adds its V h, a position table its s h).
 
     For the paper's GPT this is ``12 l h^2 (1 + 13/(12 h) + (V + s)/(12 l h)) + 2h``
     (the 2h is the final LayerNorm, which the paper's formula leaves out).
     """
-    return spec.layers * _layer_params(spec, 1)[0] + (spec.vocab + spec.seq_len) * spec.hidden + 2 * spec.hidden
+    tables = spec.vocab * (1 if spec.tied_head else 2) + (spec.seq_len if spec.learned_positions else 0)
+    return spec.layers * _layer_params(spec, 1)[0] + tables * spec.hidden + 2 * spec.hidden
 
 
 def _layer_params(spec: ModelSpec, t: int) -> tuple[int, int]:
@@ -125,8 +147,9 @@ def params_per_stage(spec: ModelSpec, t: int, p: int) -> list[int]:
 
     Layers are spread evenly (the largest stage gets ceil(l/p)); stage 0 holds
     the vocabulary-parallel word embedding (V h / t) and the position embedding
-    (s h, replicated); the last stage holds the final LayerNorm and, when p > 1,
-    its own copy of the tied word embedding for the LM head.
+    (s h, replicated, with ``learned_positions``); the last stage holds the final
+    LayerNorm and the LM head's V h / t: its own copy of the tied word embedding
+    when p > 1, the head's own weight when untied.
     """
     per_layer = _layer_params(spec, t)[0]
     base, extra = divmod(spec.layers, p)
@@ -134,8 +157,9 @@ def params_per_stage(spec: ModelSpec, t: int, p: int) -> list[int]:
     for r in range(p):
         n = (base + (1 if r < extra else 0)) * per_layer
         if r == 0:
-            n += math.ceil(spec.vocab / t) * spec.hidden + spec.seq_len * spec.hidden
+            n += math.ceil(spec.vocab / t) * spec.hidden + (spec.seq_len * spec.hidden if spec.learned_positions else 0)
         if r == p - 1:
-            n += 2 * spec.hidden + (math.ceil(spec.vocab / t) * spec.hidden if p > 1 else 0)
+            head = p > 1 or not spec.tied_head
+            n += 2 * spec.hidden + (math.ceil(spec.vocab / t) * spec.hidden if head else 0)
         out.append(n)
     return out

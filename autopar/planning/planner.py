@@ -10,8 +10,11 @@ parallelism (when t > 1), distributed optimizer (when d > 1)):
 - p divides n / t and p * v chunks fit the layers (divide them, by default,
   as Megatron requires);
 - d = n / (t p); b divides B / d, so m = B / (d b) microbatches;
-- 1F1B needs m >= p; interleaved needs v > 1 and m a multiple of p; the zero-bubble
-  ZB-H1 (v = 1) and ZB-V (v = 2, a V) need m >= p;
+- 1F1B and GPipe run any m (with m < p stages idle: the bubble (p-1)/m); interleaved
+  needs v > 1 and m a multiple of p; the zero-bubble ZB-H1 (v = 1) and ZB-V (v = 2,
+  a V) need m >= p. A rejection names the schedule whose rule it is
+  (``zb-h1: m < p``), so a 1F1B layout with m < p in the ranking and zero-bubble
+  ones rejected for the same m are not a contradiction;
 - the layout's memory on its fullest stage fits in the GPU.
 
 Every candidate is scored with the closed-form pipeline time (the bubble
@@ -159,6 +162,21 @@ class Plan:
             lines.append(memory_margin_line(best))
         return lines
 
+    def notes(self) -> list[str]:
+        """What a reader of the ranking could take for a contradiction, explained: a ranked layout
+        with fewer microbatches than stages (1F1B and GPipe run it; the rejections for m < p
+        are other schedules')."""
+        if not self.ranked:
+            return []
+        best = self.best
+        if best.m >= best.layout.p or not best.runnable:  # an unrunnable row lists its broken rules
+            return []
+        others = sorted(rule.split(":")[0] for rule in self.rejected if rule.endswith("m < p"))
+        also = (f"; the rejections for m < p are {', '.join(others)}'s rule (m >= p), not {best.layout.schedule}'s"
+                if others else "")
+        return [f"the best runs m={best.m} microbatches on p={best.layout.p} stages: {best.layout.schedule} "
+                f"accepts m < p (stages idle, bubble {best.bubble:.1%}){also}"]
+
     def too_big_lines(self, limit: int = 1) -> list[str]:
         """Near misses: layouts faster than the best that need at most 25% more memory than
         there is (the nearest to fitting first), with their memory."""
@@ -181,8 +199,8 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
     n, B, G = cluster.gpus, cluster.global_batch, cluster.hardware.gpus_per_node
     rej = rejected if rejected is not None else {}
 
-    def reject(errs: list[str]) -> None:
-        key = _rule_of(errs)
+    def reject(errs: list[str], lay: Layout | None = None) -> None:
+        key = _rule_of(errs, lay.schedule if lay is not None and lay.p > 1 else None)
         rej[key] = rej.get(key, 0) + 1
 
     ts = space.t or tensor_parallel_degrees(n, G)
@@ -210,7 +228,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
                         errs = layout_errors(spec, cluster, lay, space.divisible_layers,
                                              runnable=not space.include_unrunnable)
                         if errs:
-                            reject(errs)
+                            reject(errs, lay)
                         else:
                             yield lay
 
@@ -262,17 +280,18 @@ _RULES = (
     ("must be divisible by p*v", "layers % (p*v) != 0"),
     ("not divisible by d*b", "batch % (d*b) != 0"),
     ("multiple of p", "interleaved: m % p != 0"),
-    ("at least one microbatch", "m < p"),
+    ("at least one microbatch", "{schedule}: m < p"),
     ("needs a pipeline", "v > 1 without a pipeline"),
     ("sequence parallelism splits", "sequence parallelism: seq_len % t != 0"),
 )
 
 
-def _rule_of(errors: list[str]) -> str:
-    """The first rule of ``_RULES`` that one of ``errors`` breaks (else the first message)."""
+def _rule_of(errors: list[str], schedule: str | None = None) -> str:
+    """The first rule of ``_RULES`` that one of ``errors`` breaks (else the first message); a
+    schedule's own rule names it (``zbv: m < p``: 1F1B accepts the same m)."""
     for needle, rule in _RULES:
         if any(needle in message for message in errors):
-            return rule
+            return rule.format(schedule=schedule or "the schedule")
     return errors[0]
 
 

@@ -193,17 +193,19 @@ def _layer_backward(x: _Layer) -> list[Op]:
 
 @lru_cache(maxsize=1024)
 def embedding_ops(spec: ModelSpec, b: int, t: int) -> PhaseOps:
-    """Vocabulary-parallel word embedding + position embedding + dropout (stage 0)."""
+    """Vocabulary-parallel word embedding + position embedding (with ``learned_positions``)
+    + dropout (stage 0)."""
     T, h = b * spec.seq_len, spec.hidden
     fwd = [memory_op("wte_lookup", T * h, 1, 1)]
     if t > 1:
         fwd.append(Op("wte_allreduce", "tp_allreduce", 0.0, T * h * FP16))
-    fwd += [memory_op("wpe_add", T * h, 2, 1, flops_per=1), memory_op("emb_dropout", T * h, 1, 1, mask=1)]
-    bwd = [
-        memory_op("emb_dropout.bwd", T * h, 1, 1, mask=1),
-        memory_op("wpe.bwd", T * h, 1, 0),
-        memory_op("wte.bwd", T * h, 2, 1),  # scatter-add rows into the gradient
-    ]
+    if spec.learned_positions:
+        fwd.append(memory_op("wpe_add", T * h, 2, 1, flops_per=1))
+    fwd.append(memory_op("emb_dropout", T * h, 1, 1, mask=1))
+    bwd = [memory_op("emb_dropout.bwd", T * h, 1, 1, mask=1)]
+    if spec.learned_positions:
+        bwd.append(memory_op("wpe.bwd", T * h, 1, 0))
+    bwd.append(memory_op("wte.bwd", T * h, 2, 1))  # scatter-add rows into the gradient
     return PhaseOps(tuple(fwd), tuple(bwd))
 
 
