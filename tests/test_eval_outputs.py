@@ -4,7 +4,9 @@ On 4 gloo ranks (one spawn, every layout of 4 ranks in it): the reference GPT
 with a tied head at tp=2 x pp=2 (the head's weight on the last stage, the
 embedding's on the first) with sequence parallelism, with an untied head at
 tp=2 x dp=2, and HuggingFace GPT-2 (a prime vocabulary of 257, padded to 258
-for the vocabulary-parallel head) at tp=2 x dp=2. The logits every asking rank
+for the vocabulary-parallel head) at tp=2 x dp=2; and a block whose output
+(its last norm's, read by a mean-squared error) sequence parallelism leaves
+split along the tokens, at tp=2 x dp=2. The logits every asking rank
 gets equal the single-device model's in ``eval()`` mode for the same batch;
 the loss still equals its evaluation loss, and the argmax accuracy computed
 from the logits equals the one computed on one device. Asking on one rank, on
@@ -19,6 +21,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from families import make
 from helpers import parallelize_on, seeded, spawn_ranks, token_batches
@@ -27,13 +30,15 @@ import autopar
 import autopar.compiler.trace as trace_module
 from autopar.compiler.trace import default_logits
 from autopar.reference.models import build
+from autopar.runtime.eval_outputs import LogitsOutput
 
 VOCAB, SEQ, M, MB = 320, 16, 2, 2
 # fp32 on both sides; the parallel logits differ from one device's only by reordered sums
 # (tensor-parallel all-reduces in the blocks, sequence parallelism's reduce-scatters): measured at
-# most 2.4e-7 in absolute value for every layout here (logits below 1 in size), so atol 1e-5
-# (rtol 1e-5) has a margin of 40 and still fails on any wrong row, column or shard (differences
-# of order 0.1). The loss is a mean of about 6: within 1e-5 relative.
+# most 2.4e-7 in absolute value for the language models (logits up to 1.1 in size) and 4.8e-7 for
+# the regressor (outputs up to 3.5), so atol 1e-5 (rtol 1e-5) has a margin of 20 and still fails
+# on any wrong row, column or shard (differences of order 0.1). The losses (about 6, about 2):
+# within 1e-5 relative.
 LOGITS_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
@@ -47,17 +52,39 @@ def _hf_gpt2():
     return make("hf-gpt2", seed=0)[0]
 
 
-# name -> (model factory, vocabulary, layout)
+class _Regressor(nn.Module):
+    """A block whose output is its last norm's, read by a mean-squared error: under sequence
+    parallelism the output runs on 1/t of the tokens (``Shard(1)``), gathered only for the loss."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.ln, self.fc, self.proj = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.ln_f = nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.ln_f(x + self.proj(F.gelu(self.fc(self.ln(x)))))
+
+
+# name -> (model factory, vocabulary (None: the regressor, its loss F.mse_loss), layout)
 LAYOUTS = {
     "gpt-tied tp2pp2 sp": (functools.partial(_gpt, True), VOCAB, dict(tp=2, pp=2, dp=1, sequence_parallel=True)),
     "gpt-untied tp2dp2": (functools.partial(_gpt, False), VOCAB, dict(tp=2, pp=1, dp=2)),
     "hf-gpt2 tp2dp2": (_hf_gpt2, 257, dict(tp=2, pp=1, dp=2)),
+    "tokens split tp2dp2 sp": (functools.partial(seeded, _Regressor), None, dict(tp=2, pp=1, dp=2,
+                                                                                 sequence_parallel=True)),
 }
 
 
-def _batch(vocab: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(vocab: int | None, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if vocab is None:
+        g = torch.Generator().manual_seed(5)
+        return torch.randn(dp * M * MB, SEQ, 32, generator=g), torch.randn(dp * M * MB, SEQ, 32, generator=g)
     (x,), (y,) = token_batches(vocab, steps=1, rows=dp * M * MB, seed=5, seq=SEQ)[0]
     return x, y
+
+
+def _loss_fn(vocab: int | None):
+    return F.mse_loss if vocab is None else autopar.lm_cross_entropy
 
 
 def _worker() -> dict:
@@ -66,10 +93,11 @@ def _worker() -> dict:
     out = {}
     for name, (factory, vocab, layout) in LAYOUTS.items():
         x, y = _batch(vocab, layout["dp"])
-        engine = parallelize_on(factory(), [((x,), (y,))], MB, microbatches=M, **layout).materialize()
+        engine = parallelize_on(factory(), [((x,), (y,))], MB, microbatches=M, loss_fn=_loss_fn(vocab),
+                                **layout).materialize()
         loss, logits = engine.eval_step(x, y, outputs=True)
         r = {"loss": loss, "logits": logits, "plain": engine.eval_step(x, y), "stage": engine.stage,
-             "dp": engine.dp_rank}
+             "dp": engine.dp_rank, "split_dims": [s.dim for s in LogitsOutput.of(engine.program).splits]}
         r["loss_rank0"], r["logits_rank0"] = engine.eval_step(x, y, outputs=True, to=[0])
         if layout["dp"] > 1:
             rows = x.shape[0] // engine.dp_size
@@ -92,7 +120,7 @@ def _reference(name: str) -> tuple[torch.Tensor, float]:
     x, y = _batch(vocab, layout["dp"])
     with torch.no_grad():
         logits = default_logits(model(x))
-    return logits, float(F.cross_entropy(logits.flatten(0, -2), y.flatten()))
+    return logits, float(_loss_fn(vocab)(logits, y))
 
 
 def _accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:
@@ -113,6 +141,10 @@ def test_logits_equal_one_device(name):
                                    msg=lambda m, rank=rank: f"{name} rank {rank}: {m}")
         torch.testing.assert_close(r["loss"], ref_loss, **LOSS_TOLERANCE)
         assert r["loss"] == r["plain"], (name, rank, r["loss"], r["plain"])
+        # what was gathered: the vocabulary of the column-parallel head, the regressor's tokens
+        assert r["split_dims"] == ([1] if vocab is None else [2]), (name, r["split_dims"])
+        if vocab is None:
+            continue
         # the same predicted token everywhere: the smallest gap between one device's two largest
         # logits of a position is 8e-5 for these batches, 300 times the largest difference (2.4e-7);
         # so the accuracy is equal, not close, against any targets: against the batch's (random,
