@@ -307,14 +307,10 @@ def _explain_lines(e: Estimate) -> list[tuple[str, str, str, str]]:
 
 
 def _explain_table(e: Estimate) -> Table:
-    tb = Table(title=f"the paper's formulas for {e.layout.short}")
-    tb.add_column("name")
-    tb.add_column("what")
-    tb.add_column("formula")
-    tb.add_column("value", justify="right", no_wrap=True)  # a number and its unit, never cut
-    for row in _explain_lines(e):
-        tb.add_row(*row)
-    return tb
+    """Name and value (never cut), then the formula and under it what it is (wrapped at spaces)."""
+    rows = [[name, value, f"{formula}\n{what}"] for name, what, formula, value in _explain_lines(e)]
+    return compact_table(f"the paper's formulas for {e.layout.short}", ("name", "value", "formula, and what it is"),
+                         rows, left=("name",), wrap=("formula, and what it is",))
 
 
 def _hardware(args: argparse.Namespace) -> Hardware:
