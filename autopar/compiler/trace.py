@@ -142,9 +142,12 @@ def trace(
         raise TraceError("\n".join(errors))
     input_names, target_names = batch_names(model, loss_fn, len(inputs), len(targets))
     wrapper = _LossWrapper(model, loss_fn, output_fn or default_logits, input_names, target_names)
+    batch = dict(zip(input_names + target_names, inputs + targets, strict=True))
     functions = _FunctionCalls()
-    ep = _export(model, wrapper, dict(zip(input_names + target_names, inputs + targets, strict=True)), functions)
-    _check_functions(model, functions.calls)
+    ep = _export(model, wrapper, batch, functions)
+    whole = _functions_kept_whole(functions.calls)
+    if whole:  # traced again, those Functions as one op each with their own backward
+        ep = _export(model, wrapper, batch, _FunctionCalls(route=whole))
     _check_static_shapes(model, ep.graph_module)
     logits = _unmark_logits(ep.graph_module)
     param_of, buffer_of, constant_of, user = _placeholders(ep)
@@ -192,6 +195,8 @@ def _export(model: nn.Module, wrapper: nn.Module, batch: dict[str, torch.Tensor]
     try:
         with functions:
             return torch.export.export(wrapper, (), kwargs=batch, strict=False)
+    except TraceError:
+        raise
     except Exception as e:  # noqa: BLE001 - re-raised with the user's line
         raise TraceError(_explain_trace_failure(model, e)) from e
     finally:
@@ -293,7 +298,8 @@ def _hint(err: Exception) -> str:
 # after it, each distinct call is run again on random inputs of its traced shapes, once through
 # ``apply`` and backward, once as autograd of its forward. Where the two gradients agree (a
 # Function that only computes its forward's gradient by hand, such as an approximated GELU), the
-# traced ops train with the Function's gradient; where they differ, tracing refuses.
+# traced ops train with the Function's gradient and the sharding rules see them. Every other
+# Function is traced again as one op, ``autopar::function``, whose backward is the Function's own.
 
 _FUNCTION_SEEDS = (0, 1)
 """The random draws each Function is checked on; the second at a wider scale (``_FUNCTION_SCALES``)."""
@@ -322,6 +328,7 @@ class _FunctionCall:
 
     def __init__(self, cls: type, args: tuple, kwargs: dict, site: str):
         self.cls, self.site = cls, site
+        self.nested = any(_holds_tensor(a) and not isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
         self.args = tuple(_TensorArg(a) if isinstance(a, torch.Tensor) else a for a in args)
         self.kwargs = {k: _TensorArg(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
@@ -334,19 +341,22 @@ class _FunctionCall:
 class _FunctionCalls:
     """Within ``with``: every ``torch.autograd.Function.apply`` (the class method every subclass
     inherits, also reached by ``super().apply`` from an override) recorded in ``calls``, then run
-    as usual."""
+    as usual; or, for the classes in ``route``, called as the op ``autopar::function``."""
 
-    def __init__(self):
+    def __init__(self, route: frozenset[type] = frozenset()):
         self.calls: list[_FunctionCall] = []
+        self.route = route
         self._saved = None
 
     def __enter__(self):
         base = torch.autograd.Function
         self._saved = base.__dict__["apply"]
         original = self._saved.__func__
-        calls = self.calls
+        calls, route = self.calls, self.route
 
         def apply(cls, *args, **kwargs):
+            if cls in route:
+                return _routed_call(cls, args, kwargs, _caller_line())
             if not _is_custom_op_autograd(cls):
                 calls.append(_FunctionCall(cls, args, kwargs, _caller_line()))
             return original(cls, *args, **kwargs)
@@ -385,38 +395,146 @@ def _defined_at(cls: type) -> str:
         return f"{code.co_filename}:{code.co_firstlineno}" if code else "(source not found)"
 
 
-def _check_functions(model: nn.Module, calls: list[_FunctionCall]) -> None:
-    """Refuse a Function whose backward is not the autograd gradient of the ops the graph recorded."""
-    seen = set()
+def _functions_kept_whole(calls: list[_FunctionCall]) -> frozenset[type]:
+    """The Functions whose backward is not (or could not be shown to be) the autograd gradient of
+    the ops the graph recorded: each is traced again as one op with its own backward."""
+    seen, whole = set(), set()
     for call in calls:
         key = call.key()
-        if key in seen:
+        if key in seen or call.cls in whole:
             continue
         seen.add(key)
+        if call.nested:  # tensors inside a list or dict: not compared here, kept whole (and refused there)
+            whole.add(call.cls)
+            continue
         try:
             gap, dtype = _function_gradient_gap(call)
-        except Exception as e:  # noqa: BLE001 - the Function's own code failed on random inputs: refused
-            raise TraceError(_function_refusal(model, call, f"its backward could not be compared with its "
-                                               f"forward's gradient on random inputs of the traced shapes "
-                                               f"({type(e).__name__}: {str(e).strip()[:300]})")) from e
+        except Exception:  # noqa: BLE001 - the Function's code failed on random inputs: kept whole
+            whole.add(call.cls)
+            continue
         if gap > _FUNCTION_RTOL.get(dtype, _FUNCTION_RTOL_DEFAULT):
-            raise TraceError(_function_refusal(model, call, (
-                f"its backward differs from the gradient of its forward's ops by {gap:.1%} "
-                f"(relative, on random inputs of the traced shapes)")))
+            whole.add(call.cls)
+    return frozenset(whole)
 
 
-def _function_refusal(model: nn.Module, call: _FunctionCall, why: str) -> str:
-    name = f"{call.cls.__module__}.{call.cls.__qualname__}"
+def _function_refusal(cls: type, site: str, why: str) -> str:
+    name = f"{cls.__module__}.{cls.__qualname__}"
     return (
-        f"cannot trace {type(model).__name__}: it calls the custom torch.autograd.Function {name} "
-        f"(defined at {_defined_at(call.cls)})\n  at {call.site}\n"
-        f"  torch.export keeps the ops of the Function's forward and drops its backward, so training would use "
-        f"the autograd gradient of the forward instead of the Function's backward; {why}.\n"
-        "  try: write the forward so that autograd gives the intended gradient, e.g. a straight-through "
-        "estimator as x + (f(x) - x).detach() (forward f(x), gradient 1); or make the computation a "
-        "torch.library.custom_op with register_autograd (it stays one op with its own backward; without a "
-        "sharding rule it runs whole on every tensor-parallel rank, docs/adding-an-op.md gives it one)"
+        f"cannot trace the custom torch.autograd.Function {name} (defined at {_defined_at(cls)})\n"
+        f"  at {site}\n"
+        "  torch.export would keep its forward's ops and drop its backward, so autopar makes a Function whose "
+        "backward is not shown to be its forward's gradient one op with its own backward; this one cannot be "
+        f"an op: {why}.\n"
+        "  try: pass its tensors as separate arguments and return tensors only; or write the forward so that "
+        "autograd gives the intended gradient, e.g. a straight-through estimator as x + (f(x) - x).detach() "
+        "(forward f(x), gradient 1), and drop the Function"
     )
+
+
+# --- a Function as one op ---------------------------------------------------------------------
+
+_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+"""``Function.apply`` itself, called by the op (never the recording one)."""
+
+
+class _Slot:
+    """The place of a tensor argument in a Function's arguments: the op's ``tensors[index]``."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"tensors[{self.index}]"
+
+
+_ROUTED: dict[str, tuple[type, tuple, dict, str]] = {}
+"""The op's ``key`` -> (Function class, arguments with tensors as ``_Slot``, keyword arguments,
+the line that called it): what a node of ``autopar::function`` calls, in this process."""
+_ROUTED_KEYS: dict[tuple, str] = {}
+
+
+def _routed_call(cls: type, args: tuple, kwargs: dict, site: str):
+    """``cls.apply(*args, **kwargs)`` as the op ``autopar::function``: the tensors passed as a list,
+    everything else kept under a key; its value as ``apply`` returns it (a tensor or a tuple)."""
+    tensors: list[torch.Tensor] = []
+
+    def slot(a):
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+            return _Slot(len(tensors) - 1)
+        if _holds_tensor(a):
+            raise TraceError(_function_refusal(cls, site, f"an argument is a {type(a).__name__} of tensors "
+                                                           "(an op takes tensors and plain values)"))
+        return a
+
+    template = (tuple(slot(a) for a in args), {k: slot(v) for k, v in kwargs.items()})
+    ident = (cls, repr(template), site)
+    key = _ROUTED_KEYS.get(ident)
+    if key is None:
+        key = _ROUTED_KEYS[ident] = f"{cls.__module__}.{cls.__qualname__}#{len(_ROUTED_KEYS)}"
+        _ROUTED[key] = (cls, *template, site)
+    outs = torch.ops.autopar.function(tensors, key)
+    return outs[0] if _ROUTED_SINGLE[key] else tuple(outs)
+
+
+_ROUTED_SINGLE: dict[str, bool] = {}
+"""Whether the Function under a key returns one tensor (else a tuple): learnt from its first call."""
+
+
+def _apply_routed(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The Function under ``key`` applied to ``tensors`` in their places; its tensors as a list."""
+    cls, args, kwargs, site = _ROUTED[key]
+    out = _ORIGINAL_APPLY(cls, *(tensors[a.index] if isinstance(a, _Slot) else a for a in args),
+                          **{k: tensors[v.index] if isinstance(v, _Slot) else v for k, v in kwargs.items()})
+    single = isinstance(out, torch.Tensor)
+    outs = [out] if single else list(out) if isinstance(out, (tuple, list)) else [out]
+    if not all(isinstance(o, torch.Tensor) for o in outs):
+        raise TraceError(_function_refusal(cls, site, "it returns " + ", ".join(type(o).__name__ for o in outs)
+                                           + " (only tensors can be an op's outputs)"))
+    _ROUTED_SINGLE.setdefault(key, single)
+    return outs
+
+
+@torch.library.custom_op("autopar::function", mutates_args=())
+def _function_op(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    """A custom autograd Function as one op: its forward here, its own backward in ``_function_backward``."""
+    outs = _apply_routed(key, tensors)
+    taken = {t.untyped_storage().data_ptr() for t in tensors}
+    result = []
+    for o in outs:  # an op's outputs are new tensors: one aliasing an input or another output is copied
+        ptr = o.untyped_storage().data_ptr()
+        result.append(o.clone() if ptr in taken else o)
+        taken.add(ptr)
+    return result
+
+
+@_function_op.register_fake
+def _(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    return [torch.empty_like(o) for o in _apply_routed(key, tensors)]
+
+
+def _function_setup(ctx, inputs, output) -> None:
+    tensors, key = inputs
+    ctx.key = key
+    ctx.save_for_backward(*tensors)
+
+
+def _function_backward(ctx, grads):
+    """The Function's own backward: its forward run again on the saved inputs under autograd (so its
+    ``ctx`` is its own), and autograd through it, which calls the Function's backward."""
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() if t.is_floating_point() or t.is_complex() else t
+                  for t in ctx.saved_tensors]
+        outs = _apply_routed(ctx.key, inputs)
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
+        wants = [t for t in inputs if t.requires_grad]
+        got = (torch.autograd.grad([o for o, _ in pairs], wants, [g for _, g in pairs], allow_unused=True)
+               if pairs and wants else [None] * len(wants))
+    got = iter(got)
+    return [next(got) if t.requires_grad else None for t in inputs], None
+
+
+_function_op.register_autograd(_function_backward, setup_context=_function_setup)
 
 
 def _function_gradient_gap(call: _FunctionCall) -> tuple[float, torch.dtype]:
@@ -554,6 +672,9 @@ def _position(gm: fx.GraphModule) -> Callable[[fx.Node], int]:
 
 
 def _holds_tensor(val: Any) -> bool:
+    """A tensor, or a tuple, list or dict holding one."""
+    if isinstance(val, dict):
+        val = list(val.values())
     return isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list)) and any(_holds_tensor(v) for v in val))
 
 
