@@ -186,3 +186,41 @@ def test_a_failure_on_one_tensor_parallel_rank_reaches_every_rank():
     results = spawn_ranks(_failing_step_then_another, 4, "llama", {"tp": 2, "pp": 2}, 1, 1, timeout_s=180)
     _assert_every_rank_raised(results, "rank 1 (pp=0, dp=0, tp=1) failed running F0.1 (stage 0, step ",
                               ["pp=0, dp=0, tp=0", "pp=0, dp=0, tp=1", "pp=1, dp=0, tp=0", "pp=1, dp=0, tp=1"])
+
+
+class _HangsOnMark(_RaisesOnMark):
+    """A chunk graph that works for ``HANG_S`` seconds, communicating nothing, on ``MARK``."""
+
+    def __call__(self, *args):
+        if any(isinstance(a, torch.Tensor) and a.dtype == torch.int64 and bool((a == MARK).any()) for a in args):
+            time.sleep(HANG_S)
+        return self.run(*args)
+
+
+HANG_S = 8.0
+
+
+def _hanging_step():
+    engine = _program("gpt", pp=2).materialize()
+    if engine.mesh.rank == 1:
+        engine.runnables = {c: _HangsOnMark(run) for c, run in engine.runnables.items()}
+    engine.failure_timeout_s = 1.5
+    engine.train_step(*_batch(None))
+    start = time.monotonic()
+    try:
+        engine.train_step(*_batch(1))
+        return None, time.monotonic() - start
+    except ActionError as e:
+        return str(e).splitlines()[0], time.monotonic() - start
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_stops_communicating_fails_the_step_after_the_timeout():
+    """Stage 1 works 8 s in F1.1 without a word while stage 0 waits for its gradients: after
+    ``failure_timeout_s`` (1.5 s) without progress the step fails with a TimeoutError on both ranks,
+    stage 0 long before the 8 s are over."""
+    (first0, after0), (first1, after1) = spawn_ranks(_hanging_step, 2, timeout_s=120)
+    for first in (first0, first1):
+        assert first is not None and "TimeoutError: no progress for " in first, first
+        assert "(engine.failure_timeout_s = 1.5 s)" in first
+    assert after0 < HANG_S - 2, after0  # the waiting rank did not wait for the hang to end

@@ -129,15 +129,20 @@ def stop_communication() -> None:
     if not dist.is_initialized():
         return
     c10d = dist.distributed_c10d
-    groups = list(c10d._world.pg_map)
-    if any("nccl" in str(dist.get_backend(pg)) for pg in groups):
+    backends = {}
+    for pg in list(c10d._world.pg_map):
+        try:
+            backends[pg] = str(dist.get_backend(pg))
+        except Exception:  # noqa: BLE001 - destroyed meanwhile
+            pass
+    if any("nccl" in b for b in backends.values()):
         try:
             c10d._abort_process_group()  # all groups, inside one NCCL group call (no abort deadlock)
         except Exception:  # noqa: BLE001 - already aborted or destroyed
             pass
         return
-    for pg in groups:
-        if str(dist.get_backend(pg)) == "gloo":
+    for pg, backend in backends.items():
+        if backend == "gloo":
             _close_gloo_group(pg)
 
 
@@ -204,13 +209,13 @@ class FailureBoard:
         return self.root
 
     def stop(self) -> None:
-        """``stop_communication()``, once; counts this rank among those that read the root cause
-        (rank 0 waits for all of them at exit)."""
+        """``stop_communication()``, once (a second caller waits until the first is done); counts
+        this rank among those that read the root cause (rank 0 waits for all of them at exit)."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
-        stop_communication()
+            stop_communication()
         if self.store is None:
             return
         try:
@@ -262,12 +267,15 @@ class Watch:
         self._done.set()
 
     def _run(self) -> None:
-        while not self._done.wait(self.board.poll_s):
-            seen = self.board.read()
-            idle = time.monotonic() - self.progress()
-            if seen is None and idle > self.timeout_s and not self._done.is_set():
-                seen = self.board.publish(self.on_timeout(idle))
-            if seen is not None:
-                self.seen = seen
-                self.board.stop()
-                return
+        try:
+            while not self._done.wait(self.board.poll_s):
+                seen = self.board.read()
+                idle = time.monotonic() - self.progress()
+                if seen is None and idle > self.timeout_s and not self._done.is_set():
+                    seen = self.board.publish(self.on_timeout(idle))
+                if seen is not None:
+                    self.seen = seen
+                    self.board.stop()
+                    return
+        except Exception:  # noqa: BLE001 - the process is tearing its groups down: the step's own error tells
+            return
