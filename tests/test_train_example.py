@@ -35,6 +35,9 @@ def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
     assert "parity: step 0's loss" in whole
     bar = re.findall(r"step 4/4 .* loss (\d+\.\d+) ", whole)
     assert bar and bar[-1] == _final(whole)  # the last line says what the progress bar showed
+    # and the same throughput: global tokens/s over the median step of the same steps
+    speed = re.findall(r"step 4/4 .* ([\d,]+) tokens/s", whole)
+    assert speed and speed[-1] == re.search(r"^final loss .* ms, ([\d,]+) tokens/s$", whole, re.M).group(1)
     first = _run("--ckpt-dir", str(tmp_path / "cut"), "--stop-at", "2")
     assert "final loss" in first and (tmp_path / "cut" / "latest").read_text().strip() == "step-00000002"
     resumed = _run("--ckpt-dir", str(tmp_path / "cut"), "--resume")
