@@ -157,30 +157,36 @@ def gather_logits(engine, spec: LogitsOutput, pieces: dict[int, torch.Tensor],
     receives = [s for s in sources if s != me]
     headers = _exchange([(r, torch.tensor([_DTYPES.index(mine.dtype)], device=engine.device)) for r in sends],
                         [(s, torch.empty(1, dtype=torch.int64, device=engine.device)) for s in receives])
-    rows = (program.microbatches * spec.shape[0], *spec.shape[1:])
-    got = _exchange([(r, mine) for r in sends],
-                    [(s, torch.empty(rows, dtype=_DTYPES[int(h)], device=engine.device))
-                     for s, h in zip(receives, headers)])
-    if me not in ranks:
-        return None
-    by_source = dict(zip(receives, got))
-    parts = [mine if s == me else by_source[s] for s in sources]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if me not in ranks or sources == [me]:
+        _exchange([(r, mine) for r in sends], [])
+        return mine if me in ranks else None
+    # every replica's rows received straight into their place in the result (no second copy)
+    rows = program.microbatches * spec.shape[0]
+    dtype = mine.dtype if mine is not None else _DTYPES[int(headers[0])]
+    out = torch.empty((len(sources) * rows, *spec.shape[1:]), dtype=dtype, device=engine.device)
+    place = {s: out.narrow(0, k * rows, rows) for k, s in enumerate(sources)}
+    _exchange([(r, mine) for r in sends], [(s, place[s]) for s in receives])
+    if me in place:
+        place[me].copy_(mine)
+    return out
 
 
 def _whole_rows(engine, spec: LogitsOutput, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
     """This replica's logits, whole: each microbatch's pieces all-gathered over tp along each split
-    dim, then the microbatches concatenated along the first dim."""
-    whole = []
-    for i in range(engine.program.microbatches):
+    dim into its rows of the result (the microbatches in order along the first dim)."""
+    b, m = spec.shape[0], engine.program.microbatches
+    out = None
+    for i in range(m):
         x = pieces[i]
         if tuple(x.shape) != spec.local_shape:
             raise RuntimeError(f"the logits ({spec.where}) of microbatch {i} are {tuple(x.shape)} on this rank; "
                                f"the program recorded {spec.local_shape}")
         for split in reversed(spec.splits):
             x = whole_from_shards(x, engine.tp, split.dim, split.segments, spec.shape[split.dim])
-        whole.append(x)
-    return torch.cat(whole, dim=0).contiguous()
+        if out is None:
+            out = torch.empty((m * b, *spec.shape[1:]), dtype=x.dtype, device=x.device)
+        out.narrow(0, i * b, b).copy_(x)
+    return out
 
 
 def _exchange(sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
