@@ -35,6 +35,7 @@ the root cause, so a peer slower to notice still finds it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import threading
@@ -180,6 +181,7 @@ class FailureBoard:
         """The root cause once this rank knows it (kept: the store may be gone later)."""
         self._stopped = False
         self._lock = threading.Lock()
+        self._watch: Watch | None = None
 
     @property
     def shared(self) -> bool:
@@ -227,10 +229,13 @@ class FailureBoard:
                 atexit.register(_wait_for_readers)
             _READERS.append((self.store, self.key + "/read", self.world, self.exit_wait_s))
 
-    def watch(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure]) -> "Watch":
-        """A watch over one step: ``progress()`` is the ``time.monotonic()`` of the step's last
-        progress, ``on_timeout(seconds)`` this rank's failure after ``timeout_s`` without any."""
-        return Watch(self, timeout_s, progress, on_timeout)
+    def watch(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure]):
+        """A watch over one step (a context manager): ``progress()`` is the ``time.monotonic()`` of
+        the step's last progress, ``on_timeout(seconds)`` this rank's failure after ``timeout_s``
+        without any."""
+        if self._watch is None:
+            self._watch = Watch(self)
+        return self._watch.over(timeout_s, progress, on_timeout)
 
 
 def _wait_for_readers() -> None:
@@ -247,35 +252,42 @@ def _wait_for_readers() -> None:
 
 
 class Watch:
-    """A thread for the length of a step (``with board.watch(...):``): reads the board every
-    ``poll_s`` and stops this rank's communication when a failure is published, or publishes this
-    rank's timeout when the step has made no progress for ``timeout_s``."""
+    """The board's watch: one daemon thread, started at the engine's first step, that every
+    ``poll_s`` during a step (``with board.watch(...):``) reads the board and stops this rank's
+    communication when a failure is published, or publishes this rank's timeout when the step has
+    made no progress for ``timeout_s``. Between steps it only sleeps: a step pays no thread start."""
 
-    def __init__(self, board: FailureBoard, timeout_s: float, progress: Callable[[], float],
-                 on_timeout: Callable[[float], Failure]) -> None:
-        self.board, self.timeout_s, self.progress, self.on_timeout = board, timeout_s, progress, on_timeout
+    def __init__(self, board: FailureBoard) -> None:
+        self.board = board
         self.seen: Failure | None = None
         """What the watch found published (a peer's failure, or this rank's timeout)."""
-        self._done = threading.Event()
+        self._step: tuple[float, Callable[[], float], Callable[[float], Failure]] | None = None
+        """(timeout_s, progress, on_timeout) while a step runs."""
         self._thread = threading.Thread(target=self._run, name="autopar-failure-watch", daemon=True)
-
-    def __enter__(self) -> "Watch":
         self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self._done.set()
+    @contextlib.contextmanager
+    def over(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure]):
+        self._step = (timeout_s, progress, on_timeout)
+        try:
+            yield self
+        finally:
+            self._step = None
 
     def _run(self) -> None:
         try:
-            while not self._done.wait(self.board.poll_s):
+            while self.seen is None:
+                time.sleep(self.board.poll_s)
+                step = self._step
+                if step is None:
+                    continue
+                timeout_s, progress, on_timeout = step
                 seen = self.board.read()
-                idle = time.monotonic() - self.progress()
-                if seen is None and idle > self.timeout_s and not self._done.is_set():
-                    seen = self.board.publish(self.on_timeout(idle))
+                idle = time.monotonic() - progress()
+                if seen is None and idle > timeout_s and self._step is step:
+                    seen = self.board.publish(on_timeout(idle))
                 if seen is not None:
                     self.seen = seen
                     self.board.stop()
-                    return
         except Exception:  # noqa: BLE001 - the process is tearing its groups down: the step's own error tells
             return
