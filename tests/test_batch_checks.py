@@ -243,7 +243,9 @@ def _pp2_dp2_worker():
     zb.zero_grad()
     loss = zb.train_step(x[mine], y[mine])
     out["zb_replica"] = (loss, zb.clip_grad_norm_(1e9), zb.full_grads())
-    opt.step()
+    opt.step()  # lr 0: the same weights, gathered while the next step exchanges its counts over dp
+    zb.zero_grad()
+    out["zb_again"] = zb.train_step(x[mine], y[mine])
 
     old = parallelize_on(model, data, ROWS, loss_reduction="microbatch", **layout).materialize()
     (x9,), (y9,) = padded_batch(vocab, counts=EVEN_LESS)[0]  # no empty microbatch: its mean would be NaN
@@ -279,6 +281,7 @@ def test_pp2_dp2_padded_targets_match_one_device():
         loss, norm, grads = r["zb_replica"]
         assert_parity(ref_losses, ref_grads[0], [loss], grads, label=f"zb-h1 rank {rank}", **FP32_TOLERANCE)
         torch.testing.assert_close(norm, ref_norm, **FP32_TOLERANCE)
+        assert r["zb_again"] == loss
         torch.testing.assert_close(r["microbatch"], microbatch_means(model, padded_batch(vocab, counts=EVEN_LESS), 4),
                                    **FP32_TOLERANCE)
         assert r["error"] is not None, f"rank {rank} did not refuse replica 1's bad id"
