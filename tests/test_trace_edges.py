@@ -207,11 +207,20 @@ def _file_line(text: str) -> int:
     return hits[0]
 
 
+PARITY = {"function-gelu": {}, "function-ste": {}, "function-ste-zb-recompute": dict(schedule="zb-h1",
+                                                                                     recompute="layer"),
+          "detach-ste": {}, "xlm": {}, "phimoe": {}}
+"""The models trained at tp=2 x pp=2 and their configuration beyond it."""
+
+
+def _parity_model(name: str) -> nn.Module:
+    return _xlm() if name == "xlm" else _hf(name) if name == "phimoe" else _gpt(name.removesuffix("-zb-recompute"))
+
+
 def _parity_worker():
     out = {}
-    for name in ("function-gelu", "function-ste", "detach-ste", "xlm", "phimoe"):
-        model = _xlm() if name == "xlm" else _hf(name) if name == "phimoe" else _gpt(name)
-        program = parallelize_on(model, _data(), ROWS // M, tp=2, pp=2, microbatches=M)
+    for name, config in PARITY.items():
+        program = parallelize_on(_parity_model(name), _data(), ROWS // M, tp=2, pp=2, microbatches=M, **config)
         out[name] = (*train_steps(program.materialize(), _data(), LR), program.fallbacks(),
                      sorted(r.module for r in program.plan.rejected))
     return out
@@ -222,23 +231,22 @@ def test_functions_xlm_and_phimoe_train_with_one_devices_gradients_at_tp2_pp2():
     """On 4 gloo ranks (tp=2 x pp=2, 2 microbatches, 2 AdamW steps), against one device:
     - the hand-written GELU Function, traced as its ops, every linear split;
     - the straight-through estimator Function, one op with its own backward (its MLP's linears
-      whole: the op has no sharding rule), and its ``.detach()`` rewrite, against one device running
-      the Function;
+      whole: the op has no sharding rule), also under ZB-H1's split backward with each layer
+      recomputed, and its ``.detach()`` rewrite, against one device running the Function;
     - XLM, whose only ``.item()`` feeds an assertion (its q and k projections stay whole: the
       attention mask's ``expand_as`` has no sharding rule);
     - PhiMoE, its router's Function one op (the routers whole); ``router_jitter_noise=0`` makes its
       sampled routing deterministic, so one device draws the same experts.
     Tolerances: ``assert_ranks_match`` (fp32, the parallel run reorders sums only)."""
     results = spawn_ranks(_parity_worker, 4)
-    references = {"function-gelu": _gpt("function-gelu"), "function-ste": _gpt("function-ste"),
-                  "detach-ste": _gpt("function-ste"), "xlm": _xlm(), "phimoe": _hf("phimoe")}
+    references = {name: _parity_model("function-ste" if name == "detach-ste" else name) for name in PARITY}
     for name, model in references.items():
         assert_ranks_match(reference_run(model, _data(), lr=LR), [res[name][:2] for res in results], name)
     mlps = [f"h.{i}.mlp.{p}" for i in range(2) for p in ("fc", "proj")]
     for res in results:
         assert all(res[name][2] == [] for name in references), {n: res[n][2] for n in references}
         assert res["function-gelu"][3] == res["detach-ste"][3] == [], (res["function-gelu"][3], res["detach-ste"][3])
-        assert res["function-ste"][3] == mlps, res["function-ste"][3]
+        assert res["function-ste"][3] == res["function-ste-zb-recompute"][3] == mlps, res["function-ste"][3]
         assert res["phimoe"][3] == [f"model.layers.{i}.mlp.router" for i in range(2)], res["phimoe"][3]
 
 
