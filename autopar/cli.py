@@ -453,6 +453,7 @@ def _simulate_measured(args: argparse.Namespace, console: Console) -> int:
                   f"simulating each (the first is a warm-up) ...", highlight=False)
     comp = compare(run)
     console.print(_measured_table(comp))
+    console.print(_costs_table(comp))
     console.print(comp.summary(), style="bold", highlight=False)
     if args.svg:
         write_comparison_svg(comp, args.svg, title=f"measured vs predicted: {args.measured}",
@@ -476,6 +477,20 @@ def _measured_table(comp) -> Table:
              f"{s.replayed * 1e3:.2f}", f"{s.replay_ratio:.3f}"] for s in comp.per_step]
     return compact_table("steps (ms): measured, simulated with the step's own costs, replayed action by action",
                          ("step", "measured", "predicted", "ratio", "replayed", "ratio"), rows)
+
+
+def _costs_table(comp) -> Table:
+    """Per chunk: its stage and the measured per-action costs the prediction ran with (medians, ms):
+    F, B (the input gradient alone where W is apart), W, and the transfers of its results."""
+    costs, sched = comp.costs, comp.run.schedule
+    split = costs.splits_backward
+    cols = ("chunk", "stage", "F", "B", *(("W",) if split else ()), "send F", "send B")
+    ms = lambda key, table: f"{table[key] * 1e3:.3f}" if key in table else "-"  # noqa: E731
+    rows = [[str(c), str(sched.stage_of(c)), ms(("F", c), costs.compute), ms(("B", c), costs.compute),
+             *((ms(("W", c), costs.compute),) if split else ()), ms(("F", c), costs.transfer),
+             ms(("B", c), costs.transfer)] for c in range(sched.num_chunks)]
+    return compact_table("per-action costs (ms, medians over the compared steps); send: a message's transfer",
+                         cols, rows)
 
 
 def _simulate_unit_costs(args: argparse.Namespace) -> tuple[SimResult, SimResult, str, str, list[str]]:

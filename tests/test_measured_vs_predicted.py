@@ -226,7 +226,12 @@ def _table_steps(out: str) -> list[int]:
     """The step numbers of the per-step table ``autopar simulate --measured`` prints."""
     lines = out.splitlines()
     rule = next(i for i, line in enumerate(lines) if line.startswith("──"))
-    return [int(line.split()[0]) for line in lines[rule + 1:] if line.split() and line.split()[0].isdigit()]
+    steps = []
+    for line in lines[rule + 1:]:
+        if not line.split() or not line.split()[0].isdigit():
+            return steps
+        steps.append(int(line.split()[0]))
+    return steps
 
 
 # ---------------------------------------------------------------------------- on two ranks
@@ -343,6 +348,15 @@ def test_zero_bubble_traces_are_written_and_simulated(tmp_path_factory, capsys):
         assert pairs == want
         svg = tmp_path_factory.mktemp("pictures") / f"{name}.svg"
         assert main(["simulate", "--measured", path, "--svg", str(svg)]) == 0
+        out = capsys.readouterr().out
+        assert "predicted / measured" in out
+        lines = out.splitlines()
+        head = next(i for i, line in enumerate(lines) if line.split()[:5] == ["chunk", "stage", "F", "B", "W"])
+        table = [line.split() for line in lines[head + 2:head + 2 + 2 * v]]
+        for c, row in enumerate(table):  # chunk, stage, F, B, W, send F, send B: W's cost printed
+            assert row[:2] == [str(c), str(stages[c])] and float(row[4]) == pytest.approx(
+                comp.costs.compute[("W", c)] * 1e3, abs=1e-3)
+            assert (row[5] == "-") == (c == 2 * v - 1 or stages[c] == stages[c + 1])  # no message, no send
         picture = svg.read_text()
         assert "weight gradient (W)" in picture and ">rank 1 (predicted)<" in picture
         both = json.loads(open(path.replace(".json", "-vs-predicted.json")).read())["traceEvents"]
@@ -350,4 +364,3 @@ def test_zero_bubble_traces_are_written_and_simulated(tmp_path_factory, capsys):
         for pids in ({0, 1}, {2, 3}):
             ws = [x for x in both if x.get("cat") == "W" and x["pid"] in pids]
             assert len(ws) == 2 * v * ZB_M and all(x["dur"] > 0 for x in ws)
-    assert "predicted / measured" in capsys.readouterr().out
