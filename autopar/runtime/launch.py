@@ -178,7 +178,8 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
             out = fn(*args)
             dist.barrier()  # leave together: a rank exiting early closes its peers' connections
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a failed engine under NCCL aborted (and removed) its groups
+                dist.destroy_process_group()
         return [out]
     backend = backend or default_backend(nprocs)
     ctx = mp.get_context("spawn")
