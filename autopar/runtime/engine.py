@@ -600,7 +600,8 @@ class RankEngine(nn.Module):
         actions = [st.schedule.actions[self.stage][t] for t in steps]
         if actions:
             what = " ".join(map(str, actions))
-            where = f"stage {self.stage}, " + (f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}")
+            where = f"stage {self.stage}, " + (f"step {steps[0]}" if len(steps) == 1
+                                                else f"steps {steps[0]}..{steps[-1]}")
             if st.waiting_for:
                 where += f", waiting for {st.waiting_for}"
         else:
@@ -688,7 +689,8 @@ class RankEngine(nn.Module):
             ts = [t for _, t in marks]
             message += "\n" + st.schedule.format_grid(marks, columns=(min(ts) - 8, max(ts) + 9))
         actions = [st.schedule.actions[self.stage][t] for t in steps]
-        return ActionError(message, self.mesh.rank, own.coords, actions, own.marks, root if self._failures.shared else None)
+        return ActionError(message, self.mesh.rank, own.coords, actions, own.marks,
+                           root if self._failures.shared else None)
 
     def _microbatches(self, batch) -> tuple[list[list[torch.Tensor]], bool]:
         """([microbatch][input or target]: this replica's slices, on the engine's device; whether the
