@@ -555,7 +555,7 @@ class RankEngine(nn.Module):
             root = self._failures.read()
             if root is not None:  # a peer failed after this rank's last exchange with it
                 self._failures.stop()
-                self._failed = (self._steps, "step", root)
+                self._failed = (self._steps, root.kind, root)
         if self._failed is None:
             return
         number, kind, root = self._failed
