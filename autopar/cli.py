@@ -389,7 +389,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]{plan.no_fit_message()}[/red]")
         return 1
     console.print(f"model {spec.label}: {spec.features}", highlight=False)
-    console.print(_plan_table(plan, args.top))
+    console.print(_plan_table(plan, args.top), crop=False)
     if plan.rejected:
         console.print("rejected: " + ", ".join(f"{n} x {rule}" for rule, n in plan.rejected.items()),
                       highlight=False)
@@ -411,9 +411,9 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
             console.print(line, highlight=False)
     if args.explain:
         best = plan.best
-        console.print(_explain_table(best))
-        console.print(_breakdown_table(best))
-        console.print(_ops_table(best))
+        console.print(_explain_table(best), crop=False)
+        console.print(_breakdown_table(best), crop=False)
+        console.print(_ops_table(best), crop=False)
     return 0
 
 
@@ -452,8 +452,8 @@ def _simulate_measured(args: argparse.Namespace, console: Console) -> int:
     console.print(f"{sched.name} p={sched.p} v={sched.v} m={sched.m}, {run.shape.world} ranks, {len(run.steps)} steps: "
                   f"simulating each (the first is a warm-up) ...", highlight=False)
     comp = compare(run)
-    console.print(_measured_table(comp))
-    console.print(_costs_table(comp))
+    console.print(_measured_table(comp), crop=False)
+    console.print(_costs_table(comp), crop=False)
     console.print(comp.summary(), style="bold", highlight=False)
     if args.svg:
         write_comparison_svg(comp, args.svg, title=f"measured vs predicted: {args.measured}",
@@ -574,7 +574,9 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
 
 def make_console(width: int | None = None) -> Console:
     """The console the commands print to: ``width`` columns if given, else the terminal's, or
-    ``PIPED_WIDTH`` when the output is not a terminal (rich would assume 80 and cut the tables)."""
+    ``PIPED_WIDTH`` when the output is not a terminal (rich would assume 80 and cut the tables).
+    Tables are printed uncropped: in a terminal narrower than a table its lines run on (the
+    terminal wraps them) rather than lose their last columns."""
     console = Console(width=width)
     if width is None and not console.is_terminal:
         console = Console(width=PIPED_WIDTH)
