@@ -199,6 +199,26 @@ def test_a_function_that_cannot_be_one_op_is_refused_by_name():
     assert "x + (f(x) - x).detach()" in msg, msg
 
 
+class ReentrantCheckpointMLP(MLP):
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=True)
+
+
+def test_a_function_reading_a_parameter_it_is_not_given_is_refused():
+    """Reentrant checkpointing: a Function whose forward reads the block's weights from its closure."""
+    model = _gpt("detach-ste")
+    for block in model.h:
+        block.mlp.__class__ = ReentrantCheckpointMLP
+    with pytest.raises(autopar.TraceError) as err:
+        trace(model, (_ids(),), (_ids(),), lm_cross_entropy)
+    msg = str(err.value)
+    assert msg.startswith("cannot trace the custom torch.autograd.Function "
+                          "torch.utils.checkpoint.CheckpointFunction"), msg
+    assert f"at {__file__}:{_line_of(ReentrantCheckpointMLP, 'use_reentrant=True')}: " in msg, msg
+    assert "its forward reads a parameter of shape (128, 32) that is not one of its arguments" in msg, msg
+    assert "use_reentrant=False or autopar's recompute=" in msg, msg
+
+
 def _file_line(text: str) -> int:
     """The line of this file that contains ``text`` (written once in it, and here)."""
     with open(__file__) as f:

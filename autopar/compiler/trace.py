@@ -510,7 +510,37 @@ def _function_op(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
 
 @_function_op.register_fake
 def _(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
-    return [torch.empty_like(o) for o in _apply_routed(key, tensors)]
+    with _ParameterReads(tensors) as reads:  # at trace time, on fake tensors
+        outs = _apply_routed(key, tensors)
+    if reads.found is not None:
+        cls, _, _, site = _ROUTED[key]
+        raise TraceError(_function_refusal(cls, site, reads.why()))
+    return [torch.empty_like(o) for o in outs]
+
+
+class _ParameterReads(torch.overrides.TorchFunctionMode):
+    """Within ``with``: the first parameter a torch call reads that is not one of ``allowed`` (a
+    Function's forward reading a module's weight from its closure: the Function gives it no
+    gradient, and the op would read the user's module, not the rank's shard)."""
+
+    def __init__(self, allowed: list[torch.Tensor]):
+        super().__init__()
+        self.allowed = {id(t) for t in allowed}
+        self.found: torch.Tensor | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.found is None:
+            for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(a, nn.Parameter) and id(a) not in self.allowed:
+                    self.found = a
+                    break
+        return func(*args, **kwargs)
+
+    def why(self) -> str:
+        return (f"its forward reads a parameter of shape {tuple(self.found.shape)} that is not one of its "
+                "arguments (pass it to apply and return its gradient from backward; for "
+                "torch.utils.checkpoint, use_reentrant=False or autopar's recompute=)")
 
 
 def _function_setup(ctx, inputs, output) -> None:
@@ -552,7 +582,10 @@ def _function_gradient_gap(call: _FunctionCall) -> tuple[float, torch.dtype]:
         dtype = floats[0].dtype
         with torch.enable_grad():
             own = _grads(call.cls.apply, args, kwargs, floats)
-            inlined = _grads(_forward_of(call.cls), args, kwargs, floats)
+            with _ParameterReads(floats) as reads:
+                inlined = _grads(_forward_of(call.cls), args, kwargs, floats)
+        if reads.found is not None:  # the traced ops would train a parameter the Function does not
+            return 1.0, dtype
         for a, b in zip(own, inlined, strict=True):
             scale_ab = max(float(a.double().norm()), float(b.double().norm()), 1e-30)
             gap = max(gap, float((a.double() - b.double()).norm()) / scale_ab)
