@@ -334,6 +334,9 @@ def test_zero_bubble_traces_are_written_and_simulated(tmp_path_factory, capsys):
         stages = run.schedule.chunk_stages
         assert run.schedule == runtime_schedule(name, 2, v, ZB_M) and sorted(run.steps) == list(range(ZB_STEPS))
         assert json.loads(open(path).read())["autopar"]["chunk_stages"] == list(stages)
+        # message sizes where a message goes: not at ZB-V's turn, where both chunks share a stage
+        assert sorted(run.message_bytes["forward"]) == [c for c in range(2 * v - 1) if stages[c] != stages[c + 1]]
+        assert sorted(run.message_bytes["backward"]) == [c for c in range(1, 2 * v) if stages[c] != stages[c - 1]]
         for step in run.steps.values():
             for events in step.values():  # every F, B and W of the rank, once
                 assert sorted({k[0] for k in compute_samples(events)}) == ["B", "F", "W"]

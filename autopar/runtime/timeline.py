@@ -120,9 +120,10 @@ def clock_offset(device: torch.device, rounds: int = 5) -> float:
 
 
 def trace_metadata(program: Program, mesh: Mesh) -> dict[str, Any]:
-    """What a reader needs to simulate the traced step: the schedule's grid, p, v, m, the
-    mesh, each rank's stage and the bytes one rank sends per stage-to-stage message
-    (``forward``: chunk c's outputs, ``backward``: the gradients of chunk c's inputs)."""
+    """What a reader needs to simulate the traced step: the schedule's grid, p, v, m, each
+    chunk's stage, the mesh, each rank's stage and the bytes one rank sends per stage-to-stage
+    message (``forward``: chunk c's outputs, ``backward``: the gradients of chunk c's inputs;
+    only where the neighbour chunk is on another stage: ZB-V's turn sends nothing)."""
     sched, shape = program.schedule, mesh.shape
     tp = shape.tp
 
@@ -135,14 +136,21 @@ def trace_metadata(program: Program, mesh: Mesh) -> dict[str, Any]:
             total += b.nbytes // tp if split else b.nbytes
         return total
 
-    chunks = program.split.chunks
+    chunks, stage = program.split.chunks, sched.stage_of
+    last = len(chunks) - 1
+
+    def crosses(c: int, to: int) -> bool:  # a message goes: the neighbour chunk sits on another stage
+        return 0 <= to <= last and stage(c) != stage(to)
+
     return {
         "format": TRACE_FORMAT, "schedule": sched.name, "p": sched.p, "v": sched.v, "m": sched.m,
         "grid": sched.format_grid(), "chunk_stages": list(sched.chunk_stages),
         "tp": tp, "dp": shape.dp, "pp": shape.pp, "world": shape.world,
         "stage_of_rank": [shape.coords(r)[0] for r in range(shape.world)],
-        "message_bytes": {"forward": {str(c.index): sent(c.outputs, False) for c in chunks if c.outputs},
-                          "backward": {str(c.index): sent(c.inputs, True) for c in chunks if c.index > 0}},
+        "message_bytes": {"forward": {str(c.index): sent(c.outputs, False) for c in chunks
+                                      if c.outputs and crosses(c.index, c.index + 1)},
+                          "backward": {str(c.index): sent(c.inputs, True) for c in chunks
+                                       if crosses(c.index, c.index - 1)}},
         "clock": "seconds; each rank's perf_counter shifted to rank 0's (offsets measured after barriers)",
     }
 
