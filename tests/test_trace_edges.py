@@ -6,7 +6,8 @@
   other (a straight-through estimator, PhiMoE's router) becomes one op whose
   backward is the Function's own. Both train at tp=2 x pp=2 with one device's
   loss and gradients; the ``x + (f(x) - x).detach()`` rewrite does too. A
-  Function that cannot be one op (tensors inside a list) is refused, naming
+  Function that cannot be one op (tensors inside a list; a forward reading a
+  parameter it is not passed, as reentrant checkpointing) is refused, naming
   the class, where it is defined, the line that called it and the fix.
 - ``torch.nonzero``, ``x[mask]``, routing by a computed index with
   ``index_add``, ``torch.unique`` and ``.item()`` read by a tensor are refused

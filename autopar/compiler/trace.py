@@ -15,6 +15,12 @@ name, the forward's and the loss's parameter names (``input_ids``,
 ``target``; ``compiler/signatures.py``, which also checks both signatures
 first). Shapes are static: the example microbatch fixes batch size and
 sequence length, as in Megatron.
+
+Right after the export, before any pass: a custom ``torch.autograd.Function``
+(whose backward export drops) stays its forward's ops where its backward is
+their gradient, and is otherwise traced again as one op with its own backward
+(``autopar::function``); an op whose output size depends on tensor values
+(nonzero, boolean indexing, unique, ``.item()``) is refused with its line.
 """
 
 from __future__ import annotations
