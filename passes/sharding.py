@@ -203,23 +203,39 @@ def _run_trials(traced: TracedModel, ctx: Ctx, must_split: set[str] | None = Non
     state.run_all()
     rejected: list[Rejected] = []
     tried: set[fx.Node] = set()
+    linears = _Linears(state, ctx)
     for node in state.nodes:
         if node not in tried and _is_candidate(state, ctx, node):
-            _try_group(state, ctx, _group_of(state, ctx, node, tried), rejected)
+            _try_group(state, ctx, _group_of(state, ctx, node, tried, linears), rejected)
     return state, rejected
 
 
-def _group_of(state: _State, ctx: Ctx, node: fx.Node, tried: set[fx.Node]) -> list[fx.Node]:
+class _Linears:
+    """The graph's linear-like nodes by the value they read and by their weight, found once (the graph
+    does not change during the trials): a group is looked up, not searched for over every node."""
+
+    def __init__(self, state: _State, ctx: Ctx):
+        self.order = {n: i for i, n in enumerate(state.nodes)}
+        self.by_x: dict[fx.Node, list[fx.Node]] = {}
+        self.by_weight: dict[str, list[fx.Node]] = {}
+        for u in state.nodes:
+            parts = linear_parts(ctx, u)
+            if parts is not None:
+                self.by_x.setdefault(operand(u, parts.x_path), []).append(u)
+                self.by_weight.setdefault(parts.weight.name, []).append(u)
+
+
+def _group_of(state: _State, ctx: Ctx, node: fx.Node, tried: set[fx.Node], linears: _Linears) -> list[fx.Node]:
     """The candidates tried with ``node`` (marked tried): linears reading the same replicated value
     (Q, K, V; SwiGLU's gate and up: one f on their input, no transient narrowing between them), and
     those sharing a weight with one of them (a block called once per layer, its weights shared: it
-    can only be split everywhere at once)."""
+    can only be split everywhere at once); each part in graph order."""
     x = operand(node, linear_parts(ctx, node).x_path)
-    group = [u for u in state.nodes if u not in tried and _is_candidate(state, ctx, u)
-             and operand(u, linear_parts(ctx, u).x_path) is x]
+    group = [u for u in linears.by_x[x] if u not in tried and _is_candidate(state, ctx, u)]
     weights = {weight_of(ctx, m).name for m in group}
-    group += [u for u in state.nodes if u not in tried and u not in group and _is_candidate(state, ctx, u)
-              and weight_of(ctx, u).name in weights]
+    sharing = {u for w in weights for u in linears.by_weight[w]}
+    group += sorted((u for u in sharing if u not in tried and u not in group and _is_candidate(state, ctx, u)),
+                    key=linears.order.__getitem__)
     tried.update(group)
     return group
 
