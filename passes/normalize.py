@@ -131,6 +131,7 @@ def normalize(gm: fx.GraphModule, param_names: set[str]) -> dict[str, int]:
             lin = g.call_function(aten.linear.default, args)
         lin.meta = dict(node.meta)  # the linear's module path and source line
         lin.meta["val"] = anchor.meta["val"]
+        lin.meta.update({k: v for k, v in anchor.meta.items() if k not in node.meta})  # marks on the bias add
         anchor.replace_all_uses_with(lin)
         g.erase_node(anchor)
         if bias:

@@ -238,3 +238,28 @@ def test_what_cannot_be_returned_fails_first():
     for to, match in ((3, r"rank\(s\) \[3\] outside the world of 1"), ("first", "expected 'all', 'last'")):
         with pytest.raises(ValueError, match=match):
             good.eval_step(x, y, outputs=True, to=to)
+
+
+class _BiasedHead(nn.Module):
+    """An embedding and a head written ``x @ W.T + b``: normalisation makes the pair one linear, which
+    must keep the logits' mark the bias add carried."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, 32)
+        self.w = nn.Parameter(torch.randn(VOCAB, 32) * 0.1)
+        self.b = nn.Parameter(torch.randn(VOCAB) * 0.1)
+
+    def forward(self, x):
+        return self.wte(x) @ self.w.T + self.b
+
+
+def test_biased_head_logits():
+    """A ``x @ W.T + b`` head made one linear by normalisation still returns its logits."""
+    model = seeded(_BiasedHead)
+    program, x, y = _program(model, tp=1, pp=1)
+    assert program.traced.logits is not None
+    loss, logits = program.materialize().eval_step(x, y, outputs=True)
+    with torch.no_grad():
+        want = model.eval()(x)
+    torch.testing.assert_close(logits, want, **LOGITS_TOLERANCE)  # linear vs matmul + add: rounding only
