@@ -165,6 +165,10 @@ def test_graph_records_ids_and_the_token_loss():
     summed = parallelize_on(model, [((x,), (x,))], ROWS,
                             loss_fn=lambda z, t: F.cross_entropy(z.flatten(0, -2), t.flatten(), reduction="sum"))
     assert summed.batch_roles.loss is None and "not mean-reduced" in summed.batch_roles.why_not_tokens
+    # the summary says which weighting the step uses, and why not the token-exact one
+    assert "the mean over the global batch's counted targets (ignore_index -100)" in program.summary()
+    assert "loss: the mean of the microbatches' losses (" in summed.summary()
+    assert "not mean-reduced" in summed.summary()
 
 
 def test_an_empty_global_batch_is_nan_with_zero_gradients_as_on_one_device(gpt):

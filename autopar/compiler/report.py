@@ -147,8 +147,22 @@ def _header(program: Program) -> str:
         f"data-parallel size {mesh.dp}: {cfg.dp_source}\n"
         f"schedule {cfg.schedule}, virtual stages {cfg.virtual_stages}, {cfg.microbatches} microbatches per "
         f"replica; recompute {program.recompute}; precision {program.precision}\n"
-        f"{_batch_line(program)}"
+        f"{_batch_line(program)}\n"
+        f"{_loss_line(program)}"
     )
+
+
+def _loss_line(program: Program) -> str:
+    """How the step's loss weighs its microbatches (``config.loss_reduction``), and why when the
+    token-exact weighting does not apply."""
+    loss = program.batch_roles.loss
+    if program.config.loss_reduction == "microbatch":
+        return "loss: the mean of the microbatches' losses (loss_reduction='microbatch')"
+    if loss is None:
+        why = program.batch_roles.why_not_tokens or "the loss is not a mean over counted targets"
+        return f"loss: the mean of the microbatches' losses ({why})"
+    return (f"loss: {loss.op}, the mean over the global batch's counted targets (ignore_index "
+            f"{loss.ignore_index}), as on one device")
 
 
 def _batch_line(program: Program) -> str:
