@@ -25,6 +25,9 @@ __all__ = [
     "init_weights",
     "InitError",
     "CheckpointError",
+    "BatchError",
+    "ActionError",
+    "EngineFailedError",
 ]
 
 _WHERE = {
@@ -42,13 +45,19 @@ _WHERE = {
     "init_weights": "autopar.runtime.initialize",
     "InitError": "autopar.runtime.module_init",
     "CheckpointError": "autopar.runtime.errors",
+    "BatchError": "autopar.runtime.batch_checks",
+    "ActionError": "autopar.runtime.engine",
+    "EngineFailedError": "autopar.runtime.failures",
 }
 
 if TYPE_CHECKING:
     from autopar.api import ParallelProgram, parallelize, plan
     from autopar.compiler.trace import TraceError, lm_cross_entropy
     from autopar.core.config import ParallelConfig
+    from autopar.runtime.batch_checks import BatchError
+    from autopar.runtime.engine import ActionError
     from autopar.runtime.errors import CheckpointError
+    from autopar.runtime.failures import EngineFailedError
     from autopar.runtime.initialize import init_weights
     from autopar.runtime.launch import RankError, spawn
     from autopar.runtime.module_init import InitError
