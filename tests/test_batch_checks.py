@@ -263,6 +263,13 @@ def _pp2_dp2_worker():
         out["error"] = None
     except BatchError as e:
         out["error"] = str(e)
+    # replica 1 passes targets of another dtype: its ranks refuse them, and replica 0's ranks, whose
+    # batch is fine, refuse the step too instead of waiting for replica 1 in the exchange
+    try:
+        engine.train_step(x[mine], y[mine].float() if rank == 1 else y[mine])
+        out["dtype_error"] = None
+    except (BatchError, ValueError) as e:
+        out["dtype_error"] = str(e)
     dist.barrier()
     return out
 
@@ -290,3 +297,7 @@ def test_pp2_dp2_padded_targets_match_one_device():
                                    **FP32_TOLERANCE)
         assert r["error"] is not None, f"rank {rank} did not refuse replica 1's bad id"
         assert f"'idx' holds {vocab + 4680} at row 2, position 9 of data-parallel replica 1's own batch" in r["error"]
+        if rank % 2 == 1:  # rank = dp + 2 pp: ranks 1 and 3 are replica 1
+            assert "batch tensor 'targets' has dtype torch.float32" in r["dtype_error"], r["dtype_error"]
+        else:
+            assert "data-parallel replica 1's batch was refused on its own ranks" in r["dtype_error"], r["dtype_error"]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from autopar.compiler.batch_roles import BatchRoles, IdUse
 
-__all__ = ["BatchError", "IdProblem", "cast_dtypes", "find_id_problem", "agree", "id_error"]
+__all__ = ["BatchError", "IdProblem", "REFUSED", "cast_dtypes", "find_id_problem", "agree", "id_error"]
 
 _CASTS = {torch.int64: "long", torch.int32: "int", torch.int16: "short", torch.int8: "char", torch.uint8: "byte",
           torch.bool: "bool", torch.float32: "float", torch.float64: "double", torch.float16: "half",
@@ -41,6 +41,11 @@ _CASTS = {torch.int64: "long", torch.int32: "int", torch.int16: "short", torch.i
 
 _MAX_DIMS = 8
 """Coordinates of an offending id exchanged between the replicas (a tensor of more dims: its first ones)."""
+
+
+REFUSED = -2
+"""``IdProblem.use`` of a replica whose own ranks refused its batch (a shape or dtype that does not fit):
+exchanged like an id problem so that the other replicas raise too instead of waiting for it."""
 
 
 class BatchError(ValueError):
@@ -121,7 +126,7 @@ def agree(problem: IdProblem | None, count: int, group, dp_size: int, device: to
     table = torch.stack(rows).cpu().tolist()
     total = sum(r[0] for r in table)
     for replica, r in enumerate(table):
-        if r[1] >= 0:
+        if r[1] >= 0 or r[1] == REFUSED:
             return IdProblem(r[1], r[2], tuple(r[4:4 + r[3]]), replica), total
     return None, total
 
@@ -136,6 +141,10 @@ def _place(at: tuple[int, ...]) -> str:
 
 def id_error(problem: IdProblem, roles: "BatchRoles", global_batch: bool, dp_size: int) -> BatchError:
     """The message of an out-of-range id: the tensor, the value, where, the size it must stay under, the fix."""
+    if problem.use == REFUSED:
+        return BatchError(f"data-parallel replica {problem.replica}'s batch was refused on its own ranks (a shape "
+                          f"or dtype that does not fit the program: their error says which), so no replica runs "
+                          f"this step. Fix: give every replica a batch of the program's shapes and dtypes")
     use = roles.ids[problem.use]
     if problem.replica is not None and dp_size > 1:
         whose = f"of data-parallel replica {problem.replica}'s own batch"

@@ -77,7 +77,7 @@ from autopar.core.comm import (TPGroup, _all_gather, keeping_gathered_slices, re
                                whole_from_shards)
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Shard
-from autopar.runtime.batch_checks import agree, cast_dtypes, find_id_problem, id_error
+from autopar.runtime.batch_checks import REFUSED, IdProblem, agree, cast_dtypes, find_id_problem, id_error
 from autopar.runtime.device_graphs import on_device
 from autopar.runtime.eval_outputs import LogitsOutput, askers, gather_logits
 from autopar.runtime.export import RankHoldings, save_pretrained
@@ -537,7 +537,12 @@ class RankEngine(nn.Module):
         """The state of a step over ``batch``; resets ``stats`` and ``events`` to this step's."""
         self._refuse_if_failed("train_step" if training else "eval_step")
         self._steps += 1
-        micro, whole = self._microbatches(batch)
+        try:
+            micro, whole = self._microbatches(batch)
+        except (ValueError, TypeError):  # refused here: the other replicas must not wait for this one
+            if self._replicas_agree():
+                agree(IdProblem(REFUSED, 0, ()), 0, self.mesh.groups["dp"], self.dp_size, self.device)
+            raise
         st = StepState(schedule=schedule, training=training, micro=micro, m=self.program.microbatches,
                        weights=self._step_weights(batch, micro, whole),
                        loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
@@ -741,14 +746,21 @@ class RankEngine(nn.Module):
                         f"({m} microbatch(es) of {want}; replica {self.dp_rank} of {d})")
         raise ValueError(f"batch tensor '{name}' has shape {shape}, but the program expects {expected}")
 
+    def _replicas_agree(self) -> bool:
+        """Whether the replicas exchange their batch checks and target counts each step (``agree``):
+        with d > 1, when the loss counts its targets or the batch holds ids."""
+        roles = self.program.batch_roles
+        tokens = roles.loss is not None and self.program.config.loss_reduction == "tokens"
+        return self.dp_size > 1 and (tokens or bool(roles.ids))
+
     def _step_weights(self, batch, micro: list[list[torch.Tensor]], whole: bool) -> StepWeights:
         """Ids checked against what they index and the microbatches' weights, before the step's first action.
 
         The ids of ``batch`` as passed (the global batch on every rank, or this replica's own) are
-        checked with a min/max each; a token loss counts each microbatch's targets. With this
-        replica's own batch and d > 1, one all-gather over dp of a few numbers gives every rank the
-        count N of the global batch and any replica's problem, so every rank raises alike (with the
-        global batch every rank checked all of it)."""
+        checked with a min/max each; a token loss counts each microbatch's targets. With d > 1, one
+        all-gather over dp of a few numbers (``_replicas_agree``) gives every rank the count N of the
+        global batch and any replica's problem, so every rank raises alike (with the global batch
+        every rank checked all of it)."""
         roles, d, m = self.program.batch_roles, self.dp_size, self.program.microbatches
         traced = self.program.traced
         names = traced.input_names + traced.target_names
@@ -762,7 +774,7 @@ class RankEngine(nn.Module):
                 self.__dict__["_loss_targets"] = on_device(roles.loss.targets, self.device)
             counts = token_counts(roles.loss, self.__dict__["_loss_targets"], [dict(zip(names, mb)) for mb in micro])
         total = sum(counts)
-        if d > 1 and (tokens or (roles.ids and not whole)):
+        if self._replicas_agree():
             problem, total = agree(problem, total, self.mesh.groups["dp"], d, self.device)
         if problem is not None:
             raise id_error(problem, roles, whole, d)
