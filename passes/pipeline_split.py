@@ -1,9 +1,10 @@
 """Cut a rank graph into p*v contiguous chunks of balanced cost.
 
-1. Each layer's cost is the roofline cost of its nodes (``passes/node_cost.py``:
+1. Each layer's cost is the roofline cost of its nodes (``autopar/core/flops.py``:
    FLOPs, or bytes moved for memory-bound ops); the
-   nodes before the first layer (embedding) count with the first layer, those
-   after the last (final norm, head, loss) with the last.
+   nodes before the first layer (embedding) count with the first layer, any
+   other outside the layers with the layer before it (the final norm, head and
+   loss with the last).
 2. A linear partition of the layer sequence into p*v non-empty runs,
    balanced per stage under the schedule's chunk placement
    (``passes/stage_balance.py``): min-max over chunks for the interleaved
@@ -19,6 +20,12 @@
    instead of being sent.
 4. A value produced in chunk a and used in chunk b > a+1 is relayed: it is an
    output of a and an input and output of every chunk in between.
+5. A higher-order op (the body of a ``no_grad`` or ``autocast`` region, a
+   ``torch.cond``: torch.export puts it in a ``get_attr`` sub-module) is one
+   node like any other; each chunk that runs one gets a copy of its
+   ``get_attr`` node, and the chunk's GraphModule carries the sub-module. Its
+   cost is that of the graph it holds; the items of a tuple it returns are
+   taken in its chunk, so only tensors cross boundaries.
 
 Chunk c's graph: placeholders ``tp``, then the parameters, model inputs,
 targets and buffers it reads, then the boundary values from chunk c-1;
@@ -27,12 +34,14 @@ output: the boundary values for chunk c+1, or the loss for the last chunk.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from autopar.core import comm
 from autopar.core.chunks import Boundary, Chunk, PipelineSplit
-from autopar.core.graph import local_val
+from autopar.core.graph import local_val, module_path, source_line
 from passes.layers import LOOKED_FOR, LayerInfo, layer_of_node
 from autopar.core.flops import node_cost
 from passes.sequence_parallel import SPLIT_META
@@ -163,7 +172,11 @@ def _assign_chunks(nodes: list[fx.Node], free: set[str], node_layer: dict[str, i
     for n in nodes:
         if n.op != "call_function" or n.name in free:
             continue
-        if n.name in node_layer:
+        if n.target is operator.getitem and isinstance(local_val(n.args[0]), (tuple, list)):
+            # an item of a tuple (a higher-order op's, a split's) is taken where the tuple is made:
+            # what crosses a boundary is then the tensor, never the tuple
+            chunk_of[n.name] = chunk_of.get(n.args[0].name, 0)
+        elif n.name in node_layer:
             chunk_of[n.name] = chunk_of_layer[node_layer[n.name]]
         else:
             chunk_of[n.name] = max([chunk_of.get(a.name, 0) for a in n.all_input_nodes], default=0)
@@ -214,7 +227,12 @@ def _grad_off(node: fx.Node) -> bool:
 def _boundary(node: fx.Node, requires_grad: set[str], global_shapes: dict[str, tuple]) -> Boundary:
     val = local_val(node)
     if not isinstance(val, torch.Tensor):
-        raise PipelineError(f"value {node.name} crossing a pipeline boundary is not a tensor ({type(val).__name__})")
+        where = source_line(node)
+        raise PipelineError(
+            f"value {node.name} ({node.target}{f' at {where}' if where else ''}, module '{module_path(node)}') "
+            f"crosses a pipeline boundary and is not a tensor ({type(val).__name__}): only tensors are sent "
+            f"between stages. Fix: return tensors from the module that makes it, or use fewer stages "
+            f"(pp * virtual_stages)")
     shape = tuple(int(s) for s in val.shape)
     if node.target is comm.scatter_to_tp or node.meta.get(SPLIT_META) is not None:
         replicated = False  # a slice, or tokens split by sequence parallelism: 1/t of the value already

@@ -9,8 +9,9 @@ returns crosses a boundary without a gradient. Nemotron-H is a hybrid stack:
 its blocks are one class in four structures (Mamba mixer, experts, attention,
 MLP), none repeated; they are found as layers and the cut balances them by
 cost, and a layout with more chunks than blocks is refused naming the
-structures. A small hand-written model with ``autocast`` and ``no_grad``
-regions shows which chunk holds which sub-module.
+structures. BLT (its patches given: ``patch_in_forward=False``) trains too. A
+small hand-written model with ``autocast`` and ``no_grad`` regions shows which
+chunk holds which sub-module.
 
 Each family trains one step at tp=2 x pp=2 on 4 gloo ranks (one spawn) against
 one device: loss and every gradient within FP32_TOLERANCE (fp32; the parallel
@@ -45,6 +46,13 @@ def _hf(name):
         cfg = T.HrmTextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, head_dim=16, max_position_embeddings=64, H_cycles=2,
                               L_cycles=2, L_bp_cycles=[1])
+    elif name == "blt":  # patches given by the input (no entropy model: its patch lengths depend on values)
+        sub = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, head_dim=16)
+        cfg = T.BltConfig(vocab_size=VOCAB, patch_in_forward=False, use_cache=False, max_position_embeddings=64,
+                          encoder_hash_byte_group_vocab=97,
+                          encoder_config=dict(num_hidden_layers=1, hidden_size_global=64, **sub),
+                          decoder_config=dict(num_hidden_layers=2, hidden_size_global=64, **sub),
+                          global_config=dict(num_hidden_layers=2, **sub), patcher_config=dict(num_hidden_layers=2, **sub))
     else:  # nemotron_h: its default block pattern, one block of each structure
         cfg = T.NemotronHConfig(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=16, intermediate_size=128, ssm_state_size=16, mamba_num_heads=8,
@@ -201,20 +209,25 @@ def test_stacks_of_one_class_are_not_taken_for_a_hybrid_stack():
     assert layers.paths == tuple([f"enc.blocks.{i}" for i in range(2)] + [f"dec.blocks.{i}" for i in range(3)])
 
 
-FAMILIES = ["regions", "cpmant", "hrm_text", "nemotron_h"]
+RUNS = [("regions", "none"), ("regions", "layer"), ("cpmant", "none"), ("hrm_text", "none"), ("nemotron_h", "none"),
+        ("blt", "none")]
 
 
 def _worker():
     out = {}
-    for name in FAMILIES:
+    for name, recompute in RUNS:
         data = _data()
-        program = parallelize_on(_make(name), data, ROWS // M, tp=2, pp=2, microbatches=M)
-        out[name] = train_steps(program.materialize(), data, LR)
+        program = parallelize_on(_make(name), data, ROWS // M, tp=2, pp=2, microbatches=M, recompute=recompute)
+        out[(name, recompute)] = train_steps(program.materialize(), data, LR)
     return out
 
 
 @pytest.mark.multiprocess
 def test_families_with_regions_and_hybrid_stacks_match_one_device():
+    """The regions model also with each layer recomputed (its regions inside the checkpointed layers);
+    BLT with its patches given (its layers: the local encoder's and decoder's; the global transformer
+    between them stays outside the layers)."""
     results = spawn_ranks(_worker, 4)
-    for name in FAMILIES:
-        assert_ranks_match(reference_run(_make(name), _data(), lr=LR), [res[name] for res in results], name)
+    for name, recompute in RUNS:
+        assert_ranks_match(reference_run(_make(name), _data(), lr=LR), [res[(name, recompute)] for res in results],
+                           f"{name} recompute={recompute}")
