@@ -32,7 +32,8 @@ graph order. Nothing here depends on names or container types.
 A hybrid stack where no structure repeats (every block one of a few kinds:
 attention, a state-space mixer, an MLP, experts, all behind one block class)
 is found as the calls of one module class side by side (same parent call,
-same depth), each a block, in two structures or more; it competes with the
+same depth), each a block returning a value of the shape of one it reads (on
+the residual stream), in two structures or more; it competes with the
 repeated structures by the nodes it covers. Calls of one class that each hold
 a repeated block themselves (an encoder stack and a decoder stack) are stacks,
 not layers, and are not such a group.
@@ -198,16 +199,31 @@ def find_layers(gm: fx.GraphModule) -> LayerInfo:
 def _mixed_stacks(calls: _Calls) -> list[list[str]]:
     """Blocks of one module class side by side (same parent call, same depth) in two structures or more,
     as a hybrid stack whose every block is one of a few kinds (attention, state-space mixer, MLP,
-    mixture of experts behind one block class), where no single structure need repeat. A group whose
+    mixture of experts behind one block class), where no single structure need repeat; each returns a
+    value of the shape of one it reads, as a block on the residual stream does. A group whose
     every member holds a repeated block itself is a group of stacks (an encoder and a decoder), not of
     layers."""
     by_class: dict[tuple, list[str]] = defaultdict(list)
     for key, (_, cls, depth) in calls.call.items():
-        if calls.is_block(key):
+        if calls.is_block(key) and _keeps_shape(key, calls):
             by_class[(cls, calls.parent[key], depth)].append(key)
     return [keys for keys in by_class.values()
             if len(keys) >= 2 and len({calls.kind[k] for k in keys}) >= 2
             and not all(_holds_repeat(k, calls) for k in keys)]
+
+
+def _keeps_shape(key: str, calls: _Calls) -> bool:
+    """The call returns a float value of the shape of one it reads from the graph (a block on the residual
+    stream; a projection to another width, as a fused QKV linear, is not one)."""
+    members = set(calls.members[key])
+    reads = {a for n in members for a in n.all_input_nodes if a not in members and a.op != "placeholder"}
+    gives = {n for n in members if any(u not in members for u in n.users)}
+
+    def shapes(nodes):
+        vals = (n.meta.get("val") for n in nodes)
+        return {tuple(v.shape) for v in vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
+
+    return bool(shapes(reads) & shapes(gives))
 
 
 def _holds_repeat(key: str, calls: _Calls) -> bool:
