@@ -36,12 +36,10 @@ import torch.nn.functional as F
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.compiler.signatures import batch_names, call_errors
+from autopar.compiler.trace_error import TraceError, is_tracing_file
 from autopar.core.graph import LOGITS_META, TracedModel, strip_wrapper
 
 __all__ = ["TraceError", "trace", "default_logits", "lm_cross_entropy"]
-
-class TraceError(RuntimeError):
-    """The model (with its loss) could not be traced; the message says where and what to try."""
 
 
 def default_logits(output: Any) -> torch.Tensor:
@@ -271,7 +269,7 @@ def _explain_trace_failure(model: nn.Module, err: Exception) -> str:
     as ``<string>``) and what to try for that kind of failure."""
     frames = traceback.extract_tb(err.__traceback__)
     user = [f for f in frames if "/torch/" not in f.filename and not f.filename.startswith("<")
-            and "autopar/compiler/trace.py" not in f.filename]
+            and not is_tracing_file(f.filename)]
     where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "(no line of the model's code)"
     text = str(err).strip().splitlines()
     first = text[0] if text else type(err).__name__
@@ -381,11 +379,11 @@ def _is_custom_op_autograd(cls: type) -> bool:
 
 
 def _caller_line() -> str:
-    """The innermost frame of the stack outside torch and this file: the line that called ``apply``."""
+    """The innermost frame of the stack outside torch and tracing's files: the line that called ``apply``."""
     torch_dir = torch.__file__.rsplit("/", 1)[0] + "/"
     for frame in reversed(traceback.extract_stack()[:-2]):
         if not frame.filename.startswith(torch_dir) and not frame.filename.startswith("<") \
-                and frame.filename != __file__:
+                and not is_tracing_file(frame.filename):
             return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
     return "(no line outside torch)"
 
