@@ -16,11 +16,20 @@ name, the forward's and the loss's parameter names (``input_ids``,
 first). Shapes are static: the example microbatch fixes batch size and
 sequence length, as in Megatron.
 
-Right after the export, before any pass: a custom ``torch.autograd.Function``
-(whose backward export drops) stays its forward's ops where its backward is
-their gradient, and is otherwise traced again as one op with its own backward
-(``autopar::function``); an op whose output size depends on tensor values
-(nonzero, boolean indexing, unique, ``.item()``) is refused with its line.
+The value ``output_fn`` returns (a tensor) passes through the identity op
+``autopar::logits`` during the export, so that its node can be found and
+marked (``meta[LOGITS_META]``, for the evaluation graph); the marker is
+removed right after. A failed export is re-raised as ``TraceError`` with the
+user's line and what to try.
+
+Right after the export, before any pass, two things are settled in modules of
+their own: a custom ``torch.autograd.Function`` (whose backward export drops)
+stays its forward's ops where its backward is their gradient, and is otherwise
+traced again as one op with its own backward (``autopar::function``;
+``custom_functions.py``); an op whose output size depends on tensor values
+(nonzero, boolean indexing, unique, ``.item()``) is refused with its line
+(``static_shapes.py``). ``TraceError`` itself is in ``trace_error.py``,
+re-exported here.
 """
 
 from __future__ import annotations
@@ -35,13 +44,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.export.graph_signature import InputKind, OutputKind
 
+from autopar.compiler.custom_functions import FunctionCalls, functions_kept_whole
 from autopar.compiler.signatures import batch_names, call_errors
+from autopar.compiler.static_shapes import check_static_shapes
+from autopar.compiler.trace_error import TraceError, is_tracing_file
 from autopar.core.graph import LOGITS_META, TracedModel, strip_wrapper
 
 __all__ = ["TraceError", "trace", "default_logits", "lm_cross_entropy"]
-
-class TraceError(RuntimeError):
-    """The model (with its loss) could not be traced; the message says where and what to try."""
 
 
 def default_logits(output: Any) -> torch.Tensor:
@@ -149,12 +158,12 @@ def trace(
     input_names, target_names = batch_names(model, loss_fn, len(inputs), len(targets))
     wrapper = _LossWrapper(model, loss_fn, output_fn or default_logits, input_names, target_names)
     batch = dict(zip(input_names + target_names, inputs + targets, strict=True))
-    functions = _FunctionCalls()
+    functions = FunctionCalls()
     ep = _export(model, wrapper, batch, functions)
-    whole = _functions_kept_whole(functions.calls)
+    whole = functions_kept_whole(functions.calls)
     if whole:  # traced again, those Functions as one op each with their own backward
-        ep = _export(model, wrapper, batch, _FunctionCalls(route=whole))
-    _check_static_shapes(model, ep.graph_module)
+        ep = _export(model, wrapper, batch, FunctionCalls(route=whole))
+    check_static_shapes(model, ep.graph_module)
     logits = _unmark_logits(ep.graph_module)
     param_of, buffer_of, constant_of, user = _placeholders(ep)
     _check_outputs(ep)
@@ -193,7 +202,7 @@ def _example_tensors(model: nn.Module, example_inputs: Any, example_targets: Any
 
 
 def _export(model: nn.Module, wrapper: nn.Module, batch: dict[str, torch.Tensor],
-            functions: _FunctionCalls) -> torch.export.ExportedProgram:
+            functions: FunctionCalls) -> torch.export.ExportedProgram:
     """``torch.export`` (non-strict) in training mode, the batch by name, every ``autograd.Function``
     call recorded in ``functions``; a failure names the user's line."""
     was_training = model.training
@@ -271,7 +280,7 @@ def _explain_trace_failure(model: nn.Module, err: Exception) -> str:
     as ``<string>``) and what to try for that kind of failure."""
     frames = traceback.extract_tb(err.__traceback__)
     user = [f for f in frames if "/torch/" not in f.filename and not f.filename.startswith("<")
-            and "autopar/compiler/trace.py" not in f.filename]
+            and not is_tracing_file(f.filename)]
     where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "(no line of the model's code)"
     text = str(err).strip().splitlines()
     first = text[0] if text else type(err).__name__
@@ -294,477 +303,3 @@ def _hint(err: Exception) -> str:
     return ("autopar traces the forward with torch.export(strict=False) on fake tensors: the line above must "
             "run without real data (no .numpy(), no reading tensor values); a model that needs extra "
             "non-tensor arguments can be wrapped in a small nn.Module whose forward takes only tensors")
-
-
-# --- custom autograd.Functions ------------------------------------------------------------------
-#
-# torch.export (non-strict, training IR) records the ops a ``torch.autograd.Function``'s forward
-# runs and drops the Function itself: the graph then trains with plain autograd through those ops,
-# not with the Function's backward. Every ``Function.apply`` during the export is recorded here;
-# after it, each distinct call is run again on random inputs of its traced shapes, once through
-# ``apply`` and backward, once as autograd of its forward. Where the two gradients agree (a
-# Function that only computes its forward's gradient by hand, such as an approximated GELU), the
-# traced ops train with the Function's gradient and the sharding rules see them. Every other
-# Function is traced again as one op, ``autopar::function``, whose backward is the Function's own.
-
-_FUNCTION_SEEDS = (0, 1)
-"""The random draws each Function is checked on; the second at a wider scale (``_FUNCTION_SCALES``)."""
-_FUNCTION_SCALES = (1.0, 4.0)
-_FUNCTION_RTOL = {torch.float16: 3e-2, torch.bfloat16: 3e-2}
-"""Largest relative gap (||g_function - g_autograd|| / ||g||) by dtype: 1e-3 for fp32 and fp64
-(a hand-written derivative reorders rounding only), 3e-2 for the half types (8-11 bits of mantissa).
-A Function whose backward is not its forward's gradient differs by order 1 (a straight-through
-estimator: 100%)."""
-_FUNCTION_RTOL_DEFAULT = 1e-3
-
-
-class _TensorArg:
-    """A tensor argument of a recorded call: shape and dtype, to draw a real one of."""
-
-    def __init__(self, t: torch.Tensor):
-        self.shape = tuple(t.shape)
-        self.dtype = t.dtype
-
-    def key(self) -> tuple:
-        return (self.shape, self.dtype)
-
-
-class _FunctionCall:
-    """One ``Function.apply`` seen during the export: the class, its arguments, the user's line."""
-
-    def __init__(self, cls: type, args: tuple, kwargs: dict, site: str):
-        self.cls, self.site = cls, site
-        self.nested = any(_holds_tensor(a) and not isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
-        self.args = tuple(_TensorArg(a) if isinstance(a, torch.Tensor) else a for a in args)
-        self.kwargs = {k: _TensorArg(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-
-    def key(self) -> tuple:
-        def k(a):
-            return ("T", *a.key()) if isinstance(a, _TensorArg) else repr(a)[:200]
-        return (self.cls, tuple(k(a) for a in self.args), tuple((n, k(a)) for n, a in sorted(self.kwargs.items())))
-
-
-class _FunctionCalls:
-    """Within ``with``: every ``torch.autograd.Function.apply`` (the class method every subclass
-    inherits, also reached by ``super().apply`` from an override) recorded in ``calls``, then run
-    as usual; or, for the classes in ``route``, called as the op ``autopar::function``."""
-
-    def __init__(self, route: frozenset[type] = frozenset()):
-        self.calls: list[_FunctionCall] = []
-        self.route = route
-        self._saved = None
-
-    def __enter__(self):
-        base = torch.autograd.Function
-        self._saved = base.__dict__["apply"]
-        original = self._saved.__func__
-        calls, route = self.calls, self.route
-
-        def apply(cls, *args, **kwargs):
-            if cls in route:
-                return _routed_call(cls, args, kwargs, _caller_line())
-            if not _is_custom_op_autograd(cls):
-                calls.append(_FunctionCall(cls, args, kwargs, _caller_line()))
-            return original(cls, *args, **kwargs)
-
-        base.apply = classmethod(apply)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        torch.autograd.Function.apply = self._saved
-
-
-def _is_custom_op_autograd(cls: type) -> bool:
-    """The Function ``torch.library`` makes for a custom op's registered autograd: the op stays one
-    node of the graph with that backward, nothing of it is inlined."""
-    return cls.__module__.startswith("torch._library")
-
-
-def _caller_line() -> str:
-    """The innermost frame of the stack outside torch and this file: the line that called ``apply``."""
-    torch_dir = torch.__file__.rsplit("/", 1)[0] + "/"
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if not frame.filename.startswith(torch_dir) and not frame.filename.startswith("<") \
-                and frame.filename != __file__:
-            return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
-    return "(no line outside torch)"
-
-
-def _defined_at(cls: type) -> str:
-    """``file:line`` of a class's definition (of its forward where the source cannot be read)."""
-    import inspect
-
-    try:
-        return f"{inspect.getsourcefile(cls)}:{inspect.getsourcelines(cls)[1]}"
-    except (OSError, TypeError):
-        code = getattr(cls.forward, "__code__", None)
-        return f"{code.co_filename}:{code.co_firstlineno}" if code else "(source not found)"
-
-
-def _functions_kept_whole(calls: list[_FunctionCall]) -> frozenset[type]:
-    """The Functions whose backward is not (or could not be shown to be) the autograd gradient of
-    the ops the graph recorded: each is traced again as one op with its own backward."""
-    seen, whole = set(), set()
-    for call in calls:
-        key = call.key()
-        if key in seen or call.cls in whole:
-            continue
-        seen.add(key)
-        if call.nested:  # tensors inside a list or dict: not compared here, kept whole (and refused there)
-            whole.add(call.cls)
-            continue
-        try:
-            gap, dtype = _function_gradient_gap(call)
-        except Exception:  # noqa: BLE001 - the Function's code failed on random inputs: kept whole
-            whole.add(call.cls)
-            continue
-        if gap > _FUNCTION_RTOL.get(dtype, _FUNCTION_RTOL_DEFAULT):
-            whole.add(call.cls)
-    return frozenset(whole)
-
-
-def _function_refusal(cls: type, site: str, why: str) -> str:
-    name = f"{cls.__module__}.{cls.__qualname__}"
-    return (
-        f"cannot trace the custom torch.autograd.Function {name} (defined at {_defined_at(cls)})\n"
-        f"  at {site}\n"
-        "  torch.export would keep its forward's ops and drop its backward, so autopar makes a Function whose "
-        "backward is not shown to be its forward's gradient one op with its own backward; this one cannot be "
-        f"an op: {why}.\n"
-        "  try: pass its tensors as separate arguments and return tensors only; or write the forward so that "
-        "autograd gives the intended gradient, e.g. a straight-through estimator as x + (f(x) - x).detach() "
-        "(forward f(x), gradient 1), and drop the Function"
-    )
-
-
-# --- a Function as one op ---------------------------------------------------------------------
-
-_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"].__func__
-"""``Function.apply`` itself, called by the op (never the recording one)."""
-
-
-class _Slot:
-    """The place of a tensor argument in a Function's arguments: the op's ``tensors[index]``."""
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def __repr__(self) -> str:
-        return f"tensors[{self.index}]"
-
-
-_ROUTED: dict[str, tuple[type, tuple, dict, str]] = {}
-"""The op's ``key`` -> (Function class, arguments with tensors as ``_Slot``, keyword arguments,
-the line that called it): what a node of ``autopar::function`` calls, in this process."""
-_ROUTED_KEYS: dict[tuple, str] = {}
-
-
-def _routed_call(cls: type, args: tuple, kwargs: dict, site: str):
-    """``cls.apply(*args, **kwargs)`` as the op ``autopar::function``: the tensors passed as a list,
-    everything else kept under a key; its value as ``apply`` returns it (a tensor or a tuple)."""
-    tensors: list[torch.Tensor] = []
-
-    def slot(a):
-        if isinstance(a, torch.Tensor):
-            tensors.append(a)
-            return _Slot(len(tensors) - 1)
-        if _holds_tensor(a):
-            raise TraceError(_function_refusal(cls, site, f"an argument is a {type(a).__name__} of tensors "
-                                                           "(an op takes tensors and plain values)"))
-        return a
-
-    template = (tuple(slot(a) for a in args), {k: slot(v) for k, v in kwargs.items()})
-    ident = (cls, repr(template), site)
-    key = _ROUTED_KEYS.get(ident)
-    if key is None:
-        key = _ROUTED_KEYS[ident] = f"{cls.__module__}.{cls.__qualname__}#{len(_ROUTED_KEYS)}"
-        _ROUTED[key] = (cls, *template, site)
-    outs = torch.ops.autopar.function(tensors, key)
-    return outs[0] if _ROUTED_SINGLE[key] else tuple(outs)
-
-
-_ROUTED_SINGLE: dict[str, bool] = {}
-"""Whether the Function under a key returns one tensor (else a tuple): learnt from its first call."""
-
-
-def _apply_routed(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The Function under ``key`` applied to ``tensors`` in their places; its tensors as a list."""
-    cls, args, kwargs, site = _ROUTED[key]
-    out = _ORIGINAL_APPLY(cls, *(tensors[a.index] if isinstance(a, _Slot) else a for a in args),
-                          **{k: tensors[v.index] if isinstance(v, _Slot) else v for k, v in kwargs.items()})
-    single = isinstance(out, torch.Tensor)
-    outs = [out] if single else list(out) if isinstance(out, (tuple, list)) else [out]
-    if not all(isinstance(o, torch.Tensor) for o in outs):
-        raise TraceError(_function_refusal(cls, site, "it returns " + ", ".join(type(o).__name__ for o in outs)
-                                           + " (only tensors can be an op's outputs)"))
-    _ROUTED_SINGLE.setdefault(key, single)
-    return outs
-
-
-@torch.library.custom_op("autopar::function", mutates_args=())
-def _function_op(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
-    """A custom autograd Function as one op: its forward here, its own backward in ``_function_backward``."""
-    outs = _apply_routed(key, tensors)
-    taken = {t.untyped_storage().data_ptr() for t in tensors}
-    result = []
-    for o in outs:  # an op's outputs are new tensors: one aliasing an input or another output is copied
-        ptr = o.untyped_storage().data_ptr()
-        result.append(o.clone() if ptr in taken else o)
-        taken.add(ptr)
-    return result
-
-
-@_function_op.register_fake
-def _(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
-    with _ParameterReads(tensors) as reads:  # at trace time, on fake tensors
-        outs = _apply_routed(key, tensors)
-    if reads.found is not None:
-        cls, _, _, site = _ROUTED[key]
-        raise TraceError(_function_refusal(cls, site, reads.why()))
-    return [torch.empty_like(o) for o in outs]
-
-
-class _ParameterReads(torch.overrides.TorchFunctionMode):
-    """Within ``with``: the first parameter a torch call reads that is not one of ``allowed`` (a
-    Function's forward reading a module's weight from its closure: the Function gives it no
-    gradient, and the op would read the user's module, not the rank's shard)."""
-
-    def __init__(self, allowed: list[torch.Tensor]):
-        super().__init__()
-        self.allowed = {id(t) for t in allowed}
-        self.found: torch.Tensor | None = None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.found is None:
-            for a in torch.utils._pytree.tree_leaves((args, kwargs)):
-                if isinstance(a, nn.Parameter) and id(a) not in self.allowed:
-                    self.found = a
-                    break
-        return func(*args, **kwargs)
-
-    def why(self) -> str:
-        return (f"its forward reads a parameter of shape {tuple(self.found.shape)} that is not one of its "
-                "arguments (pass it to apply and return its gradient from backward; for "
-                "torch.utils.checkpoint, use_reentrant=False or autopar's recompute=)")
-
-
-def _function_setup(ctx, inputs, output) -> None:
-    tensors, key = inputs
-    ctx.key = key
-    ctx.save_for_backward(*tensors)
-
-
-def _function_backward(ctx, grads):
-    """The Function's own backward: its forward run again on the saved inputs under autograd (so its
-    ``ctx`` is its own), and autograd through it, which calls the Function's backward."""
-    with torch.enable_grad():
-        inputs = [t.detach().requires_grad_() if t.is_floating_point() or t.is_complex() else t
-                  for t in ctx.saved_tensors]
-        outs = _apply_routed(ctx.key, inputs)
-        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
-        wants = [t for t in inputs if t.requires_grad]
-        got = (torch.autograd.grad([o for o, _ in pairs], wants, [g for _, g in pairs], allow_unused=True)
-               if pairs and wants else [None] * len(wants))
-    got = iter(got)
-    return [next(got) if t.requires_grad else None for t in inputs], None
-
-
-_function_op.register_autograd(_function_backward, setup_context=_function_setup)
-
-
-def _function_gradient_gap(call: _FunctionCall) -> tuple[float, torch.dtype]:
-    """The largest relative gap between the Function's gradients (``apply``, backward) and the
-    autograd gradients of its forward, over its floating inputs and ``_FUNCTION_SEEDS``; and the
-    dtype compared."""
-    gap, dtype = 0.0, torch.float32
-    for seed, scale in zip(_FUNCTION_SEEDS, _FUNCTION_SCALES, strict=True):
-        gen = torch.Generator().manual_seed(seed)
-        args = tuple(_draw(a, gen, scale) for a in call.args)
-        kwargs = {k: _draw(v, gen, scale) for k, v in call.kwargs.items()}
-        floats = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        if not floats:
-            return 0.0, dtype
-        dtype = floats[0].dtype
-        with torch.enable_grad():
-            own = _grads(call.cls.apply, args, kwargs, floats)
-            with _ParameterReads(floats) as reads:
-                inlined = _grads(_forward_of(call.cls), args, kwargs, floats)
-        if reads.found is not None:  # the traced ops would train a parameter the Function does not
-            return 1.0, dtype
-        for a, b in zip(own, inlined, strict=True):
-            scale_ab = max(float(a.double().norm()), float(b.double().norm()), 1e-30)
-            gap = max(gap, float((a.double() - b.double()).norm()) / scale_ab)
-    return gap, dtype
-
-
-def _draw(arg: Any, gen: torch.Generator, scale: float) -> Any:
-    """A real tensor for a recorded tensor argument: floats normal (times ``scale``), integers zero
-    (a valid index), booleans random; other arguments as recorded."""
-    if not isinstance(arg, _TensorArg):
-        return arg
-    if arg.dtype.is_floating_point:
-        return (torch.randn(arg.shape, generator=gen) * scale).to(arg.dtype)
-    if arg.dtype == torch.bool:
-        return torch.rand(arg.shape, generator=gen) < 0.5
-    return torch.zeros(arg.shape, dtype=arg.dtype)
-
-
-def _forward_of(cls: type) -> Callable:
-    """The Function's forward as plain code: what the exported graph runs."""
-    from torch.autograd.function import FunctionCtx, _is_setup_context_defined
-
-    if _is_setup_context_defined(cls.setup_context):
-        return cls.forward
-
-    def forward(*args, **kwargs):
-        ctx = FunctionCtx()
-        ctx.needs_input_grad = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-        return cls.forward(ctx, *args, **kwargs)
-
-    return forward
-
-
-def _grads(fn: Callable, args: tuple, kwargs: dict, floats: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Gradients of sum(output * g) for fixed random g, with respect to ``floats`` (copies of them
-    taken by position in args and kwargs, so both runs start from the same values)."""
-    fresh = {id(a): a.detach().clone().requires_grad_() for a in floats}
-    args = tuple(fresh.get(id(a), a) for a in args)
-    kwargs = {k: fresh.get(id(v), v) for k, v in kwargs.items()}
-    inputs = [fresh[id(a)] for a in floats]
-    out = fn(*args, **kwargs)
-    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
-    cotangent = torch.Generator().manual_seed(1234)
-    pairs = [(o, torch.randn(o.shape, generator=cotangent).to(o.dtype)) for o in outs]
-    pairs = [(o, g) for o, g in pairs if o.requires_grad and o.is_floating_point()]
-    if not pairs:
-        return [torch.zeros_like(a) for a in inputs]
-    grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
-    return [torch.zeros_like(a) if g is None else g for a, g in zip(inputs, grads, strict=True)]
-
-
-# --- data-dependent shapes ----------------------------------------------------------------------
-
-def _check_static_shapes(model: nn.Module, gm: fx.GraphModule) -> None:
-    """Refuse a graph with a value whose shape (or a scalar) depends on tensor values.
-
-    torch.export traces ``torch.nonzero``, ``x[mask]``, ``torch.unique``, ``.item()`` and the
-    like with an unbacked symbol (``u0``) for the size it cannot know; every pass after this one
-    assumes the example microbatch fixes all shapes. The first node with such a symbol is the op
-    that made it; the ops after it only carry it on.
-    """
-    from autopar.core.graph import module_path, source_line
-
-    _drop_value_assertions(gm)
-    made = [n for n in gm.graph.nodes if n.op == "call_function" and _symbolic(n.meta.get("val"))]
-    if not made:
-        return
-    node = made[0]
-    line = source_line(node) or "(no line of the model's code)"
-    path = module_path(node)
-    raise TraceError(
-        f"cannot trace {type(model).__name__}: {_op_label(node)} makes a value whose size depends on tensor "
-        f"values ({_shape_text(node.meta.get('val'))})\n"
-        f"  at {line}" + (f" (in {path})" if path else "") + "\n"
-        f"  {_carried(made[1:])} later tensor(s) carry that size. autopar needs static shapes: every shape must follow "
-        "from the example microbatch's shapes, so the pipeline cut, the shards and the buffers can be sized "
-        "before training.\n"
-        f"  try: {_static_alternative(node)}"
-    )
-
-
-def _drop_value_assertions(gm: fx.GraphModule) -> None:
-    """Remove the tensor values read only to be asserted on (``assert lengths.max().item() <= n``).
-
-    Export turns such an assertion into ``item -> le -> _assert_scalar``: a scalar no tensor of the
-    graph reads, checked at run time. The scalar (``aten.item`` or ``_local_scalar_dense``), the
-    comparisons on it and the assertion go, and with them the ops left without users that computed
-    only them; the assertion is not checked during training. A scalar that any tensor reads (a size,
-    a fill value) stays, and ``_check_static_shapes`` refuses it.
-    """
-    scalars = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in scalars]:
-        reached, todo = [], [node]
-        while todo:
-            n = todo.pop()
-            if n in reached:
-                continue
-            reached.append(n)
-            todo.extend(n.users)
-        if any(n.op != "call_function" or _holds_tensor(n.meta.get("val")) for n in reached):
-            continue
-        producers = list(node.all_input_nodes)
-        for n in sorted(reached, key=_position(gm), reverse=True):
-            gm.graph.erase_node(n)
-        while producers:
-            n = producers.pop()
-            if n.op == "call_function" and not n.users and isinstance(n.target, torch._ops.OpOverload) \
-                    and not n.target._schema.is_mutable:
-                producers.extend(n.all_input_nodes)
-                gm.graph.erase_node(n)
-    gm.recompile()
-
-
-def _position(gm: fx.GraphModule) -> Callable[[fx.Node], int]:
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return order.__getitem__
-
-
-def _holds_tensor(val: Any) -> bool:
-    """A tensor, or a tuple, list or dict holding one."""
-    if isinstance(val, dict):
-        val = list(val.values())
-    return isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list)) and any(_holds_tensor(v) for v in val))
-
-
-def _carried(nodes: list[fx.Node]) -> int:
-    """How many of ``nodes`` hold a tensor (not a size or a check on one)."""
-    return sum(_holds_tensor(n.meta.get("val")) for n in nodes)
-
-
-def _symbolic(val: Any) -> bool:
-    """Whether a node's value (a tensor, a Python scalar, or a tuple or list of them) has a symbolic size."""
-    if isinstance(val, (tuple, list)):
-        return any(_symbolic(v) for v in val)
-    if isinstance(val, torch.Tensor):
-        return any(not isinstance(s, int) for s in val.shape)
-    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
-
-
-def _shape_text(val: Any) -> str:
-    if isinstance(val, (tuple, list)):
-        return ", ".join(_shape_text(v) for v in val if _symbolic(v))
-    if isinstance(val, torch.Tensor):
-        return f"shape ({', '.join(str(s) for s in val.shape)})"
-    return f"the scalar {val}"
-
-
-def _python_name(node: fx.Node) -> str:
-    """The Python call the user wrote (``nonzero``, ``__getitem__``, ``unique``), from export's meta."""
-    fn = node.meta.get("torch_fn")
-    return fn[1].rsplit(".", 1)[-1] if fn else ""
-
-
-def _op_label(node: fx.Node) -> str:
-    """``aten.nonzero.default (torch.nonzero)``: the graph's op and the call it came from."""
-    op = str(node.target)
-    name = _python_name(node)
-    if name == "__getitem__":
-        return f"{op} (indexing x[...] with a boolean mask or computed indices)"
-    return f"{op} ({name})" if name and name not in op else op
-
-
-def _static_alternative(node: fx.Node) -> str:
-    """What to write instead, by the kind of op that made the size."""
-    op = getattr(node.target, "__name__", str(node.target))
-    if any(k in op for k in ("item", "_local_scalar_dense")):
-        return ("keep the value a tensor (no .item(), int(t), float(t), .tolist()) and use it in tensor ops, "
-                "or compute it outside forward from the batch and pass a fixed number")
-    if any(k in op for k in ("unique", "bincount", "histc")):
-        return ("count with a fixed size instead: F.one_hot(x, num_classes).sum(dim) or "
-                "torch.zeros(n).scatter_add_(0, x, ones), n known from the model's configuration")
-    return ("keep the full shape and mask instead of selecting: torch.where(mask, x, 0), x * mask, "
-            "x.masked_fill(~mask, value); for a mixture of experts, route densely (every expert on every "
-            "token, weighted by a gate that is zero where the token is not routed, as with stacked expert "
-            "weights and a grouped matmul) instead of gathering the routed tokens by a computed index "
-            "(nonzero, where(mask), x[mask]) and index_add-ing them back")

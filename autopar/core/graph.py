@@ -125,10 +125,15 @@ def _defining_module(qualname: str):
     return None
 
 
+_TRACING_FILES = tuple(os.path.join("autopar", "compiler", name)
+                       for name in ("trace.py", "custom_functions.py", "static_shapes.py", "trace_error.py"))
+"""autopar's tracing code (``compiler/trace_error.py``'s ``TRACING_FILES``; core cannot import it)."""
+
+
 def _is_library_file(file: str) -> bool:
-    """A file of torch itself or autopar's tracing wrapper: never the line a user wants to see."""
+    """A file of torch itself or of autopar's tracing code: never the line a user wants to see."""
     path = os.path.realpath(file)
-    return path.startswith(_TORCH_DIR) or path.endswith(os.path.join("autopar", "compiler", "trace.py"))
+    return path.startswith(_TORCH_DIR) or path.endswith(_TRACING_FILES)
 
 
 def local_val(node: fx.Node):
