@@ -67,6 +67,7 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
     ``global_shapes``: traced node -> global shape; the rank graph's local
     values are read from ``meta["local_val"]``.
     """
+    _check_regions(rank_gm)
     _check_layer_count(layers, n_chunks)
     nodes = list(rank_gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -99,6 +100,34 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
         cost = sum(unit[layer] for layer in chunk_layers) if layers.count else unit[0]
         chunks.append(Chunk(k, gm, params, feeds, ins, outs, chunk_layers, cost))
     return PipelineSplit(chunks, [c.layers for c in chunks], [c.cost for c in chunks])
+
+
+RUN_REGIONS = (torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast)
+"""The higher-order ops the engine runs (checked at tp=2 x pp=2 against one device): ``no_grad`` /
+``enable_grad`` and ``autocast`` regions. Others (``torch.cond``, ``while_loop``, ``invoke_subgraph``,
+flex attention, ...) are refused by ``_check_regions``."""
+
+
+def _check_regions(gm: fx.GraphModule) -> None:
+    """Refuse a higher-order op (a node running a sub-module of the graph) the engine does not run,
+    naming it, its node, its module and the model's line."""
+    for n in gm.graph.nodes:
+        subs = [a for a in n.all_input_nodes if a.op == "get_attr" and isinstance(_attr(gm, a), fx.GraphModule)]
+        if n.op != "call_function" or not subs or n.target in RUN_REGIONS:
+            continue
+        inner = [m for a in subs for m in _attr(gm, a).graph.nodes if m.op == "call_function"]
+        where = source_line(n) or next((line for m in inner if (line := source_line(m))), "")
+        name = getattr(n.target, "__name__", str(n.target))
+        raise PipelineError(
+            f"higher-order op {name} (graph node {n.name}, module '{module_path(n)}'"
+            f"{f', at {where}' if where else ''}) runs a sub-graph the engine does not run: it runs no_grad "
+            f"and autocast regions only. Fix: write that part without {name} (for torch.cond: compute both "
+            f"branches and choose with torch.where)")
+
+
+def _attr(gm: fx.GraphModule, node: fx.Node):
+    """What a get_attr node reads (a dotted path: ``blocks.0.w``, ``submod_3``)."""
+    return operator.attrgetter(node.target)(gm)
 
 
 def _check_layer_count(layers: LayerInfo, n_chunks: int) -> None:
@@ -157,7 +186,7 @@ def _cost(node: fx.Node, gm: fx.GraphModule, params: set[str]) -> float:
     ``autocast`` region, ...) adds that of the costliest graph it holds (get_attr sub-modules: a
     cond's branches, of which one runs), a third of it for a ``no_grad`` region (no backward)."""
     cost = node_cost(node, params)
-    subs = [getattr(gm, a.target) for a in node.all_input_nodes if a.op == "get_attr"]
+    subs = [_attr(gm, a) for a in node.all_input_nodes if a.op == "get_attr"]
     held = max((sum(_cost(n, sub, frozenset()) for n in sub.graph.nodes)
                 for sub in subs if isinstance(sub, fx.GraphModule)), default=0.0)
     # forward costs stand for forward + backward (about 2x the forward); a no_grad region has no backward

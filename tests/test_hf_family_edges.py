@@ -231,3 +231,25 @@ def test_families_with_regions_and_hybrid_stacks_match_one_device():
     for name, recompute in RUNS:
         assert_ranks_match(reference_run(_make(name), _data(), lr=LR), [res[(name, recompute)] for res in results],
                            f"{name} recompute={recompute}")
+
+
+class CondBlock(RegionBlock):
+    def forward(self, h):
+        u = self.up(self.norm(h))
+        u = torch.cond(u.mean() > 0, lambda u: F.gelu(u), lambda u: F.relu(u), (u,))
+        return h + self.down(u)
+
+
+def test_a_higher_order_op_the_engine_does_not_run_is_refused_with_its_line():
+    """``torch.cond`` (traced by torch.export directly here: the graph the cut would get) is refused before
+    any chunk is made, naming the op, its node, its module and the model's line."""
+    from passes.pipeline_split import _check_regions
+
+    model = seeded(Regions)
+    model.blocks[2] = seeded(CondBlock)
+    gm = torch.export.export(model, (torch.randint(0, VOCAB, (2, 8)),), strict=False).module()
+    with pytest.raises(PipelineError, match=r"higher-order op cond \(graph node cond, module 'blocks.2', at "
+                                            r"test_hf_family_edges.py:\d+ u = torch.cond\(u.mean\(\) > 0.*\) runs a "
+                                            r"sub-graph the engine does not run.*Fix: .*torch.where"):
+        _check_regions(gm)
+    _check_regions(torch.export.export(seeded(Regions), (torch.randint(0, VOCAB, (2, 8)),), strict=False).module())
