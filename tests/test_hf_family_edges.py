@@ -11,7 +11,8 @@ MLP), none repeated; they are found as layers and the cut balances them by
 cost, and a layout with more chunks than blocks is refused naming the
 structures. BLT (its patches given: ``patch_in_forward=False``) trains too. A
 small hand-written model with ``autocast`` and ``no_grad`` regions shows which
-chunk holds which sub-module.
+chunk holds which sub-module; a ``torch.cond``, which the engine does not run,
+is refused with its line.
 
 Each family trains one step at tp=2 x pp=2 on 4 gloo ranks (one spawn) against
 one device: loss and every gradient within FP32_TOLERANCE (fp32; the parallel
