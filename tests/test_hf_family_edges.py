@@ -254,3 +254,7 @@ def test_a_higher_order_op_the_engine_does_not_run_is_refused_with_its_line():
                                             r"sub-graph the engine does not run.*Fix: .*torch.where"):
         _check_regions(gm)
     _check_regions(torch.export.export(seeded(Regions), (torch.randint(0, VOCAB, (2, 8)),), strict=False).module())
+    # as a user meets it: torch's own Function behind cond is not taken for the model's, and the
+    # compile refuses the op by name before any process starts
+    with pytest.raises(PipelineError, match=r"higher-order op cond .*test_hf_family_edges.py:\d+ u = torch.cond"):
+        parallelize_on(model, _data(), ROWS // M, tp=2, pp=2, microbatches=M)

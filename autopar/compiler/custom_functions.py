@@ -111,9 +111,11 @@ class FunctionCalls:
 
 
 def _is_custom_op_autograd(cls: type) -> bool:
-    """The Function ``torch.library`` makes for a custom op's registered autograd: the op stays one
-    node of the graph with that backward, nothing of it is inlined."""
-    return cls.__module__.startswith("torch._library")
+    """A Function of torch's own internals (``torch._library``'s for a custom op's registered autograd,
+    ``torch._higher_order_ops``' behind ``cond`` or flex attention, ...): the op stays one node of
+    the graph with its backward, nothing of it is inlined. Public torch Functions (reentrant
+    ``torch.utils.checkpoint``) are checked like the model's own."""
+    return cls.__module__.startswith("torch._")
 
 
 def _caller_line() -> str:
