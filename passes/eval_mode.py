@@ -16,6 +16,9 @@ each op's schema, not from a list of ops or of the model's modules:
   random op on a split value) is unwrapped once its randomness is off: it no
   longer draws a seed.
 
+The sub-graphs that higher-order ops run (``no_grad`` and ``autocast`` regions)
+are made evaluation copies the same way.
+
 What the graph cannot show is left as traced and listed: random ops without
 such an argument (noise a model adds under ``if self.training:``, a branch
 taken at trace time) draw in evaluation too, and each is named in the notes.
@@ -129,11 +132,26 @@ def eval_graph(gm: fx.GraphModule, last: bool = False) -> EvalGraph:
             notes.append(f"{call.label}: {', '.join(changes)}")
         elif _random_in_eval(call):
             notes.append(f"{call.label}: random, draws in evaluation too (no training argument switches it)")
+    notes += _regions_in_eval(out)
     if logits is not None:
         _return_logits(out.graph, logits)
     out.graph.lint()
     out.recompile()
     return EvalGraph(out, tuple(notes))
+
+
+def _regions_in_eval(gm: fx.GraphModule) -> list[str]:
+    """The sub-graphs higher-order ops run (``no_grad`` and ``autocast`` regions, kept as ``get_attr``
+    sub-modules) in their evaluation form too: each replaced in ``gm`` by its own evaluation copy,
+    the training graph's sub-module left as it is."""
+    notes = []
+    for node in gm.graph.nodes:
+        sub = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        if isinstance(sub, fx.GraphModule):
+            region = eval_graph(sub)
+            setattr(gm, node.target, region.gm)
+            notes += [f"{node.target}: {note}" for note in region.notes]
+    return notes
 
 
 def _marked_logits(graph: fx.Graph) -> fx.Node | None:

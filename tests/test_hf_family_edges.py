@@ -258,3 +258,33 @@ def test_a_higher_order_op_the_engine_does_not_run_is_refused_with_its_line():
     # compile refuses the op by name before any process starts
     with pytest.raises(PipelineError, match=r"higher-order op cond .*test_hf_family_edges.py:\d+ u = torch.cond"):
         parallelize_on(model, _data(), ROWS // M, tp=2, pp=2, microbatches=M)
+
+
+class DropoutRegionBlock(RegionBlock):
+    """Dropout inside an ``autocast`` region: the evaluation graph must switch it off there too."""
+
+    def forward(self, h):
+        with torch.autocast("cpu", enabled=False):
+            n = F.dropout(self.norm(h), p=0.5, training=self.training)
+        return h + self.down(F.gelu(self.up(n)))
+
+
+def test_a_region_is_evaluated_in_eval_mode():
+    """The sub-graph a region runs gets its evaluation form like the chunk around it: a dropout in it
+    is removed (the training graph's region keeps it), and ``eval_step`` equals ``model.eval()``."""
+    model = seeded(Regions)
+    model.blocks[1] = seeded(DropoutRegionBlock)
+    data = _data()
+    program = parallelize_on(model, data, ROWS // M, microbatches=M)
+    (x,), (y,) = data[0]
+    chunk = program.split.chunks[0]
+
+    def dropouts(gm):
+        return sum(1 for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                   for n in m.graph.nodes if "dropout" in str(n.target))
+
+    assert dropouts(chunk.gm) >= 1 and dropouts(chunk.eval_gm) == 0
+    with torch.no_grad():
+        want = float(lm_cross_entropy(model.eval()(x), y))
+    # fp32, the same ops on one process; microbatch losses averaged in another order: 1e-5 relative
+    torch.testing.assert_close(program.materialize().eval_step(x, y), want, rtol=1e-5, atol=1e-6)
