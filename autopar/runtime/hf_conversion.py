@@ -187,13 +187,8 @@ class _Cat(Lazy):
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
 
 
-class _Stack(Lazy):
-    def __init__(self, parts: list[Lazy], dim: int, meta: torch.Tensor):
-        super().__init__(meta)
-        self.parts, self.dim = parts, dim
-
-    def children(self) -> list[Lazy]:
-        return list(self.parts)
+class _Stack(_Cat):
+    """The parts stacked along a new ``dim``: a region of it reads the parts it spans."""
 
     def read(self, region: Region, reads: Reads) -> torch.Tensor:
         lo, hi = region[self.dim]
