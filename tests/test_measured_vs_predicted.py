@@ -240,23 +240,27 @@ STEPS, M = 6, 8
 CASES = (1, 2)  # virtual stages: 1F1B, interleaved 1F1B
 
 
-def _train_and_trace(directory: str) -> list[str]:
+def _train_and_trace(directory: str, runs=tuple((f"v{v}", None, v) for v in CASES),
+                     m: int = M, steps: int = STEPS, vocab: int = 256, d_model: int = 96, n_head: int = 4,
+                     seq: int = 32) -> list[str]:
+    """Train a 4-layer GPT on pp=2 for each (name, schedule (None: the default for v), virtual
+    stages) of ``runs`` and write its last ``steps`` steps as ``{directory}/{name}.json``."""
     import autopar
     from autopar.reference.models import build
 
     paths = []
-    for v in CASES:
+    for name, schedule, v in runs:
         torch.manual_seed(0)
-        model = build("gpt", vocab_size=256, seq_len=32, n_layer=4, n_head=4, d_model=96)
-        tokens = torch.randint(0, 256, (2 * M, 33), generator=torch.Generator().manual_seed(0))
+        model = build("gpt", vocab_size=vocab, seq_len=seq, n_layer=4, n_head=n_head, d_model=d_model)
+        tokens = torch.randint(0, vocab, (2 * m, seq + 1), generator=torch.Generator().manual_seed(0))
         x, y = tokens[:, :-1], tokens[:, 1:]
-        program = autopar.parallelize(model, pp=2, virtual_stages=v, microbatches=M,
+        program = autopar.parallelize(model, pp=2, virtual_stages=v, microbatches=m, schedule=schedule,
                                       example_inputs=(x[:2],), example_targets=y[:2])
         engine = program.materialize()
-        for _ in range(STEPS):
+        for _ in range(steps):
             engine.train_step(x, y)
-        paths.append(f"{directory}/v{v}.json")
-        engine.write_trace(paths[-1], steps=STEPS)
+        paths.append(f"{directory}/{name}.json")
+        engine.write_trace(paths[-1], steps=steps)
     return paths
 
 
@@ -303,23 +307,8 @@ ZB_STEPS, ZB_M = 3, 4
 
 
 def _train_zero_bubble_and_trace(directory: str) -> list[str]:
-    import autopar
-    from autopar.reference.models import build
-
-    paths = []
-    for name, v in ZB_CASES:
-        torch.manual_seed(0)
-        model = build("gpt", vocab_size=128, seq_len=16, n_layer=4, n_head=2, d_model=32)
-        tokens = torch.randint(0, 128, (2 * ZB_M, 17), generator=torch.Generator().manual_seed(0))
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        program = autopar.parallelize(model, pp=2, virtual_stages=v, microbatches=ZB_M, schedule=name,
-                                      example_inputs=(x[:2],), example_targets=y[:2])
-        engine = program.materialize()
-        for _ in range(ZB_STEPS):
-            engine.train_step(x, y)
-        paths.append(f"{directory}/{name}.json")
-        engine.write_trace(paths[-1], steps=ZB_STEPS)
-    return paths
+    return _train_and_trace(directory, tuple((name, name, v) for name, v in ZB_CASES), m=ZB_M, steps=ZB_STEPS,
+                            vocab=128, d_model=32, n_head=2, seq=16)
 
 
 @pytest.mark.multiprocess
