@@ -326,8 +326,12 @@ def load_view(model: nn.Module, stored: dict[str, Leaf]) -> tuple[dict[str, Lazy
     sends to no name of the model stays under its own name. Not a HuggingFace model: ``stored``."""
     if not is_hf_model(model):
         return dict(stored), []
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
+                                                     rename_source_key)
+    except ImportError:  # transformers before 5 has no conversion mapping: stored names are the model's
+        return dict(stored), []
 
     mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
@@ -368,7 +372,10 @@ def saved_view(model: nn.Module | None, tensors: dict[str, Leaf]) -> dict[str, L
     ``revert_weight_conversion``, in the order of each written tensor's first source."""
     if not is_hf_model(model):
         return dict(tensors)
-    from transformers.core_model_loading import revert_weight_conversion
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers before 5: save_pretrained writes the model's own names
+        return dict(tensors)
 
     reverted = revert_weight_conversion(model, dict(tensors))
     out = {name: value[0] if isinstance(value, list) else value for name, value in reverted.items()}
