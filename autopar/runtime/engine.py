@@ -236,6 +236,8 @@ class StepState:
     """(start, end) perf_counter times the current F or B waited for its received tensors."""
     number: int = 0
     """The engine's step number (train and eval steps counted together, from 1)."""
+    global_batch: bool = False
+    """The batch was the global one (every replica's rows), not this replica's own."""
     at: list[int] = field(default_factory=list)
     """Indices in this stage's action list of what runs now (empty: outside the actions)."""
     phase: str = "the step's start"
@@ -526,12 +528,7 @@ class RankEngine(nn.Module):
             loss = self._reduce_loss(st)
             if not outputs:
                 return loss
-            return loss, gather_logits(self, spec, st.logits, ranks, self._global_rows(batch))
-
-    def _global_rows(self, batch) -> bool:
-        """Whether ``batch`` (checked by ``_microbatches``) is the global batch, not this replica's own."""
-        want = next(n for n in self.program.traced.placeholders() if n.name == self.program.traced.input_names[0])
-        return self.dp_size > 1 and batch[0].shape[0] == self.dp_size * self.program.microbatches * want.meta["val"].shape[0]
+            return loss, gather_logits(self, spec, st.logits, ranks, st.global_batch and self.dp_size > 1)
 
     def _new_step(self, batch, schedule: Schedule, training: bool) -> StepState:
         """The state of a step over ``batch``; resets ``stats`` and ``events`` to this step's."""
@@ -549,7 +546,7 @@ class RankEngine(nn.Module):
                        param_ptrs={p.data_ptr() for p in self.shards.values()})
         self.stats = {"bytes_sent": defaultdict(int), "peak_in_flight": 0, "peak_activation_bytes": 0}
         self.events = st.events
-        st.number = self._steps
+        st.number, st.global_batch = self._steps, whole
         return st
 
     # ------------------------------------------------------------------ failures
