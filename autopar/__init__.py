@@ -42,25 +42,25 @@ _WHERE = {
     "lm_cross_entropy": "autopar.compiler.trace",
     "RankError": "autopar.runtime.launch",
     "spawn": "autopar.runtime.launch",
-    "init_weights": "autopar.runtime.initialize",
-    "InitError": "autopar.runtime.module_init",
-    "CheckpointError": "autopar.runtime.errors",
-    "BatchError": "autopar.runtime.batch_checks",
+    "init_weights": "autopar.runtime.weights.initialize",
+    "InitError": "autopar.runtime.weights.module_init",
+    "CheckpointError": "autopar.runtime.checkpoint.errors",
+    "BatchError": "autopar.runtime.engine.batch_checks",
     "ActionError": "autopar.runtime.engine",
-    "EngineFailedError": "autopar.runtime.failures",
+    "EngineFailedError": "autopar.runtime.engine.failures",
 }
 
 if TYPE_CHECKING:
     from autopar.api import ParallelProgram, parallelize, plan
     from autopar.compiler.trace import TraceError, lm_cross_entropy
     from autopar.core.config import ParallelConfig
-    from autopar.runtime.batch_checks import BatchError
+    from autopar.runtime.engine.batch_checks import BatchError
     from autopar.runtime.engine import ActionError
-    from autopar.runtime.errors import CheckpointError
-    from autopar.runtime.failures import EngineFailedError
-    from autopar.runtime.initialize import init_weights
+    from autopar.runtime.checkpoint.errors import CheckpointError
+    from autopar.runtime.engine.failures import EngineFailedError
+    from autopar.runtime.weights.initialize import init_weights
     from autopar.runtime.launch import RankError, spawn
-    from autopar.runtime.module_init import InitError
+    from autopar.runtime.weights.module_init import InitError
     from passes.pipeline_split import PipelineError
     from passes.recompute import RecomputeError
     from passes.sharding import ShardingError

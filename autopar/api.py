@@ -32,7 +32,7 @@ from autopar.planning.layout import Cluster, Layout
 from autopar.planning.planner import Plan, SearchSpace, search
 from autopar.runtime.engine import RankEngine
 from autopar.runtime.launch import launched_world
-from autopar.runtime.materialize import materialize
+from autopar.runtime.engine.materialize import materialize
 from passes.pipeline_split import PipelineError
 from passes.sequence_parallel import SequenceParallelError
 from passes.sharding import ShardingError

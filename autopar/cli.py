@@ -444,7 +444,7 @@ def _simulate_measured(args: argparse.Namespace, console: Console) -> int:
     (measured above predicted) and one Perfetto trace with both."""
     from autopar.planning.measured import compare, read_trace  # noqa: PLC0415  (only here)
     from autopar.planning.measured_viz import write_comparison_svg  # noqa: PLC0415
-    from autopar.runtime.timeline import write_chrome_trace  # noqa: PLC0415  (loads torch)
+    from autopar.runtime.engine.timeline import write_chrome_trace  # noqa: PLC0415  (loads torch)
 
     console.print(f"reading {args.measured} ...", highlight=False)
     run = read_trace(args.measured)
@@ -564,7 +564,7 @@ def _size_bytes(text: str) -> int:
 
 def _cmd_export(args: argparse.Namespace, console: Console) -> int:
     """``autopar export CKPT --to-hf DIR``: one line per file written."""
-    from autopar.runtime.export_checkpoint import export_checkpoint  # noqa: PLC0415  (loads torch's DCP)
+    from autopar.runtime.hf.export_checkpoint import export_checkpoint  # noqa: PLC0415  (loads torch's DCP)
 
     written = export_checkpoint(args.checkpoint, args.to_hf, _size_bytes(args.max_shard_size),
                                 progress=lambda line: console.print(line, highlight=False))

@@ -41,6 +41,7 @@ import torch.fx as fx
 
 from autopar.core import comm
 from autopar.core.chunks import Boundary, Chunk, PipelineSplit
+from autopar.core.errors import AutoparError
 from autopar.core.graph import local_val, module_path, source_line
 from passes.layers import LOOKED_FOR, LayerInfo, layer_of_node
 from autopar.core.flops import node_cost
@@ -50,7 +51,7 @@ from passes.stage_balance import balance, balance_stages
 __all__ = ["PipelineError", "balance", "split_pipeline"]
 
 
-class PipelineError(ValueError):
+class PipelineError(AutoparError, ValueError):
     """The model cannot be cut as asked; the message has the numbers and the fix."""
 
 

@@ -17,13 +17,14 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 
-from autopar.core.checkpoint import Checkpointed
+from autopar.core.activation_recompute import Checkpointed
+from autopar.core.errors import AutoparError
 from passes.layers import LOOKED_FOR, LayerInfo, layer_of_node
 
 __all__ = ["RecomputeError", "checkpoint_layers", "with_recompute"]
 
 
-class RecomputeError(ValueError):
+class RecomputeError(AutoparError, ValueError):
     """Recomputation cannot be applied as asked; the message says why and what to use instead."""
 
 

@@ -53,8 +53,9 @@ import torch.fx as fx
 
 from autopar.core import comm
 from autopar.core.collectives import collective_of
+from autopar.core.errors import AutoparError
 from autopar.core.graph import module_path
-from autopar.core.placement import Replicate, Shard
+from autopar.core.tensor_placement import Replicate, Shard
 from passes.rules import Ctx, Decision, NeedSegments, decide
 from passes.rules.context import operand
 from passes.tensor_parallel import random_on_shard, set_operand
@@ -76,7 +77,7 @@ _SEED_TARGETS = (comm.reduce_from_tp, comm.vocab_parallel_embedding)
 """Where a split region can start: g, and the vocabulary-parallel embedding (whose all-reduce is a g)."""
 
 
-class SequenceParallelError(ValueError):
+class SequenceParallelError(AutoparError, ValueError):
     """Sequence parallelism was asked for and cannot split the tokens; the message has the numbers and the fix."""
 
 

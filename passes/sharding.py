@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from autopar.core.errors import AutoparError
 from autopar.core.graph import TracedModel, module_path, source_line
-from autopar.core.placement import Replicate, Shard
+from autopar.core.tensor_placement import Replicate, Shard
 from passes.rules import Ctx, Decision, NeedSegments, decide, linear_parts, out_features, weight_of
 from passes.rules.context import operand
 from passes.tp_degrees import model_splits, tp_error
@@ -30,7 +31,7 @@ from passes.tp_degrees import model_splits, tp_error
 __all__ = ["ShardingPlan", "ShardingError", "Rejected", "analyze_sharding", "ideal_decisions"]
 
 
-class ShardingError(ValueError):
+class ShardingError(AutoparError, ValueError):
     """The model cannot be split t ways as asked; the message names the place, numbers and fix."""
 
 

@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from autopar.core import comm
 from autopar.core.graph import TracedModel
-from autopar.core.placement import Shard
+from autopar.core.tensor_placement import Shard
 from passes.merge_reductions import merge_parallel_reductions
 from passes.rules import Decision
 from passes.rules.context import Path, operand

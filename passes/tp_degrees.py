@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.graph import module_path, source_line
-from autopar.core.placement import Shard
+from autopar.core.tensor_placement import Shard
 from passes.rules.decision import Decision
 
 __all__ = ["SplitDim", "ModelSplits", "model_splits", "tp_error", "HEADS", "QUERY_HEADS", "KV_HEADS", "FEATURES", "VALUE"]

@@ -40,7 +40,7 @@ def _shape(tp, pp, dp):
 
 
 def _expected_buckets(program, engine) -> int:
-    """The data-parallel all-reduces of one step on this rank, by the rule of runtime/gradients.py.
+    """The data-parallel all-reduces of one step on this rank, by the rule of runtime/optim/gradient_sync.py.
 
     A parameter's gradient is final after the last backward of the lowest local chunk that reads
     it (B(c, i) waits for B(c + p, i), on the same stage): there the gradients that became final

@@ -35,7 +35,7 @@ from families import SEQ, make
 from helpers import parallelize_on, reference_run, spawn_ranks
 
 from autopar.reference.parity import FP32_TOLERANCE, assert_parity
-from autopar.runtime.batch_checks import BatchError
+from autopar.runtime.engine.batch_checks import BatchError
 
 ROWS = 2
 """Rows of a microbatch."""

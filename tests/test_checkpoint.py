@@ -45,11 +45,11 @@ from helpers import on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
 from safetensors.torch import load_file
 
 import autopar
-from autopar.core.placement import Replicate, Shard
+from autopar.core.tensor_placement import Replicate, Shard
 from autopar.reference.models import GPT, ModelConfig, build
-from autopar.runtime.checkpoint_files import CheckpointError, PublishingWriter, resolve
-from autopar.runtime.checkpoint_state import shard_pieces
-from autopar.runtime.export_checkpoint import export_checkpoint
+from autopar.runtime.checkpoint.description import CheckpointError, PublishingWriter, resolve
+from autopar.runtime.checkpoint.model_state import shard_pieces
+from autopar.runtime.hf.export_checkpoint import export_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 

@@ -4,7 +4,7 @@ import torch
 
 import autopar
 from autopar.reference.models import build
-from autopar.runtime.device_graphs import foreign_devices, on_device
+from autopar.runtime.engine.device_graphs import foreign_devices, on_device
 
 
 def _program(**layout):

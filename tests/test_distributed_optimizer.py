@@ -27,7 +27,7 @@ import torch
 from families import BATCH, batches, make
 from helpers import parallelize_on, spawn_ranks
 
-from autopar.runtime.flat_buffers import FlatBucket
+from autopar.runtime.optim.flat_buffers import FlatBucket
 
 pytestmark = pytest.mark.multiprocess
 LR, M, CLIP, STEPS = 1e-3, 2, 0.5, 3

@@ -39,8 +39,8 @@ from helpers import on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.reference.models import build
-from autopar.runtime.checkpoint_files import resolve
-from autopar.runtime.checkpoint_sharded_optim import flat_boxes
+from autopar.runtime.checkpoint.description import resolve
+from autopar.runtime.checkpoint.sharded_optimizer_state import flat_boxes
 
 pytestmark = pytest.mark.multiprocess
 

@@ -24,7 +24,7 @@ import torch
 from helpers import assert_same_grads, parallelize_on, seeded, spawn_ranks, token_batches
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.core.checkpoint import Checkpointed
+from autopar.core.activation_recompute import Checkpointed
 from autopar.reference.models import build
 
 pytestmark = pytest.mark.multiprocess

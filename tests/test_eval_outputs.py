@@ -30,7 +30,7 @@ import autopar
 import autopar.compiler.trace as trace_module
 from autopar.compiler.trace import default_logits
 from autopar.reference.models import build
-from autopar.runtime.eval_outputs import LogitsOutput
+from autopar.runtime.engine.eval_outputs import LogitsOutput
 
 VOCAB, SEQ, M, MB = 320, 16, 2, 2
 # fp32 on both sides; the parallel logits differ from one device's only by reordered sums

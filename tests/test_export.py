@@ -378,7 +378,7 @@ def test_cli_export_refuses_bad_input(tmp_path, capsys):
 
 _PEAK_MEMORY = """
 import sys
-from autopar.runtime.export_checkpoint import export_checkpoint
+from autopar.runtime.hf.export_checkpoint import export_checkpoint
 
 def kib(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field))

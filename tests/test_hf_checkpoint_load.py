@@ -30,8 +30,8 @@ from helpers import assert_ranks_match, reference_run, spawn_ranks
 from safetensors.torch import load_file, save_file
 
 import autopar
-from autopar.core.placement import Shard
-from autopar.runtime import hf_weights
+from autopar.core.tensor_placement import Shard
+import autopar.runtime.hf.weights_in as hf_weights
 
 MODELS = {"llama": (lambda: _hf_llama(320), 320), "gpt2": (lambda: _hf_gpt2(257), 257)}
 

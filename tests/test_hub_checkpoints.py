@@ -37,12 +37,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import autopar
-from autopar.core.placement import Shard
-from autopar.runtime import hf_weights
-from autopar.runtime.errors import CheckpointError
-from autopar.runtime.hf_conversion import Leaf, Reads
-from autopar.runtime.hf_weights import HFCheckpoint
-from autopar.runtime.shards import assemble
+from autopar.core.tensor_placement import Shard
+import autopar.runtime.hf.weights_in as hf_weights
+from autopar.runtime.checkpoint.errors import CheckpointError
+from autopar.runtime.hf.conversion import Leaf, Reads
+from autopar.runtime.hf.weights_in import HFCheckpoint
+from autopar.runtime.weights.shards import assemble
 
 # The loaded model's loss (one device, eval mode) against the engine's on the same batch at tp=2 x
 # pp=2: the same fp32 weights, bitwise (asserted through the export); the ranks only sum the same
@@ -329,7 +329,7 @@ def test_an_operation_that_cannot_be_sliced_reads_whole_and_says_so(caplog):
 
     ckpt = HFCheckpoint(Path("ckpt"), {})
     ckpt._reads = reads
-    with caplog.at_level(logging.WARNING, logger="autopar.runtime.hf_weights"):
+    with caplog.at_level(logging.WARNING, logger="autopar.runtime.hf.weights_in"):
         ckpt.reader(both, Shard(0), torch.float32, "layer.weight")
     assert "'layer.weight' is made by transformers' conversion with flip" in caplog.text
     assert "['stored.weight'] are read whole" in caplog.text
@@ -352,7 +352,7 @@ def test_cli_export_writes_what_save_pretrained_writes(tmp_path):
     import transformers
     from test_export import _contract_checkpoint
 
-    from autopar.runtime.export_checkpoint import export_checkpoint
+    from autopar.runtime.hf.export_checkpoint import export_checkpoint
 
     torch.manual_seed(2)
     model = _hf_gpt_neox()

@@ -25,7 +25,7 @@ from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, s
 from test_model_forms import FF, TB, RMSNorm, precompute_freqs_cis
 
 import autopar
-from autopar.core.checkpoint import Checkpointed
+from autopar.core.activation_recompute import Checkpointed
 from passes.pipeline_split import PipelineError
 from passes.recompute import with_recompute
 

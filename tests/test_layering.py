@@ -134,8 +134,8 @@ def test_the_graph_is_read_from_every_module():
     graph = import_graph()
     assert len(graph) >= 30, sorted(graph)
     # a known downward arrow is seen, including one written inside a function
-    assert "autopar.core.placement" in graph["passes.sharding"]
-    assert "autopar.compiler.program" in graph["autopar.runtime.materialize"]
+    assert "autopar.core.tensor_placement" in graph["passes.sharding"]
+    assert "autopar.compiler.program" in graph["autopar.runtime.engine.materialize"]
 
 
 def test_no_import_cycle():
@@ -159,6 +159,43 @@ def test_the_runtime_imports_no_pass():
     offenders = {m: sorted(t for t in ts if t.startswith("passes")) for m, ts in graph.items()
                  if floor_of(m) == "runtime"}
     assert not any(offenders.values()), offenders
+
+
+# the runtime's rooms -> the rooms each may import (its own always); the engine is the top room, so
+# no checkpoint, export or optimizer code reaches into the engine's internals
+RUNTIME_ROOMS: dict[str, set[str]] = {
+    "launch": set(),
+    "optim": set(),
+    "checkpoint": {"optim"},
+    "hf": {"checkpoint"},
+    "weights": {"hf", "checkpoint"},
+    "engine": {"launch", "optim", "checkpoint", "hf", "weights"},
+}
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["autopar", "runtime"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def test_every_runtime_module_is_in_a_room():
+    loose = [m for m in import_graph() if m.startswith("autopar.runtime.") and room_of(m) not in RUNTIME_ROOMS]
+    assert not loose, f"runtime modules outside the rooms {sorted(RUNTIME_ROOMS)}: {sorted(loose)}"
+
+
+def test_runtime_rooms_import_downward():
+    bad = []
+    for module, targets in sorted(import_graph().items()):
+        here = room_of(module)
+        if here is None:
+            continue
+        for target in sorted(targets):
+            there = room_of(target)
+            if there is not None and there != here and there not in RUNTIME_ROOMS[here]:
+                bad.append(f"{module} ({here}) imports {target} ({there})")
+    assert not bad, "imports across the runtime's rooms against their order:\n" + "\n".join(bad)
 
 
 _IMPORT_EACH_FIRST = """

@@ -22,7 +22,7 @@ from autopar.planning.measured import compare, read_trace
 from autopar.planning.measured_costs import (BLOCKED_S, action_costs, compute_samples, received_messages,
                                              transfer_pairs)
 from autopar.planning.simulate import runtime_schedule
-from autopar.runtime.timeline import write_chrome_trace
+from autopar.runtime.engine.timeline import write_chrome_trace
 from autopar.schedules import Action, Event, Kind, Sends, SimResult, simulate
 
 PP2 = MeshShape(pp=2)

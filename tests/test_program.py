@@ -12,7 +12,7 @@ import torch
 
 import autopar
 from autopar.compiler.compile import PASSES
-from autopar.core.checkpoint import Checkpointed
+from autopar.core.activation_recompute import Checkpointed
 from autopar.reference.models import build
 
 LAYERS, TP, PP = 4, 2, 2

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.core import comm
 from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, collective_named, registered, wire_factor
-from autopar.core.placement import Replicate, Shard
+from autopar.core.tensor_placement import Replicate, Shard
 from passes.rules import RULES, Ctx, Decision, register_rule, unregister_rule
 from passes.rules.einsum import BADDBMM, EINSUM, MATMUL, contract, equation_of
 

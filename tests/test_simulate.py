@@ -176,8 +176,8 @@ def test_a_posted_schedule_that_cannot_finish_names_what_it_waits_for():
 
 
 def test_simulated_and_measured_steps_share_one_event():
-    from autopar.runtime.timeline import Event as MeasuredEvent
-    from autopar.runtime.timeline import write_chrome_trace
+    from autopar.runtime.engine.timeline import Event as MeasuredEvent
+    from autopar.runtime.engine.timeline import write_chrome_trace
     from autopar.schedules import Event
 
     assert MeasuredEvent is Event

@@ -18,9 +18,9 @@ import torch.nn as nn
 from families import SEQ, make
 
 import autopar
-from autopar.core.checkpoint import Checkpointed
+from autopar.core.activation_recompute import Checkpointed
 from autopar.core.comm import TPGroup
-from autopar.runtime.split_backward import SplitBackward
+from autopar.runtime.optim.split_backward import SplitBackward
 
 M = 2  # microbatches
 ROWS = 2

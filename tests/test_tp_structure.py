@@ -8,7 +8,7 @@ from families import BATCH, FAMILIES, batches, make, make_fallback_model
 from helpers import parallelize_on
 
 import autopar
-from autopar.core.placement import Shard
+from autopar.core.tensor_placement import Shard
 
 
 def _program(fam, tp):

@@ -37,10 +37,10 @@ from helpers import assert_ranks_match, reference_run, spawn_ranks
 
 import autopar
 from autopar.core.comm import local_slice
-from autopar.core.placement import Shard
+from autopar.core.tensor_placement import Shard
 from autopar.reference.models import build
-from autopar.runtime.initialize import module_seed
-from autopar.runtime.shards import assemble, narrow_reader
+from autopar.runtime.weights.initialize import module_seed
+from autopar.runtime.weights.shards import assemble, narrow_reader
 
 SEED = 1234
 X = torch.randint(0, 257, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))

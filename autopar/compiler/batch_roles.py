@@ -3,8 +3,8 @@
 Read once from the traced graph (``TracedModel.gm``, before any tensor-parallel
 rewrite) and kept in the frozen ``Program`` as ``program.batch_roles``; the
 runtime checks each step's batch against it before any work
-(``autopar/runtime/batch_checks.py``) and weights the microbatch losses by it
-(``autopar/runtime/loss_weights.py``).
+(``autopar/runtime/engine/batch_checks.py``) and weights the microbatch losses by it
+(``autopar/runtime/engine/loss_weights.py``).
 
 - **Ids** (``IdUse``): a batch tensor that reaches, through ops that only move
   its values (views, slices, pads, copies, integer casts), the indices of an

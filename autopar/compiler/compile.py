@@ -34,7 +34,7 @@ from autopar.compiler.program import Program
 from autopar.compiler.trace import trace
 from autopar.core.chunks import PipelineSplit
 from autopar.core.config import ParallelConfig
-from autopar.core.placement import Replicate
+from autopar.core.tensor_placement import Replicate
 from autopar.schedules import Schedule, forward_only, generate, lower, validate
 from passes.eval_mode import eval_graph
 from passes.layers import LayerInfo, find_layers

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.core.comm import TPGroup
-from autopar.core.placement import Replicate, Shard, local_size
+from autopar.core.tensor_placement import Replicate, Shard, local_size
 
 __all__ = ["propagate_local_shapes", "annotate_local_shapes", "param_local_shape"]
 

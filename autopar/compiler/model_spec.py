@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.core.errors import AutoparError
 from autopar.planning.models import ModelSpec
 from autopar.compiler.trace import lm_cross_entropy, trace
 from passes.layers import find_layers
@@ -54,7 +55,7 @@ aten = torch.ops.aten
 __all__ = ["SpecError", "spec_from_model", "spec_from_graph"]
 
 
-class SpecError(ValueError):
+class SpecError(AutoparError, ValueError):
     """The traced model does not show the dimensions the planner needs; the message says which."""
 
 

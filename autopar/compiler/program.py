@@ -23,13 +23,13 @@ from autopar.compiler.local_shapes import param_local_shape, propagate_local_sha
 from autopar.compiler.report import render_summary
 from autopar.compiler.tp_traffic import tp_traffic
 from autopar.core import comm  # noqa: F401  (its collectives register themselves in the registry read here)
-from autopar.core.checkpoint import Checkpointed
+from autopar.core.activation_recompute import Checkpointed
 from autopar.core.chunks import PipelineSplit
 from autopar.core.collectives import collective_of
 from autopar.core.config import ParallelConfig
 from autopar.core.flops import node_bytes
 from autopar.core.graph import TracedModel, module_path, source_line
-from autopar.core.placement import Replicate, Shard
+from autopar.core.tensor_placement import Replicate, Shard
 from autopar.schedules import Schedule
 from passes.layers import LayerInfo, layer_of_node, layer_of_param
 from passes.sequence_parallel import SequenceParallelPlan

@@ -22,7 +22,7 @@ import torch
 from autopar.core.config import optimizer_bytes_per_param
 from autopar.core.flops import node_bytes
 from autopar.core.graph import local_val
-from autopar.core.placement import Shard
+from autopar.core.tensor_placement import Shard
 from autopar.schedules import dry_run
 
 Program = Any

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar.core.checkpoint import Checkpointed
+from autopar.core.activation_recompute import Checkpointed
 from autopar.core.collectives import Collective, collective_of
 from autopar.core.comm import TPGroup
 from passes.layers import layer_of_node

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import os
 
+from autopar.core.errors import AutoparError
+
 __all__ = ["TraceError", "TRACING_FILES", "is_tracing_file"]
 
 
-class TraceError(RuntimeError):
+class TraceError(AutoparError, RuntimeError):
     """The model (with its loss) could not be traced; the message says where and what to try."""
 
 

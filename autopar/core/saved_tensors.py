@@ -1,14 +1,14 @@
 """``SavedTensorStore``: the tensors autograd saves during a forward, in slots a caller can release.
 
 A backward split in two (input gradients first, weight gradients later; see
-``autopar/runtime/split_backward.py``) runs its first half with the graph
+``autopar/runtime/optim/split_backward.py``) runs its first half with the graph
 retained, so autograd frees nothing by itself; yet most of what the forward
 saved is needed by that first half only. Recording the forward into a store
 puts every saved tensor in a ``Slot``: an unpack may empty its slot (the store's
 ``release`` decides, per autograd node), and what is left is exactly what the
 second half still reads.
 
-Checkpointed regions (``core/checkpoint.py``) run inside a recording through
+Checkpointed regions (``core/activation_recompute.py``) run inside a recording through
 ``store.checkpoint``: their saved tensors get empty slots, the region keeps
 only its inputs, and the first unpack of any of its slots replays the region
 once (same random stream, same autocast state) and fills every slot still

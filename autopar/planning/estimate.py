@@ -37,7 +37,7 @@ from autopar.planning.simulate import simulate_layout_costs
 from autopar.planning.transformer import iteration_flops
 from autopar.planning.zero_bubble_costs import weight_grad_times, zero_bubble_idle
 from autopar.schedules import SimResult
-from autopar.schedules.placement import placement_of, stage_of_chunk
+from autopar.schedules.chunk_placement import placement_of, stage_of_chunk
 
 __all__ = ["Estimate", "estimate", "simulate_estimate", "OPTIMIZER_STEP_TRAFFIC_PER_PARAM", "DDP_BUCKET_BYTES",
            "SIMULATION_LIMIT"]

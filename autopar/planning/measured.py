@@ -1,7 +1,7 @@
 """A measured run laid beside its prediction: the same step simulated with the run's own costs.
 
 ``read_trace`` reads a trace the engine wrote (``engine.write_trace(path,
-steps=k)``, ``autopar/runtime/timeline.py``): every rank's events of ``k``
+steps=k)``, ``autopar/runtime/engine/timeline.py``): every rank's events of ``k``
 training steps on one clock, and in its ``"autopar"`` object the schedule the
 ranks ran (its grid), p, v, m and the mesh. ``compare`` takes the per-action
 costs of the steps after the first (a warm-up: allocator, caches), medians
@@ -30,7 +30,7 @@ from autopar.schedules import Event, Schedule, SimResult, parse_grid
 __all__ = ["TRACE_FORMAT", "MeasuredRun", "read_trace", "StepComparison", "Comparison", "compare", "step_time"]
 
 TRACE_FORMAT = 1
-"""The version of the trace's ``"autopar"`` object this reader understands (``runtime/timeline.py``)."""
+"""The version of the trace's ``"autopar"`` object this reader understands (``runtime/engine/timeline.py``)."""
 
 
 @dataclass(frozen=True)

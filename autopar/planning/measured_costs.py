@@ -1,6 +1,6 @@
 """Per-action costs measured on a machine, from a run's events: the simulator's inputs.
 
-A measured step (``autopar.runtime.timeline``: each rank's F, B, W (the weight
+A measured step (``autopar.runtime.engine.timeline``: each rank's F, B, W (the weight
 gradients of a zero-bubble schedule), batches of sends/receives, and ``wait``
 events where an F or B waited for a tensor it receives) becomes what
 ``autopar.schedules.simulate(..., sends='posted')`` takes: the cost of every

@@ -32,7 +32,7 @@ from autopar.planning.precision import Precision
 from autopar.planning.transformer import head_ops, layer_ops
 from autopar.planning.zero_bubble_costs import Held, held_bounds, held_peak_bytes, weight_grad_kept_elements
 from autopar.schedules import in_flight_bound
-from autopar.schedules.placement import placement_of, stage_of_chunk
+from autopar.schedules.chunk_placement import placement_of, stage_of_chunk
 
 __all__ = ["Memory", "activation_bytes_per_layer", "layer_backward_transient", "memory_per_gpu", "stage_memory",
            "model_state_bytes", "REDUCED_GRAD_SHARD_BYTES"]

@@ -1,7 +1,7 @@
 """What the zero-bubble schedules (ZB-H1, ZB-V) cost: a backward split into B and W, their
 pipeline's idle time, and what a microbatch keeps while it waits for its W.
 
-The split follows the runtime's (``runtime/split_backward.py``): W runs the weight-gradient
+The split follows the runtime's (``runtime/optim/split_backward.py``): W runs the weight-gradient
 GEMMs (each linear's ``dB``, marked ``Op.weight_grad``: as many FLOPs as its ``dA``); B runs
 everything else, the input-gradient GEMMs, attention's score and softmax backward, the
 elementwise kernels, the norms' and the embedding's small weight gradients and every

@@ -39,13 +39,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.core.errors import AutoparError
+
 __all__ = ["spawn", "RankError", "init_from_env", "join_from_env", "launched_world", "free_port"]
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What ``autopar run`` and torchrun set for every rank they start."""
 
 
-class RankError(RuntimeError):
+class RankError(AutoparError, RuntimeError):
     """A rank failed; the message holds its rank and traceback."""
 
 

@@ -2,7 +2,7 @@
 
 The same record for a simulated step (``autopar.schedules.simulator``), its
 pictures (``autopar.planning.viz``) and a measured one (the runtime's
-``autopar.runtime.timeline``), so a prediction and a measurement can be laid
+``autopar.runtime.engine.timeline``), so a prediction and a measurement can be laid
 side by side.
 """
 

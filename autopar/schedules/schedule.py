@@ -27,15 +27,16 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, size_errors
+from autopar.core.errors import AutoparError
 from autopar.schedules.actions import Action, Kind, Loc
 from autopar.schedules.grid import FORWARD_ONLY, format_grid, read_grid, wrap_grid
 from autopar.schedules.in_flight import in_flight_bound
-from autopar.schedules.placement import Placement, stage_of_chunk
+from autopar.schedules.chunk_placement import Placement, stage_of_chunk
 
 __all__ = ["Schedule", "ScheduleError", "schedule_error", "parse_grid"]
 
 
-class ScheduleError(ValueError):
+class ScheduleError(AutoparError, ValueError):
     """A schedule failed validation; the message shows the grid with the failing actions marked."""
 
     def __init__(self, message: str, marks: Sequence[Loc] = ()) -> None:

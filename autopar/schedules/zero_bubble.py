@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from autopar.schedules.actions import Action, Kind
-from autopar.schedules.placement import Placement
+from autopar.schedules.chunk_placement import Placement
 from autopar.schedules.schedule import Schedule
 
 __all__ = ["zb_h1", "zb_v"]

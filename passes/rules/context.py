@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.graph import TracedModel
-from autopar.core.placement import Shard
+from autopar.core.tensor_placement import Shard
 
 __all__ = ["Ctx", "Path", "operands", "operand", "arg", "arg_path", "is_param", "ndim", "shape", "norm_dims",
            "contiguous", "padded"]

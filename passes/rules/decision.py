@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from autopar.core.placement import Partial, Replicate, Shard
+from autopar.core.tensor_placement import Partial, Replicate, Shard
 from passes.rules.context import Path
 
 __all__ = ["Decision", "Rewrite", "Operand", "TP", "NeedSegments", "R", "fallback", "replicated", "is_split"]

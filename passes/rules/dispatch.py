@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 import torch.fx as fx
 
-from autopar.core.placement import Partial, Shard
+from autopar.core.tensor_placement import Partial, Shard
 from passes.rules.context import Ctx, is_param, operand, operands
 from passes.rules.decision import R, Decision, fallback, is_split, replicated
 from passes.rules.matmul import linear_parts

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
-from autopar.core.placement import Shard
+from autopar.core.tensor_placement import Shard
 from passes.rules.context import Ctx, Path, arg, arg_path, ndim, operand, shape
 from passes.rules.decision import R, Decision, Operand, Rewrite, fallback
 from passes.rules.registry import Placements

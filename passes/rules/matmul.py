@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.graph import module_path, source_line
-from autopar.core.placement import Replicate, Shard
+from autopar.core.tensor_placement import Replicate, Shard
 from passes.rules.context import Ctx, Path, arg, arg_path, is_param, ndim, operand, operands, shape
 from passes.rules.decision import R, Decision, fallback, is_split, replicated
 from passes.rules.einsum import BADDBMM, EINSUM, MATMUL, Equation, contract, equation_of, linear_equation

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.core.placement import Shard
+from autopar.core.tensor_placement import Shard
 from passes.rules.context import Ctx, Path, arg, ndim, operands, shape
 from passes.rules.decision import R, Decision, fallback
 from passes.rules.registry import Placements, register_rule, register_tag

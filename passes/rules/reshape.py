@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.graph import module_path, source_line
-from autopar.core.placement import Shard
+from autopar.core.tensor_placement import Shard
 from passes.rules.context import Ctx, arg, ndim, shape
 from passes.rules.decision import R, Decision, NeedSegments, fallback, replicated
 from passes.rules.registry import Placements, register_rule

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.core.placement import Shard
+from autopar.core.tensor_placement import Shard
 from passes.rules.context import Ctx, arg, ndim, norm_dims, operands, shape
 from passes.rules.decision import R, Decision, fallback, is_split, replicated
 from passes.rules.registry import Placements, register_rule

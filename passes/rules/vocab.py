@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core import comm
-from autopar.core.placement import Replicate, Shard
+from autopar.core.tensor_placement import Replicate, Shard
 from passes.rules.context import Ctx, arg, contiguous, is_param, ndim, norm_dims, padded, shape
 from passes.rules.decision import TP, R, Decision, Operand, Rewrite, fallback, is_split
 from passes.rules.registry import Placements, register_rule

@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.comm import TPGroup, whole_from_shards
+from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
-from autopar.core.placement import Shard
-from autopar.runtime.hf_layout import (
+from autopar.core.tensor_placement import Shard
+from autopar.runtime.hf.layout import (
     FILE_METADATA,
     HFFile,
     check_output_dir,
@@ -50,9 +51,9 @@ from autopar.runtime.hf_layout import (
     write_configs,
     write_index,
 )
-from autopar.runtime.hf_conversion import Lazy, Leaf, Reads, Region, saved_view
-from autopar.runtime.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
-from autopar.runtime.state_keys import StateSource, state_sources, untraced_value
+from autopar.runtime.hf.conversion import Lazy, Leaf, Reads, Region, saved_view
+from autopar.runtime.hf.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
+from autopar.compiler.state_keys import StateSource, state_sources, untraced_value
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 __all__ = ["RankHoldings", "ExportError", "save_pretrained", "stage_files"]
 
 
-class ExportError(RuntimeError):
+class ExportError(AutoparError, RuntimeError):
     """Writing the export failed on one or more ranks; the message names each rank and why."""
 
 

@@ -33,9 +33,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.core.mesh import Mesh
-from autopar.core.placement import Shard
-from autopar.runtime.flat_buffers import FlatBucket, gather_owned
-from autopar.runtime.sequence_grads import PartialGradSum
+from autopar.core.tensor_placement import Shard
+from autopar.runtime.optim.flat_buffers import FlatBucket, gather_owned
+from autopar.runtime.optim.sequence_grads import PartialGradSum
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program

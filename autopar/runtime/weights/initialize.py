@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-from autopar.runtime.module_init import FIX, InitError, check_initialisable, init_steps, owner_path, rebuild
+from autopar.runtime.weights.module_init import FIX, InitError, check_initialisable, init_steps, owner_path, rebuild
 
 __all__ = ["init_weights", "initialise_modules", "module_seed", "params_on_meta", "InitError"]
 

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 from autopar.compiler.program import Program
-from autopar.runtime.hf_conversion import Lazy
-from autopar.runtime.hf_weights import HFCheckpoint
-from autopar.runtime.initialize import initialise_modules
-from autopar.runtime.module_init import check_initialisable
-from autopar.runtime.shards import Reader, assemble, narrow_reader
+from autopar.runtime.hf.conversion import Lazy
+from autopar.runtime.hf.weights_in import HFCheckpoint
+from autopar.runtime.weights.initialize import initialise_modules
+from autopar.runtime.weights.module_init import check_initialisable
+from autopar.runtime.weights.shards import Reader, assemble, narrow_reader
 
 __all__ = ["WeightPlan", "plan_weights"]
 

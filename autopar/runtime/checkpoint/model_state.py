@@ -13,7 +13,7 @@ Keys (DCP's flat state dict):
                      CPU's, then the GPU's), one per (pipeline stage, dp replica):
                      the t ranks of a stage draw alike, so tp rank 0 saves it.
 
-The optimizer's keys are ``checkpoint_optim``'s. ``engine`` is always a ``RankEngine``
+The optimizer's keys are ``optimizer_state``'s. ``engine`` is always a ``RankEngine``
 (left unannotated: the engine imports the checkpoint code, not the other way round).
 """
 
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from autopar.core.comm import seed_forked
-from autopar.core.placement import Shard
-from autopar.runtime.checkpoint_dcp import Pieces
-from autopar.runtime.checkpoint_files import FORMAT
-from autopar.runtime.state_keys import state_sources, untraced_value
+from autopar.core.tensor_placement import Shard
+from autopar.runtime.checkpoint.dcp import Pieces
+from autopar.runtime.checkpoint.description import FORMAT
+from autopar.compiler.state_keys import state_sources, untraced_value
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from autopar.runtime.errors import CheckpointError
+from autopar.runtime.checkpoint.errors import CheckpointError
 
 __all__ = ["CheckpointError", "FORMAT", "DESCRIPTION", "LATEST", "PARTIAL", "step_dir_name", "resolve",
            "save_errors", "clear_partial", "PublishingWriter", "read_description"]

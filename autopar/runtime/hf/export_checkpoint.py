@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from autopar.runtime.hf_layout import (
+from autopar.runtime.hf.layout import (
     FILE_METADATA,
     HFFile,
     check_output_dir,
@@ -51,9 +51,9 @@ from autopar.runtime.hf_layout import (
     write_configs,
     write_index,
 )
-from autopar.runtime.errors import CheckpointError
-from autopar.runtime.hf_conversion import Lazy, Leaf, Reads, Region, saved_view
-from autopar.runtime.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
+from autopar.runtime.checkpoint.errors import CheckpointError
+from autopar.runtime.hf.conversion import Lazy, Leaf, Reads, Region, saved_view
+from autopar.runtime.hf.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
 
 __all__ = ["CheckpointError", "Manifest", "resolve_checkpoint", "read_manifest", "export_checkpoint"]
 

@@ -17,7 +17,7 @@ to), and, for a model with a ``base_model_prefix`` (HF's convention), with that
 prefix added or dropped (a checkpoint of the base model loaded into a model
 with a head, and back).
 
-``reader`` gives a ``shards.Reader`` over one parameter: a sharded parameter is
+``reader`` gives a ``Reader`` (``read(start, stop)``, as ``weights/shards.py`` assembles) over one parameter: a sharded parameter is
 read as ``safe_open(...).get_slice(name)[..., start:stop]`` per piece of the
 rank's shard, never whole (of a fused one, the rows it needs of each stored
 tensor); a replicated one whole. A parameter made by a conversion that cannot
@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,11 +44,10 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from autopar.core.placement import Replicate, Shard
-from autopar.runtime.errors import CheckpointError
-from autopar.runtime.hf_conversion import Lazy, Leaf, Reads, Region, full_region, is_hf_model, load_view
-from autopar.runtime.safetensors_stream import SAFETENSORS_DTYPES
-from autopar.runtime.shards import Reader
+from autopar.core.tensor_placement import Replicate, Shard
+from autopar.runtime.checkpoint.errors import CheckpointError
+from autopar.runtime.hf.conversion import Lazy, Leaf, Reads, Region, full_region, is_hf_model, load_view
+from autopar.runtime.hf.safetensors_stream import SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
@@ -293,7 +293,7 @@ class HFCheckpoint:
         self._say_whole(name, source)
         return source.whole(self._reads).to(dtype)
 
-    def reader(self, source: Lazy, spec: Replicate | Shard, dtype: torch.dtype, name: str = "") -> Reader:
+    def reader(self, source: Lazy, spec: Replicate | Shard, dtype: torch.dtype, name: str = "") -> Callable[[int, int], torch.Tensor]:
         """Rows ``[start, stop)`` along the sharded dim, read as slices of the stored tensors (the
         whole tensor when replicated)."""
         if not isinstance(spec, Shard) or not source.shape:

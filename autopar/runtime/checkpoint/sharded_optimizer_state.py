@@ -3,7 +3,7 @@
 A ``DistributedOptimizer`` keeps, per parameter, only the entries of its
 flat range this replica owns (``FlatBucket.pieces``): a 1-D run of the local
 shard's entries, in row-major order, which may start and end mid-row. Saved
-under the same keys as the plain optimizer's state (``checkpoint_optim``), in
+under the same keys as the plain optimizer's state (``optimizer_state``), in
 the parameter's full shape, so the checkpoint does not depend on d, tp or pp
 and either optimizer loads it:
 
@@ -31,10 +31,10 @@ import math
 
 import torch
 
-from autopar.core.placement import Shard
-from autopar.runtime.checkpoint_dcp import Pieces
-from autopar.runtime.checkpoint_files import CheckpointError
-from autopar.runtime.checkpoint_optim import (
+from autopar.core.tensor_placement import Shard
+from autopar.runtime.checkpoint.dcp import Pieces
+from autopar.runtime.checkpoint.description import CheckpointError
+from autopar.runtime.checkpoint.optimizer_state import (
     GROUP_KEY,
     hyperparameters,
     missing_state_error,
@@ -43,8 +43,8 @@ from autopar.runtime.checkpoint_optim import (
     set_hyperparameters,
     state_keys_errors,
 )
-from autopar.runtime.checkpoint_optim import initialise_state as _initialise_plain
-from autopar.runtime.checkpoint_state import shard_regions
+from autopar.runtime.checkpoint.optimizer_state import initialise_state as _initialise_plain
+from autopar.runtime.checkpoint.model_state import shard_regions
 
 __all__ = ["flat_boxes", "range_pieces", "optimizer_entries", "initialise_state", "optimizer_targets",
            "optimizer_errors", "apply_loaded", "MASTER"]
@@ -153,7 +153,7 @@ def optimizer_entries(engine, optimizer) -> dict:
 
 
 def initialise_state(optimizer) -> list[torch.Tensor]:
-    """The inner optimizer's state made for every owned range without one (see ``checkpoint_optim``)."""
+    """The inner optimizer's state made for every owned range without one (see ``optimizer_state``)."""
     return _initialise_plain(optimizer.inner)
 
 

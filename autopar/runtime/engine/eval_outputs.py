@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from autopar.core.comm import whole_from_shards
 from autopar.core.graph import LOGITS_META, local_val, module_path, source_line
-from autopar.core.placement import Replicate, Shard, local_size
+from autopar.core.tensor_placement import Replicate, Shard, local_size
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program

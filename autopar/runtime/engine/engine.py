@@ -14,12 +14,12 @@ maps each action kind to its handler, the same in both steps:
              arrived from the previous stage become leaves that require grad
              and the context is kept until ``B c.i`` (the last chunk weights its
              loss: by n_i / N, its share of the counted targets, for a token loss;
-             ``runtime/loss_weights.py``); in an evaluation step nothing is kept;
+             ``runtime/engine/loss_weights.py``); in an evaluation step nothing is kept;
 - ``B c.i``  backward of the kept outputs with the received output gradients;
              the gradients of the inputs are what the previous stage needs;
              with ``split_backward`` on, the input gradients only (B), the
              weights' left to ``_weight_backward`` (W) and their context kept
-             in ``StepState.wctx`` (``runtime/split_backward.py``); on when the
+             in ``StepState.wctx`` (``runtime/optim/split_backward.py``); on when the
              schedule splits its backwards (ZB-H1, ZB-V);
 - ``W c.i``  the weights' gradients of that B, into ``.grad``; after a chunk's
              last W its parameters' data-parallel reduction starts;
@@ -33,7 +33,7 @@ it. An action that raises is re-raised as ``ActionError`` naming the rank, its
 (pp, dp, tp) coordinates and the action, with the schedule grid around it (the
 action marked ``[..]``). With peers, the failure is published to them and every
 rank raises the same root cause; a failed engine refuses further steps
-(``runtime/failures.py``).
+(``runtime/engine/failures.py``).
 
 Every tensor the engine makes lives on its device (``self.device``: the device
 of its parameters; the current GPU when the process group is NCCL), so no
@@ -72,29 +72,30 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.core.checkpoint import count_kept_bytes
+from autopar.core.activation_recompute import count_kept_bytes
 from autopar.core.comm import (TPGroup, _all_gather, keeping_gathered_slices, release_regathered, seed_forked,
                                whole_from_shards)
+from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
-from autopar.core.placement import Shard
-from autopar.runtime.batch_checks import REFUSED, IdProblem, agree, cast_dtypes, find_id_problem, id_error
-from autopar.runtime.device_graphs import on_device
-from autopar.runtime.eval_outputs import LogitsOutput, askers, gather_logits
-from autopar.runtime.export import RankHoldings, save_pretrained
-from autopar.runtime.failures import EngineFailedError, Failure, FailureBoard, failure_timeout
-from autopar.runtime.gradients import GradientSync
-from autopar.runtime.loss_weights import StepWeights, equal_weights, step_weights, token_counts
-from autopar.runtime.split_backward import SplitBackward
-from autopar.runtime.state_keys import state_sources, untraced_value
-from autopar.runtime.timeline import (Event, StepHistory, aligned_steps, clock_offset, gather_objects,
+from autopar.core.tensor_placement import Shard
+from autopar.runtime.engine.batch_checks import REFUSED, IdProblem, agree, cast_dtypes, find_id_problem, id_error
+from autopar.runtime.engine.device_graphs import on_device
+from autopar.runtime.engine.eval_outputs import LogitsOutput, askers, gather_logits
+from autopar.runtime.hf.export import RankHoldings, save_pretrained
+from autopar.runtime.engine.failures import EngineFailedError, Failure, FailureBoard, failure_timeout
+from autopar.runtime.optim.gradient_sync import GradientSync
+from autopar.runtime.engine.loss_weights import StepWeights, equal_weights, step_weights, token_counts
+from autopar.runtime.optim.split_backward import SplitBackward
+from autopar.compiler.state_keys import state_sources, untraced_value
+from autopar.runtime.engine.timeline import (Event, StepHistory, aligned_steps, clock_offset, gather_objects,
                                       trace_metadata, write_chrome_trace)
 from autopar.schedules import Action, Kind, Schedule
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
     from autopar.core.chunks import Boundary, Chunk
-    from autopar.runtime.checkpoint import Checkpointer, SaveHandle
-    from autopar.runtime.distributed_optimizer import DistributedOptimizer
+    from autopar.runtime.checkpoint.checkpointer import Checkpointer, SaveHandle
+    from autopar.runtime.optim.distributed_optimizer import DistributedOptimizer
 
 __all__ = ["RankEngine", "StepState", "ActionError", "EngineFailedError", "rank_device"]
 
@@ -105,7 +106,7 @@ Finish = Callable[[], torch.Tensor]
 """Turns a filled receive buffer into the boundary tensor (all-gathers a scattered one)."""
 
 
-class ActionError(RuntimeError):
+class ActionError(AutoparError, RuntimeError):
     """An action of this rank's schedule raised; ``__cause__`` is the original exception.
 
     The message names the rank, its (pp, dp, tp) coordinates and the action(s),
@@ -201,7 +202,7 @@ class StepState:
     param_ptrs: set[int]
     """Storage addresses of the parameters: weights autograd saves are not activations."""
     weights: StepWeights | None = None
-    """Each microbatch's weight in the loss and the backward's seed (``runtime/loss_weights.py``)."""
+    """Each microbatch's weight in the loss and the backward's seed (``runtime/engine/loss_weights.py``)."""
     events: list[Event] = field(default_factory=list)
     """Measured timeline of the step (``engine.events``)."""
     ctx: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
@@ -326,7 +327,7 @@ class RankEngine(nn.Module):
     def distributed_optimizer(self, optimizer_class: type, params=None, *, elementwise: bool = False,
                               overlap_param_gather: bool = True, **defaults: Any) -> "DistributedOptimizer":
         """``optimizer_class(params, **defaults)`` with its state sharded over the data-parallel replicas
-        (Megatron's distributed optimizer, ZeRO stage 1; ``runtime/distributed_optimizer.py``).
+        (Megatron's distributed optimizer, ZeRO stage 1; ``runtime/optim/distributed_optimizer.py``).
 
         ``params``: this engine's parameters or param groups (default: all of them). Gradients are
         reduce-scattered from then on, so each replica holds the averaged gradient of its 1/d range
@@ -337,7 +338,7 @@ class RankEngine(nn.Module):
         of its parameters; False waits for them inside ``step()``. One per engine; made before the
         first ``train_step``.
         """
-        from autopar.runtime.distributed_optimizer import DistributedOptimizer
+        from autopar.runtime.optim.distributed_optimizer import DistributedOptimizer
 
         if self.grads.sharded is not None:
             raise RuntimeError("this engine already has a distributed optimizer: its gradients are reduce-scattered "
@@ -427,7 +428,7 @@ class RankEngine(nn.Module):
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(base, src=0)
         self._failures = FailureBoard(f"autopar/failure/{int(base[1]):x}", mesh.shape.world)
-        """Where this engine's ranks publish a step's failure (``runtime/failures.py``)."""
+        """Where this engine's ranks publish a step's failure (``runtime/engine/failures.py``)."""
         self._failed: tuple[int, str, Failure] | None = None
         """(step number, step kind, root cause) once a step failed with peers: steps are refused."""
         self._steps = 0
@@ -505,7 +506,7 @@ class RankEngine(nn.Module):
         (its own batch given) or every replica's in the global batch's order (the global batch
         given); on the ranks ``to`` names (``"all"``, ``"last"``: the last stage's, a rank or a
         list of ranks; the same on every rank), None on the others. They are rows x ... x V values
-        on each of those ranks: ask where they are needed (``runtime/eval_outputs.py``).
+        on each of those ranks: ask where they are needed (``runtime/engine/eval_outputs.py``).
         """
         if outputs:  # what cannot be returned fails here, on every rank, before any work
             spec = LogitsOutput.of(self.program)
@@ -701,7 +702,7 @@ class RankEngine(nn.Module):
         Each tensor is the global batch (leading size d*m*b: this replica's rows are kept) or this
         replica's own (m*b); all of the batch's tensors the same way (one and the same when d = 1).
         Each has its traced dtype, or is an integer tensor the graph uses as indices only, cast to it
-        (``runtime/batch_checks.py``).
+        (``runtime/engine/batch_checks.py``).
         """
         traced = self.program.traced
         names = traced.input_names + traced.target_names
@@ -996,7 +997,7 @@ class RankEngine(nn.Module):
         return self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
 
     def _reduce_loss(self, st: StepState) -> float:
-        """The step's loss: the weighted sum of the microbatch losses (``runtime/loss_weights.py``), from
+        """The step's loss: the weighted sum of the microbatch losses (``runtime/engine/loss_weights.py``), from
         the last stage to the others, summed over the replicas (their weights sum to one)."""
         loss = st.loss_sum.reshape(1)
         if self.mesh.shape.pp > 1:  # the stage of the last chunk (stage 0 in ZB-V's V)
@@ -1097,7 +1098,7 @@ class RankEngine(nn.Module):
     def save_pretrained(self, path: str) -> list[str]:
         """Write the model as a HuggingFace directory that ``from_pretrained`` loads: safetensors
         with the model's names and shapes, one file per pipeline stage written by that stage
-        (``autopar/runtime/export.py``), and ``config.json`` for a HuggingFace model.
+        (``autopar/runtime/hf/export.py``), and ``config.json`` for a HuggingFace model.
 
         Collective: every rank calls it. Returns the names of the files this rank wrote.
         """
@@ -1142,7 +1143,7 @@ class RankEngine(nn.Module):
     def _checkpoints(self) -> "Checkpointer":
         """This engine's checkpoints, made at the first save or load (collective: creates their group).
         Imported here: ``torch.distributed.checkpoint`` takes a second to import, and most runs never save."""
-        from autopar.runtime.checkpoint import Checkpointer
+        from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
         if "_checkpointer" not in self.__dict__:
             self._checkpointer = Checkpointer(self)

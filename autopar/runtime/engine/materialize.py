@@ -34,7 +34,7 @@ from autopar.compiler.program import Program
 from autopar.core.mesh import Mesh
 from autopar.runtime.engine import RankEngine, rank_device
 from autopar.runtime.launch import join_from_env
-from autopar.runtime.weight_plan import plan_weights
+from autopar.runtime.weights.weight_plan import plan_weights
 
 __all__ = ["materialize"]
 

@@ -47,6 +47,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from autopar.core.errors import AutoparError
+
 __all__ = ["Failure", "FailureBoard", "EngineFailedError", "stop_communication", "failure_timeout",
            "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
 
@@ -111,7 +113,7 @@ class Failure:
                    tuple(tuple(m) for m in d["marks"]))
 
 
-class EngineFailedError(RuntimeError):
+class EngineFailedError(AutoparError, RuntimeError):
     """A step (or other collective call) on an engine that failed earlier: refused before any work.
     ``root`` is the failure that stopped it (``Failure``)."""
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from autopar.runtime.checkpoint_files import CheckpointError
+from autopar.runtime.checkpoint.description import CheckpointError
 
 __all__ = ["read_metadata", "param_errors", "truncation_errors", "target_errors", "agree"]
 

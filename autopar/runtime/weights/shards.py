@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.core.placement import Replicate, Shard
+from autopar.core.tensor_placement import Replicate, Shard
 
 __all__ = ["Piece", "Reader", "shard_pieces", "assemble", "narrow_reader"]
 

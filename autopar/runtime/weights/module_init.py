@@ -31,13 +31,15 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from autopar.core.errors import AutoparError
+
 __all__ = ["InitError", "init_steps", "rebuild", "check_initialisable", "owner_path", "FIX"]
 
 FIX = ("pass the values instead: materialize(state_dict={name: tensor, ...}) (buffers alone may be "
        "passed this way; init_weights(..., buffers=...) on one device) or materialize(checkpoint=...)")
 
 
-class InitError(ValueError):
+class InitError(AutoparError, ValueError):
     """A value of a meta-device model that its modules' code cannot make; the message names it and the fix."""
 
 

@@ -13,7 +13,7 @@ no ignore_index does (all microbatches have one shape).
 
 The weights ``w_i`` multiply the reported loss (summed over the replicas). The
 backward is seeded with ``d * w_i``, since the data-parallel reduction averages
-gradients over the d replicas (``runtime/gradients.py``): the averaged
+gradients over the d replicas (``runtime/optim/gradient_sync.py``): the averaged
 gradient is then sum over every replica's microbatches of w_i * grad loss_i.
 
 An empty microbatch (n_i = 0, its mean 0/0 = NaN) gets weight 0 and no

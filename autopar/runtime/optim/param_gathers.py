@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from autopar.runtime.flat_buffers import FlatBucket, gather_owned
+from autopar.runtime.optim.flat_buffers import FlatBucket, gather_owned
 
 __all__ = ["ParamGathers"]
 

@@ -20,7 +20,7 @@ data-parallel replica:
   start. ``overlap_param_gather=False`` waits for them all inside ``step()``;
 - ``engine.clip_grad_norm_`` clips over the shards, with the same global norm;
 - ``engine.save`` / ``engine.load`` store the state by parameter name in the
-  parameters' full shapes, as the plain optimizer's (``checkpoint_sharded_optim.py``).
+  parameters' full shapes, as the plain optimizer's (``checkpoint/sharded_optimizer_state.py``).
 
 Parameters in bf16 (a model cast to bf16) keep fp32 master copies here: the
 inner optimizer updates the masters, and the parameters receive them rounded.
@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from autopar.runtime.flat_buffers import FlatBucket, Piece
-from autopar.runtime.gradients import bucket_names
-from autopar.runtime.param_gathers import ParamGathers
+from autopar.runtime.optim.flat_buffers import FlatBucket, Piece
+from autopar.runtime.optim.gradient_sync import bucket_names
+from autopar.runtime.optim.param_gathers import ParamGathers
 
 __all__ = ["DistributedOptimizer", "ELEMENTWISE_OPTIMIZERS", "elementwise_errors"]
 

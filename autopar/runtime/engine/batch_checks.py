@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from autopar.core.errors import AutoparError
+
 if TYPE_CHECKING:
     from autopar.compiler.batch_roles import BatchRoles, IdUse
 
@@ -48,7 +50,7 @@ REFUSED = -2
 exchanged like an id problem so that the other replicas raise too instead of waiting for it."""
 
 
-class BatchError(ValueError):
+class BatchError(AutoparError, ValueError):
     """A batch the program cannot take: raised on every rank, before any work of the step."""
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from autopar.runtime.safetensors_stream import TensorEntry
+from autopar.runtime.hf.safetensors_stream import TensorEntry
 
 __all__ = ["HFFile", "WEIGHTS_NAME", "INDEX_NAME", "FILE_METADATA", "weight_file_name", "tied_weight_patterns",
            "tied_duplicates", "ignored_on_save", "hf_config_of", "write_index", "write_configs",

@@ -9,8 +9,8 @@ calls them. What is stored (``docs/training.md``, "Checkpoints"):
   so a program of any layout (tp, pp, v, dp) reads the pieces that overlap its
   own shards: DCP reshards on load;
 - the optimizer's state by parameter name, resharded with the parameters, and
-  its hyperparameters (``checkpoint_optim``; a distributed optimizer's under the
-  same keys, each replica writing its own ranges: ``checkpoint_sharded_optim``);
+  its hyperparameters (``optimizer_state``; a distributed optimizer's under the
+  same keys, each replica writing its own ranges: ``sharded_optimizer_state``);
   the LR scheduler's state;
 - the engine's random streams (dropout continues identically after a resume at
   the same layout), the persistent buffers, the step and a user dict ``extra``.
@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from autopar.runtime.checkpoint_checks import agree, param_errors, read_metadata, target_errors, truncation_errors
-from autopar.runtime.checkpoint_dcp import HostStager, PieceLoadPlanner, PieceSavePlanner
-from autopar.runtime.checkpoint_files import (
+from autopar.runtime.checkpoint.checks import agree, param_errors, read_metadata, target_errors, truncation_errors
+from autopar.runtime.checkpoint.dcp import HostStager, PieceLoadPlanner, PieceSavePlanner
+from autopar.runtime.checkpoint.description import (
     CheckpointError,
     PublishingWriter,
     clear_partial,
@@ -49,8 +49,9 @@ from autopar.runtime.checkpoint_files import (
     resolve,
     save_errors,
 )
-from autopar.runtime import checkpoint_optim, checkpoint_sharded_optim
-from autopar.runtime.checkpoint_state import (
+import autopar.runtime.checkpoint.optimizer_state as optimizer_state
+import autopar.runtime.checkpoint.sharded_optimizer_state as sharded_optimizer_state
+from autopar.runtime.checkpoint.model_state import (
     buffer_entries,
     describe,
     model_entries,
@@ -59,7 +60,7 @@ from autopar.runtime.checkpoint_state import (
     rng_targets,
     same_streams,
 )
-from autopar.runtime.distributed_optimizer import DistributedOptimizer
+from autopar.runtime.optim.distributed_optimizer import DistributedOptimizer
 
 _SINGLE_PROCESS_NOTE = (r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
                         r"(save|load) in a single process")
@@ -95,8 +96,8 @@ def _problem(e: Exception) -> str:
 
 def _optimizer_io(optimizer):
     """How ``optimizer``'s state goes into a checkpoint and back: by range for a distributed optimizer
-    (``checkpoint_sharded_optim``), by shard for any other (``checkpoint_optim``); the same keys."""
-    return checkpoint_sharded_optim if isinstance(optimizer, DistributedOptimizer) else checkpoint_optim
+    (``sharded_optimizer_state``), by shard for any other (``optimizer_state``); the same keys."""
+    return sharded_optimizer_state if isinstance(optimizer, DistributedOptimizer) else optimizer_state
 
 
 def _completed(run) -> Future:

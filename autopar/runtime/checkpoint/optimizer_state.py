@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from autopar.runtime.checkpoint_dcp import Pieces
-from autopar.runtime.checkpoint_files import CheckpointError
-from autopar.runtime.checkpoint_state import as_pieces
+from autopar.runtime.checkpoint.dcp import Pieces
+from autopar.runtime.checkpoint.description import CheckpointError
+from autopar.runtime.checkpoint.model_state import as_pieces
 
 __all__ = ["named_params", "optimizer_entries", "initialise_state", "optimizer_targets", "saved_state_keys",
            "optimizer_errors", "apply_loaded", "GROUP_KEY", "hyperparameters", "set_hyperparameters",

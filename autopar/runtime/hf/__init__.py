@@ -1,0 +1,14 @@
+"""HuggingFace checkpoints in and out.
+
+``weights_in`` reads a safetensors checkpoint slice by slice; ``conversion``
+maps a model's own names to the checkpoint's (transformers' conversion
+mapping where it has one); ``layout`` is the directory (index, configs, file
+names); ``export`` writes a running program's weights (``save_pretrained``)
+and ``export_checkpoint`` an autopar checkpoint's, both through
+``safetensors_stream`` one tensor at a time.
+"""
+
+from autopar.runtime.hf.export import ExportError, save_pretrained
+from autopar.runtime.hf.export_checkpoint import export_checkpoint
+
+__all__ = ["save_pretrained", "export_checkpoint", "ExportError"]
