@@ -22,7 +22,6 @@ from autopar.compiler.batch_roles import BatchRoles, find_batch_roles
 from autopar.compiler.local_shapes import param_local_shape, propagate_local_shapes
 from autopar.compiler.report import render_summary
 from autopar.compiler.tp_traffic import tp_traffic
-from autopar.core import comm  # noqa: F401  (its collectives register themselves in the registry read here)
 from autopar.core.activation_recompute import Checkpointed
 from autopar.core.chunks import PipelineSplit
 from autopar.core.collectives import collective_of

@@ -1,7 +1,7 @@
-"""The collective registry: every tensor-parallel collective of ``comm.py``, registered once.
+"""The collective registry: every tensor-parallel collective of ``autopar.core.comm``, registered once.
 
-Each function of ``autopar.core.comm`` that communicates is decorated with
-``@collective(...)``, which records:
+Each function of the ``autopar.core.comm`` package that communicates is decorated,
+where it is defined, with ``@collective(...)``, which records:
 
 - ``label``      how the plan names it (``"f (copy_to_tp)"``),
 - ``direction``  when it communicates, as the summary prints it
@@ -13,8 +13,9 @@ Each function of ``autopar.core.comm`` that communicates is decorated with
                  communicates in both passes (a recomputed forward moves it again).
 
 Lookups go by the function (``collective_of(node.target)``) or its name
-(``collective_named("copy_to_tp")``). The registry fills when ``comm`` is
-imported, which a rank graph's collectives are functions of.
+(``collective_named("copy_to_tp")``). The registry is complete whenever it is
+read: the first lookup imports ``autopar.core.comm``, whose modules register
+their collectives as they load, so no reader has to import it first.
 
 ``wire_factor(kind, n)`` is the fraction of a buffer each rank sends over the
 wire in a ring collective of n ranks: 2(n-1)/n for an all-reduce (a
@@ -24,15 +25,17 @@ reduce-scatter.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from autopar.core.errors import AutoparError
 from autopar.core.graph import local_val
 
-__all__ = ["ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "Collective", "collective", "collective_of",
+__all__ = ["CollectiveError", "ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "Collective", "collective", "collective_of",
            "collective_named", "registered", "wire_factor", "output_bytes", "input_bytes", "twice", "fp32_per_row",
            "fp32_per_reduced"]
 
@@ -40,6 +43,14 @@ ALL_REDUCE = "all-reduce"
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
 KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
+
+DEFINED_IN = "autopar.core.comm"
+"""The package whose modules define (and so register) every collective."""
+
+
+class CollectiveError(AutoparError, ValueError):
+    """A collective declared or called wrongly: an unknown kind, a name registered twice, a tensor
+    that does not split evenly across the group."""
 
 
 @dataclass(frozen=True)
@@ -67,23 +78,32 @@ class Collective:
 
 _BY_FN: dict[Callable, Collective] = {}
 _BY_NAME: dict[str, Collective] = {}
+_complete = False
+
+
+def _registry_complete() -> None:
+    """Import the modules defining the collectives (once), so that a lookup sees every one."""
+    global _complete
+    if not _complete:
+        importlib.import_module(DEFINED_IN)
+        _complete = True
 
 
 def collective(label: str, direction: str, kinds: str | tuple[str, ...], nbytes: Callable[[fx.Node], int],
                forward_nbytes: Callable[[fx.Node], int] | None = None) -> Callable[[Callable], Callable]:
-    """Decorator: register a function of ``comm`` as a collective (returns it unchanged).
+    """Decorator: register a function of ``autopar.core.comm`` as a collective (returns it unchanged).
     ``forward_nbytes``: required when it communicates in both passes ('fwd ...; bwd ...')."""
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
-        raise ValueError(f"unknown collective kinds {unknown}; use {KINDS}")
+        raise CollectiveError(f"unknown collective kinds {unknown}; use {KINDS}")
     if forward_nbytes is None and "fwd" in direction and "bwd" in direction:
-        raise ValueError(f"collective {label!r} communicates in both passes ({direction}): give forward_nbytes, "
+        raise CollectiveError(f"collective {label!r} communicates in both passes ({direction}): give forward_nbytes, "
                          f"the bytes of its forward part (a recomputed forward moves them again)")
 
     def register(fn: Callable) -> Callable:
         if fn.__name__ in _BY_NAME:
-            raise ValueError(f"collective {fn.__name__} is registered twice")
+            raise CollectiveError(f"collective {fn.__name__} is registered twice")
         entry = Collective(fn, label, direction, kinds, nbytes, forward_nbytes)
         _BY_FN[fn] = entry
         _BY_NAME[fn.__name__] = entry
@@ -94,6 +114,7 @@ def collective(label: str, direction: str, kinds: str | tuple[str, ...], nbytes:
 
 def collective_of(target) -> Collective | None:
     """The registered collective a graph node calls (its ``target``), or None."""
+    _registry_complete()
     try:
         return _BY_FN.get(target)
     except TypeError:  # an unhashable target is no collective
@@ -101,10 +122,14 @@ def collective_of(target) -> Collective | None:
 
 
 def collective_named(name: str) -> Collective:
+    """The registered collective called ``name`` (KeyError if none is)."""
+    _registry_complete()
     return _BY_NAME[name]
 
 
 def registered() -> tuple[Collective, ...]:
+    """Every registered collective, in the order their modules define them."""
+    _registry_complete()
     return tuple(_BY_FN.values())
 
 
@@ -116,7 +141,7 @@ def wire_factor(kind: str, n: int) -> float:
         return 2 * (n - 1) / n
     if kind in (ALL_GATHER, REDUCE_SCATTER):
         return (n - 1) / n
-    raise ValueError(f"unknown collective kind {kind!r}; use {KINDS}")
+    raise CollectiveError(f"unknown collective kind {kind!r}; use {KINDS}")
 
 
 # ------------------------------------------------------------------ bytes per call

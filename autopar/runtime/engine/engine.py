@@ -73,7 +73,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.core.activation_recompute import count_kept_bytes
-from autopar.core.comm import (TPGroup, _all_gather, keeping_gathered_slices, release_regathered, seed_forked,
+from autopar.core.comm import (TPGroup, all_gather, keeping_gathered_slices, release_regathered, seed_forked,
                                whole_from_shards)
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
@@ -977,7 +977,7 @@ class RankEngine(nn.Module):
             buf = torch.empty(b.numel // self.tp.size, dtype=b.dtype, device=self.device)
 
             def finish(buf=buf, b=b):
-                return _all_gather(buf, self.tp, 0, None).reshape(b.shape)
+                return all_gather(buf, self.tp, 0, None).reshape(b.shape)
         else:
             buf = torch.empty(b.shape, dtype=b.dtype, device=self.device)
 

@@ -1,0 +1,180 @@
+"""The tensor-parallel group and the collectives every mapping is built from.
+
+``TPGroup`` names this rank's place in its group (and the process group, None for
+one rank or an inspection-only program); ``all_reduce``, ``all_gather``,
+``reduce_scatter_dim`` and ``all_gather_dim`` move tensors across it, and
+``local_slice``/``whole_from_shards`` cut a global tensor into this rank's piece
+and put the pieces back. An inspection group (no process group) only computes
+shapes: its collectives return the right sizes without communicating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from autopar.core.collectives import CollectiveError
+
+__all__ = ["TPGroup", "PAIRWISE_MAX_BYTES", "all_reduce", "all_gather", "reduce_scatter_dim", "all_gather_dim",
+           "local_slice", "whole_from_shards"]
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """A tensor-parallel group: this rank's index, the size, and the process group.
+
+    ``pg`` is None for a group of one rank (or an inspection-only program).
+    """
+
+    rank: int = 0
+    size: int = 1
+    pg: object | None = None
+    members: tuple[int, ...] = ()
+    """Global ranks of the group, in group-rank order (for pairwise exchanges)."""
+    pairwise: bool = False
+    """All-reduce small tensors by recursive doubling over point-to-point exchanges."""
+
+    def __repr__(self) -> str:
+        return f"TPGroup(rank={self.rank}, size={self.size})"
+
+    @staticmethod
+    def of(pg, members: tuple[int, ...]) -> "TPGroup":
+        """The group of this rank in ``pg``; pairwise all-reduce on gloo with a power-of-two size."""
+        if pg is None:
+            return TPGroup(0, 1, None, members)
+        size = dist.get_world_size(pg)
+        pairwise = dist.get_backend(pg) == "gloo" and size & (size - 1) == 0
+        return TPGroup(dist.get_rank(pg), size, pg, members, pairwise)
+
+
+# Above this size the ring all-reduce's bandwidth wins over recursive doubling (t > 2).
+PAIRWISE_MAX_BYTES = 1 << 20
+
+
+def all_reduce(x: torch.Tensor, group: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    x = x.contiguous().clone()
+    if group.pg is None:  # an inspection group: shapes only, no communication
+        return x
+    if group.pairwise and (group.size == 2 or x.numel() * x.element_size() <= PAIRWISE_MAX_BYTES):
+        return _recursive_doubling(x, group, op)
+    dist.all_reduce(x, op=op, group=group.pg)
+    return x
+
+
+def _recursive_doubling(x: torch.Tensor, group: TPGroup, op) -> torch.Tensor:
+    """All-reduce in log2(t) rounds: exchange with rank ^ 2^k and combine.
+
+    On gloo a point-to-point exchange takes a fraction of an all_reduce's
+    latency (measured on 2 CPU ranks: 0.25 ms against 1.4 ms). Every rank
+    ends with the bitwise same result: each round combines the same two
+    operands (a + b == b + a exactly in floating point).
+    """
+    buf = torch.empty_like(x)
+    step = 1
+    while step < group.size:
+        peer = group.members[group.rank ^ step]
+        ops = [dist.P2POp(dist.isend, x, peer, group=group.pg), dist.P2POp(dist.irecv, buf, peer, group=group.pg)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if op == dist.ReduceOp.SUM:
+            x = x + buf
+        elif op == dist.ReduceOp.MAX:
+            x = torch.maximum(x, buf)
+        else:
+            raise CollectiveError(f"pairwise all-reduce supports SUM and MAX, not {op}")
+        step *= 2
+    return x
+
+
+def _segments_local(size_local: int, segments: tuple[int, ...] | None, t: int) -> list[int]:
+    return [size_local] if segments is None else [s // t for s in segments]
+
+
+def all_gather(x: torch.Tensor, group: TPGroup, dim: int, segments: tuple[int, ...] | None) -> torch.Tensor:
+    """Concatenate every rank's piece along ``dim``, segment by segment."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    if group.pg is None:  # inspection group: shapes only
+        parts = [x for _ in range(group.size)]
+    else:
+        dist.all_gather(parts, x, group=group.pg)
+    sizes = _segments_local(x.shape[dim], segments, group.size)
+    pieces = [p.split(sizes, dim=dim) for p in parts]  # [rank][segment]
+    return torch.cat([pieces[r][s] for s in range(len(sizes)) for r in range(group.size)], dim=dim)
+
+
+def local_slice(x: torch.Tensor, rank: int, t: int, dim: int, segments: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Rank ``rank``'s piece of a global tensor along ``dim``: every segment's rank-th 1/t."""
+    segs = list(segments) if segments is not None else [x.shape[dim]]
+    if sum(segs) != x.shape[dim]:  # padded dimension: pad the global tensor with zeros first
+        pad = list(x.shape)
+        pad[dim] = sum(segs) - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    out, start = [], 0
+    for s in segs:
+        n = s // t
+        out.append(x.narrow(dim, start + rank * n, n))
+        start += s
+    return out[0] if len(out) == 1 else torch.cat(out, dim=dim)
+
+
+def whole_from_shards(local: torch.Tensor, group: TPGroup, dim: int, segments: tuple[int, ...] | None,
+                      size: int) -> torch.Tensor:
+    """The inverse of ``local_slice``: every rank's piece gathered along ``dim`` (collective over
+    ``group``), padding beyond the full ``size`` dropped."""
+    if group.size > 1:
+        local = all_gather(local, group, dim, segments)
+    return local.narrow(dim, 0, size)
+
+
+def _rank_major(front: torch.Tensor, t: int, segments: tuple[int, ...] | None) -> torch.Tensor:
+    """``front`` (the split dim first) reordered so that rank r's pieces (its 1/t of every
+    segment, in order) form the r-th contiguous block of dim 0."""
+    if segments is None:
+        return front
+    pieces = [seg.reshape(t, seg.shape[0] // t, *seg.shape[1:]) for seg in front.split(list(segments))]
+    return torch.cat(pieces, dim=1).reshape(front.shape)
+
+
+def _segment_major(blocks: torch.Tensor, t: int, segments: tuple[int, ...] | None) -> torch.Tensor:
+    """The inverse of ``_rank_major``: rank blocks along dim 0 back to the global order."""
+    if segments is None:
+        return blocks
+    by_rank = blocks.reshape(t, blocks.shape[0] // t, *blocks.shape[1:])
+    parts = by_rank.split([s // t for s in segments], dim=1)
+    return torch.cat([p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]) for p in parts], dim=0)
+
+
+def reduce_scatter_dim(x: torch.Tensor, group: TPGroup, dim: int,
+                        segments: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Sum over the ranks; this rank keeps its 1/t along ``dim``: one block, or with ``segments``
+    its 1/t of each segment (each of several sequences flattened into one token dim).
+
+    One ``reduce_scatter_single`` over the dim moved to the front (NCCL and gloo in torch 2.13
+    both have it); an inspection group (no process group) only takes the slice, for shapes."""
+    t = group.size
+    if any(s % t for s in (segments or (x.shape[dim],))):
+        raise CollectiveError(f"reduce-scatter along dim {dim} of size {x.shape[dim]} (segments {segments}) needs "
+                         f"multiples of tp={t}")
+    if group.pg is None:
+        return local_slice(x, group.rank, t, dim, segments).contiguous()
+    front = _rank_major(x.movedim(dim, 0), t, segments).contiguous()
+    out = torch.empty((front.shape[0] // t, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, front, group=group.pg)
+    return out.movedim(0, dim).contiguous()
+
+
+def all_gather_dim(x: torch.Tensor, group: TPGroup, dim: int,
+                    segments: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Every rank's slice put back along ``dim`` (rank order, segment by segment): one
+    ``all_gather_single`` over the dim moved to the front; an inspection group repeats this
+    rank's slice, for shapes."""
+    front = x.movedim(dim, 0).contiguous()
+    if group.pg is None:
+        out = torch.cat([front] * group.size, dim=0)
+    else:
+        out = torch.empty((front.shape[0] * group.size, *front.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(out, front, group=group.pg)
+    return _segment_major(out, group.size, segments).movedim(0, dim).contiguous()
