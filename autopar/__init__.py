@@ -28,6 +28,14 @@ __all__ = [
     "BatchError",
     "ActionError",
     "EngineFailedError",
+    "AutoparError",
+    "ConfigError",
+    "MeshError",
+    "ArgumentError",
+    "ProgramError",
+    "ModelStateError",
+    "RuleError",
+    "ReplayError",
 ]
 
 _WHERE = {
@@ -48,12 +56,25 @@ _WHERE = {
     "BatchError": "autopar.runtime.engine.batch_checks",
     "ActionError": "autopar.runtime.engine",
     "EngineFailedError": "autopar.runtime.engine.failures",
+    "AutoparError": "autopar.core.errors",
+    "ConfigError": "autopar.core.errors",
+    "MeshError": "autopar.core.mesh",
+    "ArgumentError": "autopar.api",
+    "ProgramError": "autopar.compiler.program",
+    "ModelStateError": "autopar.compiler.state_keys",
+    "RuleError": "passes.rules.registry",
+    "ReplayError": "autopar.core.saved_tensors",
 }
 
 if TYPE_CHECKING:
-    from autopar.api import ParallelProgram, parallelize, plan
+    from autopar.api import ArgumentError, ParallelProgram, parallelize, plan
+    from autopar.compiler.program import ProgramError
+    from autopar.compiler.state_keys import ModelStateError
     from autopar.compiler.trace import TraceError, lm_cross_entropy
     from autopar.core.config import ParallelConfig
+    from autopar.core.errors import AutoparError, ConfigError
+    from autopar.core.mesh import MeshError
+    from autopar.core.saved_tensors import ReplayError
     from autopar.runtime.engine.batch_checks import BatchError
     from autopar.runtime.engine import ActionError
     from autopar.runtime.checkpoint.errors import CheckpointError
@@ -63,6 +84,7 @@ if TYPE_CHECKING:
     from autopar.runtime.weights.module_init import InitError
     from passes.pipeline_split import PipelineError
     from passes.recompute import RecomputeError
+    from passes.rules.registry import RuleError
     from passes.sharding import ShardingError
 
 

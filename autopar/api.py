@@ -28,6 +28,7 @@ from autopar.compiler.model_spec import spec_from_model
 from autopar.compiler.program import Program
 from autopar.compiler.trace import lm_cross_entropy
 from autopar.core.config import ParallelConfig
+from autopar.core.errors import AutoparError
 from autopar.planning.layout import Cluster, Layout
 from autopar.planning.planner import Plan, SearchSpace, search
 from autopar.runtime.engine import RankEngine
@@ -38,7 +39,11 @@ from passes.sequence_parallel import SequenceParallelError
 from passes.sharding import ShardingError
 
 __all__ = ["parallelize", "plan", "ParallelProgram", "ParallelConfig", "lm_cross_entropy", "ShardingError",
-           "PipelineError", "SequenceParallelError"]
+           "PipelineError", "SequenceParallelError", "ArgumentError"]
+
+
+class ArgumentError(AutoparError, ValueError):
+    """A call of ``parallelize`` or ``plan`` missing what it needs; the message says what to pass."""
 
 
 class ParallelProgram(Program):
@@ -105,7 +110,7 @@ def parallelize(
     means (``docs/training.md``).
     """
     if example_inputs is None:
-        raise ValueError("parallelize() needs example_inputs: one microbatch with the real shapes")
+        raise ArgumentError("parallelize() needs example_inputs: one microbatch with the real shapes")
     if world_size is None:  # the world this process runs in: its group's, or the one a launcher started
         world_size = dist.get_world_size() if dist.is_initialized() else launched_world()
     config = ParallelConfig(

@@ -42,9 +42,10 @@ import torch
 import torch.fx as fx
 
 from autopar.core import comm
+from autopar.core.errors import AutoparError
 from autopar.core.graph import LOGITS_META
 
-__all__ = ["EvalGraph", "eval_graph", "TRAIN_FLAGS"]
+__all__ = ["EvalGraph", "eval_graph", "TRAIN_FLAGS", "EvalModeError"]
 
 TRAIN_FLAGS: tuple[str, ...] = ("train", "training", "use_input_stats")
 """Bool schema arguments that switch an op to its training behaviour (False in evaluation)."""
@@ -59,6 +60,10 @@ class EvalGraph:
     gm: fx.GraphModule
     notes: tuple[str, ...]
     """One line per changed node (``dropout (aten.dropout): removed``), and per random op left."""
+
+
+class EvalModeError(AutoparError, KeyError):
+    """The evaluation pass asked an op for a schema argument the op does not have."""
 
 
 @dataclass
@@ -90,7 +95,7 @@ class _Call:
                 if i < len(self.args) and not arg.kwarg_only:
                     return self.args[i]
                 return self.kwargs.get(name, arg.default_value if arg.has_default_value() else None)
-        raise KeyError(name)
+        raise EvalModeError(f"{self.op} has no schema argument {name!r}")
 
     def set(self, name: str, value) -> None:
         for i, arg in enumerate(self.op._schema.arguments):
@@ -100,7 +105,7 @@ class _Call:
                 else:
                     self.kwargs[name] = value
                 return
-        raise KeyError(name)
+        raise EvalModeError(f"{self.op} has no schema argument {name!r}")
 
     @property
     def names(self) -> set[str]:

@@ -65,4 +65,4 @@ def with_recompute(gm: fx.GraphModule, mode: str, layers: LayerInfo) -> nn.Modul
                 f"recompute='layer' checkpoints each repeated layer, and none were found: looked for {LOOKED_FOR}. "
                 f"Fix: use recompute='chunk' (one checkpoint per pipeline chunk) or recompute='none'")
         return checkpoint_layers(gm, layers)
-    raise ValueError(f"unknown recompute mode {mode!r}")
+    raise RecomputeError(f"unknown recompute mode {mode!r}")

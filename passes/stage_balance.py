@@ -24,14 +24,20 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
-__all__ = ["balance", "balance_stages", "stage_totals"]
+from autopar.core.errors import AutoparError
+
+__all__ = ["balance", "balance_stages", "stage_totals", "BalanceError"]
+
+
+class BalanceError(AutoparError, ValueError):
+    """More runs asked for than there are items to cut."""
 
 
 def balance(costs: Sequence[float], k: int) -> list[int]:
     """Min-max partition of ``costs`` into ``k`` contiguous non-empty runs; returns run start indices."""
     n = len(costs)
     if k > n:
-        raise ValueError(f"cannot cut {n} items into {k} non-empty runs")
+        raise BalanceError(f"cannot cut {n} items into {k} non-empty runs")
     prefix = _prefix(costs)
     inf = float("inf")
     # best[j][i]: min over partitions of the first i items into j runs of the max run cost
@@ -69,7 +75,7 @@ def balance_stages(costs: Sequence[float], chunk_stages: Sequence[int]) -> list[
     among those, the smallest largest chunk; otherwise ``balance``'s min-max cut over chunks."""
     k = len(chunk_stages)
     if k > len(costs):
-        raise ValueError(f"cannot cut {len(costs)} items into {k} non-empty runs")
+        raise BalanceError(f"cannot cut {len(costs)} items into {k} non-empty runs")
     if not _is_v(chunk_stages):
         return balance(costs, k)
     prefix = _prefix(costs)

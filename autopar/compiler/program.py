@@ -26,6 +26,7 @@ from autopar.core.activation_recompute import Checkpointed
 from autopar.core.chunks import PipelineSplit
 from autopar.core.collectives import collective_of
 from autopar.core.config import ParallelConfig
+from autopar.core.errors import AutoparError
 from autopar.core.flops import node_bytes
 from autopar.core.graph import TracedModel, module_path, source_line
 from autopar.core.tensor_placement import Replicate, Shard
@@ -34,7 +35,11 @@ from passes.layers import LayerInfo, layer_of_node, layer_of_param
 from passes.sequence_parallel import SequenceParallelPlan
 from passes.sharding import ShardingPlan
 
-__all__ = ["Program"]
+__all__ = ["Program", "ProgramError"]
+
+
+class ProgramError(AutoparError, ValueError):
+    """A question the program cannot answer: a rank outside its mesh, a chunk on another stage."""
 
 _aten = torch.ops.aten
 # ops whose output shares its input's storage: not counted as activation memory
@@ -283,13 +288,13 @@ class Program:
         changes from its training graph listed above it."""
         shape = self.config.mesh
         if not 0 <= rank < shape.world:
-            raise ValueError(f"rank {rank} is outside the mesh of {shape.world} ranks (tp={shape.tp}, "
+            raise ProgramError(f"rank {rank} is outside the mesh of {shape.world} ranks (tp={shape.tp}, "
                              f"pp={shape.pp}, dp={shape.dp})")
         stage, dp_rank, tp_rank = shape.coords(rank)
         chunks = self.chunks_of_stage(stage)
         if chunk is not None:
             if self.stage_of_chunk(chunk) != stage:
-                raise ValueError(f"chunk {chunk} lives on stage {self.stage_of_chunk(chunk)}, not on rank {rank}'s "
+                raise ProgramError(f"chunk {chunk} lives on stage {self.stage_of_chunk(chunk)}, not on rank {rank}'s "
                                  f"stage {stage}")
             chunks = [c for c in chunks if c.index == chunk]
         lines = [f"# autopar rank program: rank {rank} = (pp {stage}, dp {dp_rank}, tp {tp_rank}); "

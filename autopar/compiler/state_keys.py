@@ -18,10 +18,16 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from autopar.core.errors import AutoparError
+
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
 
-__all__ = ["StateSource", "state_sources"]
+__all__ = ["StateSource", "state_sources", "ModelStateError"]
+
+
+class ModelStateError(AutoparError, ValueError):
+    """A model state the program cannot place: extra state that is no tensor, a meta tensor no graph reads."""
 
 Kind = Literal["param", "buffer", "model"]
 
@@ -55,7 +61,7 @@ def state_sources(program: "Program") -> list[StateSource]:
     out = []
     for key, value in program.model.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
-            raise ValueError(f"state_dict key '{key}' holds a {type(value).__name__} (a module's extra state), "
+            raise ModelStateError(f"state_dict key '{key}' holds a {type(value).__name__} (a module's extra state), "
                              "not a tensor: autopar holds only parameters and buffers; drop it from the "
                              "state_dict with a state-dict hook, or keep such state outside the model")
         shape, dtype = tuple(value.shape), value.dtype
@@ -72,6 +78,6 @@ def untraced_value(program: "Program", source: StateSource, device: torch.device
     """The value of a 'model' source: the model's own tensor (the graph never reads it), on ``device``."""
     value = program.model.state_dict(keep_vars=True)[source.key].detach()
     if value.is_meta:
-        raise ValueError(f"'{source.key}' is on the meta device and the traced graph never reads it, so no "
+        raise ModelStateError(f"'{source.key}' is on the meta device and the traced graph never reads it, so no "
                          "rank holds a value for it: give the model real weights before parallelize")
     return value.to(device, copy=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from enum import Enum
 
+from autopar.core.errors import ConfigError
 from autopar.core.mesh import MeshShape
 
 __all__ = ["ParallelConfig", "Recompute", "RECOMPUTE", "PRECISIONS", "LOSS_REDUCTIONS", "SCHEDULE_NAMES", "SPLIT_BACKWARD_SCHEDULES",
@@ -180,32 +181,32 @@ class ParallelConfig:
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
+            raise ConfigError(f"recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
         object.__setattr__(self, "recompute", Recompute(self.recompute))
         if self.loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {list(LOSS_REDUCTIONS)}, got {self.loss_reduction!r}: "
+            raise ConfigError(f"loss_reduction must be one of {list(LOSS_REDUCTIONS)}, got {self.loss_reduction!r}: "
                              f"'tokens' (the default) averages a token loss over every counted target of the "
                              f"global batch, as one device does; 'microbatch' averages the microbatch means")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+            raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         for name in ("tp", "pp", "virtual_stages", "microbatches"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {name}={getattr(self, name)}")
         if self.schedule not in SCHEDULE_NAMES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(SCHEDULE_NAMES)}")
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {list(SCHEDULE_NAMES)}")
         if self.virtual_stages > 1 and self.schedule not in ("interleaved", "gpipe", "zbv"):
-            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (or 'gpipe', "
+            raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (or 'gpipe', "
                              f"or 'zbv' for 2), got schedule={self.schedule!r}")
         errs = microbatch_errors(self.schedule, self.pp, self.virtual_stages, self.microbatches,
                                  names=("pp", "virtual_stages", "microbatches"))
         if errs:
-            raise ValueError("; ".join(errs))
+            raise ConfigError("; ".join(errs))
         errs = sequence_parallel_errors(self.sequence_parallel, self.tp)
         if errs:
-            raise ValueError("; ".join(errs))
+            raise ConfigError("; ".join(errs))
         errs = mesh_errors(self.tp, self.pp, self.dp, self.world_size)
         if errs:
-            raise ValueError("; ".join(errs))
+            raise ConfigError("; ".join(errs))
 
     @property
     def dp_source(self) -> str:

@@ -20,7 +20,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["MeshShape", "Mesh"]
+from autopar.core.errors import AutoparError, ConfigError
+
+__all__ = ["MeshShape", "Mesh", "MeshError"]
+
+
+class MeshError(AutoparError, RuntimeError):
+    """The mesh cannot make its process groups: torch.distributed is not started for it."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,7 @@ class MeshShape:
     def __post_init__(self):
         for axis in ("tp", "pp", "dp"):
             if getattr(self, axis) < 1:
-                raise ValueError(f"{axis} must be >= 1, got {axis}={getattr(self, axis)}")
+                raise ConfigError(f"{axis} must be >= 1, got {axis}={getattr(self, axis)}")
 
     @property
     def world(self) -> int:
@@ -98,11 +104,11 @@ class Mesh:
         """Create all groups (collective: every rank calls this with the same arguments)."""
         if not dist.is_initialized():
             if shape.world != 1:
-                raise RuntimeError(f"a mesh of {shape.world} ranks needs an initialised process group")
+                raise MeshError(f"a mesh of {shape.world} ranks needs an initialised process group")
             return Mesh(shape, 0, {"tp": None, "dp": None, "pp": None})
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != shape.world:
-            raise ValueError(f"tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world}, "
+            raise ConfigError(f"tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world}, "
                              f"but the world size is {world}")
         mesh = Mesh(shape, rank)
         for axis, groups in (("tp", shape.tp_groups()), ("dp", shape.dp_groups()), ("pp", shape.pp_groups())):

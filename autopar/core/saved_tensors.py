@@ -29,7 +29,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["Slot", "SavedTensorStore", "recording_store"]
+from autopar.core.errors import AutoparError
+
+__all__ = ["Slot", "SavedTensorStore", "recording_store", "ReplayError"]
+
+
+class ReplayError(AutoparError, RuntimeError):
+    """A checkpointed region's replay went wrong: asked twice, saving other tensors than its forward,
+    or a slot read after it was released."""
 
 _STORE: contextvars.ContextVar["SavedTensorStore | None"] = contextvars.ContextVar("autopar_saved_store",
                                                                                   default=None)
@@ -71,7 +78,7 @@ class _Region:
     def replay(self) -> None:
         """Run the region again and fill its live slots; its inputs are dropped after (no second replay)."""
         if self.args is None:
-            raise RuntimeError("a checkpointed region was asked to replay twice: its inputs were released "
+            raise ReplayError("a checkpointed region was asked to replay twice: its inputs were released "
                                "after the first replay")
         args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                      for a in self.args)
@@ -86,7 +93,7 @@ class _Region:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: made.append(t), _never))
             self.fn(*args)
         if len(made) != len(self.slots):
-            raise RuntimeError(f"a checkpointed region saved {len(made)} tensors when replayed but "
+            raise ReplayError(f"a checkpointed region saved {len(made)} tensors when replayed but "
                                f"{len(self.slots)} in its forward: the region is not deterministic in what it saves")
         for ref, t in zip(self.slots, made):
             slot = ref()
@@ -96,7 +103,7 @@ class _Region:
 
 
 def _never(_: Any) -> torch.Tensor:
-    raise RuntimeError("a replay's own autograd graph is never run backward")
+    raise ReplayError("a replay's own autograd graph is never run backward")
 
 
 class SavedTensorStore:
@@ -144,7 +151,7 @@ class SavedTensorStore:
             slot.region.replay()
         t = slot.tensor
         if t is None:
-            raise RuntimeError("a saved tensor was read after its slot was released: the backward that reads it "
+            raise ReplayError("a saved tensor was read after its slot was released: the backward that reads it "
                                "was not expected to run (a weight-gradient pass run twice?)")
         if self.release(slot):
             slot.tensor = None

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Placement", "Replicate", "Shard", "Partial", "local_size"]
+from autopar.core.errors import AutoparError
+
+__all__ = ["Placement", "Replicate", "Shard", "Partial", "local_size", "PlacementError"]
+
+
+class PlacementError(AutoparError, ValueError):
+    """A placement that cannot hold a tensor: a dimension or segment that does not split t ways."""
 
 
 @dataclass(frozen=True)
@@ -52,5 +58,5 @@ def local_size(size: int, placement: Shard, tp: int) -> int:
     segs = placement.segments if placement.segments is not None else (size,)
     for s in segs:
         if s % tp:
-            raise ValueError(f"segment of size {s} does not split {tp} ways")
+            raise PlacementError(f"segment of size {s} does not split {tp} ways")
     return sum(s // tp for s in segs)

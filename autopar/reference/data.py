@@ -11,7 +11,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["corpus", "CorpusBatches", "CorpusWindows"]
+from autopar.core.errors import AutoparError
+
+__all__ = ["corpus", "CorpusBatches", "CorpusWindows", "CorpusError"]
+
+
+class CorpusError(AutoparError, ValueError):
+    """A part of the corpus that does not exist (a split other than 'train' or 'heldout')."""
 
 _ROOT = Path(__file__).resolve().parents[2]
 """The repository root (autopar/reference/data.py is two packages down)."""
@@ -51,7 +57,7 @@ class CorpusWindows(Dataset):
 
     def __init__(self, seq: int, split: str = "train", heldout: float = 0.1):
         if split not in ("train", "heldout"):
-            raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+            raise CorpusError(f"split must be 'train' or 'heldout', got {split!r}")
         data = corpus()
         cut = int(len(data) * (1 - heldout))
         self.data = data[:cut] if split == "train" else data[cut:]

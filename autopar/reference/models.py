@@ -25,7 +25,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ModelConfig", "GPT", "GPT2Fused", "Llama", "build"]
+from autopar.core.errors import AutoparError
+
+__all__ = ["ModelConfig", "GPT", "GPT2Fused", "Llama", "build", "ModelFamilyError"]
+
+
+class ModelFamilyError(AutoparError, ValueError):
+    """A reference model family that does not exist; the message lists those that do."""
 
 
 @dataclass(frozen=True)
@@ -319,6 +325,6 @@ FAMILIES = {"gpt": GPT, "gpt2-fused": GPT2Fused, "llama": Llama}
 def build(family: str, cfg: ModelConfig | None = None, **overrides) -> nn.Module:
     """Build a reference model by family name: ``gpt``, ``gpt2-fused`` or ``llama``."""
     if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+        raise ModelFamilyError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
     cfg = cfg or ModelConfig(**overrides)
     return FAMILIES[family](cfg)

@@ -32,7 +32,8 @@ from autopar.schedules.generators import (
 from autopar.schedules.in_flight import in_flight_bound, num_warmup, peak_in_flight
 from autopar.schedules.lowering import lower
 from autopar.schedules.chunk_placement import Placement, chunk_placement
-from autopar.schedules.schedule import Schedule, ScheduleError, parse_grid
+from autopar.schedules.errors import ScheduleError
+from autopar.schedules.schedule import Schedule, parse_grid
 from autopar.schedules.simulator import DryRun, Sends, SimResult, dry_run, simulate
 from autopar.schedules.validation import validate
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from enum import Enum
 from fractions import Fraction
 
+from autopar.schedules.errors import ScheduleError
+
 __all__ = ["Kind", "Action", "Time", "Key", "Loc"]
 
 Time = int | float | Fraction
@@ -83,13 +85,13 @@ class Action:
         if type(self.kind) is not Kind:
             object.__setattr__(self, "kind", Kind(self.kind))
         if self.chunk < 0 or self.microbatch < 0:
-            raise ValueError(
+            raise ScheduleError(
                 f"negative chunk or microbatch in {self.kind.value}{self.chunk}.{self.microbatch}"
             )
         compute = self.kind in _COMPUTE
         if compute != (self.peer is None):
             what = "must not have" if compute else "needs"
-            raise ValueError(
+            raise ScheduleError(
                 f"a {self.kind.name} action {what} a peer stage (got peer={self.peer})"
             )
 
@@ -129,11 +131,11 @@ class Action:
         """Inverse of ``str``: ``Action.parse("SF2.0>3") == Action(Kind.SEND_F, 2, 0, 3)``."""
         match = _ACTION_RE.fullmatch(text.strip())
         if match is None:
-            raise ValueError(
+            raise ScheduleError(
                 f"cannot parse action {text!r}: expected e.g. 'F2.0', 'B2.0', 'W2.0', 'SF2.0>3', 'RF3.0<2'"
             )
         code, chunk, microbatch, arrow, peer = match.groups()
         action = cls(Kind(code), int(chunk), int(microbatch), None if peer is None else int(peer))
         if arrow is not None and arrow != (">" if action.is_send else "<"):
-            raise ValueError(f"cannot parse action {text!r}: sends use '>peer', receives '<peer'")
+            raise ScheduleError(f"cannot parse action {text!r}: sends use '>peer', receives '<peer'")
         return action

@@ -22,6 +22,7 @@ from __future__ import annotations
 from enum import Enum
 
 from autopar.core.config import SCHEDULE_NAMES
+from autopar.schedules.errors import ScheduleError
 
 __all__ = ["Placement", "placement_of", "chunk_placement", "stage_of_chunk"]
 
@@ -49,7 +50,7 @@ def stage_of_chunk(placement: Placement, p: int, chunk: int) -> int:
 def placement_of(name: str) -> Placement:
     """The placement the named schedule runs on: V for 'zbv', interleaved for the others."""
     if name not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}")
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}")
     return Placement.V if name == "zbv" else Placement.INTERLEAVED
 
 
@@ -61,6 +62,6 @@ def chunk_placement(name: str, p: int, v: int) -> tuple[int, ...]:
     ``chunk_placement("interleaved", 4, 2) == (0, 1, 2, 3, 0, 1, 2, 3)``.
     """
     if p < 1 or v < 1:
-        raise ValueError(f"p and v must be positive, got p={p}, v={v}")
+        raise ScheduleError(f"p and v must be positive, got p={p}, v={v}")
     placement = placement_of(name)
     return tuple(stage_of_chunk(placement, p, c) for c in range(p * v))

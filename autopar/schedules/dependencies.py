@@ -13,6 +13,7 @@ which is all B(c, i) needs: the gradient of chunk c's output.
 from __future__ import annotations
 
 from autopar.schedules.actions import Action, Key, Kind, Loc
+from autopar.schedules.errors import ScheduleError
 from autopar.schedules.schedule import Schedule, schedule_error
 
 __all__ = ["producers", "partner", "index", "result_sent", "PARTNER"]
@@ -55,7 +56,7 @@ def result_sent(action: Action) -> Action:
         return Action(Kind.F, action.chunk - 1, action.microbatch)
     if action.kind is Kind.RECV_B:
         return Action(Kind.B, action.chunk + 1, action.microbatch)
-    raise ValueError(f"{action} is not a send or receive")
+    raise ScheduleError(f"{action} is not a send or receive")
 
 
 def index(schedule: Schedule) -> dict[Key, Loc]:

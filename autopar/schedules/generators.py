@@ -11,6 +11,7 @@ from __future__ import annotations
 from autopar.core.config import SCHEDULE_NAMES, microbatch_errors
 import autopar.schedules.validation as validation
 from autopar.schedules.actions import Action, Kind
+from autopar.schedules.errors import ScheduleError
 from autopar.schedules.in_flight import num_warmup
 from autopar.schedules.schedule import Schedule
 from autopar.schedules.zero_bubble import zb_h1, zb_v
@@ -22,7 +23,7 @@ __all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "zero_b
 def _check_layout(name: str, p: int, v: int, m: int) -> None:
     errs = microbatch_errors(name, p, v, m)
     if errs:
-        raise ValueError("; ".join(errs))
+        raise ScheduleError("; ".join(errs))
 
 
 def _checked(schedule: Schedule) -> Schedule:
@@ -140,7 +141,7 @@ def generate(name: str, p: int, v: int, m: int) -> Schedule:
     if name in one_chunk:
         _check_layout(name, p, v, m)
         return one_chunk[name](p, m)
-    raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}")
+    raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}")
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -161,10 +162,10 @@ def forward_only(schedule: Schedule) -> Schedule:
     receives.
     """
     if schedule.is_lowered:
-        raise ValueError(f"schedule {schedule.name!r} is lowered: give its compute-only form, "
+        raise ScheduleError(f"schedule {schedule.name!r} is lowered: give its compute-only form, "
                          "and lower the forward-only schedule afterwards")
     if schedule.forward_only:
-        raise ValueError(f"schedule {schedule.name!r} is already forward-only")
+        raise ScheduleError(f"schedule {schedule.name!r} is already forward-only")
     actions = {s: [a for a in acts if a.kind is Kind.F] for s, acts in schedule.actions.items()}
     return _checked(Schedule(schedule.name, schedule.p, schedule.v, schedule.m, actions, forward_only=True,
                              placement=schedule.placement))

@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from autopar.schedules.actions import Action, Loc
+from autopar.schedules.errors import ScheduleError
 
 __all__ = ["format_grid", "wrap_grid", "read_grid", "FORWARD_ONLY"]
 
@@ -84,10 +85,10 @@ def read_grid(text: str) -> tuple[str, int, int, int, dict[int, list[Action]], b
     are ignored; the placement is 'interleaved' unless the header names one."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if not lines:
-        raise ValueError("cannot parse an empty schedule grid")
+        raise ScheduleError("cannot parse an empty schedule grid")
     head = re.fullmatch(rf"(\S+) p=(\d+) v=(\d+) m=(\d+)(?: placement=(\S+))?( {FORWARD_ONLY})?", lines[0])
     if head is None:
-        raise ValueError(f"grid header {lines[0]!r} should read '<name> p=<p> v=<v> m=<m>', "
+        raise ScheduleError(f"grid header {lines[0]!r} should read '<name> p=<p> v=<v> m=<m>', "
                          f"optionally followed by ' placement=<placement>' and ' {FORWARD_ONLY}'")
     name, p, v, m = head.group(1), *map(int, head.groups()[1:4])
     actions: dict[int, list[Action]] = {}
@@ -96,10 +97,10 @@ def read_grid(text: str) -> tuple[str, int, int, int, dict[int, list[Action]], b
             continue
         row = re.fullmatch(r"stage (\d+):(.*)", line)
         if row is None:
-            raise ValueError(f"cannot parse grid line {line!r}: expected 'stage <r>: <actions>'")
+            raise ScheduleError(f"cannot parse grid line {line!r}: expected 'stage <r>: <actions>'")
         tokens = row.group(2).split()
         if "..." in tokens:
-            raise ValueError(
+            raise ScheduleError(
                 "cannot parse a clipped grid (it shows '...'); format it without columns="
             )
         actions[int(row.group(1))] = [Action.parse(tok.strip("[]")) for tok in tokens]

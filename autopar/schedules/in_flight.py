@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from autopar.core.config import SCHEDULE_NAMES
 from autopar.schedules.actions import Action, Kind
+from autopar.schedules.errors import ScheduleError
 
 __all__ = ["num_warmup", "in_flight_bound", "in_flight_counts", "peak_in_flight"]
 
@@ -36,7 +37,7 @@ def num_warmup(name: str, p: int, v: int, m: int, stage: int) -> int:
     on stage ``r`` follows ``min(w_r + 1, v m)`` forwards.
     """
     if not 0 <= stage < p:
-        raise ValueError(f"stage must be in 0..{p - 1}, got {stage}")
+        raise ScheduleError(f"stage must be in 0..{p - 1}, got {stage}")
     if name == "gpipe":
         return v * m
     if name in ("1f1b", "zb-h1"):
@@ -45,7 +46,7 @@ def num_warmup(name: str, p: int, v: int, m: int, stage: int) -> int:
         return min(2 * (p - stage - 1) + (v - 1) * p, v * m)
     if name == "zbv":
         return min(2 * p - 1 - stage, m) + stage
-    raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}")
+    raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}")
 
 
 def in_flight_bound(name: str, p: int, v: int, m: int, stage: int) -> int:

@@ -8,6 +8,7 @@ from bisect import bisect_left
 import autopar.schedules.validation as validation
 from autopar.schedules.actions import Action, Key, Kind, Loc
 from autopar.schedules.dependencies import index, producers
+from autopar.schedules.errors import ScheduleError
 from autopar.schedules.schedule import Schedule
 from autopar.schedules.simulator import Cost, dry_run
 
@@ -49,7 +50,7 @@ def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost | None = None, cost
     also keep their compute-only timing (tested). The result is validated.
     """
     if schedule.is_lowered:
-        raise ValueError(
+        raise ScheduleError(
             f"schedule {schedule.name!r} is already lowered (it has sends and receives)"
         )
     if cost_b is None:

@@ -27,22 +27,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, size_errors
-from autopar.core.errors import AutoparError
 from autopar.schedules.actions import Action, Kind, Loc
 from autopar.schedules.grid import FORWARD_ONLY, format_grid, read_grid, wrap_grid
 from autopar.schedules.in_flight import in_flight_bound
 from autopar.schedules.chunk_placement import Placement, stage_of_chunk
+from autopar.schedules.errors import ScheduleError
 
-__all__ = ["Schedule", "ScheduleError", "schedule_error", "parse_grid"]
-
-
-class ScheduleError(AutoparError, ValueError):
-    """A schedule failed validation; the message shows the grid with the failing actions marked."""
-
-    def __init__(self, message: str, marks: Sequence[Loc] = ()) -> None:
-        super().__init__(message)
-        self.marks: tuple[Loc, ...] = tuple(marks)
-        """(stage, index) of each marked action."""
+__all__ = ["Schedule", "schedule_error", "parse_grid"]
 
 
 @dataclass(frozen=True)
@@ -70,16 +61,16 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if self.placement not in tuple(Placement):
-            raise ValueError(f"unknown chunk placement {self.placement!r}; "
+            raise ScheduleError(f"unknown chunk placement {self.placement!r}; "
                              f"known: {', '.join(str(x) for x in Placement)}")
         object.__setattr__(self, "placement", Placement(self.placement))
         errs = size_errors(p=self.p, v=self.v, m=self.m)
         if errs:
-            raise ValueError("; ".join(errs))
+            raise ScheduleError("; ".join(errs))
         if not self.name or any(ch.isspace() for ch in self.name):
-            raise ValueError(f"a schedule name must be one non-empty word, got {self.name!r}")
+            raise ScheduleError(f"a schedule name must be one non-empty word, got {self.name!r}")
         if set(self.actions) != set(range(self.p)):
-            raise ValueError(
+            raise ScheduleError(
                 f"a schedule for p={self.p} needs action lists for stages 0..{self.p - 1}, "
                 f"got stages {sorted(self.actions)}"
             )

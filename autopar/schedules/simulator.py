@@ -55,7 +55,8 @@ from autopar.schedules.checks import check_coverage, check_matching, check_place
 from autopar.schedules.dependencies import index, partner, producers
 from autopar.schedules.events import Event
 from autopar.schedules.in_flight import peak_in_flight
-from autopar.schedules.schedule import Schedule, ScheduleError, schedule_error
+from autopar.schedules.errors import ScheduleError
+from autopar.schedules.schedule import Schedule, schedule_error
 
 __all__ = ["Sends", "Cost", "SimResult", "simulate", "simulate_checked", "DryRun", "dry_run"]
 
@@ -162,13 +163,13 @@ def simulate(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost = 2, comm: Cost 
     """
     sends = Sends(sends)
     if sends is Sends.EAGER and schedule.is_lowered:
-        raise ValueError(f"schedule {schedule.name!r} is lowered: eager sends are implicit, so give its "
+        raise ScheduleError(f"schedule {schedule.name!r} is lowered: eager sends are implicit, so give its "
                          "compute-only form, or use sends='posted' to run its sends and receives")
     if sends is Sends.POSTED and not schedule.is_lowered and schedule.p > 1:
-        raise ValueError(f"schedule {schedule.name!r} has no sends/receives: lower it first, "
+        raise ScheduleError(f"schedule {schedule.name!r} has no sends/receives: lower it first, "
                          "or use sends='eager'")
     if sends is Sends.BATCHED and (callable(comm) or comm != 0):
-        raise ValueError("batched exchanges take no transfer time (a dry run); "
+        raise ScheduleError("batched exchanges take no transfer time (a dry run); "
                          "use sends='posted' or 'eager' to time transfers")
     check_placement(schedule)
     where = index(schedule)
@@ -422,7 +423,7 @@ def _work(action: Action, costs: _ComputeCosts, split: bool) -> tuple[Time, str,
     else:
         duration = cost_b(action) - cost_w(action) if split else cost_b(action)
     if duration < 0:
-        raise ValueError(f"{action} would last {duration}: the weight-gradient cost {cost_w(action)} exceeds the "
+        raise ScheduleError(f"{action} would last {duration}: the weight-gradient cost {cost_w(action)} exceeds the "
                          f"whole backward's {cost_b(action)}; give cost_w <= cost_b")
     kind = action.kind.value
     return duration, kind, f"{kind}{action.chunk}.{action.microbatch}"

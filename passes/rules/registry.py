@@ -36,11 +36,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar.core.errors import AutoparError
+
 from passes.rules.context import Ctx
 from passes.rules.decision import Decision
 
 __all__ = ["Placements", "Rule", "RuleEntry", "RuleRegistry", "RULES", "register_rule", "register_tag",
-           "unregister_rule"]
+           "unregister_rule", "RuleError"]
+
+
+class RuleError(AutoparError, ValueError):
+    """A sharding rule registered wrongly (a bad key, an op or tag that has one already) or two tag
+    rules claiming the same op."""
 
 Placements = Mapping[fx.Node, Any]
 """Input node -> its placement (``Placement``, or a tuple of them for a multi-output input)."""
@@ -63,7 +70,7 @@ class RuleEntry:
 
 def _key(op) -> Any:
     if isinstance(op, str) and "::" not in op:
-        raise ValueError(f"a rule's name key is 'namespace::op', not {op!r}")
+        raise RuleError(f"a rule's name key is 'namespace::op', not {op!r}")
     return op
 
 
@@ -89,7 +96,7 @@ class RuleRegistry:
             keys = [_key(op) for op in ops]
             taken = [k for k in keys if k in self._entries]
             if taken:
-                raise ValueError(f"{taken} already have a sharding rule "
+                raise RuleError(f"{taken} already have a sharding rule "
                                  f"({self._entries[taken[0]].rule.__qualname__}); unregister it first")
             for k in keys:
                 self._entries[k] = RuleEntry(rule, k, replicated_inputs)
@@ -102,7 +109,7 @@ class RuleRegistry:
 
         def wrap(rule: Rule) -> Rule:
             if tag in self._tags:
-                raise ValueError(f"{tag} already has a sharding rule")
+                raise RuleError(f"{tag} already has a sharding rule")
             self._tags[tag] = RuleEntry(rule, tag, replicated_inputs)
             return rule
 
@@ -124,7 +131,7 @@ class RuleRegistry:
         if isinstance(target, torch._ops.OpOverload):
             hits = [e for tag, e in self._tags.items() if tag in target.tags]
             if len(hits) > 1:
-                raise ValueError(f"{target} carries the tags {[str(e.key) for e in hits]} of several tag rules")
+                raise RuleError(f"{target} carries the tags {[str(e.key) for e in hits]} of several tag rules")
             if hits:
                 return hits[0]
         return None
