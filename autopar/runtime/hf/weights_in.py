@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import struct
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from autopar.core.log import get_logger
 from autopar.core.tensor_placement import Replicate, Shard
 from autopar.runtime.checkpoint.errors import CheckpointError
 from autopar.runtime.hf.conversion import Lazy, Leaf, Reads, Region, full_region, is_hf_model, load_view
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["HFCheckpoint", "CheckpointError", "Entry", "check_safetensors_file"]
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8, "C128": 16}
 """Bytes per element of the safetensors dtypes (a sub-byte or unknown one is not size-checked)."""
