@@ -4,7 +4,7 @@ replaces the op (``Decision.rewrite``); the kernel does its own all-reduces, reg
 their bytes and direction in ``autopar.core.collectives``.
 
 Adding one: a rule here returning a ``Decision`` with ``rewrite=Rewrite(comm.kernel, args)``
-(and ``closes_region=True`` if its result is replicated), and the kernel in ``comm.py`` with its
+(and ``closes_region=True`` if its result is replicated), and the kernel in ``comm/vocab_parallel.py`` with its
 ``@collective(...)`` registration. See ``docs/adding-an-op.md``.
 """
 
