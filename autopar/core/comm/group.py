@@ -54,6 +54,8 @@ PAIRWISE_MAX_BYTES = 1 << 20
 
 
 def all_reduce(x: torch.Tensor, group: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``x`` reduced (summed, or ``op``) over the group, in a new tensor; small tensors on a pairwise
+    group by recursive doubling."""
     x = x.contiguous().clone()
     if group.pg is None:  # an inspection group: shapes only, no communication
         return x
