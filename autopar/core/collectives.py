@@ -78,15 +78,15 @@ class Collective:
 
 _BY_FN: dict[Callable, Collective] = {}
 _BY_NAME: dict[str, Collective] = {}
-_complete = False
+_loaded = False
 
 
-def _registry_complete() -> None:
+def _load_every_collective() -> None:
     """Import the modules defining the collectives (once), so that a lookup sees every one."""
-    global _complete
-    if not _complete:
+    global _loaded
+    if not _loaded:
         importlib.import_module(DEFINED_IN)
-        _complete = True
+        _loaded = True
 
 
 def collective(label: str, direction: str, kinds: str | tuple[str, ...], nbytes: Callable[[fx.Node], int],
@@ -114,7 +114,7 @@ def collective(label: str, direction: str, kinds: str | tuple[str, ...], nbytes:
 
 def collective_of(target) -> Collective | None:
     """The registered collective a graph node calls (its ``target``), or None."""
-    _registry_complete()
+    _load_every_collective()
     try:
         return _BY_FN.get(target)
     except TypeError:  # an unhashable target is no collective
@@ -123,13 +123,13 @@ def collective_of(target) -> Collective | None:
 
 def collective_named(name: str) -> Collective:
     """The registered collective called ``name`` (KeyError if none is)."""
-    _registry_complete()
+    _load_every_collective()
     return _BY_NAME[name]
 
 
 def registered() -> tuple[Collective, ...]:
     """Every registered collective, in the order their modules define them."""
-    _registry_complete()
+    _load_every_collective()
     return tuple(_BY_FN.values())
 
 
