@@ -24,12 +24,12 @@ import time
 import torch
 
 import autopar
-from autopar.planning.estimate import estimate
-from autopar.planning.hardware import PROFILES, get_hardware
-from autopar.planning.layout import Cluster, Layout
-from autopar.planning.models import ModelSpec
-from autopar.planning.op_times import op_time
-from autopar.planning.transformer import head_ops, layer_ops
+from autopar.planning.cost.hardware import PROFILES, get_hardware
+from autopar.planning.cost.layout import Cluster, Layout
+from autopar.planning.cost.models import ModelSpec
+from autopar.planning.cost.op_times import op_time
+from autopar.planning.cost.step_estimate import estimate
+from autopar.planning.cost.transformer import head_ops, layer_ops
 from autopar.reference.models import ModelConfig, build
 
 

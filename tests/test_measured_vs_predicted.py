@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from autopar.core.mesh import MeshShape
-from autopar.planning.measured import compare, read_trace
-from autopar.planning.measured_costs import (BLOCKED_S, action_costs, compute_samples, received_messages,
-                                             transfer_pairs)
-from autopar.planning.simulate import runtime_schedule
+from autopar.planning.cost.pipeline_timeline import runtime_schedule
+from autopar.planning.measured.action_costs import (BLOCKED_S, action_costs, compute_samples, received_messages,
+                                                    transfer_pairs)
+from autopar.planning.measured.comparison import compare
+from autopar.planning.measured.trace_reader import read_trace
 from autopar.runtime.engine.timeline import write_chrome_trace
 from autopar.schedules import Action, Event, Kind, Sends, SimResult, simulate
 

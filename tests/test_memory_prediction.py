@@ -33,10 +33,10 @@ from helpers import spawn_ranks
 import autopar
 from autopar.core.comm import keeping_gathered_slices
 from autopar.compiler.model_spec import spec_from_model
-from autopar.planning.layout import Layout
-from autopar.planning.memory import Memory, stage_memory
-from autopar.planning.models import ModelSpec
-from autopar.planning.precision import runtime_precision
+from autopar.planning.cost.layout import Layout
+from autopar.planning.cost.memory import Memory, stage_memory
+from autopar.planning.cost.models import ModelSpec
+from autopar.planning.cost.precision import runtime_precision
 from autopar.reference.models import build
 from autopar.schedules import in_flight_bound
 
