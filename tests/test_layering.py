@@ -35,7 +35,7 @@ def floor_of(module: str) -> str:
         return "passes"
     if len(parts) > 1 and parts[1] in FLOORS:
         return parts[1]
-    return "face"  # autopar/__init__.py, autopar/api.py, autopar/cli.py
+    return "face"  # autopar/__init__.py, autopar/api.py, autopar/cli/
 
 
 def modules() -> dict[str, Path]:

@@ -14,7 +14,7 @@ rank measures, after one step and one optimizer step:
   through the same hooks), plus the chunks' outputs held for their backward, summed over the
   chunk-microbatches in flight, at its peak.
 
-The prediction is ``planning.memory.stage_memory`` for the rank's stage, with a ``ModelSpec`` read
+The prediction is ``planning.cost.memory.stage_memory`` for the rank's stage, with a ``ModelSpec`` read
 from the traced model (``compiler.model_spec.spec_from_model``), the layout from the program's
 config (``Layout.from_config``) and the byte sizes the runtime uses
 (``precision.runtime_precision``). 10%: the model counts tensors by the layer's structure and

@@ -104,7 +104,7 @@ class Op:
     """(batch, M, N, K) for a GEMM: C (M, N) = A (M, K) B (K, N)."""
     weight_grad: bool = False
     """A weight's gradient GEMM (``dB`` of a linear): the work a zero-bubble schedule's W runs;
-    everything else of a backward is its B (``planning/zero_bubble_costs.py``)."""
+    everything else of a backward is its B (``zero_bubble_costs.py``)."""
 
 
 def gemm_op(name: str, batch: int, m: int, n: int, k: int, accumulate: bool = False) -> Op:
