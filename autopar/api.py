@@ -29,8 +29,8 @@ from autopar.compiler.program import Program
 from autopar.compiler.trace import lm_cross_entropy
 from autopar.core.config import ParallelConfig
 from autopar.core.errors import AutoparError
-from autopar.planning.layout import Cluster, Layout
-from autopar.planning.planner import Plan, SearchSpace, search
+from autopar.planning.cost.layout import Cluster, Layout
+from autopar.planning.search.planner import Plan, SearchSpace, search
 from autopar.runtime.engine import RankEngine
 from autopar.runtime.launch import launched_world
 from autopar.runtime.engine.materialize import materialize

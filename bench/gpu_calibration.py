@@ -1,11 +1,11 @@
 """GPU calibration of the cost model: measured against predicted, on one GPU, in a few minutes.
 
 1. GEMM throughput (bf16) over the shapes the planner prices for a GPT-2-medium-sized layer
-   (``planning.transformer.layer_ops`` at t = 1, forward and backward, and the LM head), each
-   timed with ``torch.matmul``, beside ``planning.op_times.op_time``'s prediction on the
+   (``planning.cost.transformer.layer_ops`` at t = 1, forward and backward, and the LM head), each
+   timed with ``torch.matmul``, beside ``planning.cost.op_times.op_time``'s prediction on the
    chosen hardware profile;
 2. one autopar training step (``parallelize(precision="bf16")``, tp = pp = dp = 1) of that
-   ~350M GPT, median over steps, beside ``planning.estimate``'s iteration time.
+   ~350M GPT, median over steps, beside ``planning.cost.step_estimate``'s iteration time.
 
 The two fitted constants (``hardware.Efficiency.gemm``, ``.hbm``) were fitted on A100 rows of
 the paper; the H100/H200 profiles reuse them. The ratios printed here are what a refit needs.
@@ -24,12 +24,12 @@ import time
 import torch
 
 import autopar
-from autopar.planning.estimate import estimate
-from autopar.planning.hardware import PROFILES, get_hardware
-from autopar.planning.layout import Cluster, Layout
-from autopar.planning.models import ModelSpec
-from autopar.planning.op_times import op_time
-from autopar.planning.transformer import head_ops, layer_ops
+from autopar.planning.cost.hardware import PROFILES, get_hardware
+from autopar.planning.cost.layout import Cluster, Layout
+from autopar.planning.cost.models import ModelSpec
+from autopar.planning.cost.op_times import op_time
+from autopar.planning.cost.step_estimate import estimate
+from autopar.planning.cost.transformer import head_ops, layer_ops
 from autopar.reference.models import ModelConfig, build
 
 

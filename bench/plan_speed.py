@@ -1,12 +1,12 @@
 """Benchmark: how long the planner's full search takes for each of the paper's configurations.
 
 For every row of the paper's weak-scaling table (the six calibration rows and
-the four larger, held-out ones) this runs ``autopar.planning.planner.search`` over the
+the four larger, held-out ones) this runs ``autopar.planning.search.planner.search`` over the
 whole default space (every t, p, v, micro-batch, schedule, with and without
 recomputation), scoring every candidate with the closed form and re-scoring the
 best 8 plus the paper's layout with the event simulator, and prints the median
 wall time of ``--repeat`` runs. Before each run the per-shape caches of
-``autopar.planning.op_times`` are cleared, so every run is a cold search (the planner as a
+``autopar.planning.cost.op_times`` are cleared, so every run is a cold search (the planner as a
 user meets it); ``--warm`` keeps them.
 
     .venv/bin/python bench/plan_speed.py [--repeat 5] [--warm]
@@ -20,11 +20,11 @@ import argparse
 import statistics
 import time
 
-from autopar.planning import op_times as cost  # its shape caches: layer_ops, embedding_ops, head_ops, layer_times
-from autopar.planning.calibration import PAPER_RUNS
-from autopar.planning.layout import Cluster
-from autopar.planning.models import get_model
-from autopar.planning.planner import SearchSpace, search
+from autopar.planning.cost import op_times  # its shape caches: layer_ops, embedding_ops, head_ops, layer_times
+from autopar.planning.cost.calibration import PAPER_RUNS
+from autopar.planning.cost.layout import Cluster
+from autopar.planning.cost.models import get_model
+from autopar.planning.search.planner import SearchSpace, search
 
 # the held-out rows of the same table (t, p, GPUs, batch, micro-batch), as in docs/performance-model.md
 HELD_OUT = (("gpt-145b", 8, 8, 1536, 2304), ("gpt-310b", 8, 16, 1920, 2160),
@@ -32,14 +32,15 @@ HELD_OUT = (("gpt-145b", 8, 8, 1536, 2304), ("gpt-310b", 8, 16, 1920, 2160),
 
 
 def _clear_caches() -> None:
-    for fn in (cost.layer_ops, cost.embedding_ops, cost.head_ops, cost.layer_times):
+    for fn in (op_times.layer_ops, op_times.embedding_ops, op_times.head_ops, op_times.layer_times):
         fn.cache_clear()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5, help="runs per configuration (median reported)")
-    ap.add_argument("--warm", action="store_true", help="keep autopar.planning.op_times's shape caches between runs")
+    ap.add_argument("--warm", action="store_true",
+                    help="keep autopar.planning.cost.op_times's shape caches between runs")
     args = ap.parse_args()
 
     configs = [(r.model, r.gpus, r.batch, r.dp_overlap) for r in PAPER_RUNS]

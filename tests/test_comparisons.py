@@ -9,19 +9,19 @@ import math
 import pytest
 
 from autopar.cli import main
-from autopar.planning.comparisons import COMPARISONS, GPT_5_9B, GPT_162B, Comparison, rank
-from autopar.planning.estimate import estimate
-from autopar.planning.hardware import get_hardware
-from autopar.planning.layout import Cluster, Layout
-from autopar.planning.models import param_count
-from autopar.planning.network import (
+from autopar.planning.cost.hardware import get_hardware
+from autopar.planning.cost.layout import Cluster, Layout
+from autopar.planning.cost.models import param_count
+from autopar.planning.cost.network import (
     flat_ring_allreduce_time,
     hierarchical_allreduce_time,
     stage_link,
     tp_allreduce_time,
 )
-from autopar.planning.op_times import gemm_efficiency, tile_fill
-from autopar.planning.versus import term_rows
+from autopar.planning.cost.op_times import gemm_efficiency, tile_fill
+from autopar.planning.cost.step_estimate import estimate
+from autopar.planning.search.paper_comparisons import COMPARISONS, GPT_5_9B, GPT_162B, Comparison, rank
+from autopar.planning.search.versus import term_rows
 
 A100 = get_hardware("dgx-a100-80gb")
 BY_KEY = {c.key: c for c in COMPARISONS}

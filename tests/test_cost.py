@@ -9,16 +9,16 @@ import pytest
 
 from autopar.core.config import ParallelConfig, Recompute, microbatch_errors, optimizer_bytes_per_param
 from autopar.planning import cost
-from autopar.planning.calibration import PAPER_RUNS, fit_efficiency
-from autopar.planning.estimate import estimate
-from autopar.planning.formulas import FORMULAS, explain
-from autopar.planning.hardware import get_hardware
-from autopar.planning.layout import Cluster, Layout, layout_errors
-from autopar.planning.memory import activation_bytes_per_layer, layer_backward_transient, memory_per_gpu
-from autopar.planning.models import PRESETS, ModelSpec, get_model, param_count, params_per_stage
-from autopar.planning.op_costs import attention_flops, linear_bytes, linear_flops, matmul_flops
-from autopar.planning.op_times import gemm_efficiency, tile_fill
-from autopar.planning.transformer import graph_flops, layer_ops, paper_flops
+from autopar.planning.cost.calibration import PAPER_RUNS, fit_efficiency
+from autopar.planning.cost.formulas import FORMULAS, explain
+from autopar.planning.cost.hardware import get_hardware
+from autopar.planning.cost.layout import Cluster, Layout, layout_errors
+from autopar.planning.cost.memory import activation_bytes_per_layer, layer_backward_transient, memory_per_gpu
+from autopar.planning.cost.models import PRESETS, ModelSpec, get_model, param_count, params_per_stage
+from autopar.planning.cost.op_costs import attention_flops, linear_bytes, linear_flops, matmul_flops
+from autopar.planning.cost.op_times import gemm_efficiency, tile_fill
+from autopar.planning.cost.step_estimate import estimate
+from autopar.planning.cost.transformer import graph_flops, layer_ops, paper_flops
 
 A100 = get_hardware("dgx-a100-80gb")
 
@@ -216,7 +216,7 @@ def test_layout_from_config():
 
 def test_optimizer_state_and_step_traffic_are_two_numbers():
     """16 bytes of state per parameter (weights, gradients, then Adam's 12); the step moves 52."""
-    from autopar.planning.estimate import OPTIMIZER_STEP_TRAFFIC_PER_PARAM
+    from autopar.planning.cost.step_estimate import OPTIMIZER_STEP_TRAFFIC_PER_PARAM
 
     spec, lay = get_model("gpt-1.7b"), Layout(t=1, p=1, d=32, b=16)
     P = params_per_stage(spec, 1, 1)[0]
@@ -311,11 +311,11 @@ def test_cost_module_re_exports_the_model():
     each the very object of the file that defines it."""
     import importlib
 
-    homes = ("calibration", "estimate", "formulas", "layout", "memory", "models", "network", "op_costs",
-             "op_times", "transformer")
+    homes = ("calibration", "step_estimate", "step_timelines", "formulas", "layout", "memory", "models", "network",
+             "op_costs", "op_times", "transformer")
     defined = {}
     for home in homes:
-        mod = importlib.import_module(f"autopar.planning.{home}")
+        mod = importlib.import_module(f"autopar.planning.cost.{home}")
         defined.update({name: getattr(mod, name) for name in mod.__all__})
     for name in cost.__all__:
         assert getattr(cost, name) is defined.get(name, getattr(cost, name)), name

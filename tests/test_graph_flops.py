@@ -4,7 +4,7 @@ A GPT-shaped model (vocabulary 51200, sequence 2048, hidden 4096, 32 heads,
 4 layers) is built on the meta device and traced by ``autopar.parallelize``;
 every node's FLOPs come from its shapes (``node.meta["val"]``) through
 ``autopar.core.flops.node_flops``, which uses ``autopar.core.flops.matmul_flops`` and
-``attention_flops`` (the ones ``autopar.planning.op_costs`` prices kernels with).
+``attention_flops`` (the ones ``autopar.planning.cost.op_costs`` prices kernels with).
 
 What is counted, as the paper counts it (docs/megatron.md, section 2, "Cost formulas"):
 
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.planning.models import ModelSpec
-from autopar.planning.transformer import layer_ops, paper_flops
+from autopar.planning.cost.models import ModelSpec
+from autopar.planning.cost.transformer import layer_ops, paper_flops
 from autopar.reference.models import ModelConfig, build
 from autopar.core.flops import node_flops
 
@@ -110,7 +110,7 @@ def test_per_layer_forward_is_24bsh2_plus_4bs2h(program):
                 lm_head += node_flops(node)
     assert per_layer == [24 * S * H * H + 4 * S * S * H] * L  # exact: B = 1
     assert lm_head == 2 * S * H * V
-    # the shape-based layer model of autopar.planning.transformer counts the same GEMM FLOPs
+    # the shape-based layer model of autopar.planning.cost.transformer counts the same GEMM FLOPs
     spec = ModelSpec(L, H, A, S, V)
     assert sum(o.flops for o in layer_ops(spec, 1, 1).forward if o.kind == "gemm") == per_layer[0]
 

@@ -18,12 +18,14 @@ import pytest
 import torch
 
 from autopar.core.mesh import MeshShape
-from autopar.planning.measured import compare, read_trace
-from autopar.planning.measured_costs import (BLOCKED_S, action_costs, compute_samples, received_messages,
-                                             transfer_pairs)
-from autopar.planning.simulate import runtime_schedule
+from autopar.planning.cost.pipeline_timeline import runtime_schedule
+from autopar.planning.measured.action_costs import (BLOCKED_S, action_costs, compute_samples, received_messages,
+                                                    transfer_pairs)
+from autopar.planning.measured.comparison import compare
+from autopar.planning.measured.trace_reader import read_trace
 from autopar.runtime.engine.timeline import write_chrome_trace
 from autopar.schedules import Action, Event, Kind, Sends, SimResult, simulate
+from autopar.schedules.trace_format import METADATA_FIELDS, METADATA_KEY
 
 PP2 = MeshShape(pp=2)
 
@@ -283,6 +285,7 @@ def test_trace_carries_every_step_and_the_schedule(traces):
             for events in step.values():
                 assert len(compute_samples(events)) == 2 * v * M  # every F and B of the rank, once
         assert run.message_bytes["forward"][0] == 2 * 32 * 96 * 4  # one microbatch's fp32 activations
+        assert set(json.loads(open(path).read())[METADATA_KEY]) == set(METADATA_FIELDS)  # the format's fields
 
 
 @pytest.mark.multiprocess

@@ -14,15 +14,15 @@ import torch
 
 import autopar
 from autopar.compiler.report import memory_per_rank
-from autopar.planning.activations import activation_bytes_per_layer, layer_kept_per_token
-from autopar.planning.estimate import estimate
-from autopar.planning.hardware import get_hardware
-from autopar.planning.layout import Cluster, Layout, layout_errors
-from autopar.planning.memory import memory_per_gpu
-from autopar.planning.models import ModelSpec, get_model, params_per_stage
-from autopar.planning.op_times import layer_times
-from autopar.planning.planner import SearchSpace, candidate_layouts
-from autopar.planning.precision import MIXED, RUNTIME_FP32
+from autopar.planning.cost.activations import activation_bytes_per_layer, layer_kept_per_token
+from autopar.planning.cost.hardware import get_hardware
+from autopar.planning.cost.layout import Cluster, Layout, layout_errors
+from autopar.planning.cost.memory import memory_per_gpu
+from autopar.planning.cost.models import ModelSpec, get_model, params_per_stage
+from autopar.planning.cost.op_times import layer_times
+from autopar.planning.cost.precision import MIXED, RUNTIME_FP32
+from autopar.planning.cost.step_estimate import estimate
+from autopar.planning.search.planner import SearchSpace, candidate_layouts
 from autopar.reference.models import build
 
 SPEC = ModelSpec(layers=4, hidden=1024, heads=16, seq_len=512, vocab=1000)

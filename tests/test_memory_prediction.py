@@ -14,7 +14,7 @@ rank measures, after one step and one optimizer step:
   through the same hooks), plus the chunks' outputs held for their backward, summed over the
   chunk-microbatches in flight, at its peak.
 
-The prediction is ``planning.memory.stage_memory`` for the rank's stage, with a ``ModelSpec`` read
+The prediction is ``planning.cost.memory.stage_memory`` for the rank's stage, with a ``ModelSpec`` read
 from the traced model (``compiler.model_spec.spec_from_model``), the layout from the program's
 config (``Layout.from_config``) and the byte sizes the runtime uses
 (``precision.runtime_precision``). 10%: the model counts tensors by the layer's structure and
@@ -33,10 +33,10 @@ from helpers import spawn_ranks
 import autopar
 from autopar.core.comm import keeping_gathered_slices
 from autopar.compiler.model_spec import spec_from_model
-from autopar.planning.layout import Layout
-from autopar.planning.memory import Memory, stage_memory
-from autopar.planning.models import ModelSpec
-from autopar.planning.precision import runtime_precision
+from autopar.planning.cost.layout import Layout
+from autopar.planning.cost.memory import Memory, stage_memory
+from autopar.planning.cost.models import ModelSpec
+from autopar.planning.cost.precision import runtime_precision
 from autopar.reference.models import build
 from autopar.schedules import in_flight_bound
 

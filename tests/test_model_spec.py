@@ -7,11 +7,11 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.planning.layout import Cluster
-from autopar.planning.models import get_model
 from autopar.compiler.model_spec import SpecError, spec_from_model
+from autopar.planning.cost.layout import Cluster
+from autopar.planning.cost.models import get_model
+from autopar.planning.search.planner import SearchSpace, search
 from autopar.reference.models import build
-from autopar.planning.planner import SearchSpace, search
 
 
 def _ids(seq=16, vocab=250):

@@ -17,12 +17,13 @@ import torch
 from rich.console import Console
 
 import autopar
-from autopar.cli import _plan_table, _row, main
+from autopar.cli import main
+from autopar.cli.render import plan_row, plan_table
 from autopar.compiler.report import memory_per_rank, render_summary
-from autopar.planning.layout import Cluster
-from autopar.planning.models import get_model
-from autopar.planning.planner import SearchSpace, search
-from autopar.planning.tables import PIPED_WIDTH
+from autopar.planning.cost.layout import Cluster
+from autopar.planning.cost.models import get_model
+from autopar.planning.drawing.tables import PIPED_WIDTH
+from autopar.planning.search.planner import SearchSpace, search
 
 WIDTH = 120
 
@@ -157,13 +158,13 @@ def test_plan_table_fits_and_keeps_every_number(width):
     plan = search(spec, Cluster.of(512, "dgx-a100-80gb", 1536), SearchSpace(), top=10)
     assert plan.reference is not None  # a row more, and the longest schedule names
     console, buf = _console(width)
-    console.print(_plan_table(plan, 10), crop=False)  # as the CLI prints it
+    console.print(plan_table(plan, 10), crop=False)  # as the CLI prints it
     text = buf.getvalue()
     if width != 80:
         _fits(text)
     # narrower than the table: its rows run on past the terminal's edge (which wraps them), never cut
     rows = _table_rows(text)
-    want = [[str(k), *_row(e)] for k, e in enumerate(plan.ranked[:10], 1)] + [["paper", *_row(plan.reference)]]
+    want = [[str(k), *plan_row(e)] for k, e in enumerate(plan.ranked[:10], 1)] + [["paper", *plan_row(plan.reference)]]
     assert rows == want  # every cell whole, on one line, in its own column
 
 

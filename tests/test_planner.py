@@ -7,10 +7,10 @@ import json
 import pytest
 
 from autopar.core.config import Recompute
-from autopar.planning.calibration import PAPER_RUNS
-from autopar.planning.layout import Cluster, layout_errors
-from autopar.planning.models import ModelSpec, get_model
-from autopar.planning.planner import SearchSpace, candidate_layouts, search, why_differs
+from autopar.planning.cost.calibration import PAPER_RUNS
+from autopar.planning.cost.layout import Cluster, layout_errors
+from autopar.planning.cost.models import ModelSpec, get_model
+from autopar.planning.search.planner import SearchSpace, candidate_layouts, search, why_differs
 
 
 def _show(request: pytest.FixtureRequest, text: str) -> None:

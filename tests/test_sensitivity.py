@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from autopar.planning.calibration import PAPER_RUNS
-from autopar.planning.estimate import estimate
-from autopar.planning.layout import Cluster
-from autopar.planning.models import ModelSpec
-from autopar.planning.planner import SearchSpace, memory_line, search
-from autopar.planning.sensitivity import KNOBS, flip_lines, flip_points, memory_margin_line
+from autopar.planning.cost.calibration import PAPER_RUNS
+from autopar.planning.cost.layout import Cluster
+from autopar.planning.cost.models import ModelSpec
+from autopar.planning.cost.step_estimate import estimate
+from autopar.planning.search.planner import SearchSpace, memory_line, search
+from autopar.planning.search.sensitivity import KNOBS, flip_lines, flip_points, memory_margin_line
 
 
 def _ratio_at(chosen, other, knob, factor):

@@ -10,10 +10,10 @@ from html import escape
 
 import pytest
 
-from autopar.planning.calibration import PAPER_RUNS
-from autopar.planning.estimate import simulate_estimate
-from autopar.planning.simulate import runtime_schedule, simulate_layout_costs, simulate_layout_lowered
-from autopar.planning.viz import timeline_svg, timeline_text
+from autopar.planning.cost.calibration import PAPER_RUNS
+from autopar.planning.cost.pipeline_timeline import eager_timeline, lowered_timeline, runtime_schedule
+from autopar.planning.cost.step_timelines import estimate_with_timeline
+from autopar.planning.drawing.timeline import timeline_svg, timeline_text
 from autopar.schedules import Action, Sends, dry_run, generate, in_flight_bound, lower, peak_in_flight
 from autopar.schedules import simulate as run_schedule
 
@@ -77,8 +77,8 @@ def test_communication_is_on_the_critical_path():
 
 
 def test_lm_head_on_the_last_stage_unbalances_the_pipeline():
-    even = simulate_layout_costs("1f1b", 4, 1, 8, 1.0, 2.0, 0.0)
-    heavy = simulate_layout_costs("1f1b", 4, 1, 8, 1.0, 2.0, 0.0, last_extra=(0.5, 1.0))
+    even = eager_timeline("1f1b", 4, 1, 8, 1.0, 2.0, 0.0)
+    heavy = eager_timeline("1f1b", 4, 1, 8, 1.0, 2.0, 0.0, last_extra=(0.5, 1.0))
     # the last stage is the bottleneck: every microbatch pays its extra 1.5
     assert heavy.step_time == pytest.approx(even.step_time + 8 * 1.5)
     assert heavy.bubble_per_stage[0] > heavy.bubble_per_stage[3]
@@ -87,7 +87,7 @@ def test_lm_head_on_the_last_stage_unbalances_the_pipeline():
 @pytest.mark.parametrize("run", [r for r in PAPER_RUNS if r.p > 1], ids=lambda r: r.model)
 def test_simulated_estimate_close_to_closed_form(run):
     closed = run.predict(simulate=False)
-    est, sim = simulate_estimate(run.spec, run.cluster(), run.layout())
+    est, sim = estimate_with_timeline(run.spec, run.cluster(), run.layout())
     assert est.simulated and sim.schedule.v == run.v and sim.schedule.m == closed.m
     assert est.t_pipeline == pytest.approx(sim.step_time)
     assert est.t_iter == pytest.approx(closed.t_iter, rel=0.01)
@@ -199,8 +199,8 @@ def test_runtime_keeps_the_bubble_where_f_and_b_differ():
     and receives are waited for by their consumer, as in the planner's eager model."""
     for name, p, v, m in (("1f1b", 4, 1, 8), ("gpipe", 4, 1, 8)):
         assert simulate_lowered(runtime_schedule(name, p, v, m), 1.0, 2.0).bubble == pytest.approx((p - 1) / m)
-    low = simulate_layout_lowered("interleaved", 4, 2, 8, 1.0, 2.0, 0.0)
-    eager = simulate_layout_costs("interleaved", 4, 2, 8, 1.0, 2.0, 0.0)
+    low = lowered_timeline("interleaved", 4, 2, 8, 1.0, 2.0, 0.0)
+    eager = eager_timeline("interleaved", 4, 2, 8, 1.0, 2.0, 0.0)
     assert eager.bubble == pytest.approx(3 / 16) and low.bubble == pytest.approx(3 / 16)
 
 

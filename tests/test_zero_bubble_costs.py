@@ -12,20 +12,20 @@ from dataclasses import replace
 import pytest
 
 from autopar.cli import main
-from autopar.planning.estimate import estimate
-from autopar.planning.hardware import get_hardware
-from autopar.planning.layout import Cluster, Layout
-from autopar.planning.models import get_model
-from autopar.planning.op_times import phase_time
-from autopar.planning.planner import SearchSpace, search
-from autopar.planning.simulate import simulate_layout_costs
-from autopar.planning.transformer import layer_ops
-from autopar.planning.zero_bubble_costs import (
+from autopar.planning.cost.hardware import get_hardware
+from autopar.planning.cost.layout import Cluster, Layout
+from autopar.planning.cost.models import get_model
+from autopar.planning.cost.op_times import phase_time
+from autopar.planning.cost.pipeline_timeline import eager_timeline
+from autopar.planning.cost.step_estimate import estimate
+from autopar.planning.cost.transformer import layer_ops
+from autopar.planning.cost.zero_bubble_costs import (
     held_bounds,
     weight_grad_kept_elements,
     weight_grad_times,
     zero_bubble_idle,
 )
+from autopar.planning.search.planner import SearchSpace, search
 from autopar.schedules import Kind, generate
 
 HW = get_hardware("dgx-a100-80gb")
@@ -34,7 +34,7 @@ HW = get_hardware("dgx-a100-80gb")
 def _simulated_idle(name: str, p: int, m: int, t_f: float, t_b: float, t_w: float, c: float = 0.0) -> float:
     """The simulator's step minus each stage's work (busy time incl. its sends)."""
     v = 2 if name == "zbv" else 1
-    sim = simulate_layout_costs(name, p, v, m, t_f, t_b, c, t_w=t_w)
+    sim = eager_timeline(name, p, v, m, t_f, t_b, c, t_w=t_w)
     return sim.step_time - v * m * (t_f + t_b + 2 * c)
 
 

@@ -45,7 +45,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.core.errors import AutoparError
-from autopar.planning.models import ModelSpec
+from autopar.planning.cost.models import ModelSpec
 from autopar.compiler.trace import lm_cross_entropy, trace
 from passes.layers import find_layers
 from passes.normalize import normalize

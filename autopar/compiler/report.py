@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.compiler.sequence_report import sequence_parallel_lines
-from autopar.planning.tables import PIPED_WIDTH, compact_table
+from autopar.planning.drawing.tables import PIPED_WIDTH, compact_table
 from autopar.core.collectives import collective_named
 import torch
 
@@ -113,7 +113,7 @@ def predicted_bubble(program: Program) -> float:
 def render_summary(program: Program, width: int = PIPED_WIDTH) -> str:
     """The plan as text ``width`` columns wide: header, stages and memory, parameters,
     collectives, and whatever runs slower than it could (fallbacks, weights left whole, linears
-    left replicated). Numbers and names are never cut or wrapped (``planning/tables.py``)."""
+    left replicated). Numbers and names are never cut or wrapped (``planning/drawing/tables.py``)."""
     console = Console(record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None)
     console.print(_header(program))
     if program.layers.count:

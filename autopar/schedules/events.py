@@ -1,7 +1,7 @@
 """``Event``: one thing one pipeline rank did, from when to when.
 
 The same record for a simulated step (``autopar.schedules.simulator``), its
-pictures (``autopar.planning.viz``) and a measured one (the runtime's
+pictures (``autopar.planning.drawing.timeline``) and a measured one (the runtime's
 ``autopar.runtime.engine.timeline``), so a prediction and a measurement can be laid
 side by side.
 """

@@ -38,16 +38,14 @@ import torch
 import torch.distributed as dist
 
 from autopar.schedules import Event
+from autopar.schedules.trace_format import TRACE_FORMAT
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
     from autopar.core.mesh import Mesh
 
 __all__ = ["Event", "StepTimeline", "StepHistory", "gather_events", "gather_objects", "clock_offset",
-           "trace_metadata", "chrome_trace", "write_chrome_trace", "aligned_steps", "TRACE_FORMAT"]
-
-TRACE_FORMAT = 1
-"""Version of the ``"autopar"`` object of a trace (readers refuse others)."""
+           "trace_metadata", "chrome_trace", "write_chrome_trace", "aligned_steps"]
 
 
 @dataclass(frozen=True)

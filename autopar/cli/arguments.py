@@ -1,0 +1,137 @@
+"""The ``autopar`` command line's parsers: ``plan``, ``simulate``, ``run`` and ``export``.
+
+``build_parser`` is the whole command line; the flags that describe a model, a cluster and a
+layout are shared by ``plan`` and ``simulate`` (``add_model_args``). The tables here map a
+flag's words to what the planner takes (``RECOMPUTE_FLAG``, ``FEATURE_FLAG``) and name the
+model features its dimensions do not say (``FEATURES``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from autopar.core.config import SCHEDULE_NAMES, Recompute
+from autopar.planning.cost.hardware import PROFILES
+from autopar.planning.cost.layout import PRICED_RECOMPUTE
+
+__all__ = ["build_parser", "add_model_args", "FEATURES", "FEATURE_FLAG", "RECOMPUTE_FLAG"]
+
+RECOMPUTE_FLAG: dict[str, tuple[Recompute, ...]] = {
+    "layer": (Recompute.LAYER,),
+    "full": (Recompute.LAYER,),  # Megatron's name for per-layer recomputation, kept as an alias
+    "none": (Recompute.NONE,),
+    "any": PRICED_RECOMPUTE,
+}
+"""``--recompute`` -> the recomputation modes the planner tries."""
+
+FEATURE_FLAG: dict[str, tuple[bool, ...]] = {"off": (False,), "on": (True,), "search": (False, True)}
+"""``--sequence-parallel`` / ``--distributed-optimizer`` -> the choices the planner tries."""
+
+FEATURES = (
+    ("fused-attention", True, "attention as one fused kernel (FlashAttention, sdpa) keeping no s x s scores"),
+    ("dropout", False, "dropout after the embedding, on the attention and before each residual add"),
+    ("tied-head", False, "the LM head uses the word embedding's table (GPT-2) instead of its own (Llama)"),
+    ("learned-positions", False, "a learned position table (GPT-2) instead of rotary positions (Llama)"),
+)
+"""(flag, default for a model given by its dimensions, what it is): what the dimensions do not say
+(``ModelSpec``'s fields of the same names); the defaults fit current models (Llama, Mistral, Qwen)."""
+
+
+def add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -> None:
+    """The model, cluster and layout flags of ``plan`` and ``simulate``."""
+    g = ap.add_argument_group("model (a preset, a HuggingFace config, or dimensions)")
+    g.add_argument("--model", help="preset: gpt-1.7b, gpt-3.6b, gpt-7.5b, gpt-18b, gpt-39b, gpt-76b, "
+                                   "gpt-145b, gpt-310b, gpt-530b, gpt-1t")
+    g.add_argument("--hf-config", help="a HuggingFace config.json (or its folder): the model is built on the "
+                                       "meta device and its dimensions read from its traced graph "
+                                       "(needs transformers; --seq-len sets the sequence, default 2048)")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--hidden", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--seq-len", type=int, default=None)
+    g.add_argument("--vocab", type=int, default=None)
+    g.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 * hidden)")
+    g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: heads)")
+    g.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (three projections)")
+    for flag, default, what in FEATURES:
+        g.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"{what} (dimensions: default {'on' if default else 'off'}, as current models; "
+                            f"--model: the preset's; --hf-config reads it from the model)")
+    c = ap.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, required=required_cluster)
+    c.add_argument("--batch", type=int, required=required_cluster, help="global batch (sequences)")
+    c.add_argument("--hardware", default="dgx-a100-80gb", choices=sorted(PROFILES))
+    c.add_argument("--memory-headroom", type=float, default=None,
+                   help="fraction of each GPU's HBM a layout may use (default: the profile's, 0.90); "
+                        "lower it to keep a margin for fragmentation and buffers the model does not count")
+    lay = ap.add_argument_group("layout (fix any of these to restrict the search)")
+    lay.add_argument("--tp", type=int, help="tensor-parallel degree t")
+    lay.add_argument("--pp", type=int, help="pipeline stages p")
+    lay.add_argument("--vp", type=int, help="model chunks per stage v (interleaved when > 1)")
+    lay.add_argument("--micro-batch", type=int, help="micro-batch size b")
+    lay.add_argument("--schedule", choices=SCHEDULE_NAMES,
+                     help="pipeline schedule (default: search 1f1b, interleaved and the zero-bubble 'zb-h1' "
+                          "and 'zbv', v=2 in a V)")
+    lay.add_argument("--recompute", choices=tuple(RECOMPUTE_FLAG), default="any",
+                     help="activation recomputation: 'layer' keeps each layer's input and recomputes the layer "
+                          "in the backward ('full' is an alias, Megatron's name), 'none' keeps every activation, "
+                          "'any' tries both (default). The cost model does not price 'chunk'.")
+    lay.add_argument("--dp-overlap", action="store_true",
+                     help="overlap the gradient all-reduce with the backward (PyTorch DDP) in layouts without "
+                          "a pipeline (Megatron-LM 2021 could not with one)")
+    lay.add_argument("--dp-overlap-pipelined", action="store_true",
+                     help="overlap it in pipelined layouts too (autopar's runtime can)")
+    lay.add_argument("--no-scatter-gather", action="store_true")
+    lay.add_argument("--uneven-layers", action="store_true", help="allow layers not divisible by p*v")
+    lay.add_argument("--sequence-parallel", choices=tuple(FEATURE_FLAG), default="off",
+                     help="sequence parallelism (norms, dropout, residual adds on s/t tokens; activations /t): "
+                          "'off' (default, the paper's Megatron-LM 2021 had none), 'on', or 'search' both when t > 1")
+    lay.add_argument("--distributed-optimizer", choices=tuple(FEATURE_FLAG), default="off",
+                     help="distributed optimizer (optimizer state 12/d bytes per parameter, gradients "
+                          "reduce-scattered, parameters all-gathered): 'off' (default, as in the paper), 'on', "
+                          "or 'search' both when d > 1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: one subcommand per job."""
+    ap = argparse.ArgumentParser(prog="autopar", description="3D-parallel training planner and tools.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="rank layouts (t, p, d, v, micro-batch, schedule, recompute)")
+    add_model_args(plan)
+    plan.add_argument("--top", type=int, default=10, help="rows to show")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan.add_argument("--explain", action="store_true", help="print the formulas and their values")
+    vs = plan.add_argument_group("versus: a second layout, its terms beside the first's (compute, bubble, "
+                                 "imbalance, tensor-parallel, pipeline and data-parallel communication, optimizer)")
+    vs.add_argument("--vs-tp", type=int, help="the other layout's t (default: the first's restriction)")
+    vs.add_argument("--vs-pp", type=int, help="the other layout's p")
+    vs.add_argument("--vs-vp", type=int, help="the other layout's v")
+    vs.add_argument("--vs-micro-batch", type=int, help="the other layout's micro-batch")
+    sim = sub.add_parser("simulate", help="simulate a pipeline step and draw its timeline")
+    add_model_args(sim, required_cluster=False)
+    sim.add_argument("--microbatches", type=int, help="m, for unit-cost simulation without a model")
+    sim.add_argument("--svg", default="autopar-timeline.svg", help="SVG output path ('' for none)")
+    sim.add_argument("--width", type=int, default=0, help="terminal columns for the timeline")
+    sim.add_argument("--svg-width", type=int, default=0,
+                     help="SVG width in pixels (default: about 34 px per action of the busiest stage)")
+    sim.add_argument("--eager", action="store_true",
+                     help="draw the planner's model (compute-only schedule, eager blocking sends, as "
+                          "Megatron-LM) instead of the lowered schedule autopar's runtime runs")
+    sim.add_argument("--measured", "--from-trace", metavar="TRACE", dest="measured",
+                     help="a trace engine.write_trace(path, steps=k) wrote: simulate its schedule with the run's "
+                          "per-action costs; --svg draws measured above predicted; see --trace-out")
+    sim.add_argument("--trace-out", default=None,
+                     help="with --measured: a Perfetto trace of the measured steps and the prediction "
+                          "(default: TRACE with -vs-predicted.json)")
+    run = sub.add_parser("run", help="start N local ranks of a training script (torchrun-style)")
+    run.add_argument("--nproc", type=int, required=True, help="number of ranks")
+    run.add_argument("--timeout", type=float, default=None, help="stop all ranks after this many seconds")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    exp = sub.add_parser("export", help="convert a saved autopar checkpoint to a HuggingFace directory")
+    exp.add_argument("checkpoint", help="a checkpoint root (the step its 'latest' file names) or one step directory")
+    exp.add_argument("--to-hf", required=True, metavar="DIR",
+                     help="the directory to write: safetensors, their index, config.json (from_pretrained loads it)")
+    exp.add_argument("--max-shard-size", default="5GB",
+                     help="largest weight file, e.g. 5GB, 500MB, 2GiB or bytes (a larger tensor gets a file alone)")
+    return ap

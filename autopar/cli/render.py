@@ -1,0 +1,126 @@
+"""What the commands print: the console, and the tables of ``autopar plan`` (the ranked layouts,
+the formulas, where the time goes, one layer's kernels) and of ``autopar simulate --measured``
+(the measured steps, the per-action costs), each a ``compact_table`` that never cuts a number."""
+
+from __future__ import annotations
+
+import sympy as sp
+from rich.console import Console
+from rich.table import Table
+
+from autopar.planning.cost.formulas import explain
+from autopar.planning.cost.op_times import op_time
+from autopar.planning.cost.step_estimate import Estimate
+from autopar.planning.cost.transformer import layer_ops
+from autopar.planning.drawing.tables import PIPED_WIDTH, compact_table
+from autopar.planning.measured.comparison import Comparison
+from autopar.planning.search.planner import Plan
+
+__all__ = ["make_console", "plan_row", "plan_table", "breakdown_table", "ops_table", "explain_rows",
+           "explain_table", "measured_table", "costs_table"]
+
+GiB = 2**30
+
+_SCHEDULE_LABELS = {"1f1b": "1F1B", "interleaved": "interl.", "gpipe": "GPipe", "zb-h1": "ZB-H1", "zbv": "ZB-V"}
+
+PLAN_COLUMNS = ("#", "t", "p", "d", "v", "b", "m", "sched", "recomp", "SP", "DO", "iter s", "TFLOP/s",
+                "peak", "GiB", "bubble", "comm s")
+"""The plan table's headers, short so that the table fits 120 columns (the caption says each)."""
+
+
+def make_console(width: int | None = None) -> Console:
+    """The console the commands print to: ``width`` columns if given, else the terminal's, or
+    ``PIPED_WIDTH`` when the output is not a terminal (rich would assume 80 and cut the tables).
+    Tables are printed uncropped: in a terminal narrower than a table its lines run on (the
+    terminal wraps them) rather than lose their last columns."""
+    console = Console(width=width)
+    if width is None and not console.is_terminal:
+        console = Console(width=PIPED_WIDTH)
+    return console
+
+
+def plan_row(e: Estimate) -> list[str]:
+    """One ranked layout's cells after its rank (``PLAN_COLUMNS[1:]``)."""
+    lay = e.layout
+    sched = _SCHEDULE_LABELS[lay.schedule] if lay.p > 1 else "-"
+    return [str(lay.t), str(lay.p), str(lay.d), str(lay.v), str(lay.b), str(e.m),
+            sched + ("*" if e.simulated else "") + ("" if e.runnable else "!"), str(lay.recompute),
+            "on" if lay.sp else "-", "on" if lay.distopt else "-",
+            f"{e.t_iter:.3f}", f"{e.tflops_per_gpu:.1f}", f"{e.frac_peak:.1%}", f"{e.memory.total / GiB:.1f}",
+            f"{e.bubble:.1%}", f"{e.comm_time:.3f}"]
+
+
+def plan_table(plan: Plan, top: int) -> Table:
+    """The ``top`` ranked layouts, and the paper's layout when there is one."""
+    hw = plan.cluster.hardware
+    rows = [[str(k), *plan_row(e)] for k, e in enumerate(plan.ranked[:top], 1)]
+    styles: list[str | None] = [None] * len(rows)
+    if plan.reference is not None:
+        rows.append(["paper", *plan_row(plan.reference)])
+        styles.append("yellow")
+    return compact_table(
+        f"{plan.spec.label} on {plan.cluster.gpus} x {hw.gpu} ({hw.name}), global batch "
+        f"{plan.cluster.global_batch}: {plan.evaluated} layouts in {plan.seconds:.2f} s", PLAN_COLUMNS, rows,
+        caption="ranked by predicted iteration time (s); sched: schedule (interl. = interleaved 1F1B, * = simulated, "
+                "! = priced but not runnable: the schedule's rules, listed below); recomp: recomputation; SP: "
+                "sequence parallelism; DO: distributed optimizer; TFLOP/s per GPU count the FLOPs executed "
+                "(recomputation included, as the paper counts); peak: of the GPU's peak; GiB per GPU; comm: "
+                "exposed tensor-parallel, pipeline and data-parallel communication (s)",
+        left=("sched", "recomp", "SP", "DO"), styles=styles)
+
+
+def breakdown_table(e: Estimate) -> Table:
+    """Where an iteration's time goes, part by part."""
+    rows = [[k, f"{v:.3f}", f"{v / e.t_iter:.1%}"] for k, v in e.breakdown.items()]
+    rows.append(["iteration", f"{e.t_iter:.3f}", "100%"])
+    return compact_table(f"where the time goes: {e.layout.short}", ("part", "seconds", "share"), rows,
+                         left=("part",), styles=[None] * (len(rows) - 1) + ["bold"])
+
+
+def ops_table(e: Estimate) -> Table:
+    """One layer's forward kernels on one GPU: shapes, FLOPs, bytes and time."""
+    hw, lay = e.cluster.hardware, e.layout
+    ops = layer_ops(e.spec, lay.b, lay.t)
+    rows = [[op.name, op.kind, str(op.gemm) if op.gemm else "", f"{op.flops / 1e9:.2f}", f"{op.bytes / 1e6:.1f}",
+             f"{op_time(op, hw, lay.t) * 1e6:.0f}"] for op in ops.forward]
+    return compact_table(f"one layer, forward, on one GPU (b={lay.b}, t={lay.t})",
+                         ("op", "kind", "GEMM (batch, M, N, K)", "GFLOP", "MB", "time (us)"), rows,
+                         left=("op", "kind", "GEMM (batch, M, N, K)"))
+
+
+def explain_rows(e: Estimate) -> list[tuple[str, str, str, str]]:
+    """(name, what it is, formula, value) of each of the paper's formulas for ``e``."""
+    rows = []
+    for x in explain(e):
+        val = f"{x.value:.4g}" + (f" {x.unit}" if x.unit else "")
+        rows.append((x.key, x.description, sp.sstr(x.expr), val))
+    return rows
+
+
+def explain_table(e: Estimate) -> Table:
+    """Name and value (never cut), then the formula and under it what it is (wrapped at spaces)."""
+    rows = [[name, value, f"{formula}\n{what}"] for name, what, formula, value in explain_rows(e)]
+    return compact_table(f"the paper's formulas for {e.layout.short}", ("name", "value", "formula, and what it is"),
+                         rows, left=("name",), wrap=("formula, and what it is",))
+
+
+def measured_table(comp: Comparison) -> Table:
+    """Per step: measured, predicted with its own median costs, replayed action by action."""
+    rows = [[str(s.step), f"{s.measured * 1e3:.2f}", f"{s.predicted * 1e3:.2f}", f"{s.ratio:.3f}",
+             f"{s.replayed * 1e3:.2f}", f"{s.replay_ratio:.3f}"] for s in comp.per_step]
+    return compact_table("steps (ms): measured, simulated with the step's own costs, replayed action by action",
+                         ("step", "measured", "predicted", "ratio", "replayed", "ratio"), rows)
+
+
+def costs_table(comp: Comparison) -> Table:
+    """Per chunk: its stage and the measured per-action costs the prediction ran with (medians, ms):
+    F, B (the input gradient alone where W is apart), W, and the transfers of its results."""
+    costs, sched = comp.costs, comp.run.schedule
+    split = costs.splits_backward
+    cols = ("chunk", "stage", "F", "B", *(("W",) if split else ()), "send F", "send B")
+    ms = lambda key, table: f"{table[key] * 1e3:.3f}" if key in table else "-"  # noqa: E731
+    rows = [[str(c), str(sched.stage_of(c)), ms(("F", c), costs.compute), ms(("B", c), costs.compute),
+             *((ms(("W", c), costs.compute),) if split else ()), ms(("F", c), costs.transfer),
+             ms(("B", c), costs.transfer)] for c in range(sched.num_chunks)]
+    return compact_table("per-action costs (ms, medians over the compared steps); send: a message's transfer",
+                         cols, rows)

@@ -1,0 +1,143 @@
+"""Hardware profiles for the performance model: facts about a node, plus the
+few efficiencies that turn peak numbers into achieved ones.
+
+A profile is split in two on purpose:
+
+- ``Hardware`` holds *facts* from data sheets (peak FLOP/s, HBM size and
+  bandwidth, SM count, link rates) and two *measured* link efficiencies taken
+  from public nccl-tests results, not fitted to anything here.
+- ``Efficiency`` holds the *free constants* of the model: how close a large
+  GEMM and a memory-bound kernel come to the peaks, fitted on the six
+  calibration rows of the paper (see docs/performance-model.md, which lists
+  each constant, its value and why). Everything else is first principles.
+
+Units: FLOP/s, bytes, bytes/s, seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from autopar.planning.errors import PlanError
+
+__all__ = ["Efficiency", "Hardware", "PROFILES", "get_hardware"]
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The model's free constants (see docs/performance-model.md)."""
+
+    gemm: float = 0.68
+    """Fraction of peak FLOP/s reached by a large, well-shaped fp16 GEMM inside a
+    training step (clocks under power load, kernel choice). Fitted on the paper's
+    six rows by ``autopar.planning.cost.calibration.fit_efficiency()``."""
+    hbm: float = 0.76
+    """Fraction of HBM bandwidth reached by the memory-bound kernels of a 2021
+    Megatron step (softmax, dropout, LayerNorm, GeLU, casts, Adam). Fitted with ``gemm``."""
+    gemm_k_overhead: float = 64.0
+    """K0: a GEMM tile's prologue/epilogue costs as much as K0 extra steps of
+    its K loop, so efficiency scales by K / (K + K0) (hurts head_dim=96..128
+    attention matmuls). Fixed from the shape of the CUTLASS mainloop (a few
+    stages of 32-deep k-tiles), not fitted."""
+    kernel_overhead: float = 4e-6
+    """Seconds of launch/tail gap per kernel (typical CUDA launch gap). Fixed."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of node: GPUs, their memory and their links."""
+
+    name: str
+    """Profile key, e.g. ``dgx-a100-80gb``."""
+    gpu: str
+    """GPU model, for display."""
+    gpus_per_node: int
+    """GPUs sharing one NVLink/NVSwitch domain."""
+    peak_flops: float
+    """Dense fp16/bf16 tensor-core FLOP/s of one GPU (the paper's 'peak')."""
+    hbm_bytes: float
+    """Memory of one GPU, bytes."""
+    hbm_bw: float
+    """HBM bandwidth of one GPU, bytes/s."""
+    sm_count: int
+    """Streaming multiprocessors (GEMM tiles run one wave of this many at a time)."""
+    nvlink_bw: float
+    """NVLink bandwidth per GPU per direction, bytes/s (half the bidirectional figure)."""
+    ib_bw: float
+    """Inter-node bandwidth per GPU per direction, bytes/s (one NIC per GPU)."""
+    nvlink_latency: float = 5e-6
+    """Per-step latency of an NVLink collective or send, seconds."""
+    ib_latency: float = 10e-6
+    """Per-step latency of an InfiniBand collective or send, seconds."""
+    nvlink_efficiency: float = 0.78
+    """Measured: NCCL all-reduce bus bandwidth over NVLink / nominal rate
+    (nccl-tests on DGX A100: about 230-235 GB/s of 300)."""
+    ib_efficiency: float = 0.92
+    """Measured: NCCL bus bandwidth per NIC / line rate (about 23 of 25 GB/s on HDR)."""
+    memory_headroom: float = 0.90
+    """Fraction of HBM the planner lets a layout use (CUDA context, NCCL
+    buffers, allocator fragmentation take the rest)."""
+    eff: Efficiency = field(default_factory=Efficiency)
+    """The model's free constants for this hardware."""
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.hbm_bytes * self.memory_headroom
+
+    def with_efficiency(self, **kw: float) -> "Hardware":
+        """A copy with some free constants changed (for calibration and tests)."""
+        return replace(self, eff=replace(self.eff, **kw))
+
+
+PROFILES: dict[str, Hardware] = {
+    # The paper's Selene nodes: 8x A100-SXM4-80GB, NVSwitch (600 GB/s per GPU,
+    # bidirectional), 8x 200 Gb/s HDR InfiniBand per node (one NIC per GPU).
+    "dgx-a100-80gb": Hardware(
+        name="dgx-a100-80gb",
+        gpu="A100-SXM4-80GB",
+        gpus_per_node=8,
+        peak_flops=312e12,
+        hbm_bytes=80 * GiB,
+        hbm_bw=2039 * GB,
+        sm_count=108,
+        nvlink_bw=300 * GB,
+        ib_bw=200e9 / 8,
+    ),
+    # DGX H100: 8x H100-SXM5-80GB, NVLink 4 (900 GB/s bidirectional),
+    # 8x 400 Gb/s NDR. Efficiencies reuse the A100 calibration (unvalidated).
+    "dgx-h100": Hardware(
+        name="dgx-h100",
+        gpu="H100-SXM5-80GB",
+        gpus_per_node=8,
+        peak_flops=989e12,
+        hbm_bytes=80 * GiB,
+        hbm_bw=3350 * GB,
+        sm_count=132,
+        nvlink_bw=450 * GB,
+        ib_bw=400e9 / 8,
+    ),
+    # DGX H200: H100 compute with 141 GB HBM3e at 4.8 TB/s.
+    "dgx-h200": Hardware(
+        name="dgx-h200",
+        gpu="H200-SXM-141GB",
+        gpus_per_node=8,
+        peak_flops=989e12,
+        hbm_bytes=141 * GB,
+        hbm_bw=4800 * GB,
+        sm_count=132,
+        nvlink_bw=450 * GB,
+        ib_bw=400e9 / 8,
+    ),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    """The profile called ``name``; the error lists the known ones."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        known = ", ".join(sorted(PROFILES))
+        raise PlanError(f"unknown hardware profile {name!r}; known: {known}") from None

@@ -1,0 +1,195 @@
+"""Where and how to run: the ``Cluster`` (GPUs, node profile, global batch), a ``Layout``
+of it (t, p, d, v, micro-batch, schedule, recomputation, sequence parallelism, distributed
+optimizer, byte sizes) and the rules a layout must keep."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.core.config import RECOMPUTE, SCHEDULE_NAMES, ParallelConfig, Recompute, microbatch_errors
+from autopar.planning.cost.hardware import Hardware, get_hardware
+from autopar.planning.cost.models import ModelSpec
+from autopar.planning.cost.precision import MIXED, Precision
+from autopar.planning.errors import PlanError
+
+__all__ = ["Cluster", "Layout", "layout_errors", "runtime_errors", "PRICED_RECOMPUTE"]
+
+PRICED_RECOMPUTE: tuple[Recompute, ...] = (Recompute.LAYER, Recompute.NONE)
+"""The recomputation modes the cost model prices. ``chunk`` (the whole chunk re-materialised in
+its backward, embedding and LM head included) is not: its memory and time differ from
+``layer``'s in ways the model does not follow, so a layout asking for it is refused."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: how many GPUs of which kind, and the global batch to train."""
+
+    gpus: int
+    """Total GPUs, n."""
+    hardware: Hardware
+    """Node profile."""
+    global_batch: int
+    """Sequences per optimizer step, B."""
+
+    @classmethod
+    def of(cls, gpus: int, hardware: str | Hardware, global_batch: int) -> Cluster:
+        """``hardware`` by profile name (``hardware.PROFILES``) or given."""
+        hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+        return cls(gpus, hw, global_batch)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run: parallel degrees, micro-batch, schedule, recomputation."""
+
+    t: int
+    """Tensor-parallel degree: a divisor of the GPUs of a node (NVLink), or a multiple of it
+    (the group spans t / G nodes, its all-reduces cross InfiniBand)."""
+    p: int
+    """Pipeline stages."""
+    d: int
+    """Data-parallel replicas."""
+    b: int
+    """Micro-batch size (sequences)."""
+    v: int = 1
+    """Model chunks per pipeline stage (interleaved schedule when > 1)."""
+    schedule: str = ""
+    """``1f1b``, ``interleaved``, ``gpipe``, or the zero-bubble ``zb-h1`` (v = 1) and ``zbv`` (v = 2);
+    empty means interleaved if v > 1 else 1f1b."""
+    recompute: Recompute | str = Recompute.LAYER
+    """Activation recomputation, ``core.config.Recompute``: ``layer`` (each layer's input kept,
+    the layer recomputed in its backward: Megatron's "full" recomputation, as in every paper
+    run) or ``none``. ``chunk`` is refused (``PRICED_RECOMPUTE``)."""
+    scatter_gather: bool = True
+    """Send 1/t of each boundary activation and all-gather it over NVLink."""
+    dp_overlap: bool = False
+    """Overlap the data-parallel gradient all-reduce with the last backward."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (Korthikanti et al. 2022): LayerNorm, dropout and the
+    residual adds run on s/t tokens per rank, g's all-reduce becomes a reduce-scatter and f's
+    identity an all-gather. Off by default (the paper's runs); no effect at t = 1."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (ZeRO stage 1): the optimizer state sharded over the d
+    replicas, gradients reduce-scattered and parameters all-gathered after the step. Off by
+    default (the paper's runs); no effect at d = 1."""
+    precision: Precision = field(default=MIXED, compare=True)
+    """Byte sizes of weights, gradients, activations and optimizer state (``precision.py``)."""
+
+    def __post_init__(self) -> None:
+        if not self.schedule:
+            object.__setattr__(self, "schedule", "interleaved" if self.v > 1 else "1f1b")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise PlanError(f"schedule must be one of {SCHEDULE_NAMES}, got {self.schedule!r}")
+        if self.recompute not in RECOMPUTE:
+            alias = " ('full', Megatron's name, is 'layer')" if self.recompute == "full" else ""
+            raise PlanError(f"recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}{alias}")
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
+        if self.recompute not in PRICED_RECOMPUTE:
+            raise PlanError(f"the cost model prices recompute 'layer' or 'none', not {str(self.recompute)!r}: "
+                            "re-materialising a whole chunk (embedding and LM head included) in its backward "
+                            "changes its memory and time in ways it does not model")
+        if min(self.t, self.p, self.d, self.b, self.v) < 1:
+            raise PlanError(f"all degrees must be >= 1: {self}")
+        if self.schedule == "1f1b" and self.v != 1:
+            raise PlanError(f"1f1b runs one chunk per stage (v=1), got v={self.v}; use 'interleaved'")
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (asked for, and t > 1)."""
+        return self.sequence_parallel and self.t > 1
+
+    @property
+    def distopt(self) -> bool:
+        """The distributed optimizer in effect (asked for, and d > 1)."""
+        return self.distributed_optimizer and self.d > 1
+
+    @classmethod
+    def from_config(cls, config: ParallelConfig, micro_batch_size: int,
+                    precision: Precision = MIXED) -> Layout:
+        """The layout a program compiled with ``config`` runs, micro-batches of ``micro_batch_size``.
+
+        d is ``config.data_parallel``; the gradient all-reduce overlaps the backward
+        (autopar's runtime reduces each bucket as soon as its last gradient is made).
+        Estimate it on a cluster of t p d GPUs with a global batch of
+        ``config.microbatches * d * micro_batch_size`` sequences, so that m is the
+        config's. Sequence parallelism and the distributed optimizer are read from the
+        config when it has them (``sequence_parallel``, ``distributed_optimizer``; off
+        otherwise; ``sequence_parallel=None``, "on where it fits", counts as on when t > 1:
+        a compiled program's own answer is ``program.sequence is not None``). Memory is priced in ``precision``: mixed precision (16-bit weights and
+        activations, fp32 master weights and Adam state, the paper's) by default, or
+        ``precision.runtime_precision(config.precision)`` for what autopar's runtime holds.
+        ``recompute='chunk'`` is refused (``PRICED_RECOMPUTE``).
+        """
+        return cls(t=config.tp, p=config.pp, d=config.data_parallel, b=micro_batch_size, v=config.virtual_stages,
+                   schedule=config.schedule, recompute=config.recompute, scatter_gather=config.scatter_gather,
+                   dp_overlap=True, sequence_parallel=_sequence_parallel(config),
+                   distributed_optimizer=bool(getattr(config, "distributed_optimizer", False)), precision=precision)
+
+    @property
+    def short(self) -> str:
+        parts = [f"t={self.t}", f"p={self.p}", f"d={self.d}", f"b={self.b}"]
+        if self.v > 1:
+            parts.append(f"v={self.v}")
+        if self.p > 1:
+            parts.append({"1f1b": "1F1B", "interleaved": "int", "gpipe": "GPipe", "zb-h1": "ZB-H1",
+                          "zbv": "ZB-V"}[self.schedule])
+        if self.recompute is Recompute.NONE:
+            parts.append("no-rc")
+        if self.sp:
+            parts.append("sp")
+        if self.distopt:
+            parts.append("distopt")
+        return " ".join(parts)
+
+
+def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_layers: bool = True,
+                  runnable: bool = True) -> list[str]:
+    """Every rule ``lay`` breaks, each naming the numbers and the fix (empty if valid); with
+    ``runnable=False`` only those the cost model needs, not the schedule's (``runtime_errors``)."""
+    errs = []
+    hw = cluster.hardware
+    if lay.t * lay.p * lay.d != cluster.gpus:
+        errs.append(f"t({lay.t}) * p({lay.p}) * d({lay.d}) = {lay.t * lay.p * lay.d}, "
+                    f"but the cluster has {cluster.gpus} GPUs")
+    G = hw.gpus_per_node
+    if (lay.t < G and G % lay.t) or (lay.t > G and lay.t % G):
+        errs.append(f"t={lay.t} must divide the {G} GPUs of a node or be a multiple of it (a tensor-parallel "
+                    f"group fills whole nodes): try t in {sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if G % k == 0 or k % G == 0})}")
+    if spec.heads % lay.t or spec.kv % lay.t:
+        errs.append(f"heads ({spec.heads}, kv {spec.kv}) must be divisible by t={lay.t}")
+    if spec.ffn_size % lay.t:
+        errs.append(f"ffn ({spec.ffn_size}) must be divisible by t={lay.t}")
+    if lay.sp and spec.seq_len % lay.t:
+        errs.append(f"sequence parallelism splits the {spec.seq_len} tokens of a sequence over t={lay.t} ranks: "
+                    f"seq_len must be divisible by t (or turn sequence parallelism off)")
+    chunks = lay.p * lay.v
+    if spec.layers < chunks:
+        errs.append(f"{spec.layers} layers cannot fill p*v = {lay.p}*{lay.v} = {chunks} chunks")
+    elif divisible_layers and spec.layers % chunks:
+        errs.append(f"layers ({spec.layers}) must be divisible by p*v = {chunks}")
+    if lay.v > 1 and lay.p == 1:
+        errs.append(f"v={lay.v} needs a pipeline (p > 1)")
+    B = cluster.global_batch
+    if B % (lay.d * lay.b):
+        errs.append(f"global batch {B} is not divisible by d*b = {lay.d}*{lay.b} = {lay.d * lay.b}")
+    elif runnable:
+        errs += runtime_errors(cluster, lay)
+    return errs
+
+
+def runtime_errors(cluster: Cluster, lay: Layout) -> list[str]:
+    """The rules of the schedule (``core.config.microbatch_errors``) that ``lay`` breaks: a layout
+    breaking only these can be priced (closed form) but not run by autopar's runtime."""
+    B = cluster.global_batch
+    if B % (lay.d * lay.b):
+        return []
+    m = B // (lay.d * lay.b)
+    return [f"with m = B/(d b) = {B}/({lay.d}*{lay.b}) = {m} microbatches, {e}"
+            for e in microbatch_errors(lay.schedule, lay.p, lay.v, m)]
+
+
+def _sequence_parallel(config) -> bool:
+    """A config's sequence parallelism as the cost model prices it: None (on where it fits) is on
+    whenever there is more than one tensor-parallel rank."""
+    sp = getattr(config, "sequence_parallel", False)
+    return config.tp > 1 if sp is None else bool(sp)

@@ -1,0 +1,124 @@
+"""Communication times: ring collectives and point-to-point messages, and which link
+(NVLink inside a node, the NICs across nodes) a group of the layout uses.
+
+Ranks are laid out tensor-parallel fastest, then data-parallel, then pipeline:
+a tensor-parallel group stays inside a node while t divides the GPUs of a node
+and spans t / G whole nodes beyond (``tp_allreduce_time``), a data-parallel
+group spans nodes once d > GPUs per node / t, and adjacent pipeline stages are
+t d ranks apart (``stage_link``).
+"""
+
+from __future__ import annotations
+
+from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, wire_factor
+from autopar.planning.cost.hardware import Hardware
+
+__all__ = ["intra_node_bw", "inter_node_bw", "allreduce_time", "allgather_time", "reduce_scatter_time", "p2p_time", "dp_link",
+           "stage_link", "tp_allreduce_time", "tp_half_time", "flat_ring_allreduce_time",
+           "hierarchical_allreduce_time"]
+
+
+def intra_node_bw(hw: Hardware) -> float:
+    """NCCL bus bandwidth over NVLink, bytes/s (line rate x measured efficiency)."""
+    return hw.nvlink_bw * hw.nvlink_efficiency
+
+
+def inter_node_bw(hw: Hardware) -> float:
+    """NCCL bus bandwidth of one NIC, bytes/s (line rate x measured efficiency)."""
+    return hw.ib_bw * hw.ib_efficiency
+
+
+def allreduce_time(nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Ring all-reduce of ``nbytes`` over n ranks: 2 (n-1)/n * bytes / bw + 2 (n-1) latency
+    (the wire factor is the collective registry's, ``autopar.core.collectives.wire_factor``)."""
+    if n <= 1:
+        return 0.0
+    return wire_factor(ALL_REDUCE, n) * nbytes / bw + 2 * (n - 1) * latency
+
+
+def allgather_time(nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Ring all-gather of a tensor of ``nbytes`` in total: (n-1)/n * bytes / bw + (n-1) latency."""
+    if n <= 1:
+        return 0.0
+    return wire_factor(ALL_GATHER, n) * nbytes / bw + (n - 1) * latency
+
+
+def reduce_scatter_time(nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Ring reduce-scatter of a tensor of ``nbytes`` in total: the first half of a ring all-reduce,
+    priced as an all-gather of the same tensor ((n-1)/n * bytes / bw + (n-1) latency)."""
+    return allgather_time(nbytes, n, bw, latency)
+
+
+def p2p_time(nbytes: float, bw: float, latency: float) -> float:
+    """One point-to-point message."""
+    return nbytes / bw + latency
+
+
+def flat_ring_allreduce_time(nbytes: float, n: int, hw: Hardware) -> float:
+    """One ring over n ranks that span n / G whole nodes, as NCCL builds it: G rings (channels),
+    each carrying 1/G of the tensor and leaving each node through its own NIC, so a node's G
+    NICs carry the inter-node hops in parallel. Every step of a ring waits for its slowest hop:
+    bus bandwidth min(NVLink, G NICs), and each of the 2 (n-1) steps pays the InfiniBand latency.
+    """
+    bw = min(intra_node_bw(hw), hw.gpus_per_node * inter_node_bw(hw))
+    return allreduce_time(nbytes, n, bw, hw.ib_latency)
+
+
+def hierarchical_allreduce_time(nbytes: float, n: int, hw: Hardware) -> float:
+    """The two-level all-reduce over n ranks on N = n / G nodes (Jia et al. 2018, "Highly Scalable
+    Deep Learning Training System with Mixed-Precision", section 3.3; Horovod's and NCCL's tree
+    variants do the same): a reduce-scatter inside each node over NVLink (each GPU then holds
+    1/G of the sum of its node), an all-reduce of that 1/G across the N nodes, each GPU through
+    its own NIC, and an all-gather inside the node. The three run one after the other."""
+    G = hw.gpus_per_node
+    inside = allgather_time(nbytes, G, intra_node_bw(hw), hw.nvlink_latency)
+    across = allreduce_time(nbytes / G, n // G, inter_node_bw(hw), hw.ib_latency)
+    return 2 * inside + across
+
+
+def tp_allreduce_time(nbytes: float, t: int, hw: Hardware) -> float:
+    """A tensor-parallel all-reduce of ``nbytes`` over t ranks: a ring over NVLink while t
+    divides the GPUs of a node; across nodes the faster of the flat ring and the hierarchical
+    all-reduce (NCCL's tuner picks, per call, the algorithm its own cost model says is fastest).
+    The flat ring wins for large tensors at a few nodes (all links busy at once); the
+    hierarchical one when the NICs are the bottleneck or latency dominates (2 (N-1) slow steps
+    instead of 2 (t-1))."""
+    if t <= hw.gpus_per_node:
+        return allreduce_time(nbytes, t, intra_node_bw(hw), hw.nvlink_latency)
+    return min(flat_ring_allreduce_time(nbytes, t, hw), hierarchical_allreduce_time(nbytes, t, hw))
+
+
+def tp_half_time(nbytes: float, t: int, hw: Hardware) -> float:
+    """A tensor-parallel reduce-scatter or all-gather of a tensor of ``nbytes`` (sequence
+    parallelism, scatter/gather sends): half of ``tp_allreduce_time``'s bytes and steps."""
+    if t <= hw.gpus_per_node:
+        return allgather_time(nbytes, t, intra_node_bw(hw), hw.nvlink_latency)
+    return tp_allreduce_time(nbytes, t, hw) / 2
+
+
+def dp_link(hw: Hardware, t: int, d: int) -> tuple[float, float]:
+    """(bytes/s, latency) of one data-parallel group's ring.
+
+    Ranks are laid out tp fastest, then dp: a node holds k = G / t members of a
+    DP group. If the whole group fits in a node it runs over NVLink; otherwise
+    each ring crosses nodes through the group's k NICs (k x ib_bw), and NVLink
+    is never the bottleneck.
+    """
+    G = hw.gpus_per_node
+    k = max(1, G // t)
+    if d <= k:
+        return intra_node_bw(hw), hw.nvlink_latency
+    return min(intra_node_bw(hw), k * inter_node_bw(hw)), hw.ib_latency
+
+
+def stage_link(hw: Hardware, t: int, d: int, p: int = 2) -> tuple[float, float]:
+    """(bytes/s, latency) of the slowest link between adjacent pipeline stages.
+
+    A pp peer is t d ranks away: on another node once t d >= GPUs per node. With
+    t d < G several stages share a node, but a pipeline of t d p > G ranks still
+    crosses a node boundary between some stages, and with sends that block their
+    sender (Megatron-LM 2021) every stage waits, in the steady state, for the
+    slowest boundary: the pipeline is paced by the InfiniBand hop."""
+    if t * d * p > hw.gpus_per_node:
+        return inter_node_bw(hw), hw.ib_latency
+    return intra_node_bw(hw), hw.nvlink_latency

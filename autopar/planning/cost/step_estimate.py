@@ -1,0 +1,384 @@
+"""The step estimate: one iteration of a layout, its time, throughput and memory.
+
+``estimate(spec, cluster, layout)`` combines the per-chunk forward, backward
+and recompute times (``op_times.py``), the tensor-parallel all-reduces, the
+pipeline sends (scatter/gather), the pipeline and its bubble (closed form, or
+the schedule simulator through ``pipeline_timeline.py``), the data-parallel gradient
+all-reduce (with the distributed optimizer: a reduce-scatter of the gradients and
+an all-gather of the parameters), the tied-embedding sync and the optimizer step
+(1/d of it with the distributed optimizer) into an iteration time, TFLOP/s per GPU (counted as the paper counts) and memory per GPU
+(``memory.py``). The zero-bubble schedules (ZB-H1, ZB-V) split each chunk's backward
+into B and W and have their own idle time (``zero_bubble_costs.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, Recompute
+from autopar.planning.cost.hardware import Hardware
+from autopar.planning.cost.layout import Cluster, Layout, layout_errors, runtime_errors
+from autopar.planning.cost.memory import Memory, memory_per_gpu
+from autopar.planning.cost.models import ModelSpec, params_per_stage
+from autopar.planning.cost.network import (
+    allgather_time,
+    allreduce_time,
+    dp_link,
+    reduce_scatter_time,
+    inter_node_bw,
+    p2p_time,
+    stage_link,
+    tp_half_time,
+)
+from autopar.planning.cost.op_costs import FP16
+from autopar.planning.cost.op_times import PhaseTime, layer_times
+from autopar.planning.cost.pipeline_timeline import eager_timeline
+from autopar.planning.cost.transformer import iteration_flops
+from autopar.planning.cost.zero_bubble_costs import weight_grad_times, zero_bubble_idle
+from autopar.planning.errors import PlanError
+from autopar.schedules import SimResult
+from autopar.schedules.chunk_placement import placement_of, stage_of_chunk
+
+__all__ = ["Estimate", "estimate", "OPTIMIZER_STEP_TRAFFIC_PER_PARAM", "DDP_BUCKET_BYTES",
+           "SIMULATION_LIMIT"]
+
+OPTIMIZER_STEP_TRAFFIC_PER_PARAM = 52
+"""HBM bytes the optimizer step moves per local parameter: its time, not its memory (the
+optimizer's *state* is ``core.config.optimizer_bytes_per_param``, 12 bytes in mixed
+precision). Megatron's mixed-precision Adam step, kernel by kernel:
+
+- fp16 gradient -> fp32 copy: read 2 + write 4 = 6
+- unscale and inf/nan check of the fp32 gradient: read 4 + write 4 = 8
+- gradient norm (for clipping): read 4 = 4
+- fused Adam: read the fp32 gradient, master weight, m and v (16), write the master
+  weight, m and v (12) = 28
+- fp32 master weight -> fp16 weight: read 4 + write 2 = 6
+
+6 + 8 + 4 + 28 + 6 = 52. The step is memory-bound: its time is
+``P * 52 / (achieved HBM bandwidth)``."""
+
+DDP_BUCKET_BYTES = 25e6
+"""PyTorch DDP's bucket: with overlap, at least the last bucket's all-reduce is exposed."""
+
+SIMULATION_LIMIT = 60_000
+"""Most F/B actions (2 p v m) ``estimate(simulate=True)`` runs through the schedule
+simulator (about a second); bigger pipelines keep the closed form."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted iteration of one layout: times in seconds, memory in bytes."""
+
+    spec: ModelSpec
+    cluster: Cluster
+    layout: Layout
+    m: int
+    """Microbatches per pipeline per step, B / (d b)."""
+    chunk_layers: int
+    """Layers in the largest model chunk."""
+    t_chunk_f: float
+    """Forward of one chunk for one microbatch (incl. its tensor-parallel all-reduces)."""
+    t_chunk_b: float
+    """Backward of one chunk for one microbatch, incl. recomputation."""
+    t_head_f: float
+    t_head_b: float
+    t_emb_f: float
+    t_emb_b: float
+    t_p2p: float
+    """One stage-to-stage send (scatter/gather included), blocking as in Megatron."""
+    t_pipeline: float
+    """Forward/backward of all microbatches through the pipeline, bubble included."""
+    bubble: float
+    """Bubble fraction: idle time / busy time of a stage; (p-1)/(v m) for uniform chunks."""
+    t_dp: float
+    """Data-parallel gradient all-reduce, whole (with the distributed optimizer: the gradients'
+    reduce-scatter and the parameters' all-gather together, the same bytes)."""
+    t_dp_exposed: float
+    """The part of it not hidden behind the backward (the all-gather after the step is all exposed)."""
+    t_emb_sync: float
+    """All-reduce of the tied word-embedding gradient between the first and last stage."""
+    t_optimizer: float
+    """Optimizer step (memory-bound)."""
+    breakdown: dict[str, float]
+    """Critical-path seconds by cause: gemm, memory, tp_comm, imbalance, p2p, bubble, dp, optimizer."""
+    memory: Memory
+    flops: float
+    """FLOPs of one iteration as the paper counts them."""
+    sim: SimResult | None = field(default=None, repr=False, compare=False)
+    """The simulated step when ``t_pipeline`` and ``bubble`` come from the schedule
+    simulator (and memory from the schedule's real in-flight peak), else None."""
+    t_chunk_w: float = 0.0
+    """The weight-gradient part (W) of ``t_chunk_b``: its weight GEMMs (zero-bubble schedules run
+    it as a separate action; the rest, recomputation included, is their B)."""
+    t_head_w: float = 0.0
+    """The W part of ``t_head_b`` (the LM head's weight gradient)."""
+    runtime_errors: tuple[str, ...] = ()
+    """The schedule's rules the layout breaks (``layout.runtime_errors``): priced with the closed
+    form, but autopar's runtime (and Megatron-LM) cannot run it as it is. Empty when runnable."""
+
+    @property
+    def runnable(self) -> bool:
+        return not self.runtime_errors
+
+    @property
+    def simulated(self) -> bool:
+        return self.sim is not None
+
+    @property
+    def t_iter(self) -> float:
+        return self.t_pipeline + self.t_dp_exposed + self.t_emb_sync + self.t_optimizer
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.flops / (self.t_iter * self.cluster.gpus) / 1e12
+
+    @property
+    def frac_peak(self) -> float:
+        return self.tflops_per_gpu * 1e12 / self.cluster.hardware.peak_flops
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.cluster.hardware.usable_bytes
+
+    @property
+    def comm_time(self) -> float:
+        """Exposed communication per iteration: TP all-reduces, p2p, DP, embedding sync."""
+        b = self.breakdown
+        return b["tp_comm"] + b["p2p"] + b["dp"]
+
+    def as_dict(self) -> dict:
+        lay = self.layout
+        return {
+            "model": self.spec.label, "gpus": self.cluster.gpus, "hardware": self.cluster.hardware.name,
+            "global_batch": self.cluster.global_batch,
+            "t": lay.t, "p": lay.p, "d": lay.d, "v": lay.v, "b": lay.b, "m": self.m,
+            "schedule": lay.schedule, "recompute": str(lay.recompute), "scatter_gather": lay.scatter_gather,
+            "dp_overlap": lay.dp_overlap, "sequence_parallel": lay.sp, "distributed_optimizer": lay.distopt,
+            "iteration_s": self.t_iter, "tflops_per_gpu": self.tflops_per_gpu, "frac_peak": self.frac_peak,
+            "bubble": self.bubble, "comm_s": self.comm_time, "memory_gib": self.memory.total / 2**30,
+            "fits": self.fits, "runnable": self.runnable, "runtime_errors": list(self.runtime_errors),
+            "breakdown_s": dict(self.breakdown), "simulated": self.simulated,
+            "memory_breakdown_gib": {k: getattr(self.memory, k) / 2**30
+                                     for k in ("weights", "grads", "optimizer", "buffers", "activations")},
+        }
+
+
+def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = False,
+             divisible_layers: bool = True, runnable: bool = True) -> Estimate:
+    """Predict one iteration of ``lay``.
+
+    Closed form (``simulate=False``), with per-chunk forward t_F and backward
+    t_B (recompute included) and a blocking send c per compute action:
+        T_pipe = (m v + p - 1) (t_F + t_B + 2c) + m max(head, embedding)
+    i.e. ideal m v (t_F + t_B) plus the bubble (p-1)/(v m). The zero-bubble
+    schedules replace the (p-1)(t_F + t_B + 2c) by their idle time
+    (``zero_bubble_costs.zero_bubble_idle``: exact or an upper bound), and ZB-V
+    pays head + embedding (both on stage 0) instead of their max. With
+    ``simulate=True`` the real schedule runs through the schedule simulator
+    (``autopar.planning.cost.pipeline_timeline``) with the same per-chunk costs instead, unless it has
+    more than ``SIMULATION_LIMIT`` actions (then ``Estimate.simulated`` is False).
+    Then T_iter = T_pipe + exposed DP all-reduce + tied-embedding sync + optimizer.
+    With ``runnable=False`` a layout that breaks only the schedule's rules (interleaved with
+    m not a multiple of p, say) is priced too, with the closed form, and marked
+    (``Estimate.runtime_errors``).
+    """
+    errs = layout_errors(spec, cluster, lay, divisible_layers, runnable)
+    if errs:
+        raise PlanError(f"invalid layout {lay.short} for {spec.label} on {cluster.gpus} GPUs:\n  - "
+                        + "\n  - ".join(errs))
+    hw = cluster.hardware
+    unrunnable = tuple(runtime_errors(cluster, lay))
+    simulate = simulate and not unrunnable  # the schedule cannot be generated
+    m = cluster.global_batch // (lay.d * lay.b)
+    chunk = _Chunk.of(spec, hw, lay)
+    c = _send_time(spec, hw, lay)
+    t_pipe, bubble, sim = _pipeline(lay, m, chunk, c, simulate)
+    P_max = max(params_per_stage(spec, lay.t, lay.p))
+    t_dp, t_dp_exposed = (_dp_sharded if lay.distopt else _dp_allreduce)(hw, lay, P_max, chunk.t_B)
+    t_emb = _embedding_sync(spec, hw, lay)
+    owned = P_max / lay.d if lay.distopt else P_max  # the distributed optimizer steps 1/d of them
+    t_opt = owned * OPTIMIZER_STEP_TRAFFIC_PER_PARAM / (hw.hbm_bw * hw.eff.hbm)
+    breakdown = _breakdown(chunk, lay, m, c, t_pipe, t_dp_exposed + t_emb, t_opt)
+    inflight = [sim.peak_in_flight[r] for r in range(lay.p)] if sim is not None else None
+    return Estimate(
+        spec=spec, cluster=cluster, layout=lay, m=m, chunk_layers=chunk.layers,
+        t_chunk_f=chunk.t_F, t_chunk_b=chunk.t_B, t_chunk_w=chunk.t_W, t_head_w=chunk.head_w,
+        t_head_f=chunk.head_f, t_head_b=chunk.head_b,
+        t_emb_f=chunk.emb_f, t_emb_b=chunk.emb_b, t_p2p=c, t_pipeline=t_pipe, bubble=bubble, t_dp=t_dp,
+        t_dp_exposed=t_dp_exposed, t_emb_sync=t_emb, t_optimizer=t_opt, breakdown=breakdown,
+        memory=memory_per_gpu(spec, lay, m, inflight),
+        flops=iteration_flops(spec, cluster.global_batch, lay.recompute is Recompute.LAYER),
+        sim=sim, runtime_errors=unrunnable,
+    )
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One microbatch through one model chunk (the largest), and the work the embedding
+    (first chunk) and the LM head (last chunk) add to it."""
+
+    layers: int
+    forward: PhaseTime
+    backward: PhaseTime
+    """Recomputation included."""
+    weight: PhaseTime
+    """The weight-gradient GEMMs of ``backward`` (a zero-bubble schedule's W; recomputation is B's)."""
+    times: dict[str, PhaseTime]
+    """One layer's, the embedding's and the head's phases (``op_times.layer_times``), and the
+    head's W part (``head_w``)."""
+    ends_share_stage: bool = False
+    """The embedding and the head run on one stage (ZB-V's V puts the first and last chunk on stage 0)."""
+
+    @classmethod
+    def of(cls, spec: ModelSpec, hw: Hardware, lay: Layout) -> _Chunk:
+        L = math.ceil(spec.layers / (lay.p * lay.v))
+        tm = layer_times(spec, hw, lay.b, lay.t, lay.sp)
+        wt = weight_grad_times(spec, hw, lay.b, lay.t, lay.sp)
+        rc = 1.0 if lay.recompute is Recompute.LAYER else 0.0  # each layer's forward again in its backward
+        last_stage = stage_of_chunk(placement_of(lay.schedule), lay.p, lay.p * lay.v - 1)
+        return cls(L, tm["layer_f"] * L, tm["layer_b"] * L + tm["layer_f"] * (L * rc), wt["layer_w"] * L,
+                   {**tm, "head_w": wt["head_w"]}, ends_share_stage=lay.p > 1 and last_stage == 0)
+
+    @property
+    def t_W(self) -> float:
+        return self.weight.total
+
+    @property
+    def head_w(self) -> float:
+        return self.times["head_w"].total
+
+    @property
+    def t_F(self) -> float:
+        return self.forward.total
+
+    @property
+    def t_B(self) -> float:
+        return self.backward.total
+
+    @property
+    def head_f(self) -> float:
+        return self.times["head_f"].total
+
+    @property
+    def head_b(self) -> float:
+        return self.times["head_b"].total
+
+    @property
+    def emb_f(self) -> float:
+        return self.times["emb_f"].total
+
+    @property
+    def emb_b(self) -> float:
+        return self.times["emb_b"].total
+
+    def ends(self, p: int) -> float:
+        """The embedding's and the head's work per microbatch on the critical path: both
+        without a pipeline or when they share a stage, the larger of the two (on different
+        stages) otherwise."""
+        head, emb = self.head_f + self.head_b, self.emb_f + self.emb_b
+        return max(head, emb) if p > 1 and not self.ends_share_stage else head + emb
+
+    def ends_phases(self, p: int) -> PhaseTime:
+        """``ends`` by kind: the phases of the head and the embedding, or of the slower one."""
+        head_t = self.times["head_f"] + self.times["head_b"]
+        emb_t = self.times["emb_f"] + self.times["emb_b"]
+        if p == 1 or self.ends_share_stage:
+            return head_t + emb_t
+        return head_t if head_t.total >= emb_t.total else emb_t  # the slower paces the pipeline
+
+
+def _send_time(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
+    """One stage-to-stage send of b s h fp16: 1/t of it per GPU with scatter/gather, then
+    an all-gather over NVLink; 0 without a pipeline."""
+    if lay.p == 1:
+        return 0.0
+    t = lay.t
+    bw, lat = stage_link(hw, t, lay.d, lay.p)
+    msg = FP16 * lay.b * spec.seq_len * spec.hidden
+    if lay.scatter_gather and t > 1:
+        return p2p_time(msg / t, bw, lat) + tp_half_time(msg, t, hw)
+    return p2p_time(msg, bw, lat)
+
+
+def _pipeline(lay: Layout, m: int, chunk: _Chunk, c: float, simulate: bool) -> tuple[float, float, SimResult | None]:
+    """(pipeline seconds, bubble fraction, the simulated step or None)."""
+    p, v = lay.p, lay.v
+    if simulate and p > 1 and 2 * p * v * m <= SIMULATION_LIMIT:
+        sim = _chunk_timeline(lay, m, chunk, c)
+        return sim.step_time, sim.bubble, sim
+    if lay.schedule in SPLIT_BACKWARD_SCHEDULES:
+        idle, _ = zero_bubble_idle(lay.schedule, p, m, chunk.t_F, chunk.t_B, chunk.t_W, c)
+        busy = m * v * (chunk.t_F + chunk.t_B)
+        return busy + m * v * 2 * c + idle + m * chunk.ends(p), idle / busy, None
+    steps = m * v + p - 1
+    return steps * (chunk.t_F + chunk.t_B + 2 * c) + m * chunk.ends(p), (p - 1) / (v * m), None
+
+
+def _chunk_timeline(lay: Layout, m: int, chunk: _Chunk, c: float) -> SimResult:
+    """The schedule simulator on ``lay``'s chunk costs (eager sends; W priced for a split backward)."""
+    split = lay.schedule in SPLIT_BACKWARD_SCHEDULES
+    return eager_timeline(lay.schedule, lay.p, lay.v, m, chunk.t_F, chunk.t_B, c,
+                          first_extra=(chunk.emb_f, chunk.emb_b), last_extra=(chunk.head_f, chunk.head_b),
+                          t_w=chunk.t_W if split else None, last_extra_w=chunk.head_w)
+
+
+def _dp_allreduce(hw: Hardware, lay: Layout, P_max: int, t_B: float) -> tuple[float, float]:
+    """(the fullest stage's fp16 gradient all-reduce over d, the part of it not hidden behind
+    the last microbatch's backward)."""
+    d = lay.d
+    bw, lat = dp_link(hw, lay.t, d)
+    t_dp = allreduce_time(FP16 * P_max, d, bw, lat)
+    if lay.dp_overlap and d > 1:
+        window = lay.v * t_B
+        return t_dp, max(t_dp - window, allreduce_time(min(DDP_BUCKET_BYTES, FP16 * P_max), d, bw, lat))
+    return t_dp, t_dp
+
+
+def _dp_sharded(hw: Hardware, lay: Layout, P_max: int, t_B: float) -> tuple[float, float]:
+    """The distributed optimizer's data-parallel traffic: (whole, exposed) seconds.
+
+    The gradients are reduce-scattered (each replica receives the sum of its 1/d range) and,
+    after the step, the updated parameters all-gathered: the all-reduce's two halves, the same
+    bytes on the wire. The reduce-scatter overlaps the backward as the all-reduce does (bucket by
+    bucket, as soon as a chunk's gradients are final); the all-gather follows the step and
+    is exposed."""
+    d, prec = lay.d, lay.precision
+    bw, lat = dp_link(hw, lay.t, d)
+    t_rs = reduce_scatter_time(prec.grad * P_max, d, bw, lat)
+    t_ag = allgather_time(prec.weight * P_max, d, bw, lat)
+    if lay.dp_overlap:
+        last = reduce_scatter_time(min(DDP_BUCKET_BYTES, prec.grad * P_max), d, bw, lat)
+        return t_rs + t_ag, max(t_rs - lay.v * t_B, last) + t_ag
+    return t_rs + t_ag, t_rs + t_ag
+
+
+def _embedding_sync(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
+    """All-reduce of the tied word embedding's gradient (V h / t) between the first and the
+    last stage, across nodes; 0 without a pipeline, or for a head of its own (untied)."""
+    if lay.p == 1 or not spec.tied_head:
+        return 0.0
+    V_l = math.ceil(spec.vocab / lay.t)
+    return allreduce_time(FP16 * V_l * spec.hidden, 2, inter_node_bw(hw), hw.ib_latency)
+
+
+def _breakdown(chunk: _Chunk, lay: Layout, m: int, c: float, t_pipe: float, t_dp: float,
+               t_opt: float) -> dict[str, float]:
+    """Critical-path seconds by cause; the bubble is what the pipeline takes beyond its work.
+
+    The embedding's and the LM head's work sit on the first and last stage; spread evenly it
+    would cost each stage (head + embedding) / p per microbatch, so the kernels' terms count
+    that share and ``imbalance`` the rest, m (max(head, embedding) - (head + embedding) / p):
+    the time the other stages wait for the slowest one (0 without a pipeline)."""
+    v, p = lay.v, lay.p
+    ideal = m * v * (chunk.t_F + chunk.t_B) + m * chunk.ends(p)
+    pipe_work = ideal + m * v * 2 * c
+    ends = chunk.ends_phases(1)  # head and embedding together
+    work = (chunk.forward + chunk.backward) * (m * v) + ends * (m / p)
+    return {
+        "gemm": work.gemm, "memory": work.memory, "tp_comm": work.comm,
+        "imbalance": m * (chunk.ends(p) - ends.total / p),
+        "p2p": m * v * 2 * c, "bubble": max(t_pipe - pipe_work, 0.0),
+        "dp": t_dp, "optimizer": t_opt,
+    }
+

@@ -1,0 +1,259 @@
+"""A GPT on one GPU as lists of kernels: one transformer layer, the embedding and the LM head
+(Megatron-LM as in the paper, 2021), and the FLOPs of an iteration.
+
+``layer_ops(spec, b, t)`` lists the kernels of one layer on one of t
+tensor-parallel GPUs for micro-batch b: fused softmax, materialised attention
+scores, LayerNorm and dropout replicated on the t ranks, the two all-reduces
+of g in the forward and of f in the backward. With ``sequence_parallel`` the
+LayerNorms, dropouts and residual adds work on s/t tokens per rank and each
+all-reduce becomes a reduce-scatter plus an all-gather of the same tensor (the
+same bytes on the wire: an all-reduce is those two halves). ``embedding_ops`` (stage 0) and ``head_ops`` (last stage, fp32
+vocabulary-parallel cross-entropy) complete the model. ``graph_flops`` sums
+them over an iteration; ``paper_flops`` is the paper's closed form;
+``iteration_flops`` is what throughput is counted with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autopar.planning.cost.models import ModelSpec
+from autopar.planning.cost.op_costs import (
+    FP16,
+    FP32,
+    Op,
+    cross_entropy_bytes,
+    cross_entropy_flops,
+    gemm_backward,
+    gemm_op,
+    linear_op,
+    memory_op,
+)
+
+__all__ = ["PhaseOps", "layer_ops", "embedding_ops", "head_ops", "graph_flops", "paper_flops", "iteration_flops"]
+
+
+@dataclass(frozen=True)
+class PhaseOps:
+    """The kernels of one model piece on one GPU, in execution order."""
+
+    forward: tuple[Op, ...]
+    """Forward pass (also what recomputation runs again)."""
+    backward: tuple[Op, ...]
+    """Backward pass (input and weight gradients, f's all-reduces)."""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One layer's sizes on one of t ranks ("_l": local), and its GEMMs and all-reduce."""
+
+    b: int
+    s: int
+    h: int
+    n: int
+    """Head dimension."""
+    T: int
+    """Tokens, b s."""
+    a_l: int
+    kv_l: int
+    h_l: int
+    f_l: int
+    scores: int
+    """Attention scores, b a_l s^2."""
+    gated: bool
+    tp: bool
+    gqa_repeat: bool
+    """Key/value heads are repeated to the query heads (grouped-query attention)."""
+    T_r: float
+    """Tokens the replicated region (norms, dropout, residual) works on: T, or T/t with
+    sequence parallelism."""
+    qkv: Op
+    qk: Op
+    pv: Op
+    proj: Op
+    fc1: Op
+    fc2: Op
+    allreduce: tuple[Op, ...]
+    """g's (forward) or f's (backward) collective: an all-reduce, or with sequence parallelism a
+    reduce-scatter and an all-gather."""
+
+    @classmethod
+    def of(cls, spec: ModelSpec, b: int, t: int, sp: bool = False) -> _Layer:
+        s, h, n = spec.seq_len, spec.hidden, spec.head_dim
+        T = b * s
+        a_l = spec.heads // t
+        qkv_l = (spec.heads + 2 * spec.kv) * n // t
+        h_l = a_l * n
+        f_l = spec.ffn_size // t
+        return cls(
+            b=b, s=s, h=h, n=n, T=T, a_l=a_l, kv_l=spec.kv // t, h_l=h_l, f_l=f_l, scores=b * a_l * s * s,
+            gated=spec.gated_mlp, tp=t > 1, gqa_repeat=spec.heads != spec.kv, T_r=T / t if sp and t > 1 else T,
+            qkv=linear_op("qkv", T, h, qkv_l),
+            qk=gemm_op("scores", b * a_l, s, s, n),
+            pv=gemm_op("context", b * a_l, s, n, s),
+            proj=linear_op("proj", T, h_l, h),
+            fc1=linear_op("fc1", T, h, f_l * (2 if spec.gated_mlp else 1)),
+            fc2=linear_op("fc2", T, f_l, h),
+            allreduce=tp_reduction(T * h * FP16, sp and t > 1),
+        )
+
+
+def tp_reduction(nbytes: float, sp: bool) -> tuple[Op, ...]:
+    """The tensor-parallel reduction of a (T, h) activation: one all-reduce, or with sequence
+    parallelism a reduce-scatter and an all-gather (priced as the all-reduce's two halves)."""
+    if sp:
+        return (Op("reduce_scatter", "tp_reduce_scatter", 0.0, nbytes), Op("allgather", "tp_allgather", 0.0, nbytes))
+    return (Op("allreduce", "tp_allreduce", 0.0, nbytes),)
+
+
+@lru_cache(maxsize=4096)
+def layer_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False) -> PhaseOps:
+    """One transformer layer on one of t tensor-parallel GPUs, micro-batch b.
+
+    Forward (Megatron-LM, 2021; T = b s tokens; "_l" = local to one rank):
+      LN -> QKV (T, h)x(h, (a+2kv) d / t) -> scores (b a_l, s, s) = Q K^T
+      -> fused scale/mask/softmax -> dropout -> context (b a_l, s, d) = P V
+      -> permute -> proj (T, h/t)x(h/t, h) -> all-reduce (g) -> bias+dropout+residual
+      -> LN -> fc1 (T, h)x(h, f/t) -> bias+GeLU -> fc2 (T, f/t)x(f/t, h)
+      -> all-reduce (g) -> bias+dropout+residual.
+    LayerNorm, dropout and residual work on the full (T, h) on every rank (no
+    sequence parallelism in the paper). Backward: two GEMMs per GEMM, the
+    element-wise backward kernels, and the all-reduces of f (before QKV, fc1).
+    With ``sequence_parallel`` the LayerNorm/dropout/residual kernels touch T/t tokens.
+    """
+    layer = _Layer.of(spec, b, t, sequence_parallel)
+    return PhaseOps(tuple(_layer_forward(layer)), tuple(_layer_backward(layer)))
+
+
+def _layer_forward(x: _Layer) -> list[Op]:
+    T, h, act, Tr = x.T, x.h, 2 if x.gated else 1, x.T_r
+    fwd: list[Op] = [
+        memory_op("ln1", Tr * h, 1, 1, flops_per=8),
+        x.qkv,
+    ]
+    if x.gqa_repeat:
+        fwd.append(memory_op("kv_repeat", x.b * x.s * 2 * x.a_l * x.n, 0.5 * x.kv_l / x.a_l, 1))
+    fwd += [
+        x.qk,
+        memory_op("softmax", x.scores, 1, 1, flops_per=5),
+        memory_op("attn_dropout", x.scores, 1, 1, mask=1),
+        x.pv,
+        memory_op("context_permute", T * x.h_l, 1, 1),
+        x.proj,
+    ]
+    if x.tp:
+        fwd += x.allreduce
+    fwd += [
+        memory_op("bias_dropout_add1", Tr * h, 2, 1, mask=1, flops_per=3),
+        memory_op("ln2", Tr * h, 1, 1, flops_per=8),
+        x.fc1,
+        memory_op("bias_act", T * x.f_l * act, 1, 0.5 if x.gated else 1, flops_per=8),
+        x.fc2,
+    ]
+    if x.tp:
+        fwd += x.allreduce
+    fwd.append(memory_op("bias_dropout_add2", Tr * h, 2, 1, mask=1, flops_per=3))
+    return fwd
+
+
+def _layer_backward(x: _Layer) -> list[Op]:
+    T, h, act, Tr = x.T, x.h, 2 if x.gated else 1, x.T_r
+    bwd: list[Op] = [
+        memory_op("bias_dropout_add2.bwd", Tr * h, 1, 1, mask=1),
+        *gemm_backward(x.fc2),
+        memory_op("bias_act.bwd", T * x.f_l * act, 1.5 if x.gated else 2, 1, flops_per=8),
+        *gemm_backward(x.fc1),
+    ]
+    if x.tp:
+        bwd += x.allreduce  # f before fc1
+    bwd += [
+        memory_op("ln2.bwd", Tr * h, 2, 1, flops_per=8),
+        memory_op("residual_grad_add", Tr * h, 2, 1, flops_per=1),
+        memory_op("bias_dropout_add1.bwd", Tr * h, 1, 1, mask=1),
+        *gemm_backward(x.proj),
+        memory_op("context_permute.bwd", T * x.h_l, 1, 1),
+        *gemm_backward(x.pv, weight=False),
+        memory_op("attn_dropout.bwd", x.scores, 1, 1, mask=1),
+        memory_op("softmax.bwd", x.scores, 2, 1, flops_per=4),
+        *gemm_backward(x.qk, weight=False),
+    ]
+    if x.gqa_repeat:
+        bwd.append(memory_op("kv_repeat.bwd", x.b * x.s * 2 * x.a_l * x.n, 1, 0.5 * x.kv_l / x.a_l))
+    bwd += gemm_backward(x.qkv)
+    if x.tp:
+        bwd += x.allreduce  # f before QKV
+    bwd += [
+        memory_op("ln1.bwd", Tr * h, 2, 1, flops_per=8),
+        memory_op("residual_grad_add", Tr * h, 2, 1, flops_per=1),
+    ]
+    return bwd
+
+
+@lru_cache(maxsize=1024)
+def embedding_ops(spec: ModelSpec, b: int, t: int) -> PhaseOps:
+    """Vocabulary-parallel word embedding + position embedding (with ``learned_positions``)
+    + dropout (stage 0)."""
+    T, h = b * spec.seq_len, spec.hidden
+    fwd = [memory_op("wte_lookup", T * h, 1, 1)]
+    if t > 1:
+        fwd.append(Op("wte_allreduce", "tp_allreduce", 0.0, T * h * FP16))
+    if spec.learned_positions:
+        fwd.append(memory_op("wpe_add", T * h, 2, 1, flops_per=1))
+    fwd.append(memory_op("emb_dropout", T * h, 1, 1, mask=1))
+    bwd = [memory_op("emb_dropout.bwd", T * h, 1, 1, mask=1)]
+    if spec.learned_positions:
+        bwd.append(memory_op("wpe.bwd", T * h, 1, 0))
+    bwd.append(memory_op("wte.bwd", T * h, 2, 1))  # scatter-add rows into the gradient
+    return PhaseOps(tuple(fwd), tuple(bwd))
+
+
+@lru_cache(maxsize=1024)
+def head_ops(spec: ModelSpec, b: int, t: int) -> PhaseOps:
+    """Final LayerNorm, LM head (T, h) x (h, V/t), fp32 vocabulary-parallel
+    cross-entropy (three all-reduces of T floats, latency only), last stage."""
+    T, h = b * spec.seq_len, spec.hidden
+    V_l = math.ceil(spec.vocab / t)
+    logits = linear_op("lm_head", T, h, V_l)
+    fwd = [
+        memory_op("ln_f", T * h, 1, 1, flops_per=8),
+        logits,
+        Op("cross_entropy", "memory", cross_entropy_flops(T, V_l), cross_entropy_bytes(T, V_l)),
+    ]
+    if t > 1:
+        fwd += [Op(f"ce_allreduce{i}", "tp_allreduce", 0.0, T * FP32) for i in range(3)]
+    bwd = [
+        # softmax - onehot, scaled by the loss gradient in place (8 B), cast back to fp16 (6 B)
+        Op("cross_entropy.bwd", "memory", 2.0 * T * V_l, 14.0 * T * V_l),
+        *gemm_backward(logits),
+    ]
+    if t > 1:
+        bwd.append(Op("lm_head_allreduce", "tp_allreduce", 0.0, T * h * FP16))
+    bwd.append(memory_op("ln_f.bwd", T * h, 2, 1, flops_per=8))
+    return PhaseOps(tuple(fwd), tuple(bwd))
+
+
+def graph_flops(spec: ModelSpec, batch: int, recompute: bool = True) -> float:
+    """FLOPs of one iteration summed node by node (t = 1): every layer's
+    forward, backward and (with recomputation) second forward, plus the
+    embedding and the head. Agrees with ``paper_flops`` within 2% on a GPT."""
+    lay = layer_ops(spec, 1, 1)
+    per_layer = sum(o.flops for o in lay.forward) * (2 if recompute else 1) + sum(o.flops for o in lay.backward)
+    emb, head = embedding_ops(spec, 1, 1), head_ops(spec, 1, 1)
+    rest = sum(o.flops for o in emb.forward + emb.backward + head.forward + head.backward)
+    return batch * (spec.layers * per_layer + rest)
+
+
+def paper_flops(spec: ModelSpec, batch: int, recompute: bool = True) -> float:
+    """The paper's count: ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``; 72 without recomputation."""
+    s, l, h, V = spec.seq_len, spec.layers, spec.hidden, spec.vocab
+    lead = 96 if recompute else 72
+    # the logit layer (6 B s h V) is never recomputed
+    return lead * batch * s * l * h * h * (1 + s / (6 * h)) + 6.0 * batch * s * h * V
+
+
+def iteration_flops(spec: ModelSpec, batch: int, recompute: bool = True) -> float:
+    """FLOPs that throughput is counted with: the paper's formula on a paper-shaped
+    GPT (as the paper counts), the node-by-node sum otherwise."""
+    return paper_flops(spec, batch, recompute) if spec.is_paper_gpt else graph_flops(spec, batch, recompute)
