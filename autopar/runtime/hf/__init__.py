@@ -8,7 +8,8 @@ and ``export_checkpoint`` an autopar checkpoint's, both through
 ``safetensors_stream`` one tensor at a time.
 """
 
-from autopar.runtime.hf.export import ExportError, save_pretrained
+from autopar.runtime.hf.errors import ExportError
+from autopar.runtime.hf.export import save_pretrained
 from autopar.runtime.hf.export_checkpoint import export_checkpoint
 
 __all__ = ["save_pretrained", "export_checkpoint", "ExportError"]
