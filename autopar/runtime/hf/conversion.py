@@ -162,6 +162,11 @@ class Leaf(Lazy):
         self.info = info
         """What its owner needs to read it (a checkpoint's file entry, a model's state source)."""
 
+    @classmethod
+    def of_shape(cls, key: str, shape, dtype: torch.dtype, info: Any = None) -> Leaf:
+        """The stored tensor ``key`` of ``shape`` and ``dtype`` (its meta tensor made here)."""
+        return cls(key, torch.empty(tuple(shape), dtype=dtype, device="meta"), info)
+
     def read(self, region: Region, reads: Reads) -> torch.Tensor:
         return reads.fetch(self, None if region == full_region(self.shape) else region)
 
@@ -200,13 +205,21 @@ class _Stack(_Cat):
         return torch.stack([self.parts[i].read(rest, reads) for i in range(lo, hi)], dim=self.dim)
 
 
-class _Narrow(Lazy):
-    def __init__(self, base: Lazy, dim: int, start: int, meta: torch.Tensor):
+class _OneInput(Lazy):
+    """A re-arrangement of one tensor, ``base``."""
+
+    def __init__(self, base: Lazy, meta: torch.Tensor):
         super().__init__(meta)
-        self.base, self.dim, self.start = base, dim, start
+        self.base = base
 
     def children(self) -> list[Lazy]:
         return [self.base]
+
+
+class _Narrow(_OneInput):
+    def __init__(self, base: Lazy, dim: int, start: int, meta: torch.Tensor):
+        super().__init__(base, meta)
+        self.dim, self.start = dim, start
 
     def read(self, region: Region, reads: Reads) -> torch.Tensor:
         sub = list(region)
@@ -215,13 +228,10 @@ class _Narrow(Lazy):
         return self.base.read(tuple(sub), reads)
 
 
-class _Transpose(Lazy):
+class _Transpose(_OneInput):
     def __init__(self, base: Lazy, d0: int, d1: int, meta: torch.Tensor):
-        super().__init__(meta)
-        self.base, self.d0, self.d1 = base, d0, d1
-
-    def children(self) -> list[Lazy]:
-        return [self.base]
+        super().__init__(base, meta)
+        self.d0, self.d1 = d0, d1
 
     def read(self, region: Region, reads: Reads) -> torch.Tensor:
         sub = list(region)

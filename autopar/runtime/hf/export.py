@@ -97,7 +97,7 @@ def stage_files(program: "Program") -> tuple[list[HFFile], dict[str, Lazy]]:
     order; and written name -> its value over the model's tensors (each a ``Leaf`` whose ``info``
     is its ``StateSource``). Tied duplicates and ignored keys left out; names and shapes as
     ``save_pretrained`` writes them."""
-    stored = {source.key: Leaf(source.key, torch.empty(source.shape, dtype=source.dtype, device="meta"), source)
+    stored = {source.key: Leaf.of_shape(source.key, source.shape, source.dtype, source)
               for source in state_sources(program)}
     values = saved_tensors(program.model, stored, program.traced.aliases.values())
     p = program.pp

@@ -132,7 +132,7 @@ def _files(saved: ModelDescription, sources: dict[str, _Source], model: nn.Modul
     for canonical, names in groups.items():
         source = sources[canonical]
         for name in names:
-            stored[name] = Leaf(name, torch.empty(source.shape, dtype=source.dtype, device="meta"), source)
+            stored[name] = Leaf.of_shape(name, source.shape, source.dtype, source)
     read_as = saved_tensors(model, stored, groups.values())
     entries = [TensorEntry(name, tuple(value.shape), value.dtype) for name, value in read_as.items()]
     runs = _cut_by_size(entries, max_shard_bytes)

@@ -201,8 +201,7 @@ class HFCheckpoint:
     def view(self, model) -> dict[str, Lazy]:
         """Model name -> the tensor ``from_pretrained`` makes of the stored ones (``conversion.load_view``)."""
         if self._view is None or self._view_of != id(model):
-            leaves = {k: Leaf(k, torch.empty(e.shape, dtype=_torch_dtype(e.dtype), device="meta"), e)
-                      for k, e in self.entries.items()}
+            leaves = {k: Leaf.of_shape(k, e.shape, _torch_dtype(e.dtype), e) for k, e in self.entries.items()}
             try:
                 self._view, self.conversions = load_view(model, leaves)
             except CheckpointError as e:
@@ -303,7 +302,8 @@ class HFCheckpoint:
         self._say_whole(name, source)
         return source.whole(self._reads).to(dtype)
 
-    def reader(self, source: Lazy, spec: Replicate | Shard, dtype: torch.dtype, name: str = "") -> Callable[[int, int], torch.Tensor]:
+    def reader(self, source: Lazy, spec: Replicate | Shard, dtype: torch.dtype,
+               name: str = "") -> Callable[[int, int], torch.Tensor]:
         """Rows ``[start, stop)`` along the sharded dim, read as slices of the stored tensors (the
         whole tensor when replicated)."""
         if not isinstance(spec, Shard) or not source.shape:
