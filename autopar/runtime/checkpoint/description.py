@@ -18,9 +18,9 @@ never picks: ``latest`` still names the previous checkpoint.
 ``autopar.json`` (``FORMAT`` 1) is ``{"format", "step", "params": {name: full
 shape}, "aliases": {name: [every name the model uses for it]}, "buffers":
 {name: shape}, "hf_config": dict | null, "layout": {"tp", "pp", "dp",
-"virtual_stages"}}``; the DCP key ``model.<name>`` holds each parameter,
-``buffer.<name>`` each persistent buffer, whole, with those shapes.
-``read_description`` gives it as written, format checked;
+"virtual_stages"}}``; beside it, DCP's key ``model.<name>`` is each parameter
+and ``buffer.<name>`` each persistent buffer, with those shapes (``optim.*``
+the optimizer's state). ``read_description`` gives it as written, format checked;
 ``read_model_description`` the part a reader of the weights alone needs (the
 HuggingFace export), each field checked.
 """
