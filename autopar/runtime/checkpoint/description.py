@@ -35,7 +35,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from autopar.runtime.checkpoint.errors import CheckpointError
+from autopar.runtime.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["CheckpointError", "FORMAT", "DESCRIPTION", "LATEST", "PARTIAL", "step_dir_name", "resolve",
            "save_errors", "clear_partial", "PublishingWriter", "read_description", "ModelDescription",
@@ -74,9 +74,10 @@ def resolve(path: str | os.PathLike) -> Path:
         seen = f"; only interrupted saves: {partial}" if partial else ""
         raise CheckpointError(f"no complete checkpoint in {path}: neither {DESCRIPTION} (a step directory) "
                               f"nor a '{LATEST}' file (a checkpoint root){seen}")
-    what = "is a file, not a directory" if path.exists() else "does not exist"
-    raise CheckpointError(f"checkpoint {path} {what}: name a checkpoint root (with a '{LATEST}' file) or one "
-                          f"of its step directories")
+    fix = f"name a checkpoint root (with a '{LATEST}' file) or one of its step directories"
+    if path.exists():
+        raise CheckpointError(f"checkpoint {path} is a file, not a directory: {fix}")
+    raise CheckpointNotFoundError(f"checkpoint {path} does not exist: {fix}")
 
 
 def read_description(step_dir: Path) -> dict:

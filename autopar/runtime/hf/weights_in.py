@@ -27,7 +27,8 @@ cast to the model's dtype.
 
 Every file's header is checked against the file's size before anything is
 read: a truncated file or a corrupt header is a ``CheckpointError`` naming the
-file and what is wrong, raised by every rank (they all read the same files).
+file and what is wrong, raised by every rank (they all read the same files);
+a missing file, a ``CheckpointNotFoundError`` (a ``FileNotFoundError`` too).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import torch
 from safetensors import safe_open
 
 from autopar.core.tensor_placement import Replicate, Shard
-from autopar.runtime.checkpoint.errors import CheckpointError
+from autopar.runtime.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from autopar.runtime.hf.conversion import (
     Lazy,
     Leaf,
@@ -143,11 +144,12 @@ def _weight_files(path: str | Path) -> dict[str, Path]:
     if path.is_dir():
         found = [path / f for f in (INDEX_NAME, WEIGHTS_NAME) if (path / f).exists()]
         if not found:
-            raise FileNotFoundError(f"checkpoint directory {path} holds neither {INDEX_NAME} nor {WEIGHTS_NAME} "
-                                    "(save the model with save_pretrained(..., safe_serialization=True))")
+            raise CheckpointNotFoundError(f"checkpoint directory {path} holds neither {INDEX_NAME} nor "
+                                          f"{WEIGHTS_NAME} (save the model with save_pretrained(..., "
+                                          "safe_serialization=True))")
         path = found[0]
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
     if path.suffix == ".json":
         try:
             weight_map = json.loads(path.read_text()).get("weight_map")
@@ -184,7 +186,7 @@ class HFCheckpoint:
         entries = {}
         for file in sorted(set(files.values())):
             if not file.exists():
-                raise FileNotFoundError(f"checkpoint file {file} (named by the index) does not exist")
+                raise CheckpointNotFoundError(f"checkpoint file {file} (named by the index) does not exist")
             check_safetensors_file(file)
             with _safe_open(file) as f:
                 for key in f.keys():
