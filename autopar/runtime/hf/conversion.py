@@ -373,7 +373,7 @@ def load_view(model: nn.Module, stored: dict[str, Leaf]) -> tuple[dict[str, Lazy
             made = converter.convert(first, model=model, config=model.config)
         except Exception as e:
             raise CheckpointError(f"transformers' {type(template).__name__}({template.operations}) could not make "
-                             f"'{first}' from {[key for _, key in members]}: {type(e).__name__}: {e}") from e
+                                  f"'{first}' from {[key for _, key in members]}: {type(e).__name__}: {e}") from e
         for name, value in made.items():
             out[name] = value[0] if isinstance(value, list) else value
     used = [repr(m) for m in mapping if m.was_used()]

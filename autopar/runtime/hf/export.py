@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RankHoldings", "save_pretrained", "stage_files"]
 
+
 @dataclass(frozen=True)
 class RankHoldings:
     """What one rank holds of the model: the engine's program, mesh, shards and buffers."""

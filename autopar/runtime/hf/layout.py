@@ -156,8 +156,8 @@ def write_configs(path: str, model: nn.Module, dtype: torch.dtype | None) -> lis
 def write_directory_files(path: str, files: list[HFFile], total_parameters: int, model: nn.Module | None
                           ) -> list[str]:
     """What stands beside the weight ``files``: the index (more than one file) and, for a HuggingFace
-    ``model`` (None: none), its configs (``write_configs``, the dtype of the first floating-point tensor written);
-    the names of the files written."""
+    ``model`` (None: none), its configs (``write_configs``, with the dtype of the first
+    floating-point tensor written); the names of the files written."""
     written = []
     if len(files) > 1:
         write_index(path, files, total_parameters)

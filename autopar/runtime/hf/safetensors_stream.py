@@ -52,7 +52,7 @@ def check_dtype(name: str, dtype: torch.dtype) -> None:
     """A ``CheckpointError`` unless safetensors can store ``dtype``."""
     if dtype not in SAFETENSORS_DTYPES:
         raise CheckpointError(f"'{name}' is {dtype}, which safetensors cannot store; safetensors stores "
-                         f"{', '.join(sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES))}")
+                              f"{', '.join(sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES))}")
 
 
 class SafetensorsStream:
@@ -82,7 +82,7 @@ class SafetensorsStream:
         got = (name, tuple(tensor.shape), tensor.dtype)
         if got != (want.name, want.shape, want.dtype):
             raise CheckpointError(f"{self.path}: expected tensor #{self._next} to be '{want.name}' {list(want.shape)} "
-                             f"{want.dtype}, got '{name}' {list(got[1])} {got[2]}")
+                                  f"{want.dtype}, got '{name}' {list(got[1])} {got[2]}")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._file.write(data.numpy().data)
         self._next += 1
@@ -94,7 +94,7 @@ class SafetensorsStream:
             self._file.close()
             if self._next != len(self.entries):
                 raise CheckpointError(f"{self.path}: {len(self.entries) - self._next} declared tensor(s) never "
-                                 f"written, from '{self.entries[self._next].name}' on")
+                                      f"written, from '{self.entries[self._next].name}' on")
             os.replace(self._tmp, self.path)
         except BaseException:
             self.abort()
@@ -121,7 +121,7 @@ def _header(entries: list[TensorEntry], metadata: dict[str, str]) -> bytes:
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         raise CheckpointError(f"duplicate tensor names in one safetensors file: "
-                         f"{sorted({n for n in names if names.count(n) > 1})}")
+                              f"{sorted({n for n in names if names.count(n) > 1})}")
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for e in entries:
