@@ -249,13 +249,13 @@ def test_save_pretrained_buffers_and_untraced_parameters(saved):
 
 @pytest.mark.multiprocess
 def test_save_pretrained_failures_reach_every_rank(saved):
-    """A path that is a file: every rank refuses before any gather. A writer that fails mid-way (its
+    """A path that is a file: every rank refuses before any gather (CheckpointError). A writer that fails mid-way (its
     file's name taken by a directory): every rank raises ExportError naming that rank (2: stage 1's
     writer), none is left waiting on it."""
     _, ranks = saved
     for res in ranks:
         as_file, blocked = res["buffers"]["failures"]
-        assert as_file.startswith("ValueError") and "is a file" in as_file and "rank 0" in as_file, as_file
+        assert as_file.startswith("CheckpointError") and "is a file" in as_file and "rank 0" in as_file, as_file
         assert blocked.startswith("ExportError") and "rank 2: IsADirectoryError" in blocked, blocked
         assert "rank 0" not in blocked and "rank 1" not in blocked and "rank 3" not in blocked, blocked
 
@@ -362,7 +362,7 @@ def test_cli_export_refuses_bad_input(tmp_path, capsys):
     manifest["params"]["head.weight"] = [64, 17]
     manifest_path.write_text(json.dumps(manifest))
     cases = [
-        (tmp_path / "ckpt" / "step-00000013.partial", "save in progress or an interrupted one"),
+        (tmp_path / "ckpt" / "step-00000013.partial", "is an unfinished or interrupted save"),
         (tmp_path, "neither autopar.json"),
         (broken, "names 'step-00000009'"),
         (mismatched, "'model.head.weight' has shape [64, 16], autopar.json says [64, 17]"),

@@ -14,6 +14,15 @@ written, then ``autopar.json``, then the directory is renamed to ``step-N/``
 and ``latest`` is replaced atomically (a temporary file, ``os.replace``).
 A rank killed mid-save leaves only ``step-N.partial/``, which ``resolve``
 never picks: ``latest`` still names the previous checkpoint.
+
+``autopar.json`` (``FORMAT`` 1) is ``{"format", "step", "params": {name: full
+shape}, "aliases": {name: [every name the model uses for it]}, "buffers":
+{name: shape}, "hf_config": dict | null, "layout": {"tp", "pp", "dp",
+"virtual_stages"}}``; beside it, DCP's key ``model.<name>`` is each parameter
+and ``buffer.<name>`` each persistent buffer, with those shapes (``optim.*``
+the optimizer's state). ``read_description`` gives it as written, format checked;
+``read_model_description`` the part a reader of the weights alone needs (the
+HuggingFace export), each field checked.
 """
 
 from __future__ import annotations
@@ -21,14 +30,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from autopar.runtime.checkpoint.errors import CheckpointError
+from autopar.runtime.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["CheckpointError", "FORMAT", "DESCRIPTION", "LATEST", "PARTIAL", "step_dir_name", "resolve",
-           "save_errors", "clear_partial", "PublishingWriter", "read_description"]
+           "save_errors", "clear_partial", "PublishingWriter", "read_description", "ModelDescription",
+           "read_model_description"]
 
 FORMAT = 1
 """Version of the layout of ``autopar.json`` and of the DCP keys (``docs/training.md``)."""
@@ -47,35 +58,75 @@ def resolve(path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.name.endswith(PARTIAL):
         raise CheckpointError(f"{path} is an unfinished or interrupted save ('{PARTIAL}'), never loadable: "
-                              f"load its root {path.parent} for the newest complete checkpoint")
+                              f"name its root {path.parent} for the newest complete checkpoint")
     if (path / LATEST).is_file():
         name = (path / LATEST).read_text().strip()
         target = path / name
-        if not (target / DESCRIPTION).is_file():
+        if not name or not (target / DESCRIPTION).is_file():
             raise CheckpointError(f"{path / LATEST} names '{name}', but {target} is not a complete checkpoint "
-                                  f"(no {DESCRIPTION}): it was removed or moved")
+                                  f"(no {DESCRIPTION}): it was removed or moved; name one of the step "
+                                  f"directories instead")
         return target
     if (path / DESCRIPTION).is_file():
         return path
     if path.is_dir():
         partial = sorted(p.name for p in path.glob(f"*{PARTIAL}"))
         seen = f"; only interrupted saves: {partial}" if partial else ""
-        raise CheckpointError(f"no complete checkpoint in {path}: neither a '{LATEST}' file nor "
-                              f"{DESCRIPTION}{seen}")
-    raise CheckpointError(f"checkpoint {path} does not exist")
+        raise CheckpointError(f"no complete checkpoint in {path}: neither {DESCRIPTION} (a step directory) "
+                              f"nor a '{LATEST}' file (a checkpoint root){seen}")
+    fix = f"name a checkpoint root (with a '{LATEST}' file) or one of its step directories"
+    if path.exists():
+        raise CheckpointError(f"checkpoint {path} is a file, not a directory: {fix}")
+    raise CheckpointNotFoundError(f"checkpoint {path} does not exist: {fix}")
 
 
 def read_description(step_dir: Path) -> dict:
-    """``autopar.json`` of a complete checkpoint."""
+    """``autopar.json`` of a complete checkpoint, as written; its format checked."""
     try:
         description = json.loads((step_dir / DESCRIPTION).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {step_dir}: {DESCRIPTION} is unreadable ({e}); the checkpoint is "
                               f"damaged") from e
+    if not isinstance(description, dict):
+        raise CheckpointError(f"checkpoint {step_dir}: {DESCRIPTION} holds a JSON "
+                              f"{type(description).__name__}, not an object; the checkpoint is damaged")
     if description.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {step_dir} has format {description.get('format')!r}; this autopar "
                               f"reads format {FORMAT}")
     return description
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What ``autopar.json`` says of the saved model's tensors, checked."""
+
+    step_dir: Path
+    params: dict[str, tuple[int, ...]]
+    """Parameter -> its full shape, in the model's order."""
+    aliases: dict[str, list[str]]
+    """Parameter -> every name the model gives it, its own first."""
+    buffers: dict[str, tuple[int, ...]]
+    """Persistent buffer -> its shape."""
+    hf_config: dict | None
+    """The HuggingFace config of the model, when it had one."""
+
+
+def read_model_description(step_dir: Path) -> ModelDescription:
+    """``read_description`` of ``step_dir``, its parameters, aliases, buffers and HuggingFace config checked."""
+    description = read_description(step_dir)
+    where = step_dir / DESCRIPTION
+    if not isinstance(description.get("params"), dict) or not description["params"]:
+        raise CheckpointError(f"{where} lists no parameters ('params': {{name: shape}})")
+    params = {name: tuple(shape) for name, shape in description["params"].items()}
+    listed = description.get("aliases") or {}
+    if not isinstance(listed, dict):
+        raise CheckpointError(f"{where}: 'aliases' is a {type(listed).__name__}, not {{name: [names]}}")
+    aliases = {name: [name] + [n for n in listed.get(name) or () if n != name] for name in params}
+    buffers = {name: tuple(shape) for name, shape in (description.get("buffers") or {}).items()}
+    hf_config = description.get("hf_config")
+    if hf_config is not None and not isinstance(hf_config, dict):
+        raise CheckpointError(f"{where}: 'hf_config' is a {type(hf_config).__name__}, not a dict or null")
+    return ModelDescription(step_dir, params, aliases, buffers, hf_config)
 
 
 def save_errors(root: Path, step: int) -> list[str]:

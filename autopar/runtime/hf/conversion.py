@@ -34,7 +34,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["Lazy", "Leaf", "Reads", "Region", "full_region", "is_hf_model", "load_view", "saved_view"]
+from autopar.runtime.checkpoint.errors import CheckpointError
+
+__all__ = ["Lazy", "Leaf", "Reads", "Region", "full_region", "region_slices", "is_hf_model", "load_view",
+           "saved_view"]
 
 Region = tuple[tuple[int, int], ...]
 """``[start, stop)`` along every dim."""
@@ -44,7 +47,8 @@ def full_region(shape) -> Region:
     return tuple((0, int(n)) for n in shape)
 
 
-def _index(region: Region) -> tuple[slice, ...]:
+def region_slices(region: Region) -> tuple[slice, ...]:
+    """``region`` as an index of a tensor (or of a safetensors slice)."""
     return tuple(slice(a, b) for a, b in region)
 
 
@@ -158,6 +162,11 @@ class Leaf(Lazy):
         self.info = info
         """What its owner needs to read it (a checkpoint's file entry, a model's state source)."""
 
+    @classmethod
+    def of_shape(cls, key: str, shape, dtype: torch.dtype, info: Any = None) -> Leaf:
+        """The stored tensor ``key`` of ``shape`` and ``dtype`` (its meta tensor made here)."""
+        return cls(key, torch.empty(tuple(shape), dtype=dtype, device="meta"), info)
+
     def read(self, region: Region, reads: Reads) -> torch.Tensor:
         return reads.fetch(self, None if region == full_region(self.shape) else region)
 
@@ -196,13 +205,21 @@ class _Stack(_Cat):
         return torch.stack([self.parts[i].read(rest, reads) for i in range(lo, hi)], dim=self.dim)
 
 
-class _Narrow(Lazy):
-    def __init__(self, base: Lazy, dim: int, start: int, meta: torch.Tensor):
+class _OneInput(Lazy):
+    """A re-arrangement of one tensor, ``base``."""
+
+    def __init__(self, base: Lazy, meta: torch.Tensor):
         super().__init__(meta)
-        self.base, self.dim, self.start = base, dim, start
+        self.base = base
 
     def children(self) -> list[Lazy]:
         return [self.base]
+
+
+class _Narrow(_OneInput):
+    def __init__(self, base: Lazy, dim: int, start: int, meta: torch.Tensor):
+        super().__init__(base, meta)
+        self.dim, self.start = dim, start
 
     def read(self, region: Region, reads: Reads) -> torch.Tensor:
         sub = list(region)
@@ -211,13 +228,10 @@ class _Narrow(Lazy):
         return self.base.read(tuple(sub), reads)
 
 
-class _Transpose(Lazy):
+class _Transpose(_OneInput):
     def __init__(self, base: Lazy, d0: int, d1: int, meta: torch.Tensor):
-        super().__init__(meta)
-        self.base, self.d0, self.d1 = base, d0, d1
-
-    def children(self) -> list[Lazy]:
-        return [self.base]
+        super().__init__(base, meta)
+        self.d0, self.d1 = d0, d1
 
     def read(self, region: Region, reads: Reads) -> torch.Tensor:
         sub = list(region)
@@ -243,7 +257,7 @@ class _Deferred(Lazy):
         return self.func(*args, **kwargs)
 
     def read(self, region: Region, reads: Reads) -> torch.Tensor:
-        return reads.evaluated(self)[_index(region)]
+        return reads.evaluated(self)[region_slices(region)]
 
 
 class _Pick(Lazy):
@@ -257,7 +271,7 @@ class _Pick(Lazy):
         return [self.node]
 
     def read(self, region: Region, reads: Reads) -> torch.Tensor:
-        return reads.evaluated(self.node)[self.i][_index(region)]
+        return reads.evaluated(self.node)[self.i][region_slices(region)]
 
 
 def _map(tree, fn: Callable[[Lazy], Any]):
@@ -358,8 +372,8 @@ def load_view(model: nn.Module, stored: dict[str, Leaf]) -> tuple[dict[str, Lazy
         try:
             made = converter.convert(first, model=model, config=model.config)
         except Exception as e:
-            raise ValueError(f"transformers' {type(template).__name__}({template.operations}) could not make "
-                             f"'{first}' from {[key for _, key in members]}: {type(e).__name__}: {e}") from e
+            raise CheckpointError(f"transformers' {type(template).__name__}({template.operations}) could not make "
+                                  f"'{first}' from {[key for _, key in members]}: {type(e).__name__}: {e}") from e
         for name, value in made.items():
             out[name] = value[0] if isinstance(value, list) else value
     used = [repr(m) for m in mapping if m.was_used()]
@@ -381,6 +395,6 @@ def saved_view(model: nn.Module | None, tensors: dict[str, Leaf]) -> dict[str, L
     out = {name: value[0] if isinstance(value, list) else value for name, value in reverted.items()}
     bad = [name for name, value in out.items() if not isinstance(value, Lazy)]
     if bad:
-        raise ValueError(f"transformers' conversion for saving made {bad[:3]} from no tensor of the model")
+        raise CheckpointError(f"transformers' conversion for saving made {bad[:3]} from no tensor of the model")
     order = {key: i for i, key in enumerate(tensors)}
     return dict(sorted(out.items(), key=lambda kv: min(order[leaf.key] for leaf in kv[1].leaves())))

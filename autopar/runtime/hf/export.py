@@ -9,20 +9,22 @@ and its fused segments put back in the model's order, then streamed to the file.
 
 What is written is the model's own ``state_dict()`` (``state_keys``): its names
 and unpadded shapes, persistent buffers, not non-persistent ones (a rotary
-``inv_freq``), and HuggingFace's rules for tied weights and ignored keys
-(``hf_layout``); then, for a HuggingFace model, under the names and in the
-layout its own ``save_pretrained`` writes: transformers' checkpoint conversion
-reversed (``hf_conversion.saved_view``; GPT-NeoX's ``lm_head`` is written as
-``embed_out``, stacked experts one tensor each). A written tensor made of
-several of the model's is written by their stage (they must share one). A parameter that several stages read (a tied embedding and LM
-head on the first and last stages) is written once, by the first of them; a
-buffer by the first stage that reads it. Global rank 0 writes the index (p > 1)
-and ``config.json`` / ``generation_config.json`` for a HuggingFace model.
+``inv_freq``), under HuggingFace's rules for tied weights and ignored keys and,
+for a HuggingFace model, under the names and in the layout its own
+``save_pretrained`` writes (``layout.saved_tensors``: transformers' checkpoint
+conversion reversed, GPT-NeoX's ``lm_head`` written as ``embed_out``, stacked
+experts one tensor each). A written tensor made of several of the model's is
+written by their stage (they must share one). A parameter that several stages
+read (a tied embedding and LM head on the first and last stages) is written
+once, by the first of them; a buffer by the first stage that reads it. Global
+rank 0 writes the index (p > 1) and ``config.json`` /
+``generation_config.json`` for a HuggingFace model.
 
 Collective: every rank calls it. The directory is checked on the writing ranks
-before any work, and a rank whose write fails keeps taking part in its stage's
-gathers; every rank then learns of every failure and raises it, so no rank is
-left waiting.
+before any work (one that cannot take the export: ``CheckpointError`` on every
+rank), and a rank whose write fails keeps taking part in its stage's gathers;
+every rank then learns of every failure and raises it (``ExportError``), so no
+rank is left waiting.
 """
 
 from __future__ import annotations
@@ -35,34 +37,28 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from autopar.compiler.state_keys import StateSource, state_sources, untraced_value
 from autopar.core.comm import TPGroup, whole_from_shards
-from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
 from autopar.core.tensor_placement import Shard
+from autopar.runtime.checkpoint.errors import CheckpointError
+from autopar.runtime.hf.conversion import Lazy, Leaf, Reads, Region, region_slices
+from autopar.runtime.hf.errors import ExportError
 from autopar.runtime.hf.layout import (
     FILE_METADATA,
     HFFile,
     check_output_dir,
-    ignored_on_save,
     remove_stale_weight_files,
-    tied_duplicates,
-    tied_weight_patterns,
+    saved_tensors,
     weight_file_name,
-    write_configs,
-    write_index,
+    write_directory_files,
 )
-from autopar.runtime.hf.conversion import Lazy, Leaf, Reads, Region, saved_view
-from autopar.runtime.hf.safetensors_stream import SafetensorsStream, TensorEntry, check_dtype
-from autopar.compiler.state_keys import StateSource, state_sources, untraced_value
+from autopar.runtime.hf.safetensors_stream import SafetensorsStream, TensorEntry
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
 
-__all__ = ["RankHoldings", "ExportError", "save_pretrained", "stage_files"]
-
-
-class ExportError(AutoparError, RuntimeError):
-    """Writing the export failed on one or more ranks; the message names each rank and why."""
+__all__ = ["RankHoldings", "save_pretrained", "stage_files"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +80,7 @@ def save_pretrained(path: str, rank: RankHoldings) -> list[str]:
     program, mesh, path = rank.program, rank.mesh, str(path)
     files, values = stage_files(program)
     writer = mesh.dp_rank == 0 and mesh.tp_rank == 0
-    _raise_if_any(check_output_dir(path) if writer else None, ValueError)
+    _raise_if_any(check_output_dir(path) if writer else None, CheckpointError)
     written, error = [], None
     if mesh.dp_rank == 0:
         file = files[mesh.pp_rank]
@@ -102,27 +98,19 @@ def stage_files(program: "Program") -> tuple[list[HFFile], dict[str, Lazy]]:
     order; and written name -> its value over the model's tensors (each a ``Leaf`` whose ``info``
     is its ``StateSource``). Tied duplicates and ignored keys left out; names and shapes as
     ``save_pretrained`` writes them."""
-    model = program.model
-    skip = ignored_on_save(model)
-    patterns = tied_weight_patterns(model)
-    for names in program.traced.aliases.values():
-        skip.update(tied_duplicates(names, patterns))
-    kept = {}
-    for source in state_sources(program):
-        if source.key not in skip:
-            check_dtype(source.key, source.dtype)
-            kept[source.key] = Leaf(source.key, torch.empty(source.shape, dtype=source.dtype, device="meta"), source)
-    values = saved_view(model, kept)
+    stored = {source.key: Leaf.of_shape(source.key, source.shape, source.dtype, source)
+              for source in state_sources(program)}
+    values = saved_tensors(program.model, stored, program.traced.aliases.values())
     p = program.pp
     by_stage: list[list[TensorEntry]] = [[] for _ in range(p)]
     for name, value in values.items():
         leaves = value.leaves()
         stages = sorted({_writing_stage(program, leaf.info) for leaf in leaves})
         if len(stages) > 1:
-            raise ValueError(f"'{name}' is saved as one tensor made of {[leaf.key for leaf in leaves]}, which "
-                             f"pipeline stages {stages} hold: save_pretrained writes each stage's tensors on that "
-                             "stage; export a checkpoint instead (engine.save, then autopar export --to-hf)")
-        check_dtype(name, value.dtype)
+            raise CheckpointError(f"'{name}' is saved as one tensor made of {[leaf.key for leaf in leaves]}, "
+                                  f"which pipeline stages {stages} hold: save_pretrained writes each stage's "
+                                  "tensors on that stage; export a checkpoint instead (engine.save, then autopar "
+                                  "export --to-hf)")
         by_stage[stages[0]].append(TensorEntry(name, tuple(value.shape), value.dtype))
     return [HFFile(weight_file_name(s + 1, p), tuple(entries)) for s, entries in enumerate(by_stage)], values
 
@@ -138,7 +126,7 @@ def _file_values(rank: RankHoldings, file: HFFile, values: dict[str, Lazy]) -> C
         if leaf.key not in held:
             held[leaf.key] = _whole(rank, leaf.info)
         value = held[leaf.key]
-        return value if region is None else value[tuple(slice(a, b) for a, b in region)]
+        return value if region is None else value[region_slices(region)]
 
     reads = Reads(fetch)
 
@@ -200,13 +188,8 @@ def _write_directory_files(path: str, program: "Program", files: list[HFFile]) -
     """The index (more than one file) and the HuggingFace configs: what rank 0 writes after its
     stage's file; weight files of an earlier save in ``path`` (never this save's) removed."""
     remove_stale_weight_files(path, [f.name for f in files])
-    written = []
-    if len(files) > 1:
-        total_parameters = sum(p.numel() for p in program.model.parameters())
-        write_index(path, files, total_parameters)
-        written.append("model.safetensors.index.json")
-    dtypes = [e.dtype for f in files for e in f.entries if e.dtype.is_floating_point]
-    return written + write_configs(path, program.model, dtypes[0] if dtypes else None)
+    total_parameters = sum(p.numel() for p in program.model.parameters())
+    return write_directory_files(path, files, total_parameters, program.model)
 
 
 def _guarded(action: Callable, *args):

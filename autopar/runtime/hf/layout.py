@@ -15,6 +15,11 @@
 
 Weight files of an earlier save that this one does not rewrite are removed, so
 a directory never mixes two saves' files.
+
+``saved_tensors`` applies these rules and transformers' conversion for saving
+to a model's state_dict names, and ``write_directory_files`` writes what
+comes beside the weights: both exports (a running program's, a saved
+checkpoint's) go through them.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from autopar.runtime.hf.safetensors_stream import TensorEntry
+from autopar.runtime.hf.conversion import Lazy, Leaf, saved_view
+from autopar.runtime.hf.safetensors_stream import TensorEntry, check_dtype
 
 __all__ = ["HFFile", "WEIGHTS_NAME", "INDEX_NAME", "FILE_METADATA", "weight_file_name", "tied_weight_patterns",
-           "tied_duplicates", "ignored_on_save", "hf_config_of", "write_index", "write_configs",
-           "remove_stale_weight_files", "check_output_dir"]
+           "tied_duplicates", "ignored_on_save", "saved_tensors", "hf_config_of", "write_index", "write_configs",
+           "write_directory_files", "remove_stale_weight_files", "check_output_dir"]
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -89,6 +95,26 @@ def ignored_on_save(model: nn.Module | None) -> set[str]:
     return set(getattr(model, "_keys_to_ignore_on_save", None) or ())
 
 
+def saved_tensors(model: nn.Module | None, stored: dict[str, Leaf], ties: Iterable[list[str]]) -> dict[str, Lazy]:
+    """Name written -> its value over ``stored`` (each state_dict name of ``model`` -> its tensor), as
+    ``save_pretrained`` writes them: tied duplicates (of each group of names in ``ties``, canonical
+    first) and ignored keys left out, transformers' conversion for saving applied
+    (``conversion.saved_view``); every dtype one safetensors stores."""
+    skip = ignored_on_save(model)
+    patterns = tied_weight_patterns(model)
+    for names in ties:
+        skip.update(tied_duplicates(names, patterns))
+    kept = {}
+    for name, leaf in stored.items():
+        if name not in skip:
+            check_dtype(name, leaf.dtype)
+            kept[name] = leaf
+    values = saved_view(model, kept)
+    for name, value in values.items():
+        check_dtype(name, value.dtype)
+    return values
+
+
 def hf_config_of(model: nn.Module | None):
     """The model's ``PretrainedConfig``, or None (not a HuggingFace model)."""
     transformers = sys.modules.get("transformers")  # a model with a HF config has imported it
@@ -125,6 +151,19 @@ def write_configs(path: str, model: nn.Module, dtype: torch.dtype | None) -> lis
         generation.save_pretrained(path)
         written.append("generation_config.json")
     return written
+
+
+def write_directory_files(path: str, files: list[HFFile], total_parameters: int, model: nn.Module | None
+                          ) -> list[str]:
+    """What stands beside the weight ``files``: the index (more than one file) and, for a HuggingFace
+    ``model`` (None: none), its configs (``write_configs``, with the dtype of the first
+    floating-point tensor written); the names of the files written."""
+    written = []
+    if len(files) > 1:
+        write_index(path, files, total_parameters)
+        written.append(INDEX_NAME)
+    dtypes = [e.dtype for f in files for e in f.entries if e.dtype.is_floating_point]
+    return written + write_configs(path, model, dtypes[0] if dtypes else None)
 
 
 def check_output_dir(path: str) -> str | None:

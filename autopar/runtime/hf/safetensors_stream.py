@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.runtime.checkpoint.errors import CheckpointError
+from autopar.runtime.hf.errors import ExportError
+
 __all__ = ["TensorEntry", "SafetensorsStream", "SAFETENSORS_DTYPES", "check_dtype"]
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -46,10 +49,10 @@ class TensorEntry:
 
 
 def check_dtype(name: str, dtype: torch.dtype) -> None:
-    """ValueError unless safetensors can store ``dtype``."""
+    """A ``CheckpointError`` unless safetensors can store ``dtype``."""
     if dtype not in SAFETENSORS_DTYPES:
-        raise ValueError(f"'{name}' is {dtype}, which safetensors cannot store; safetensors stores "
-                         f"{', '.join(sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES))}")
+        raise CheckpointError(f"'{name}' is {dtype}, which safetensors cannot store; safetensors stores "
+                              f"{', '.join(sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES))}")
 
 
 class SafetensorsStream:
@@ -61,7 +64,7 @@ class SafetensorsStream:
 
     def __init__(self, path: str, entries: list[TensorEntry], metadata: dict[str, str] | None = None):
         if sys.byteorder != "little":
-            raise RuntimeError("safetensors files are little-endian; this machine is big-endian")
+            raise ExportError("safetensors files are little-endian; this machine is big-endian")
         for e in entries:
             check_dtype(e.name, e.dtype)
         self.path = path
@@ -74,12 +77,12 @@ class SafetensorsStream:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append ``tensor``'s bytes: it must be the next entry, with its shape and dtype."""
         if self._next >= len(self.entries):
-            raise ValueError(f"{self.path}: '{name}' written after the {len(self.entries)} declared tensors")
+            raise CheckpointError(f"{self.path}: '{name}' written after the {len(self.entries)} declared tensors")
         want = self.entries[self._next]
         got = (name, tuple(tensor.shape), tensor.dtype)
         if got != (want.name, want.shape, want.dtype):
-            raise ValueError(f"{self.path}: expected tensor #{self._next} to be '{want.name}' {list(want.shape)} "
-                             f"{want.dtype}, got '{name}' {list(got[1])} {got[2]}")
+            raise CheckpointError(f"{self.path}: expected tensor #{self._next} to be '{want.name}' {list(want.shape)} "
+                                  f"{want.dtype}, got '{name}' {list(got[1])} {got[2]}")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._file.write(data.numpy().data)
         self._next += 1
@@ -90,8 +93,8 @@ class SafetensorsStream:
         try:
             self._file.close()
             if self._next != len(self.entries):
-                raise ValueError(f"{self.path}: {len(self.entries) - self._next} declared tensor(s) never "
-                                 f"written, from '{self.entries[self._next].name}' on")
+                raise CheckpointError(f"{self.path}: {len(self.entries) - self._next} declared tensor(s) never "
+                                      f"written, from '{self.entries[self._next].name}' on")
             os.replace(self._tmp, self.path)
         except BaseException:
             self.abort()
@@ -117,8 +120,8 @@ def _header(entries: list[TensorEntry], metadata: dict[str, str]) -> bytes:
     """The length prefix and the JSON header, padded with spaces to a multiple of 8 bytes."""
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
-        raise ValueError(f"duplicate tensor names in one safetensors file: "
-                         f"{sorted({n for n in names if names.count(n) > 1})}")
+        raise CheckpointError(f"duplicate tensor names in one safetensors file: "
+                              f"{sorted({n for n in names if names.count(n) > 1})}")
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for e in entries:

@@ -8,7 +8,7 @@ files, and fails before any work, naming the file, the parameter and both
 shapes, when one is missing or of another shape.
 
 Names are the HF model's ``state_dict`` names after transformers' own
-checkpoint conversion mapping for the model (``hf_conversion.load_view``: what
+checkpoint conversion mapping for the model (``conversion.load_view``: what
 ``from_pretrained`` applies, e.g. GPT-NeoX's stored ``embed_out`` is
 ``lm_head``, a legacy ``LayerNorm.gamma`` is ``LayerNorm.weight``, per-expert
 tensors are stacked into one). A parameter is found under any of its names in
@@ -17,16 +17,18 @@ to), and, for a model with a ``base_model_prefix`` (HF's convention), with that
 prefix added or dropped (a checkpoint of the base model loaded into a model
 with a head, and back).
 
-``reader`` gives a ``Reader`` (``read(start, stop)``, as ``weights/shards.py`` assembles) over one parameter: a sharded parameter is
-read as ``safe_open(...).get_slice(name)[..., start:stop]`` per piece of the
-rank's shard, never whole (of a fused one, the rows it needs of each stored
-tensor); a replicated one whole. A parameter made by a conversion that cannot
+``reader`` gives a ``Reader`` (``read(start, stop)``, as ``weights.shards``
+assembles) over one parameter: a sharded parameter is read as
+``safe_open(...).get_slice(name)[..., start:stop]`` per piece of the rank's
+shard, never whole (of a fused one, the rows it needs of each stored tensor);
+a replicated one whole. A parameter made by a conversion that cannot
 be sliced reads its stored tensors whole, and says so in the log. Values are
 cast to the model's dtype.
 
 Every file's header is checked against the file's size before anything is
 read: a truncated file or a corrupt header is a ``CheckpointError`` naming the
-file and what is wrong, raised by every rank (they all read the same files).
+file and what is wrong, raised by every rank (they all read the same files);
+a missing file, a ``CheckpointNotFoundError`` (a ``FileNotFoundError`` too).
 """
 
 from __future__ import annotations
@@ -45,8 +47,18 @@ from safetensors import safe_open
 
 from autopar.core.log import get_logger
 from autopar.core.tensor_placement import Replicate, Shard
-from autopar.runtime.checkpoint.errors import CheckpointError
-from autopar.runtime.hf.conversion import Lazy, Leaf, Reads, Region, full_region, is_hf_model, load_view
+from autopar.runtime.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from autopar.runtime.hf.conversion import (
+    Lazy,
+    Leaf,
+    Reads,
+    Region,
+    full_region,
+    is_hf_model,
+    load_view,
+    region_slices,
+)
+from autopar.runtime.hf.layout import INDEX_NAME, WEIGHTS_NAME
 from autopar.runtime.hf.safetensors_stream import SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
@@ -54,7 +66,6 @@ if TYPE_CHECKING:
 
 __all__ = ["HFCheckpoint", "CheckpointError", "Entry", "check_safetensors_file"]
 
-INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 _log = get_logger(__name__)
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8, "C128": 16}
@@ -131,13 +142,14 @@ def _weight_files(path: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (from the index, or the one file's header)."""
     path = Path(path)
     if path.is_dir():
-        found = [path / f for f in (INDEX, SINGLE) if (path / f).exists()]
+        found = [path / f for f in (INDEX_NAME, WEIGHTS_NAME) if (path / f).exists()]
         if not found:
-            raise FileNotFoundError(f"checkpoint directory {path} holds neither {INDEX} nor {SINGLE} "
-                                    "(save the model with save_pretrained(..., safe_serialization=True))")
+            raise CheckpointNotFoundError(f"checkpoint directory {path} holds neither {INDEX_NAME} nor "
+                                          f"{WEIGHTS_NAME} (save the model with save_pretrained(..., "
+                                          "safe_serialization=True))")
         path = found[0]
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
     if path.suffix == ".json":
         try:
             weight_map = json.loads(path.read_text()).get("weight_map")
@@ -174,7 +186,7 @@ class HFCheckpoint:
         entries = {}
         for file in sorted(set(files.values())):
             if not file.exists():
-                raise FileNotFoundError(f"checkpoint file {file} (named by the index) does not exist")
+                raise CheckpointNotFoundError(f"checkpoint file {file} (named by the index) does not exist")
             check_safetensors_file(file)
             with _safe_open(file) as f:
                 for key in f.keys():
@@ -189,13 +201,12 @@ class HFCheckpoint:
 
     # ---------------------------------------------------------------- names
     def view(self, model) -> dict[str, Lazy]:
-        """Model name -> the tensor ``from_pretrained`` makes of the stored ones (``hf_conversion.load_view``)."""
+        """Model name -> the tensor ``from_pretrained`` makes of the stored ones (``conversion.load_view``)."""
         if self._view is None or self._view_of != id(model):
-            leaves = {k: Leaf(k, torch.empty(e.shape, dtype=_torch_dtype(e.dtype), device="meta"), e)
-                      for k, e in self.entries.items()}
+            leaves = {k: Leaf.of_shape(k, e.shape, _torch_dtype(e.dtype), e) for k, e in self.entries.items()}
             try:
                 self._view, self.conversions = load_view(model, leaves)
-            except ValueError as e:
+            except CheckpointError as e:
                 raise CheckpointError(f"checkpoint {self.root}: {e}") from None
             self._view_of = id(model)
         return self._view
@@ -277,7 +288,7 @@ class HFCheckpoint:
         entry: Entry = leaf.info
         if region is None:
             return self._file(entry).get_tensor(entry.key)
-        return self._file(entry).get_slice(entry.key)[tuple(slice(a, b) for a, b in region)]
+        return self._file(entry).get_slice(entry.key)[region_slices(region)]
 
     def _say_whole(self, name: str, source: Lazy) -> None:
         """Log, once per tensor, that a conversion makes this rank read stored tensors whole."""
@@ -293,7 +304,8 @@ class HFCheckpoint:
         self._say_whole(name, source)
         return source.whole(self._reads).to(dtype)
 
-    def reader(self, source: Lazy, spec: Replicate | Shard, dtype: torch.dtype, name: str = "") -> Callable[[int, int], torch.Tensor]:
+    def reader(self, source: Lazy, spec: Replicate | Shard, dtype: torch.dtype,
+               name: str = "") -> Callable[[int, int], torch.Tensor]:
         """Rows ``[start, stop)`` along the sharded dim, read as slices of the stored tensors (the
         whole tensor when replicated)."""
         if not isinstance(spec, Shard) or not source.shape:

@@ -9,6 +9,6 @@ model on the meta device one module at a time, the same in every layout.
 
 from autopar.runtime.weights.initialize import init_weights
 from autopar.runtime.weights.module_init import InitError
-from autopar.runtime.weights.weight_plan import WeightPlan, plan_weights
+from autopar.runtime.weights.weight_plan import MissingWeightsError, WeightPlan, WeightsError, plan_weights
 
-__all__ = ["init_weights", "InitError", "WeightPlan", "plan_weights"]
+__all__ = ["init_weights", "InitError", "WeightPlan", "plan_weights", "WeightsError", "MissingWeightsError"]

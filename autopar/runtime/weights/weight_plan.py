@@ -3,8 +3,8 @@
 The first source that has it, for a parameter:
 
 1. ``state_dict`` (full weights: then it must hold every parameter);
-2. ``checkpoint``, a HuggingFace safetensors checkpoint (``hf_weights``; names through
-   transformers' conversion mapping, ``hf_conversion``);
+2. ``checkpoint``, a HuggingFace safetensors checkpoint (``hf.weights_in``; names through
+   transformers' conversion mapping, ``hf.conversion``);
 3. the model's own parameter, when it is real;
 4. the model's own initialisation, for a parameter on the meta device
    (``initialize``), seeded by the base seed and the module's path;
@@ -18,7 +18,9 @@ make); one with some parameters but not all is refused, as is a
 ``plan_weights`` decides and checks (missing or mis-shaped checkpoint
 tensors, modules with no code to make their values) from the program, the
 model and the checkpoint's headers alone, before any weight is made
-(``materialize`` makes every rank stop when one fails here).
+(``materialize`` makes every rank stop when one fails here): a
+``WeightsError``, or ``MissingWeightsError`` for a ``state_dict`` that lacks
+some parameters.
 ``WeightPlan.load`` then makes one rank's shards, each sharded tensor read
 piece by piece (``shards.assemble``), never whole unless made whole by its
 module's initialisation, and freed before the next module's.
@@ -32,13 +34,25 @@ from pathlib import Path
 import torch
 
 from autopar.compiler.program import Program
+from autopar.core.errors import AutoparError
 from autopar.runtime.hf.conversion import Lazy
 from autopar.runtime.hf.weights_in import HFCheckpoint
 from autopar.runtime.weights.initialize import initialise_modules
 from autopar.runtime.weights.module_init import check_initialisable
 from autopar.runtime.weights.shards import Reader, assemble, narrow_reader
 
-__all__ = ["WeightPlan", "plan_weights"]
+__all__ = ["WeightPlan", "plan_weights", "WeightsError", "MissingWeightsError"]
+
+
+class WeightsError(AutoparError, ValueError):
+    """Weights given to ``materialize`` that do not fit the program, or a value of the traced model that
+    nothing can give; the message names each tensor and the fix."""
+
+
+class MissingWeightsError(WeightsError, KeyError):
+    """A ``state_dict`` that holds some of the program's parameters but not all (a ``KeyError`` too)."""
+
+    __str__ = BaseException.__str__  # the message as written, not quoted as a KeyError's key is
 
 
 @dataclass
@@ -113,12 +127,13 @@ def plan_weights(program: Program, state_dict: dict[str, torch.Tensor] | None = 
     plan = WeightPlan(program)
     present = [n for n in program.param_names if n in state_dict]
     if present and checkpoint is not None:
-        raise ValueError("pass the parameters once: materialize(state_dict=...) with parameters, or "
-                         "checkpoint=...; a state_dict next to a checkpoint may hold buffers only")
+        raise WeightsError("pass the parameters once: materialize(state_dict=...) with parameters, or "
+                           "checkpoint=...; a state_dict next to a checkpoint may hold buffers only")
     if present and len(present) < len(program.param_names):
         missing = [n for n in program.param_names if n not in state_dict]
-        raise KeyError(f"state_dict lacks {len(missing)} parameter(s), e.g. {missing[:3]}: pass every parameter, "
-                       "or none (then the model's own, a checkpoint's, or its initialisation's are used)")
+        raise MissingWeightsError(f"state_dict lacks {len(missing)} parameter(s), e.g. {missing[:3]}: pass every "
+                                  "parameter, or none (then the model's own, a checkpoint's, or its "
+                                  "initialisation's are used)")
     if checkpoint is not None:
         plan.checkpoint = HFCheckpoint.open(checkpoint)
         plan.entries = plan.checkpoint.match(program)
@@ -146,9 +161,9 @@ def _check_given(program: Program, state_dict: dict[str, torch.Tensor]) -> None:
     bad = [f"{n}: given {tuple(t.shape)}, the model has {want[n]}" for n, t in state_dict.items()
            if n in want and tuple(t.shape) != tuple(want[n])]
     if bad:
-        raise ValueError(f"materialize(state_dict=...): {len(bad)} tensor(s) of another shape than the model's: "
-                         + "; ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
-                         + ". Fix: pass the weights of this model (same vocabulary, widths and layer count)")
+        raise WeightsError(f"materialize(state_dict=...): {len(bad)} tensor(s) of another shape than the model's: "
+                           + "; ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
+                           + ". Fix: pass the weights of this model (same vocabulary, widths and layer count)")
 
 
 def _plan_buffers(plan: WeightPlan, state_dict: dict[str, torch.Tensor]) -> None:
@@ -174,7 +189,7 @@ def _check_constants(program: Program) -> None:
     lost = [(name, tuple(value.shape)) for name, value in program.traced.constants.items()
             if value.is_meta and value.numel() > 0 and name in program.traced.constant_of.values()]
     if lost:
-        raise ValueError(
+        raise WeightsError(
             f"{len(lost)} tensor constant(s) of the traced model have no value: made on the meta device (a plain "
             f"tensor attribute, or a tensor built from Python data in forward): {lost[:3]}; fix: register it as "
             f"a buffer (register_buffer) so the initialisation or materialize(state_dict=...) can give it, or "
