@@ -30,6 +30,7 @@ from helpers import assert_ranks_match, reference_run, spawn_ranks
 from safetensors.torch import load_file, save_file
 
 import autopar
+from autopar.core.errors import AutoparError
 from autopar.core.tensor_placement import Shard
 import autopar.runtime.hf.weights_in as hf_weights
 
@@ -205,8 +206,11 @@ def _meta_from_model():
 def test_bad_checkpoint_arguments_are_refused(tmp_path):
     x = torch.randint(0, 257, (BATCH, SEQ))
     program = autopar.parallelize(_meta_from_model(), example_inputs=(x,), example_targets=x)
-    with pytest.raises(FileNotFoundError, match="holds neither model.safetensors.index.json nor model.safetensors"):
+    with pytest.raises(FileNotFoundError, match="holds neither model.safetensors.index.json nor model.safetensors") \
+            as missing:
         program.materialize(checkpoint=tmp_path)
+    assert isinstance(missing.value, autopar.CheckpointError)  # CheckpointNotFoundError: both kinds
     weights = {n: torch.zeros(program.full_shape(n)) for n in program.param_names}
-    with pytest.raises(ValueError, match="pass the parameters once"):
+    with pytest.raises(ValueError, match="pass the parameters once") as twice:
         program.materialize(state_dict=weights, checkpoint=tmp_path)
+    assert isinstance(twice.value, AutoparError)
