@@ -14,9 +14,10 @@ a compiled program (``materialize``).
 """
 
 from autopar.runtime.engine.batch_checks import BatchError
-from autopar.runtime.engine.engine import RankEngine, rank_device
+from autopar.runtime.engine.engine import RankEngine
 from autopar.runtime.engine.errors import ActionError, EngineRuntimeError, EngineUsageError
 from autopar.runtime.engine.failures import EngineFailedError
+from autopar.runtime.engine.holdings import rank_device
 from autopar.runtime.engine.step_state import StepState
 
 __all__ = ["RankEngine", "StepState", "ActionError", "EngineFailedError", "EngineUsageError", "EngineRuntimeError",

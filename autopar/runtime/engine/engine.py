@@ -30,8 +30,7 @@ with ``loss.backward()``: call ``optimizer.step()`` and ``zero_grad()`` around.
 from __future__ import annotations
 
 import secrets
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,46 +39,30 @@ import torch.nn as nn
 
 from autopar.core.comm import TPGroup
 from autopar.core.mesh import Mesh
+from autopar.runtime.engine.action_runs import Handlers, run_actions
 from autopar.runtime.engine.compute import ChunkCompute
 from autopar.runtime.engine.errors import EngineUsageError
 from autopar.runtime.engine.eval_outputs import LogitsOutput, askers, gather_logits
 from autopar.runtime.engine.failing import StepFailures
 from autopar.runtime.engine.failures import FailureBoard, failure_timeout
-from autopar.runtime.engine.holdings import Holdings, shard_key
+from autopar.runtime.engine.holdings import Holdings, nccl, rank_device, shard_key
 from autopar.runtime.engine.micro_batches import MicroBatches
 from autopar.runtime.engine.p2p import PointToPoint, wait_sends
 from autopar.runtime.engine.random_streams import RandomStream, stream_seed
-from autopar.runtime.engine.step_state import CommBatch, StepState
+from autopar.runtime.engine.step_state import StepState
 from autopar.runtime.engine.timeline import (Event, StepHistory, aligned_steps, clock_offset, gather_objects,
                                              trace_metadata, write_chrome_trace)
 from autopar.runtime.hf.export import save_pretrained
 from autopar.runtime.optim.distributed_optimizer import DistributedOptimizer
 from autopar.runtime.optim.gradient_sync import GradientSync
-from autopar.schedules import Action, Kind, Schedule
+from autopar.schedules import Kind, Schedule
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
     from autopar.core.chunks import Chunk
     from autopar.runtime.checkpoint.checkpointer import Checkpointer, SaveHandle
 
-__all__ = ["RankEngine", "rank_device"]
-
-
-def rank_device(tensors: Iterable[torch.Tensor]) -> torch.device:
-    """The device a rank computes on: the one device of ``tensors``; with none, the current
-    GPU when the default process group is NCCL, else the CPU."""
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise EngineUsageError(f"a rank's parameters must all be on one device, got {sorted(map(str, devices))}")
-    if devices:
-        return devices.pop()
-    if _nccl():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _nccl() -> bool:
-    return dist.is_initialized() and dist.get_backend() == "nccl"
+__all__ = ["RankEngine"]
 
 
 def _from_rank0(values: list[int], device: torch.device) -> list[int]:
@@ -104,7 +87,7 @@ class RankEngine(nn.Module):
         self.chunks: dict[int, "Chunk"] = {c.index: c for c in program.chunks_of_stage(self.stage)}
         self.device = rank_device(local_params.values())
         """Where this rank computes: its parameters' device. Every tensor the engine makes lives here."""
-        if _nccl() and self.device.type != "cuda":
+        if nccl() and self.device.type != "cuda":
             raise EngineUsageError(f"the process group's backend is NCCL, but this rank's parameters are on "
                                    f"{self.device}: NCCL communicates GPU tensors only (materialize places the "
                                    f"shards on the rank's GPU under NCCL; or use the gloo backend)")
@@ -190,7 +173,7 @@ class RankEngine(nn.Module):
         st = self._new_step(batch, self.schedule, training=True)
         with self.failures.together(st, self.failure_timeout_s):
             self.grads.begin_step(st.stats)
-            self._run_actions(st)
+            run_actions(st, self.stage, self.mesh.rank, self._handlers(), self.p2p.post, self.failures)
             self.timelines.add(st.origin, st.events)
             st.enter_phase("the step's end (sends, gradient reductions, loss)")
             wait_sends(st)
@@ -226,7 +209,7 @@ class RankEngine(nn.Module):
         st.logits = {} if outputs else None
         with self.failures.together(st, self.failure_timeout_s):
             with self.random_stream.unchanged(), torch.no_grad():  # evaluation graphs' random ops draw from a copy
-                self._run_actions(st)
+                run_actions(st, self.stage, self.mesh.rank, self._handlers(), self.p2p.post, self.failures)
             st.enter_phase("the step's end (sends, loss, outputs)")
             wait_sends(st)
             loss = self._reduce_loss(st)
@@ -247,7 +230,7 @@ class RankEngine(nn.Module):
         st.number, st.global_batch = self._steps, whole
         return st
 
-    def _handlers(self) -> dict[Kind, Callable[[Action, StepState], None]]:
+    def _handlers(self) -> Handlers:
         """Action kind -> its handler, called ``handler(action, state)``; a communication handler
         adds its operations to ``state.comm``. Made at the start of each step from the handlers'
         objects, so a handler wrapped on its object (instrumentation) is the one dispatched to."""
@@ -260,49 +243,6 @@ class RankEngine(nn.Module):
             Kind.SEND_B: self.p2p.send_input_grads,
             Kind.RECV_B: self.p2p.recv_output_grads,
         }
-
-    def _run_actions(self, st: StepState) -> None:
-        """Run this stage's actions of ``st.schedule`` in order, recording each compute action and
-        each batch of point-to-point operations in ``st.events``; an F or B that waited for a
-        received tensor gets a ``wait`` event (``RF2.0``) and starts when the tensor was there."""
-        actions = st.schedule.actions[self.stage]
-        rank = self.mesh.rank
-        handlers = self._handlers()
-        t0 = st.origin = time.perf_counter()
-        i = 0
-        while i < len(actions):
-            j = i + 1
-            if actions[i].is_comm:
-                while j < len(actions) and actions[j].is_comm:
-                    j += 1
-            start = time.perf_counter() - t0
-            st.waits.clear()
-            name, kind = self._run(st, handlers, actions, i, j)
-            end = time.perf_counter() - t0
-            for waited_from, waited_to in st.waits:
-                st.events.append(Event(rank, "wait", "R" + name, waited_from - t0, waited_to - t0))
-                start = waited_to - t0
-            st.events.append(Event(rank, kind, name, start, end))
-            i = j
-
-    def _run(self, st: StepState, handlers: dict, actions: list[Action], i: int, j: int) -> tuple[str, str]:
-        """Run ``actions[i:j]``: one compute action, or a run of communication actions posted as
-        one batch. Returns the event's (name, kind); a failure is re-raised as ``ActionError``."""
-        at = st.at = [i]
-        st.progress = time.monotonic()
-        try:
-            if actions[i].is_compute:
-                handlers[actions[i].kind](actions[i], st)
-                return str(actions[i]), actions[i].kind.value
-            st.comm = CommBatch()
-            for k in range(i, j):
-                at = st.at = [k]
-                handlers[actions[k].kind](actions[k], st)
-            at = st.at = list(range(i, j))  # posting the batch: it is the run's, not one action's
-            self.p2p.post(st)
-            return " ".join(map(str, actions[i:j])), "comm"
-        except Exception as e:
-            raise self.failures.failure(e, at, st) from e
 
     def _reduce_loss(self, st: StepState) -> float:
         """The step's loss: the weighted sum of the microbatch losses (``runtime/engine/loss_weights.py``), from

@@ -25,6 +25,7 @@ from autopar.compiler.state_keys import state_sources, untraced_value
 from autopar.core.comm import TPGroup, whole_from_shards
 from autopar.core.mesh import Mesh
 from autopar.core.tensor_placement import Shard
+from autopar.runtime.engine.errors import EngineUsageError
 from autopar.runtime.hf.export import RankHoldings
 from autopar.runtime.optim.gradient_sync import GradientSync
 from autopar.runtime.optim.param_gathers import ParamGathers
@@ -32,12 +33,30 @@ from autopar.runtime.optim.param_gathers import ParamGathers
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
 
-__all__ = ["Holdings", "shard_key"]
+__all__ = ["Holdings", "shard_key", "rank_device", "nccl"]
 
 
 def shard_key(name: str) -> str:
     """Parameter ``name``'s key among the engine's shards (``nn.ParameterDict`` keys hold no dots)."""
     return name.replace(".", "__")
+
+
+def rank_device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """The device a rank computes on: the one device of ``tensors``; with none, the current
+    GPU when the default process group is NCCL, else the CPU."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise EngineUsageError(f"a rank's parameters must all be on one device, got {sorted(map(str, devices))}")
+    if devices:
+        return devices.pop()
+    if nccl():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def nccl() -> bool:
+    """Whether the default process group is NCCL's (it communicates GPU tensors only)."""
+    return dist.is_initialized() and dist.get_backend() == "nccl"
 
 
 class Holdings:
