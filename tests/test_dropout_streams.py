@@ -52,8 +52,8 @@ class _Masks(TorchDispatchMode):
     def watch(self, engine):
         """Tag what ``engine`` draws: the action it runs, and the checkpointed layer (hooks on the
         module each checkpoint runs, called in the forward and again in the backward's replay)."""
-        for name in ("_forward", "_backward"):
-            run = getattr(engine, name)
+        for name in ("forward", "backward"):
+            run = getattr(engine.compute, name)
 
             def tagged(a, *rest, run=run):
                 # a replay may stop once it has what the backward needs, before its layer's post-hook
@@ -63,7 +63,7 @@ class _Masks(TorchDispatchMode):
                 finally:
                     self.action, self.layer = None, None
 
-            setattr(engine, name, tagged)
+            setattr(engine.compute, name, tagged)
         for module in engine.runnables.values():
             for m in module.modules():
                 if isinstance(m, Checkpointed):

@@ -240,3 +240,55 @@ def test_import_autopar_is_light():
                            "autopar.spawn; autopar.ParallelConfig; print(sorted(autopar.__all__))"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+# the libraries' private names that module code reads by design: nn.Module's registries, a tensor's
+# version counter, a HuggingFace model's weight initialiser
+LIBRARY_PRIVATE = {"_parameters", "_buffers", "_modules", "_version", "_init_weights"}
+# the rooms below the engine: they get narrow objects from it, never reach into its internals
+BELOW_THE_ENGINE = ("checkpoint", "hf", "optim", "weights")
+
+
+def _own_private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines itself: its functions, classes and their members, and the
+    attributes it assigns on ``self``."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if n.startswith("_")}
+
+
+def _rooted_at(node: ast.Attribute, name: str) -> bool:
+    """Whether ``node`` is an attribute chain starting at the plain name ``name`` (``torch._C.x``)."""
+    value = node.value
+    while isinstance(value, ast.Attribute):
+        value = value.value
+    return isinstance(value, ast.Name) and value.id == name
+
+
+def test_the_rooms_below_the_engine_read_no_private_attribute():
+    """Checkpoint, export, optimizer and weight code read another object's state through its public
+    names only (``x._name`` on ``self``, names the module defines itself, torch's own and the
+    library names of ``LIBRARY_PRIVATE`` aside), so the engine can change its internals without breaking them."""
+    bad = []
+    for module, path in modules().items():
+        if room_of(module) not in BELOW_THE_ENGINE:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        own = _own_private_names(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in own or node.attr in LIBRARY_PRIVATE or _rooted_at(node, "torch"):
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{node.lineno} reads .{node.attr}")
+    assert not bad, "private attributes read across objects:\n" + "\n".join(bad)

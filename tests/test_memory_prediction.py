@@ -79,9 +79,9 @@ def _count_kept_by_storage(engine) -> None:
 
     The engine's own count adds a tensor each time an op saves it, and adds the inputs of
     checkpointed regions (``count_kept_bytes``) although the non-reentrant checkpoint saves them
-    through the same saved-tensor hooks; this wraps its ``_run_chunk`` (instrumentation, on the
+    through the same saved-tensor hooks; this wraps its ``compute.run_chunk`` (instrumentation, on the
     instance) to count each saved storage once, plus the chunk's outputs (held until its backward)."""
-    run_eval = engine._run_chunk
+    run_eval = engine.compute.run_chunk
 
     def run_chunk(st, key, args):
         if not st.training:
@@ -93,15 +93,15 @@ def _count_kept_by_storage(engine) -> None:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), engine._autocast(), \
-                keeping_gathered_slices(), engine._random_stream():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), engine.compute.autocast(), \
+                keeping_gathered_slices(), engine.random_stream.active():
             outs = engine.runnables[key[0]](*args)
         for o in outs:
             storages.setdefault(o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
         st.saved[key] = sum(storages.values())
         return outs
 
-    engine._run_chunk = run_chunk
+    engine.compute.run_chunk = run_chunk
 
 
 def _measure(name: str, b: int, config: dict, distributed: bool) -> dict:

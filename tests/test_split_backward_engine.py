@@ -1,4 +1,4 @@
-"""The engine's B/W path: ``_backward`` with ``split_backward`` on, then ``_weight_backward``.
+"""The engine's B/W path: ``compute.backward`` with ``split_backward`` on, then ``compute.weight_backward``.
 
 No schedule places W actions yet, so a tiny local loop plays one: F and B of
 every microbatch as the schedule lists them, the Ws after (or each right after
@@ -43,10 +43,10 @@ def _split_step(engine, batch, interleave: bool, during_w=None) -> None:
             ws.append(Action(Kind.B, a.chunk, a.microbatch))  # a W action, in B's clothes
             if interleave:
                 with during_w() if during_w else _Null():
-                    engine._weight_backward(ws.pop(), st)
+                    engine.compute.weight_backward(ws.pop(), st)
     for w in ws:
         with during_w() if during_w else _Null():
-            engine._weight_backward(w, st)
+            engine.compute.weight_backward(w, st)
     engine.grads.end_step()
     assert not st.wctx and not st.splits
 
@@ -76,7 +76,7 @@ def test_weight_backward_without_b_names_the_action():
     engine.split_backward = True
     st = engine._new_step(batch, engine.schedule, training=True)
     with pytest.raises(RuntimeError, match=r"W 0\.1: no split backward pending"):
-        engine._weight_backward(Action(Kind.B, 0, 1), st)
+        engine.compute.weight_backward(Action(Kind.B, 0, 1), st)
 
 
 class _CountCollectives:

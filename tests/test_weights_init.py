@@ -213,7 +213,7 @@ def test_a_rank_that_cannot_make_a_weight_stops_every_rank(results):
         assert errors[rank].startswith("InitError") and "['ln_f.shift'] unset" in errors[rank] \
             and "ForgetfulNorm.reset_parameters()" in errors[rank], errors[rank]
     for rank in (0, 1):
-        assert errors[rank].startswith("RuntimeError: rank 2 failed making its weights"), errors[rank]
+        assert errors[rank].startswith("EngineRuntimeError: rank 2 failed making its weights"), errors[rank]
         assert "ln_f.shift" in errors[rank]
 
 

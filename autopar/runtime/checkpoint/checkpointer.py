@@ -114,11 +114,14 @@ class Checkpointer:
     """One engine's checkpoints: their process group and the asynchronous save in flight.
 
     Made by the ``RankEngine`` at its first save or load (collective: the group is
-    created here); ``engine`` is left unannotated because the engine imports this module.
+    created here) over what it reads and writes of the engine: ``holdings``
+    (``engine.holdings``: the program, mesh, device, shards and feeds) and ``stream``
+    (``engine.random_stream``), unannotated because the engine imports this module.
     """
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, holdings, stream) -> None:
+        self.holdings = holdings
+        self.stream = stream
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         """All ranks, gloo: only checkpoints talk over it. None in a process without a process group."""
         if self.group is None:  # DCP says it assumes one process; here that is a fact, not news
@@ -140,13 +143,13 @@ class Checkpointer:
              async_save: bool = False) -> SaveHandle:
         """Write ``ROOT/step-N`` (see ``RankEngine.save``)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int (it names ROOT/step-N), got {step!r}")
+            raise CheckpointError(f"step must be a non-negative int (it names ROOT/step-N), got {step!r}")
         self.wait()
         root = Path(root)
         errors, state, description = save_errors(root, step), {}, {}
         try:
             state = self._state(optimizer, scheduler, extra)
-            description = describe(self.engine.program, step)
+            description = describe(self.holdings.program, step)
             if not errors and self._rank0():
                 clear_partial(root, step)
         except Exception as e:  # noqa: BLE001 - whatever one rank meets, every rank must hear of it
@@ -165,10 +168,11 @@ class Checkpointer:
 
     def _state(self, optimizer, scheduler, extra) -> dict:
         """This rank's DCP state dict: views of its tensors (a synchronous save writes them as they are)."""
-        engine = self.engine
-        state: dict = {**model_entries(engine), **buffer_entries(engine, saving=True), **rng_entries(engine)}
+        holdings = self.holdings
+        state: dict = {**model_entries(holdings), **buffer_entries(holdings, saving=True),
+                       **rng_entries(holdings, self.stream)}
         if optimizer is not None:
-            state.update(_optimizer_io(optimizer).optimizer_entries(engine, optimizer))
+            state.update(_optimizer_io(optimizer).optimizer_entries(holdings, optimizer))
         if self._rank0():  # the same on every rank: stored once
             state["extra"] = _loadable("extra", extra)
             if scheduler is not None:
@@ -187,10 +191,10 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - DCP raises the same on every rank
             raise CheckpointError(f"cannot load checkpoint {step_dir}: {type(e).__name__}: {e}") from e
         if optimizer is not None:
-            _optimizer_io(optimizer).apply_loaded(self.engine, optimizer, targets)
+            _optimizer_io(optimizer).apply_loaded(self.holdings, optimizer, targets)
         if scheduler is not None:
             scheduler.load_state_dict(targets["scheduler"])
-        restore_rng(self.engine, targets, description["step"])
+        restore_rng(self.holdings, self.stream, targets, description["step"])
         return description["step"], targets.get("extra")
 
     def _open(self, path) -> tuple[Path, dict, Any]:
@@ -200,7 +204,7 @@ class Checkpointer:
         try:
             step_dir = resolve(path)
             found = (step_dir, read_description(step_dir), read_metadata(step_dir))
-            errors = truncation_errors(step_dir, found[2]) + param_errors(self.engine.program, found[2])
+            errors = truncation_errors(step_dir, found[2]) + param_errors(self.holdings.program, found[2])
         except Exception as e:  # noqa: BLE001 - whatever one rank meets, every rank must hear of it
             errors = [_problem(e)]
         agree(errors, self.group, f"cannot load checkpoint {found[0]}")
@@ -227,14 +231,14 @@ class Checkpointer:
     def _targets(self, optimizer, scheduler, description: dict, saved) -> tuple[dict, list[str]]:
         """(key -> destination, problems): parameters and buffers always; this rank's random stream
         when the checkpoint holds it; the optimizer's state when it fits; the scheduler and extra."""
-        engine = self.engine
-        targets: dict = {**model_entries(engine), **buffer_entries(engine, saving=False)}
-        if same_streams(engine, description["layout"], saved):
-            targets.update(rng_targets(engine))
+        holdings = self.holdings
+        targets: dict = {**model_entries(holdings), **buffer_entries(holdings, saving=False)}
+        if same_streams(holdings, self.stream, description["layout"], saved):
+            targets.update(rng_targets(holdings, self.stream))
         io = _optimizer_io(optimizer)
-        errors = io.optimizer_errors(engine, optimizer, saved) if optimizer is not None else []
+        errors = io.optimizer_errors(holdings, optimizer, saved) if optimizer is not None else []
         if optimizer is not None and not errors:
-            targets.update(io.optimizer_targets(engine, optimizer, saved))
+            targets.update(io.optimizer_targets(holdings, optimizer, saved))
         if scheduler is not None:
             targets["scheduler"] = None
         if "extra" in saved:

@@ -13,8 +13,11 @@ Keys (DCP's flat state dict):
                      CPU's, then the GPU's), one per (pipeline stage, dp replica):
                      the t ranks of a stage draw alike, so tp rank 0 saves it.
 
-The optimizer's keys are ``optimizer_state``'s. ``engine`` is always a ``RankEngine``
-(left unannotated: the engine imports the checkpoint code, not the other way round).
+The optimizer's keys are ``optimizer_state``'s. What is read of the engine is
+narrow: its ``holdings`` (``engine.holdings``: the program, the mesh, the
+device, the shards by name, the feeds) and its ``stream`` (``engine.random_stream``:
+``get_state``/``set_state``/``reseed``), left unannotated because the engine
+imports the checkpoint code, not the other way round.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from autopar.core.comm import seed_forked
 from autopar.core.tensor_placement import Shard
 from autopar.runtime.checkpoint.dcp import Pieces
 from autopar.runtime.checkpoint.description import FORMAT
@@ -81,13 +83,13 @@ def as_pieces(program: "Program", name: str, local: torch.Tensor, tp_rank: int) 
                                                  program.tp))
 
 
-def model_entries(engine) -> dict[str, Pieces]:
+def model_entries(holdings) -> dict[str, Pieces]:
     """``model.<name>`` for every parameter this rank holds (views of its shards)."""
-    return {f"model.{name}": as_pieces(engine.program, name, shard, engine.mesh.tp_rank)
-            for name, shard in engine.named_local_parameters()}
+    return {f"model.{name}": as_pieces(holdings.program, name, shard, holdings.mesh.tp_rank)
+            for name, shard in holdings.named_local_parameters()}
 
 
-def buffer_entries(engine, *, saving: bool) -> dict[str, torch.Tensor]:
+def buffer_entries(holdings, *, saving: bool) -> dict[str, torch.Tensor]:
     """``buffer.<key>`` for every tensor of the model's ``state_dict()`` that is not a trained parameter.
 
     A persistent buffer the graph reads is the engine's own tensor (a load
@@ -96,53 +98,51 @@ def buffer_entries(engine, *, saving: bool) -> dict[str, torch.Tensor]:
     ``state_dict``) but not loaded (``saving=False`` leaves it out).
     """
     out = {}
-    for source in state_sources(engine.program):
+    for source in state_sources(holdings.program):
         if source.kind == "buffer":
-            out[f"buffer.{source.key}"] = engine._feeds[source.name]
+            out[f"buffer.{source.key}"] = holdings.feeds[source.name]
         elif source.kind == "model" and saving:
-            out[f"buffer.{source.key}"] = untraced_value(engine.program, source, engine.device)
+            out[f"buffer.{source.key}"] = untraced_value(holdings.program, source, holdings.device)
     return out
 
 
-def _stream_keys(engine) -> list[str]:
+def _stream_keys(mesh, stream) -> list[str]:
     """``rng.<stage>.<replica>.<i>`` of each generator of this rank's stream."""
-    return [f"rng.{engine.mesh.pp_rank}.{engine.mesh.dp_rank}.{i}" for i in range(len(engine._rng_states))]
+    return [f"rng.{mesh.pp_rank}.{mesh.dp_rank}.{i}" for i in range(len(stream.get_state()))]
 
 
-def rng_entries(engine) -> dict[str, torch.Tensor]:
+def rng_entries(holdings, stream) -> dict[str, torch.Tensor]:
     """The random stream of this rank's (stage, replica), from tp rank 0 only, on the engine's device."""
-    if engine.mesh.tp_rank != 0:
+    if holdings.mesh.tp_rank != 0:
         return {}
-    return {k: state.to(engine.device, copy=True) for k, state in zip(_stream_keys(engine), engine._rng_states)}
+    return {k: state.to(holdings.device, copy=True)
+            for k, state in zip(_stream_keys(holdings.mesh, stream), stream.get_state())}
 
 
-def same_streams(engine, layout: dict, saved_keys) -> bool:
+def same_streams(holdings, stream, layout: dict, saved_keys) -> bool:
     """Whether the checkpoint holds this rank's own stream: saved with as many pipeline stages and
     replicas, and as many generators (a CPU run's stream does not continue on a GPU)."""
-    shape = engine.mesh.shape
-    prefix = _stream_keys(engine)[0].rpartition(".")[0] + "."
+    shape = holdings.mesh.shape
+    prefix = _stream_keys(holdings.mesh, stream)[0].rpartition(".")[0] + "."
     saved = [k for k in saved_keys if k.startswith(prefix)]
-    return layout.get("pp") == shape.pp and layout.get("dp") == shape.dp and len(saved) == len(engine._rng_states)
+    return layout.get("pp") == shape.pp and layout.get("dp") == shape.dp and len(saved) == len(stream.get_state())
 
 
-def rng_targets(engine) -> dict[str, torch.Tensor]:
+def rng_targets(holdings, stream) -> dict[str, torch.Tensor]:
     """Tensors on the engine's device that a load fills with this rank's saved stream."""
-    return {k: torch.empty_like(state, device=engine.device) for k, state in zip(_stream_keys(engine),
-                                                                                   engine._rng_states)}
+    return {k: torch.empty_like(state, device=holdings.device)
+            for k, state in zip(_stream_keys(holdings.mesh, stream), stream.get_state())}
 
 
-def restore_rng(engine, loaded: dict, step: int) -> None:
+def restore_rng(holdings, stream, loaded: dict, step: int) -> None:
     """Continue the saved stream (``loaded`` holds ``rng_targets`` filled), or, at another layout
     where this rank's stream was never saved, reseed it from its own seed and the step: the masks
     after a resume then differ from the first steps' instead of repeating them."""
-    keys = _stream_keys(engine)
+    keys = _stream_keys(holdings.mesh, stream)
     if all(k in loaded for k in keys):
-        engine._rng_states = [loaded[k].cpu() for k in keys]
+        stream.set_state([loaded[k] for k in keys])
         return
-    seed = (engine.random_seed + _GOLDEN * (step + 1)) % 2**63
-    with torch.random.fork_rng(devices=engine._rng_devices):
-        seed_forked(seed, engine._rng_devices)
-        engine._rng_states = engine._get_rng()
+    stream.reseed((stream.seed + _GOLDEN * (step + 1)) % 2**63)
 
 
 def describe(program: "Program", step: int) -> dict:

@@ -16,7 +16,8 @@ keeps them (``step`` on the CPU for Adam, on the GPU when capturable):
 ``initialise_state`` makes them the way ``torch.distributed.checkpoint``'s own
 state-dict helpers do, with one step of zero gradients at learning rate 0,
 which leaves every parameter unchanged; the load then overwrites every value.
-``engine`` is a ``RankEngine`` (unannotated: the engine imports this code).
+``holdings`` is the engine's ``engine.holdings`` (its program, mesh and shards by name;
+unannotated: the engine imports this code).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ GROUP_KEY = "param_group"
 """``optim.<name>.param_group``: the hyperparameters of the parameter's group."""
 
 
-def named_params(engine, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, dict]]:
+def named_params(holdings, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, dict]]:
     """(parameter name, shard, its param group) of every tensor the optimizer updates, in its order."""
-    names = {id(p): n for n, p in engine.named_local_parameters()}
+    names = {id(p): n for n, p in holdings.named_local_parameters()}
     out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -53,22 +54,22 @@ def hyperparameters(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def optimizer_entries(engine, optimizer: torch.optim.Optimizer) -> dict:
+def optimizer_entries(holdings, optimizer: torch.optim.Optimizer) -> dict:
     """``optim.*`` entries of every parameter this rank's optimizer updates."""
     out = {}
-    for name, p, group in named_params(engine, optimizer):
+    for name, p, group in named_params(holdings, optimizer):
         out[f"optim.{name}.{GROUP_KEY}"] = hyperparameters(group)
         for key, value in optimizer.state.get(p, {}).items():
-            out[f"optim.{name}.{key}"] = _entry(engine, name, p, key, value)
+            out[f"optim.{name}.{key}"] = _entry(holdings, name, p, key, value)
     return out
 
 
-def _entry(engine, name: str, shard: torch.Tensor, key: str, value):
+def _entry(holdings, name: str, shard: torch.Tensor, key: str, value):
     """One state value as saved: pieces when shaped like the shard, a 0-d tensor whole, else the value."""
     if not isinstance(value, torch.Tensor):
         return value
     if value.dim() > 0 and value.shape == shard.shape:
-        return as_pieces(engine.program, name, value, engine.mesh.tp_rank)
+        return as_pieces(holdings.program, name, value, holdings.mesh.tp_rank)
     if value.dim() == 0:
         return value
     raise CheckpointError(f"optimizer state '{key}' of parameter {name} has shape {tuple(value.shape)}, neither the "
@@ -100,27 +101,27 @@ def initialise_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return fresh
 
 
-def optimizer_targets(engine, optimizer: torch.optim.Optimizer, saved_keys) -> dict:
+def optimizer_targets(holdings, optimizer: torch.optim.Optimizer, saved_keys) -> dict:
     """Where a load puts each ``optim.*`` value the checkpoint holds: views of the optimizer's own
     state tensors (DCP writes into them), None for stored objects (DCP puts the value in its place).
     A parameter without saved state gets only its ``param_group``."""
     out = {}
-    for name, p, _ in named_params(engine, optimizer):
+    for name, p, _ in named_params(holdings, optimizer):
         out[f"optim.{name}.{GROUP_KEY}"] = None
         if not saved_state_keys(saved_keys, name):
             continue
         for key, value in optimizer.state[p].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                out[f"optim.{name}.{key}"] = as_pieces(engine.program, name, value, engine.mesh.tp_rank)
+                out[f"optim.{name}.{key}"] = as_pieces(holdings.program, name, value, holdings.mesh.tp_rank)
             else:
                 out[f"optim.{name}.{key}"] = value if isinstance(value, torch.Tensor) else None
     return out
 
 
-def optimizer_errors(engine, optimizer: torch.optim.Optimizer, saved_keys) -> list[str]:
+def optimizer_errors(holdings, optimizer: torch.optim.Optimizer, saved_keys) -> list[str]:
     """Why the checkpoint's optimizer state does not fit this optimizer (empty when it does)."""
     errors = []
-    for name, p, _ in named_params(engine, optimizer):
+    for name, p, _ in named_params(holdings, optimizer):
         if f"optim.{name}.{GROUP_KEY}" not in saved_keys:
             return [missing_state_error(name)]
         errors += state_keys_errors(name, saved_state_keys(saved_keys, name), set(optimizer.state[p]))
@@ -161,12 +162,12 @@ def restore_objects(state: dict, holder: torch.Tensor, name: str, loaded: dict) 
             state[holder][key] = value
 
 
-def apply_loaded(engine, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
+def apply_loaded(holdings, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
     """After DCP filled ``loaded`` (``optimizer_targets``): the stored values into the state, each
     group's hyperparameters, and no state for a parameter the checkpoint holds none for (it had
     had no gradient yet when saved)."""
     groups_done = set()
-    for name, p, group in named_params(engine, optimizer):
+    for name, p, group in named_params(holdings, optimizer):
         restore_objects(optimizer.state, p, name, loaded)
         if id(group) not in groups_done:
             groups_done.add(id(group))

@@ -21,8 +21,8 @@ and either optimizer loads it:
 A value held alike by several ranks is written by one: a replicated
 parameter's range by tp rank 0, a tied parameter's by the first stage holding
 it (the others hold the same range, possibly cut at other offsets, which DCP
-would find overlapping). ``engine`` is a ``RankEngine`` and ``optimizer`` a
-``DistributedOptimizer`` (unannotated: the engine imports this code).
+would find overlapping). ``holdings`` is the engine's ``engine.holdings`` and
+``optimizer`` a ``DistributedOptimizer`` (unannotated: the engine imports this code).
 """
 
 from __future__ import annotations
@@ -108,23 +108,23 @@ def _in_region(box: torch.Tensor, offsets: tuple[int, ...], region_offsets, dim:
     return torch.Size(at), box.narrow(dim, lo - offsets[dim], hi - lo)
 
 
-def _writes(engine, name: str) -> bool:
+def _writes(holdings, name: str) -> bool:
     """Whether this rank writes parameter ``name``'s ranges: every tp rank a split parameter's, tp rank 0
     a replicated one's; the first stage holding it (a tied weight)."""
-    program = engine.program
-    if not isinstance(program.param_spec(name), Shard) and engine.mesh.tp_rank != 0:
+    program = holdings.program
+    if not isinstance(program.param_spec(name), Shard) and holdings.mesh.tp_rank != 0:
         return False
-    return program.param_stages[name][0] == engine.stage
+    return program.param_stages[name][0] == holdings.stage
 
 
-def _pieces_of(engine, optimizer, name: str, flat: torch.Tensor) -> Pieces:
+def _pieces_of(holdings, optimizer, name: str, flat: torch.Tensor) -> Pieces:
     """A tensor laid out like parameter ``name``'s owned range, as pieces of its full shape."""
     _, piece, _ = optimizer.owned[name]
-    return range_pieces(engine.program, name, engine.mesh.tp_rank, tuple(optimizer.params[name].shape),
+    return range_pieces(holdings.program, name, holdings.mesh.tp_rank, tuple(optimizer.params[name].shape),
                         piece.start, flat)
 
 
-def _state_value(engine, optimizer, name: str, key: str, value, view: torch.Tensor):
+def _state_value(holdings, optimizer, name: str, key: str, value, view: torch.Tensor):
     """One state value as saved (or as a load's destination): pieces when laid out like the range, a
     0-d tensor whole, a non-tensor as an object."""
     if not isinstance(value, torch.Tensor):
@@ -132,23 +132,23 @@ def _state_value(engine, optimizer, name: str, key: str, value, view: torch.Tens
     if value.dim() == 0:
         return value
     if value.shape == view.shape:
-        return _pieces_of(engine, optimizer, name, value.detach())
+        return _pieces_of(holdings, optimizer, name, value.detach())
     raise CheckpointError(f"optimizer state '{key}' of parameter {name} has shape {tuple(value.shape)}, neither "
                           f"its owned range's {tuple(view.shape)} nor a scalar: only element-wise optimizer state "
                           f"can be saved in the parameters' full shapes")
 
 
-def optimizer_entries(engine, optimizer) -> dict:
+def optimizer_entries(holdings, optimizer) -> dict:
     """``optim.*`` (and ``master.*``) entries of the ranges this rank writes; every group's options."""
     out = {f"optim.{name}.{GROUP_KEY}": hyperparameters(optimizer.param_groups[index])
            for name, index in optimizer.group_of.items()}
     for name, (_, _, view) in optimizer.owned.items():
-        if not _writes(engine, name):
+        if not _writes(holdings, name):
             continue
         for key, value in optimizer.state.get(view, {}).items():
-            out[f"optim.{name}.{key}"] = _state_value(engine, optimizer, name, key, value, view)
+            out[f"optim.{name}.{key}"] = _state_value(holdings, optimizer, name, key, value, view)
         if optimizer.keeps_wider_masters(name):
-            out[f"{MASTER}.{name}"] = _pieces_of(engine, optimizer, name, view.detach())
+            out[f"{MASTER}.{name}"] = _pieces_of(holdings, optimizer, name, view.detach())
     return out
 
 
@@ -157,7 +157,7 @@ def initialise_state(optimizer) -> list[torch.Tensor]:
     return _initialise_plain(optimizer.inner)
 
 
-def optimizer_targets(engine, optimizer, saved_keys) -> dict:
+def optimizer_targets(holdings, optimizer, saved_keys) -> dict:
     """Where a load puts each value: views of this replica's state tensors and master ranges (DCP
     writes into them), None for stored objects. A parameter without saved state gets its options only."""
     out: dict = {f"optim.{name}.{GROUP_KEY}": None for name in optimizer.group_of}
@@ -165,14 +165,14 @@ def optimizer_targets(engine, optimizer, saved_keys) -> dict:
         if not saved_state_keys(saved_keys, name):
             continue
         for key, value in optimizer.state[view].items():
-            target = _state_value(engine, optimizer, name, key, value, view)
+            target = _state_value(holdings, optimizer, name, key, value, view)
             out[f"optim.{name}.{key}"] = target if isinstance(target, (torch.Tensor, Pieces)) else None
         if optimizer.keeps_wider_masters(name) and f"{MASTER}.{name}" in saved_keys:
-            out[f"{MASTER}.{name}"] = _pieces_of(engine, optimizer, name, view.detach())
+            out[f"{MASTER}.{name}"] = _pieces_of(holdings, optimizer, name, view.detach())
     return out
 
 
-def optimizer_errors(engine, optimizer, saved_keys) -> list[str]:
+def optimizer_errors(holdings, optimizer, saved_keys) -> list[str]:
     """Why the checkpoint's optimizer state does not fit this optimizer (empty when it does)."""
     errors = []
     for name in optimizer.group_of:
@@ -184,7 +184,7 @@ def optimizer_errors(engine, optimizer, saved_keys) -> list[str]:
     return errors
 
 
-def apply_loaded(engine, optimizer, loaded: dict) -> None:
+def apply_loaded(holdings, optimizer, loaded: dict) -> None:
     """After DCP filled ``loaded``: stored objects into the state, no state for a range the checkpoint
     holds none for, each group's options, and the master copies (read, or re-read from the parameters)."""
     for name, (_, _, view) in optimizer.owned.items():

@@ -1,17 +1,24 @@
 """The engine: one rank's step loop over its schedule's actions.
 
 ``RankEngine`` (``engine.py``) runs a step: it splits the batch into
-micro-batches, runs each action (forward, backward, weight backward, sends
-and receives) through its handler, reduces the loss and syncs the gradients.
-Around it: the batch's checks (``batch_checks``), the loss weights of the
-micro-batches (``loss_weights``), the outputs an evaluation returns
-(``eval_outputs``), failing together (``failures``), the step's timeline
-(``timeline``), devices a chunk may not touch (``device_graphs``), and the
-making of a rank's engine from a compiled program (``materialize``).
+micro-batches (``micro_batches``), makes the step's state (``step_state``),
+runs each action through its handler (forward, backward, weight backward:
+``compute``; sends and receives: ``p2p``), reduces the loss and syncs the
+gradients. Around it: the rank's shards and buffers (``holdings``), its random
+stream (``random_streams``), the batch's checks (``batch_checks``), the loss
+weights of the micro-batches (``loss_weights``), the outputs an evaluation
+returns (``eval_outputs``), failing together (``failing``, on ``failures``'
+board), the errors (``errors``), the step's timeline (``timeline``), devices a
+chunk may not touch (``device_graphs``), and the making of a rank's engine from
+a compiled program (``materialize``).
 """
 
 from autopar.runtime.engine.batch_checks import BatchError
-from autopar.runtime.engine.engine import ActionError, RankEngine, StepState, rank_device
+from autopar.runtime.engine.engine import RankEngine
+from autopar.runtime.engine.errors import ActionError, EngineRuntimeError, EngineUsageError
 from autopar.runtime.engine.failures import EngineFailedError
+from autopar.runtime.engine.holdings import rank_device
+from autopar.runtime.engine.step_state import StepState
 
-__all__ = ["RankEngine", "StepState", "ActionError", "EngineFailedError", "BatchError", "rank_device"]
+__all__ = ["RankEngine", "StepState", "ActionError", "EngineFailedError", "EngineUsageError", "EngineRuntimeError",
+           "BatchError", "rank_device"]

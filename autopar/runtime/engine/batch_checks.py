@@ -35,7 +35,8 @@ from autopar.core.errors import AutoparError
 if TYPE_CHECKING:
     from autopar.compiler.batch_roles import BatchRoles, IdUse
 
-__all__ = ["BatchError", "IdProblem", "REFUSED", "cast_dtypes", "find_id_problem", "agree", "id_error"]
+__all__ = ["BatchError", "BatchCountError", "IdProblem", "REFUSED", "cast_dtypes", "find_id_problem", "agree",
+           "id_error"]
 
 _CASTS = {torch.int64: "long", torch.int32: "int", torch.int16: "short", torch.int8: "char", torch.uint8: "byte",
           torch.bool: "bool", torch.float32: "float", torch.float64: "double", torch.float16: "half",
@@ -52,6 +53,10 @@ exchanged like an id problem so that the other replicas raise too instead of wai
 
 class BatchError(AutoparError, ValueError):
     """A batch the program cannot take: raised on every rank, before any work of the step."""
+
+
+class BatchCountError(AutoparError, TypeError):
+    """A batch of more or fewer tensors than the model's inputs and targets."""
 
 
 @dataclass(frozen=True)

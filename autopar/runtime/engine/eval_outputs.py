@@ -40,6 +40,7 @@ import torch.distributed as dist
 from autopar.core.comm import whole_from_shards
 from autopar.core.graph import LOGITS_META, local_val, module_path, source_line
 from autopar.core.tensor_placement import Replicate, Shard, local_size
+from autopar.runtime.engine.errors import EngineRuntimeError, EngineUsageError
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
@@ -71,7 +72,7 @@ class LogitsOutput:
         """The program's logits, or ``ValueError`` saying why the evaluation graph cannot return them."""
         last = program.split.chunks[-1]
         if last.eval_gm is None:
-            raise ValueError("the program has no evaluation graphs (made at compile time by passes/eval_mode.py)")
+            raise EngineUsageError("the program has no evaluation graphs (made at compile time by passes/eval_mode.py)")
         output = next(n for n in reversed(last.eval_gm.graph.nodes) if n.op == "output")
         if len(output.args[0]) < 2:
             return _missing(program, last.eval_gm)
@@ -83,9 +84,9 @@ class LogitsOutput:
         placement = decision.out if decision is not None else Replicate()
         partial = decision is not None and decision.reduce_out  # a row-parallel output, before its g
         if partial or not isinstance(placement, (Replicate, Shard)):
-            raise ValueError(f"the logits ({where}) are {'a partial sum' if partial else placement} on each "
-                             f"tensor-parallel rank, not pieces of the whole value: evaluation outputs need them "
-                             f"replicated or split along a dim (tp=1 avoids the split)")
+            raise EngineUsageError(f"the logits ({where}) are {'a partial sum' if partial else placement} on each "
+                                   f"tensor-parallel rank, not pieces of the whole value: evaluation outputs need them "
+                                   f"replicated or split along a dim (tp=1 avoids the split)")
         sequence = program.sequence.split.get(node.name) if program.sequence is not None else None
         splits = tuple(p for p in (placement, sequence) if isinstance(p, Shard))
         shape = tuple(int(s) for s in node.meta["val"].shape)
@@ -94,25 +95,25 @@ class LogitsOutput:
             local[split.dim] = local_size(shape[split.dim], split, program.config.tp)
         recorded = tuple(int(s) for s in local_val(node).shape)
         if tuple(local) != recorded:
-            raise ValueError(f"internal error: the logits ({where}) of shape {shape} split as {list(splits)} over "
-                             f"tp={program.config.tp} are {tuple(local)} on a rank, but the graph records "
-                             f"{recorded}; please report it with the model")
+            raise EngineUsageError(f"internal error: the logits ({where}) of shape {shape} split as {list(splits)} "
+                                   f"over tp={program.config.tp} are {tuple(local)} on a rank, but the graph "
+                                   f"records {recorded}; please report it with the model")
         if not shape:
-            raise ValueError(f"the logits ({where}) are a scalar: output_fn must return a tensor with a batch dim "
-                             f"(microbatches are concatenated along the first dim)")
+            raise EngineUsageError(f"the logits ({where}) are a scalar: output_fn must return a tensor with a batch "
+                                   f"dim (microbatches are concatenated along the first dim)")
         return LogitsOutput(node.name, shape, tuple(local), splits, where)
 
 
 def _missing(program: "Program", graph_module) -> LogitsOutput:
-    """Why the last chunk's evaluation graph returns the loss alone, as a ``ValueError``."""
+    """Why the last chunk's evaluation graph returns the loss alone, as an ``EngineUsageError``."""
     if program.traced.logits is None:
-        raise ValueError("the program has no logits to return: output_fn did not return a tensor when the model "
-                         "was traced; pass output_fn=lambda out: <the logits tensor> to parallelize()")
+        raise EngineUsageError("the program has no logits to return: output_fn did not return a tensor when the "
+                               "model was traced; pass output_fn=lambda out: <the logits tensor> to parallelize()")
     marked = [n.name for n in graph_module.graph.nodes if n.meta.get(LOGITS_META) and n.op != "output"]
     why = (f"{len(marked)} of its nodes carry the logits mark ({', '.join(marked)})" if marked else
            "none of its nodes carries the logits mark: a pass replaced the value by a new node")
-    raise ValueError(f"the last chunk's evaluation graph does not return the logits (the value output_fn returned, "
-                     f"traced as node {program.traced.logits}): {why}; please report it with the model")
+    raise EngineUsageError(f"the last chunk's evaluation graph does not return the logits (the value output_fn "
+                           f"returned, traced as node {program.traced.logits}): {why}; please report it with the model")
 
 
 def askers(to: str | int | Iterable[int], world: int, last_stage: list[int]) -> tuple[int, ...]:
@@ -124,23 +125,23 @@ def askers(to: str | int | Iterable[int], world: int, last_stage: list[int]) -> 
         return tuple(last_stage)
     ranks = [to] if isinstance(to, int) else list(to) if not isinstance(to, str) else None
     if ranks is None or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-        raise ValueError(f"to={to!r}: expected 'all', 'last' (the ranks of the last pipeline stage), a global "
-                         f"rank or a list of them")
+        raise EngineUsageError(f"to={to!r}: expected 'all', 'last' (the ranks of the last pipeline stage), a global "
+                               f"rank or a list of them")
     bad = sorted({r for r in ranks if not 0 <= r < world})
     if bad:
-        raise ValueError(f"to={to!r} names rank(s) {bad} outside the world of {world} ranks (0..{world - 1})")
+        raise EngineUsageError(f"to={to!r} names rank(s) {bad} outside the world of {world} ranks (0..{world - 1})")
     return tuple(sorted(set(ranks)))
 
 
-def gather_logits(engine, spec: LogitsOutput, pieces: dict[int, torch.Tensor],
+def gather_logits(holdings, spec: LogitsOutput, pieces: dict[int, torch.Tensor],
                   ranks: tuple[int, ...], global_batch: bool) -> torch.Tensor | None:
     """The whole logits of the step on each rank of ``ranks``, None elsewhere (see the module's
     docstring). Collective over the world: every rank calls it with the same ``ranks``.
-    ``engine``: this rank's ``RankEngine`` (its mesh, program, tp group and device).
+    ``holdings``: this rank's ``Holdings`` (its mesh, program, tp group, stage and device).
 
     ``pieces``: microbatch -> this rank's piece (last stage only, empty elsewhere).
     """
-    mesh, program = engine.mesh, engine.program
+    mesh, program = holdings.mesh, holdings.program
     shape = mesh.shape
     last = program.stage_of_chunk(program.split.n - 1)
     me = mesh.rank
@@ -149,21 +150,21 @@ def gather_logits(engine, spec: LogitsOutput, pieces: dict[int, torch.Tensor],
         return list(range(shape.dp)) if global_batch else [shape.coords(rank)[1]]
 
     mine = None
-    if engine.stage == last and any(mesh.dp_rank in replicas_of(r) for r in ranks):
-        mine = _whole_rows(engine, spec, pieces)
+    if holdings.stage == last and any(mesh.dp_rank in replicas_of(r) for r in ranks):
+        mine = _whole_rows(holdings, spec, pieces)
     sends = [r for r in ranks if r != me and mine is not None and mesh.dp_rank in replicas_of(r)
              and shape.coords(r)[2] == mesh.tp_rank]
     sources = [] if me not in ranks else [shape.rank(last, d, mesh.tp_rank) for d in replicas_of(me)]
     receives = [s for s in sources if s != me]
-    headers = _exchange([(r, torch.tensor([_DTYPES.index(mine.dtype)], device=engine.device)) for r in sends],
-                        [(s, torch.empty(1, dtype=torch.int64, device=engine.device)) for s in receives])
+    headers = _exchange([(r, torch.tensor([_DTYPES.index(mine.dtype)], device=holdings.device)) for r in sends],
+                        [(s, torch.empty(1, dtype=torch.int64, device=holdings.device)) for s in receives])
     if me not in ranks or sources == [me]:
         _exchange([(r, mine) for r in sends], [])
         return mine if me in ranks else None
     # every replica's rows received straight into their place in the result (no second copy)
     rows = program.microbatches * spec.shape[0]
     dtype = mine.dtype if mine is not None else _DTYPES[int(headers[0])]
-    out = torch.empty((len(sources) * rows, *spec.shape[1:]), dtype=dtype, device=engine.device)
+    out = torch.empty((len(sources) * rows, *spec.shape[1:]), dtype=dtype, device=holdings.device)
     place = {s: out.narrow(0, k * rows, rows) for k, s in enumerate(sources)}
     _exchange([(r, mine) for r in sends], [(s, place[s]) for s in receives])
     if me in place:
@@ -171,18 +172,18 @@ def gather_logits(engine, spec: LogitsOutput, pieces: dict[int, torch.Tensor],
     return out
 
 
-def _whole_rows(engine, spec: LogitsOutput, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+def _whole_rows(holdings, spec: LogitsOutput, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
     """This replica's logits, whole: each microbatch's pieces all-gathered over tp along each split
     dim into its rows of the result (the microbatches in order along the first dim)."""
-    b, m = spec.shape[0], engine.program.microbatches
+    b, m = spec.shape[0], holdings.program.microbatches
     out = None
     for i in range(m):
         x = pieces[i]
         if tuple(x.shape) != spec.local_shape:
-            raise RuntimeError(f"the logits ({spec.where}) of microbatch {i} are {tuple(x.shape)} on this rank; "
-                               f"the program recorded {spec.local_shape}")
+            raise EngineRuntimeError(f"the logits ({spec.where}) of microbatch {i} are {tuple(x.shape)} on this rank; "
+                                     f"the program recorded {spec.local_shape}")
         for split in reversed(spec.splits):
-            x = whole_from_shards(x, engine.tp, split.dim, split.segments, spec.shape[split.dim])
+            x = whole_from_shards(x, holdings.tp, split.dim, split.segments, spec.shape[split.dim])
         if out is None:
             out = torch.empty((m * b, *spec.shape[1:]), dtype=x.dtype, device=x.device)
         out.narrow(0, i * b, b).copy_(x)

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.errors import AutoparError
+from autopar.runtime.engine.errors import EngineUsageError
 
 __all__ = ["Failure", "FailureBoard", "EngineFailedError", "stop_communication", "failure_timeout",
            "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
@@ -69,9 +70,9 @@ def failure_timeout() -> float:
     try:
         seconds = float(value)
     except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+        raise EngineUsageError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
     if seconds <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: the failure timeout must be positive seconds")
+        raise EngineUsageError(f"{TIMEOUT_ENV}={value!r}: the failure timeout must be positive seconds")
     return seconds
 
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from autopar.compiler.program import Program
 from autopar.core.mesh import Mesh
 from autopar.runtime.engine import RankEngine, rank_device
+from autopar.runtime.engine.errors import EngineRuntimeError, EngineUsageError
 from autopar.runtime.launch import join_from_env
 from autopar.runtime.weights.weight_plan import plan_weights
 
@@ -54,8 +55,8 @@ def materialize(program: Program, state_dict: dict[str, torch.Tensor] | None = N
         join_from_env()
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != shape.world:
-        raise ValueError(f"the program needs tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world} "
-                         f"ranks, but {_world_hint(world, shape.world)}")
+        raise EngineUsageError(f"the program needs tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world} "
+                               f"ranks, but {_world_hint(world, shape.world)}")
     # every rank checks the same inputs, but a file one node lacks fails one rank only: all stop
     weights = _on_every_rank("checking its weights", lambda: plan_weights(program, state_dict, checkpoint))
     mesh = Mesh.create(shape, sorted(set(program.tied_params.values())))
@@ -83,7 +84,7 @@ def _on_every_rank(what: str, make: Callable[[], _T]) -> _T:
         failed = [(rank, text) for rank, text in enumerate(reports) if text is not None]
         if failed and error is None:
             rank, text = failed[0]
-            raise RuntimeError(f"rank {rank} failed {what}, so rank {dist.get_rank()} stops too: {text}")
+            raise EngineRuntimeError(f"rank {rank} failed {what}, so rank {dist.get_rank()} stops too: {text}")
     if error is not None:
         raise error
     return result

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.engine.errors import EngineUsageError
 from autopar.schedules import Event
 from autopar.schedules.trace_format import TRACE_FORMAT
 
@@ -64,7 +65,7 @@ class StepHistory:
 
     def __init__(self, keep: int = 32) -> None:
         if keep < 1:
-            raise ValueError(f"a step history keeps at least one step, got keep={keep}")
+            raise EngineUsageError(f"a step history keeps at least one step, got keep={keep}")
         self._steps: deque[StepTimeline] = deque(maxlen=keep)
         self.recorded = 0
         """Steps recorded so far (kept or dropped)."""
@@ -171,8 +172,8 @@ def chrome_trace(events: Sequence[Event], *, steps: Sequence[int] | None = None,
         trace.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": order}})
     unknown = sorted({e.kind for e in events} - set(_COLORS))
     if unknown:
-        raise ValueError(f"events of unknown kind {unknown} (known: {', '.join(_COLORS)}): an event is an F, B "
-                         f"or W action, a batch of sends/receives ('comm') or a wait for a received tensor")
+        raise EngineUsageError(f"events of unknown kind {unknown} (known: {', '.join(_COLORS)}): an event is an F, B "
+                               f"or W action, a batch of sends/receives ('comm') or a wait for a received tensor")
     for i, e in enumerate(events):
         item = {"name": e.name, "cat": e.kind, "ph": "X", "pid": e.rank, "tid": 0,
                 "ts": float(e.start) * 1e6, "dur": max(float(e.end - e.start), 0.0) * 1e6,

@@ -5,7 +5,7 @@
 (``sequence_grads``); ``distributed_optimizer`` shards the optimizer's state
 over the replicas and gathers the updated parameters back (``param_gathers``);
 ``split_backward`` splits a chunk's backward into input and weight gradients
-for the zero-bubble schedules.
+for the zero-bubble schedules. Their refusals are ``errors``' classes.
 """
 
 from autopar.runtime.optim.distributed_optimizer import DistributedOptimizer

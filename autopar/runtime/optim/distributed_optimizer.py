@@ -45,8 +45,9 @@ from typing import Any
 
 import torch
 
+from autopar.runtime.optim.errors import OptimizerError, OptimizerTypeError, StepOrderError
 from autopar.runtime.optim.flat_buffers import FlatBucket, Piece
-from autopar.runtime.optim.gradient_sync import bucket_names
+from autopar.runtime.optim.gradient_sync import GradientSync, bucket_names
 from autopar.runtime.optim.param_gathers import ParamGathers
 
 __all__ = ["DistributedOptimizer", "ELEMENTWISE_OPTIMIZERS", "elementwise_errors"]
@@ -80,28 +81,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """An inner ``torch.optim`` optimizer over this replica's 1/d of the parameters' entries.
 
     ``param_groups`` and ``state`` are the inner optimizer's: one tensor per piece of a parameter this
-    replica owns (``FlatBucket.pieces``), grouped as the parameters were. ``engine`` (a ``RankEngine``)
-    is left unannotated because the engine imports this module.
+    replica owns (``FlatBucket.pieces``), grouped as the parameters were. Made over this rank's
+    ``shards`` (original name -> parameter), the engine's gradient reduction ``grads`` (switched to
+    reduce-scatter into this optimizer's buffers) and its ``gradient_groups`` (the names whose
+    reduction starts together), by ``engine.distributed_optimizer``; the engine waits for ``gathers``
+    before each read of the parameters.
     """
 
-    def __init__(self, engine, optimizer_class: type, params=None, *, elementwise: bool = False,
-                 overlap_param_gather: bool = True, **defaults: Any):
+    def __init__(self, shards: dict[str, torch.nn.Parameter], grads: GradientSync, gradient_groups: list[list[str]],
+                 optimizer_class: type, params=None, *, elementwise: bool = False, overlap_param_gather: bool = True,
+                 **defaults: Any):
+        if grads.sharded is not None:
+            raise StepOrderError("this engine already has a distributed optimizer: its gradients are reduce-scattered "
+                                 "into that optimizer's buffers; make one distributed optimizer per engine")
         errors = elementwise_errors(optimizer_class, elementwise)
         if errors:
-            raise TypeError(errors[0])
-        self.engine = engine
-        self.params = dict(engine.named_local_parameters())
+            raise OptimizerTypeError(errors[0])
+        self.grads = grads
+        """The engine's gradient reduction, switched to reduce-scatter into this optimizer's buffers."""
+        self.mesh = grads.mesh
+        self.params = dict(shards)
         """Original name -> this rank's shard (an engine parameter)."""
         held = [n for n, p in self.params.items() if p.grad is not None]
         if held:
-            raise RuntimeError(f"{len(held)} parameter(s) ({', '.join(held[:3])}...) already hold gradients of a step "
-                               f"reduced without the distributed optimizer (all-reduced; tied ones summed across "
-                               f"stages), which its reduce-scatter would reduce again: call engine.zero_grad() "
-                               f"before making the distributed optimizer")
+            raise StepOrderError(f"{len(held)} parameter(s) ({', '.join(held[:3])}...) already hold gradients of a "
+                                 f"step reduced without the distributed optimizer (all-reduced; tied ones summed "
+                                 f"across stages), which its reduce-scatter would reduce again: call "
+                                 f"engine.zero_grad() before making the distributed optimizer")
         groups = self._user_groups(params)
         self.group_of = {name: i for i, (names, _) in enumerate(groups) for name in names}
         """Parameter name -> the index of the param group updating it (every parameter in a group)."""
-        self.buckets = self._plan_buckets()
+        self.buckets = self._plan_buckets(gradient_groups)
         self.owned: dict[str, tuple[FlatBucket, Piece, torch.nn.Parameter]] = {}
         """Parameter name -> (its bucket, the piece of it this replica owns, the inner optimizer's view
         of that piece): the parameters with entries in this replica's ranges."""
@@ -109,17 +119,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.defaults = self.inner.defaults
         self.overlap_param_gather = overlap_param_gather
         """Whether ``step()`` returns with the parameter all-gathers in flight (waited for by the reads)."""
-        self.gathers = ParamGathers(self.buckets, self.params, engine.mesh.groups.get("dp"), self._written)
+        self.gathers = ParamGathers(self.buckets, self.params, self.mesh.groups.get("dp"), self._written)
+        """The parameters' all-gathers after a step: the engine waits for them before each read."""
         self._versions = self._param_versions()
         self._opt_called = False
+        grads.reduce_scatter_into(self.buckets)
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused: the flat buffers, the owned ranges and the gradients' reduce-scatter are laid out
         once, for the parameters given at construction."""
-        raise RuntimeError("the distributed optimizer lays out its flat buffers for the parameters it is made "
-                           "with; add_param_group cannot join more. Fix: pass every group when making it "
-                           "(engine.distributed_optimizer(cls, params=[{...}, {...}])); a group can start "
-                           "frozen with lr=0 and get its learning rate later")
+        raise StepOrderError("the distributed optimizer lays out its flat buffers for the parameters it is made "
+                             "with; add_param_group cannot join more. Fix: pass every group when making it "
+                             "(engine.distributed_optimizer(cls, params=[{...}, {...}])); a group can start "
+                             "frozen with lr=0 and get its learning rate later")
 
     # ------------------------------------------------------------- layout
     def _user_groups(self, params) -> list[tuple[list[str], dict]]:
@@ -135,26 +147,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             names = []
             for p in group["params"]:
                 if id(p) not in name_of:
-                    raise ValueError(f"param group {i}: a tensor of shape {tuple(p.shape)} is not one of this "
-                                     f"engine's parameters: pass tensors from engine.parameters()")
+                    raise OptimizerError(f"param group {i}: a tensor of shape {tuple(p.shape)} is not one of this "
+                                         f"engine's parameters: pass tensors from engine.parameters()")
                 if id(p) in seen:
-                    raise ValueError(f"parameter {name_of[id(p)]} appears in more than one param group")
+                    raise OptimizerError(f"parameter {name_of[id(p)]} appears in more than one param group")
                 seen.add(id(p))
                 names.append(name_of[id(p)])
             groups.append((names, {k: v for k, v in group.items() if k != "params"}))
         return groups
 
-    def _plan_buckets(self) -> list[FlatBucket]:
+    def _plan_buckets(self, gradient_groups: list[list[str]]) -> list[FlatBucket]:
         """The flat buckets, cut as ``GradientSync.start`` cuts the gradients: per group of parameters
-        final after one chunk's last backward, then the tied parameters (final at the step's end)."""
-        sync, mesh = self.engine.grads, self.engine.mesh
-        d, r = mesh.shape.dp, mesh.dp_rank
+        final after one chunk's last backward (``gradient_groups``), then the tied parameters (final at
+        the step's end)."""
+        bucket_bytes, d, r = self.grads.bucket_bytes, self.mesh.shape.dp, self.mesh.dp_rank
         buckets = []
-        for names in self.engine.gradient_groups():
-            for cut in bucket_names(names, self.params, sync.bucket_bytes):
+        for names in gradient_groups:
+            for cut in bucket_names(names, self.params, bucket_bytes):
                 buckets.append(FlatBucket(self.params, cut, d, r, share_params=True))
-        tied = [n for n in self.engine.program.tied_params if n in self.params]
-        for cut in bucket_names(tied, self.params, sync.bucket_bytes) if tied else []:
+        tied = [n for n in self.grads.program.tied_params if n in self.params]
+        for cut in bucket_names(tied, self.params, bucket_bytes) if tied else []:
             buckets.append(FlatBucket(self.params, cut, d, r, tied=True, share_params=True))
         return buckets
 
@@ -225,9 +237,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Collective over the data-parallel replicas."""
         mine = [b.signature() for b in self.buckets]
         if state_dict.get("layout") != mine:
-            raise ValueError(f"this distributed optimizer state was saved for another layout of the flat buckets "
-                             f"(d, replica, parameters per bucket): saved {_short(state_dict.get('layout'))}, "
-                             f"here {_short(mine)}; load it in the same program at the same tp, pp and dp")
+            raise OptimizerError(f"this distributed optimizer state was saved for another layout of the flat buckets "
+                                 f"(d, replica, parameters per bucket): saved {_short(state_dict.get('layout'))}, "
+                                 f"here {_short(mine)}; load it in the same program at the same tp, pp and dp")
         self.gathers.wait_all("load_state_dict")
         self.inner.load_state_dict(state_dict["inner"])
         for bucket, master in zip(self.buckets, state_dict["master"]):
@@ -287,7 +299,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         owned = sum(b.shard_numel for b in self.buckets)
         return (f"DistributedOptimizer({type(self.inner).__name__}, {len(self.buckets)} bucket(s), "
-                f"{owned} entries owned of {sum(b.padded for b in self.buckets)}, d={self.engine.dp_size})")
+                f"{owned} entries owned of {sum(b.padded for b in self.buckets)}, d={self.mesh.shape.dp})")
 
 
 def _short(layout) -> str:

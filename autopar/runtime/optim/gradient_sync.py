@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from autopar.core.mesh import Mesh
 from autopar.core.tensor_placement import Shard
+from autopar.runtime.optim.errors import OptimizerError, StepOrderError
 from autopar.runtime.optim.flat_buffers import FlatBucket, gather_owned
 from autopar.runtime.optim.sequence_grads import PartialGradSum
 
@@ -73,8 +74,8 @@ class GradientSync:
         """The engine's device; every parameter (and so every gradient) is on it."""
         elsewhere = [n for n, p in params.items() if p.device != self.device]
         if elsewhere:
-            raise ValueError(f"parameter(s) {elsewhere[:3]} are on {params[elsewhere[0]].device}, "
-                             f"not on the engine's device {self.device}")
+            raise OptimizerError(f"parameter(s) {elsewhere[:3]} are on {params[elsewhere[0]].device}, "
+                                 f"not on the engine's device {self.device}")
         self.bucket_bytes = bucket_bytes
         """Flattened gradient bytes after which a bucket's all-reduce is launched."""
         self._works: list = []
@@ -135,9 +136,10 @@ class GradientSync:
         """The distributed optimizer's buffers laid out for this gradient bucket."""
         bucket = self.sharded.get(tuple(names))
         if bucket is None:
-            raise RuntimeError(f"a gradient bucket of {len(names)} parameter(s) starting at {names[0]} matches none "
-                               f"of the distributed optimizer's flat buffers: bucket_bytes changed after the "
-                               f"optimizer laid them out ({self.bucket_bytes} now); set it before making the optimizer")
+            raise StepOrderError(f"a gradient bucket of {len(names)} parameter(s) starting at {names[0]} matches none "
+                                 f"of the distributed optimizer's flat buffers: bucket_bytes changed after the "
+                                 f"optimizer laid them out ({self.bucket_bytes} now); set it before making the "
+                                 f"optimizer")
         return bucket
 
     def _launch_reduce_scatter(self, bucket: FlatBucket, group) -> None:

@@ -51,6 +51,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from autopar.core.saved_tensors import SavedTensorStore
+from autopar.runtime.optim.errors import OptimizerError, StepOrderError
 
 __all__ = ["SplitBackward", "BackwardSplitPlan", "plan_split"]
 
@@ -124,7 +125,7 @@ def plan_split(roots: Sequence[Node], input_nodes: set[Node], defer: str = "gemm
     inputs' gradient accumulators ``input_nodes``; ``defer``: which B-side nodes W runs again,
     'gemm' (``GEMM_NODES``) or 'all' (every built-in one)."""
     if defer not in ("gemm", "all"):
-        raise ValueError(f"defer must be 'gemm' or 'all', got {defer!r}")
+        raise OptimizerError(f"defer must be 'gemm' or 'all', got {defer!r}")
     order = _topological(roots)
     leaves = {n for n in order if not _children(n) and hasattr(n, "variable")}
     relevant = _leading_to(order, leaves)
@@ -202,10 +203,10 @@ class SplitBackward:
         """B: the gradients of ``inputs`` (None where none flows); ``grad_outputs`` None for a scalar
         loss. Runs every collective of the backward; keeps for W only what its nodes read."""
         if not self.store.recorded:
-            raise RuntimeError("SplitBackward.input_grads: the forward was not recorded; run the chunk inside "
+            raise StepOrderError("SplitBackward.input_grads: the forward was not recorded; run the chunk inside "
                                "`with split.recording():` so B can release what W does not need")
         if self._pending is not None:
-            raise RuntimeError("SplitBackward.input_grads ran twice for one forward")
+            raise StepOrderError("SplitBackward.input_grads ran twice for one forward")
         pairs = [(get_gradient_edge(o), g if g is not None else torch.ones_like(o))
                  for o, g in zip(outputs, grad_outputs) if o.requires_grad]
         wanted = [i for i, x in enumerate(inputs) if x.requires_grad]
@@ -253,9 +254,9 @@ class SplitBackward:
     def weight_grads(self) -> None:
         """W: the weights' gradients, accumulated into their ``.grad``. No collective, no replay."""
         if self._pending is None:
-            raise RuntimeError("SplitBackward.weight_grads before input_grads: W needs B's gradients")
+            raise StepOrderError("SplitBackward.weight_grads before input_grads: W needs B's gradients")
         if self._done:
-            raise RuntimeError("SplitBackward.weight_grads ran twice for one backward")
+            raise StepOrderError("SplitBackward.weight_grads ran twice for one backward")
         self._done = True
         pending, self._pending = self._pending, []
         for node, grads, edges in pending:
