@@ -36,6 +36,14 @@ __all__ = [
     "ModelStateError",
     "RuleError",
     "ReplayError",
+    "ScheduleError",
+    "PlanError",
+    "CheckpointNotFoundError",
+    "ExportError",
+    "WeightsError",
+    "OptimizerError",
+    "EngineUsageError",
+    "EngineRuntimeError",
 ]
 
 _WHERE = {
@@ -54,7 +62,7 @@ _WHERE = {
     "InitError": "autopar.runtime.weights.module_init",
     "CheckpointError": "autopar.runtime.checkpoint.errors",
     "BatchError": "autopar.runtime.engine.batch_checks",
-    "ActionError": "autopar.runtime.engine",
+    "ActionError": "autopar.runtime.engine.errors",
     "EngineFailedError": "autopar.runtime.engine.failures",
     "AutoparError": "autopar.core.errors",
     "ConfigError": "autopar.core.errors",
@@ -64,6 +72,14 @@ _WHERE = {
     "ModelStateError": "autopar.compiler.state_keys",
     "RuleError": "passes.rules.registry",
     "ReplayError": "autopar.core.saved_tensors",
+    "ScheduleError": "autopar.schedules.errors",
+    "PlanError": "autopar.planning.errors",
+    "CheckpointNotFoundError": "autopar.runtime.checkpoint.errors",
+    "ExportError": "autopar.runtime.hf.errors",
+    "WeightsError": "autopar.runtime.weights.weight_plan",
+    "OptimizerError": "autopar.runtime.optim.errors",
+    "EngineUsageError": "autopar.runtime.engine.errors",
+    "EngineRuntimeError": "autopar.runtime.engine.errors",
 }
 
 if TYPE_CHECKING:
@@ -75,13 +91,18 @@ if TYPE_CHECKING:
     from autopar.core.errors import AutoparError, ConfigError
     from autopar.core.mesh import MeshError
     from autopar.core.saved_tensors import ReplayError
+    from autopar.planning.errors import PlanError
+    from autopar.runtime.checkpoint.errors import CheckpointError, CheckpointNotFoundError
     from autopar.runtime.engine.batch_checks import BatchError
-    from autopar.runtime.engine import ActionError
-    from autopar.runtime.checkpoint.errors import CheckpointError
+    from autopar.runtime.engine.errors import ActionError, EngineRuntimeError, EngineUsageError
     from autopar.runtime.engine.failures import EngineFailedError
-    from autopar.runtime.weights.initialize import init_weights
+    from autopar.runtime.hf.errors import ExportError
     from autopar.runtime.launch import RankError, spawn
+    from autopar.runtime.optim.errors import OptimizerError
+    from autopar.runtime.weights.initialize import init_weights
     from autopar.runtime.weights.module_init import InitError
+    from autopar.runtime.weights.weight_plan import WeightsError
+    from autopar.schedules.errors import ScheduleError
     from passes.pipeline_split import PipelineError
     from passes.recompute import RecomputeError
     from passes.rules.registry import RuleError

@@ -18,6 +18,7 @@ from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.network import tp_allreduce_time, tp_half_time
 from autopar.planning.cost.op_costs import Op
 from autopar.planning.cost.transformer import embedding_ops, head_ops, layer_ops
+from autopar.planning.errors import PlanError
 
 __all__ = ["GEMM_TILES", "tile_fill", "gemm_efficiency", "op_time", "PhaseTime", "phase_time", "layer_times"]
 
@@ -68,7 +69,7 @@ def op_time(op: Op, hw: Hardware, t: int = 1) -> float:
         return tp_allreduce_time(op.bytes, t, hw)
     if op.kind in ("tp_reduce_scatter", "tp_allgather"):  # each half of an all-reduce
         return tp_half_time(op.bytes, t, hw)
-    raise ValueError(f"unknown op kind {op.kind!r} for {op.name}")
+    raise PlanError(f"unknown op kind {op.kind!r} for {op.name}")
 
 
 @dataclass(frozen=True)

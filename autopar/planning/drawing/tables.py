@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from rich import box
 from rich.table import Table
 
+from autopar.planning.errors import PlanError
+
 __all__ = ["PIPED_WIDTH", "compact_table"]
 
 PIPED_WIDTH = 120
@@ -35,7 +37,7 @@ def compact_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequ
     up to the console's width; a longer title and the caption wrap at spaces."""
     bad = [i for i, r in enumerate(rows) if len(r) != len(columns)]
     if bad:
-        raise ValueError(f"rows {bad} of table {title!r} do not have one cell per column ({len(columns)}: "
+        raise PlanError(f"rows {bad} of table {title!r} do not have one cell per column ({len(columns)}: "
                          f"{', '.join(columns)})")
     tb = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
                collapse_padding=True, show_edge=False, caption_justify="left",

@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from autopar.runtime.checkpoint.errors import CheckpointError
+
 __all__ = ["Pieces", "PieceSavePlanner", "PieceLoadPlanner", "HostStager"]
 
 
@@ -54,7 +56,7 @@ class Pieces:
         for start, tensor in self.pieces:
             if offsets is None or start == offsets:
                 return tensor
-        raise KeyError(f"no piece at offsets {tuple(offsets)} of a tensor of shape {tuple(self.shape)}")
+        raise CheckpointError(f"no piece at offsets {tuple(offsets)} of a tensor of shape {tuple(self.shape)}")
 
     def __create_write_items__(self, fqn: str, obj: "Pieces") -> list[WriteItem]:
         return [WriteItem(index=MetadataIndex(fqn, start), type=WriteItemType.SHARD,
