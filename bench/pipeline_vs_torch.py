@@ -35,9 +35,9 @@ the per-step times of all rounds are pooled, and the ratio table also gives the
 median of the per-step paired ratios (the most load-robust number here).
 
 ``--profile`` adds, per configuration, a torch.profiler table of 3 steps on rank 0
-and the wall time per step spent in p2p calls (autopar: ``RankEngine._communicate``,
-which posts a run of consecutive sends/receives as one ``batch_isend_irecv`` and
-waits for all of it, sends included; torch: ``_wait_batch_p2p``, its runtime posts
+and the wall time per step spent in p2p calls (autopar: ``engine.p2p.post``,
+which posts a run of consecutive sends/receives as one ``batch_isend_irecv``; its
+receives are waited for where they are read; torch: ``_wait_batch_p2p``, its runtime posts
 receives early and waits for sends late). torch's stages initialise lazily, so
 its "setup" is ~0 and its cost shows in the "1st step" column instead.
 
@@ -117,8 +117,8 @@ def timed_steps(steps: dict, batches, warmup: int, flip: bool):
 class _P2PTimer:
     """While active, wrap a p2p function in ``record_function(label)`` and add up its wall time.
 
-    autopar: ``RankEngine._communicate`` (posts one ``batch_isend_irecv`` and waits for all of it, sends
-    included); torch: ``schedules._wait_batch_p2p`` (the runtime posts ops early and waits for receives
+    autopar: ``engine.p2p.post`` (posts a run of sends and receives as one ``batch_isend_irecv``; the
+    receives are waited for where they are read); torch: ``schedules._wait_batch_p2p`` (the runtime posts ops early and waits for receives
     right before use, for sends late). Only used for the profiled steps, never for the timed ones.
     """
 
@@ -157,7 +157,7 @@ def profile_steps(step, batch, n: int = 3):
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     if step.engine is not None:
-        timer = _P2PTimer(step.engine, "_communicate", "autopar p2p: batch_isend_irecv + wait all")
+        timer = _P2PTimer(step.engine.p2p, "post", "autopar p2p: batch_isend_irecv posted")
     else:
         timer = _P2PTimer(tsched, "_wait_batch_p2p", "torch p2p: _wait_batch_p2p")
     record = dist.get_rank() == 0

@@ -16,7 +16,7 @@ the weight-gradient side of the same nodes later.
 The split, on the graph of nodes reachable from the outputs:
 
 - the B side: nodes that lead to a chunk input or to a custom autograd function
-  (the tensor-parallel collectives of ``core/comm.py`` are ones: B runs them all,
+  (the tensor-parallel collectives of ``core/comm`` are ones: B runs them all,
   W none of them; under sequence parallelism W does all-gather again the 1/t
   slices a column-parallel GEMM kept, which B dropped after unpacking them, and
   a chunk's last W sums the norm weights' partial gradients over tp, as a last
