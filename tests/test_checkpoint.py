@@ -65,7 +65,7 @@ RESHARD_TO = {"tp4-pp2": dict(tp=4, pp=2, microbatches=2), "tp1-pp4-dp2": dict(t
 KILL = dict(tp=2)
 
 
-def _gpt(dropout: float = 0.1, vocab: int = VOCAB):
+def _checkpoint_gpt(dropout: float = 0.1, vocab: int = VOCAB):
     return seeded(build, "gpt", vocab_size=vocab, seq_len=SEQ, n_layer=4, n_head=4, d_model=32, dropout=dropout)
 
 
@@ -73,13 +73,13 @@ def _fused():
     return seeded(build, "gpt2-fused", vocab_size=FUSED_VOCAB, seq_len=SEQ, n_layer=4, n_head=4, d_model=32)
 
 
-def _data(vocab: int, rows: int = ROWS):
+def _checkpoint_batches(vocab: int, rows: int = ROWS):
     return token_batches(vocab, steps=STEPS, rows=rows, seed=7, seq=SEQ)
 
 
 def _engine(model, vocab: int, layout: dict, rows: int = ROWS, **config):
     """A freshly compiled program for ``layout``, its engine, AdamW and an LR schedule, and the data."""
-    data = _data(vocab, rows)
+    data = _checkpoint_batches(vocab, rows)
     program = parallelize_on(model, data, rows // (layout.get("dp", 1) * layout.get("microbatches", 1)),
                              **layout, **config)
     engine = program.materialize()
@@ -118,8 +118,8 @@ def _save_run(make, vocab: int, layout: dict, root: str, async_save: bool = Fals
 
 def _save_worker(root: str) -> dict:
     return {
-        "fp32": _save_run(_gpt, VOCAB, EXACT, f"{root}/fp32"),
-        "bf16": _save_run(_gpt, VOCAB, EXACT, f"{root}/bf16", async_save=True, precision="bf16"),
+        "fp32": _save_run(_checkpoint_gpt, VOCAB, EXACT, f"{root}/fp32"),
+        "bf16": _save_run(_checkpoint_gpt, VOCAB, EXACT, f"{root}/bf16", async_save=True, precision="bf16"),
         "reshard": _save_run(_fused, FUSED_VOCAB, RESHARD_FROM, f"{root}/reshard"),
         "pad": _save_run(_fused, FUSED_VOCAB, PAD_FROM, f"{root}/pad"),
     }
@@ -166,7 +166,7 @@ def _failures(engine, root: str) -> dict:
 def _load_worker(root: str) -> dict:
     out = {}
     for precision, config in (("fp32", {}), ("bf16", {"precision": "bf16"})):
-        engine, _, _, data = _engine(_gpt(), VOCAB, EXACT, **config)
+        engine, _, _, data = _engine(_checkpoint_gpt(), VOCAB, EXACT, **config)
         out[precision] = _resume(engine, data, f"{root}/{precision}")
     for name, layout in RESHARD_TO.items():
         engine, _, _, data = _engine(_fused(), FUSED_VOCAB, layout)
@@ -374,7 +374,7 @@ def test_one_process_engine_saves_and_loads(tmp_path):
     ``state_dict`` (the format is the export's contract); a program of the same model with another
     buffer value loads it (the saved buffer with it) and trains on exactly alike; a step saved twice
     and a negative step are refused before anything is written."""
-    data = _data(VOCAB, rows=2)
+    data = _checkpoint_batches(VOCAB, rows=2)
     engine = parallelize_on(seeded(_BufferedGPT, 0.7), data, 2).materialize()
     optimizer, scheduler = _optimizer(engine)
     _train(engine, optimizer, scheduler, data[:1])

@@ -24,7 +24,7 @@ MARK = VOCAB - 1
 """The token id that marks the failing microbatch."""
 
 
-def _program(family: str = "gpt", **config):
+def _marked_program(family: str = "gpt", **config):
     torch.manual_seed(0)
     model = build(family, ModelConfig(vocab_size=VOCAB))
     x = torch.randint(0, MARK, (ROWS, SEQ))
@@ -62,7 +62,7 @@ def _failing_on(engine, rank: int):
 
 
 def test_failing_forward_names_rank_action_and_marks_the_grid():
-    engine = _failing_on(_program(tp=1).materialize(), 0)
+    engine = _failing_on(_marked_program(tp=1).materialize(), 0)
     assert engine.train_step(*_batch(None)) > 0  # the same engine steps on a good batch
 
     with pytest.raises(ActionError) as err:
@@ -84,11 +84,11 @@ def test_failing_forward_names_rank_action_and_marks_the_grid():
     # one rank, no peer: nothing of the failed step is left in flight, and the next good step runs
     # and matches a fresh engine's (a failed step's gradients stay in .grad, as a failed backward's would)
     loss = engine.train_step(*_batch(None))
-    assert loss == pytest.approx(_program(tp=1).materialize().train_step(*_batch(None)), rel=1e-6)
+    assert loss == pytest.approx(_marked_program(tp=1).materialize().train_step(*_batch(None)), rel=1e-6)
 
 
 def test_engine_device_and_batch_on_it():
-    engine = _program(tp=1).materialize()
+    engine = _marked_program(tp=1).materialize()
     assert engine.device == torch.device("cpu")
     assert all(p.device == engine.device for p in engine.parameters())
     engine.train_step(*_batch(None))
@@ -96,7 +96,7 @@ def test_engine_device_and_batch_on_it():
 
 
 def _fail_on_stage_0():
-    engine = _failing_on(_program(tp=1, pp=2).materialize(), 0)
+    engine = _failing_on(_marked_program(tp=1, pp=2).materialize(), 0)
     engine.train_step(*_batch(2))  # stage 0 runs microbatch 2's forward F0.2; stage 1 waits for it
     return "unreachable"
 
@@ -115,7 +115,7 @@ def test_a_failing_action_on_one_stage_stops_the_other():
 def _failing_step_then_another(family: str, config: dict, failing_rank: int, bad_microbatch: int):
     """One good step, a step that fails on ``failing_rank``, and one more step: what each raised, and
     how long each took."""
-    engine = _failing_on(_program(family, **config).materialize(), failing_rank)
+    engine = _failing_on(_marked_program(family, **config).materialize(), failing_rank)
     engine.failure_timeout_s = 30.0  # a guard: the failure reaches every rank long before
     engine.train_step(*_batch(None))
     start = time.monotonic()
@@ -201,7 +201,7 @@ HANG_S = 8.0
 
 
 def _hanging_step():
-    engine = _program("gpt", pp=2).materialize()
+    engine = _marked_program("gpt", pp=2).materialize()
     if engine.mesh.rank == 1:
         engine.runnables = {c: _HangsOnMark(run) for c, run in engine.runnables.items()}
     engine.failure_timeout_s = 1.5

@@ -127,7 +127,7 @@ def _failures(engine, out_dir: str) -> list[str]:
     return out
 
 
-def _worker(root: str) -> dict:
+def _train_and_save_every_family(root: str) -> dict:
     return {family: _train_and_save(family, os.path.join(root, family)) for family in LAYOUTS}
 
 
@@ -135,7 +135,7 @@ def _worker(root: str) -> dict:
 def saved(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Every spawned family trained and saved on one set of 4 ranks: (root, each rank's results)."""
     root = tmp_path_factory.mktemp("export")
-    return root, spawn_ranks(_worker, 4, str(root), timeout_s=600)
+    return root, spawn_ranks(_train_and_save_every_family, 4, str(root), timeout_s=600)
 
 
 def _from_pretrained(path):

@@ -88,14 +88,14 @@ class Model(nn.Module):
         return self.ln_f(x) @ self.wte.weight.T
 
 
-def _data():
+def _example_pair():
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, V, (2, SEQ), generator=g), torch.randint(0, V, (2, SEQ), generator=g)
 
 
-def _program(tp=2, pp=1, **kw):
+def _compile_block_model(tp=2, pp=1, **kw):
     torch.manual_seed(0)
-    x, y = _data()
+    x, y = _example_pair()
     return autopar.parallelize(Model(**kw), tp=tp, pp=pp, microbatches=max(pp, 1), example_inputs=(x,),
                                example_targets=y, sequence_parallel=False)  # tensor parallelism's own collectives
 
@@ -109,14 +109,14 @@ def _model_of(block) -> "Model":
 
 
 def _parallelize(model, tp=2, **kw):
-    x, y = _data()
+    x, y = _example_pair()
     kw.setdefault("sequence_parallel", False)  # tensor parallelism's own collectives
     return autopar.parallelize(model, tp=tp, example_inputs=(x,), example_targets=y, **kw)
 
 
 def test_normalize_turns_transposed_matmuls_into_linears_and_drops_assertions():
     torch.manual_seed(0)
-    x, y = _data()
+    x, y = _example_pair()
     traced = trace(Model(linear=TransposedLinear), (x,), (y,), autopar.lm_cross_entropy)
     targets = [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
     assert aten._assert_tensor_metadata.default in targets
@@ -142,7 +142,7 @@ def test_normalize_turns_transposed_matmuls_into_linears_and_drops_assertions():
 
 def test_transposed_linears_split_like_nn_linear():
     for linear in (nn.Linear, TransposedLinear):
-        program = _program(linear=linear)
+        program = _compile_block_model(linear=linear)
         per_layer = program.collectives(by_layer=True)
         for layer in range(LAYERS):
             assert per_layer[(layer, "reduce_from_tp")] == 2 and per_layer[(layer, "copy_to_tp")] == 2
@@ -150,7 +150,7 @@ def test_transposed_linears_split_like_nn_linear():
 
 
 def test_per_head_norm_weight_gets_f_and_placeholders_stay_first():
-    program = _program(head_norm=True, pp=2)
+    program = _compile_block_model(head_norm=True, pp=2)
     nodes = list(program.rank_module.graph.nodes)
     kinds = [n.op for n in nodes]
     first_other = kinds.index("call_function")
@@ -163,7 +163,7 @@ def test_per_head_norm_weight_gets_f_and_placeholders_stay_first():
 
 
 def test_rejected_segmented_trial_leaves_no_stale_decisions():
-    program = _program(mqa=True)
+    program = _compile_block_model(mqa=True)
     plan = program.plan
     rejected = {r.node for r in plan.rejected}
     qkv = [n.name for n in program.traced.gm.graph.nodes

@@ -120,7 +120,7 @@ def _meta_from(path: Path):
         return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
 
 
-def _worker(paths: dict[str, Path], out_root: Path) -> dict:
+def _load_evaluate_and_export(paths: dict[str, Path], out_root: Path) -> dict:
     (x,), (y,) = _batch()
     out = {}
     for name in MODELS:
@@ -140,9 +140,9 @@ def _worker(paths: dict[str, Path], out_root: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(saved, tmp_path_factory) -> tuple[Path, list[dict]]:
+def hub_runs(saved, tmp_path_factory) -> tuple[Path, list[dict]]:
     root = tmp_path_factory.mktemp("exported")
-    return root, spawn_ranks(_worker, 4, saved, root, timeout_s=600)
+    return root, spawn_ranks(_load_evaluate_and_export, 4, saved, root, timeout_s=600)
 
 
 def _stored(path: Path) -> dict[str, tuple[int, ...]]:
@@ -165,10 +165,10 @@ def test_gpt_neox_is_stored_under_transformers_names(saved):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", MODELS)
-def test_loads_and_evaluates_like_from_pretrained(saved, results, name):
+def test_loads_and_evaluates_like_from_pretrained(saved, hub_runs, name):
     import transformers
 
-    _, ranks = results
+    _, ranks = hub_runs
     model = transformers.AutoModelForCausalLM.from_pretrained(saved[name]).eval()
     (x,), (y,) = _batch()
     with torch.no_grad():
@@ -179,10 +179,10 @@ def test_loads_and_evaluates_like_from_pretrained(saved, results, name):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", MODELS)
-def test_export_is_what_save_pretrained_writes(saved, results, name):
+def test_export_is_what_save_pretrained_writes(saved, hub_runs, name):
     import transformers
 
-    root, _ = results
+    root, _ = hub_runs
     assert _stored(root / name) == _stored(saved[name])  # transformers' own names and shapes (embed_out)
     want = transformers.AutoModelForCausalLM.from_pretrained(saved[name]).state_dict()
     got, info = transformers.AutoModelForCausalLM.from_pretrained(root / name, output_loading_info=True)
@@ -195,8 +195,8 @@ def test_export_is_what_save_pretrained_writes(saved, results, name):
 
 
 @pytest.mark.multiprocess
-def test_damaged_files_are_named_on_every_rank(saved, results):
-    _, ranks = results
+def test_damaged_files_are_named_on_every_rank(saved, hub_runs):
+    _, ranks = hub_runs
     file = saved["truncated"] / "model.safetensors"
     n, header = _header(saved["gpt-neox"] / "model.safetensors")
     need = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")

@@ -167,7 +167,7 @@ def data():
     return token_batches(V, steps=2, rows=8, seed=1, seq=S)
 
 
-def _worker():
+def _split_and_train_every_variant():
     out = {}
     for name in VARIANTS:
         d = data()
@@ -185,17 +185,17 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn_ranks(_worker, 4, timeout_s=600)
+def variant_runs():
+    return spawn_ranks(_split_and_train_every_variant, 4, timeout_s=600)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_split_fully(results, name):
-    _, fallbacks, rejected, whole, per_layer = results[0][name]
+def test_split_fully(variant_runs, name):
+    _, fallbacks, rejected, whole, per_layer = variant_runs[0][name]
     assert fallbacks == [] and rejected == [] and whole == []
     assert per_layer == {(i, kind): 2 for i in range(L) for kind in ("copy_to_tp", "reduce_from_tp")}
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_matches_one_process(results, name):
-    assert_ranks_match(reference_run(make(name), data(), lr=1e-3), [res[name][0] for res in results], label=name)
+def test_matches_one_process(variant_runs, name):
+    assert_ranks_match(reference_run(make(name), data(), lr=1e-3), [res[name][0] for res in variant_runs], label=name)

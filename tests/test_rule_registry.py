@@ -62,7 +62,7 @@ class LM(nn.Module):
         return self.head(self.ln(x))
 
 
-def _program():
+def _compile_lm_tp2():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g)
@@ -74,7 +74,7 @@ def _custom_nodes(program) -> list[str]:
 
 
 def test_a_rule_registered_from_outside_replaces_the_fallback():
-    before = _program()
+    before = _compile_lm_tp2()
     nodes = _custom_nodes(before)
     assert len(nodes) == 2
     reasons = {name: reason for name, reason, _ in before.fallbacks()}
@@ -90,7 +90,7 @@ def test_a_rule_registered_from_outside_replaces_the_fallback():
 
     try:
         assert RULES.lookup(torch.ops.autopar_test.softsign.default).rule is softsign_rule
-        after = _program()
+        after = _compile_lm_tp2()
     finally:
         unregister_rule(torch.ops.autopar_test.softsign.default)
     assert RULES.lookup(torch.ops.autopar_test.softsign.default) is None

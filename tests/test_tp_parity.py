@@ -32,14 +32,14 @@ def _train(model, vocab, tp):
     return losses, grads, {k: tuple(v.shape) for k, v in state.items()}, program.fallbacks()
 
 
-def _worker(families, tp):
+def _train_tp_families(families, tp):
     return {fam: _train(*_make(fam), tp) for fam in families}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parity_all_families(tp, reference):
     families = list(FAMILIES) + (["fallback"] if tp == 2 else [])
-    results = spawn_ranks(_worker, tp, families, tp, timeout_s=600)
+    results = spawn_ranks(_train_tp_families, tp, families, tp, timeout_s=600)
     for fam in families:
         model, vocab = _make(fam)
         ref = reference((fam, 2, BATCH), lambda: model, lambda: batches(vocab), lr=LR)  # 2 layers, BATCH rows
