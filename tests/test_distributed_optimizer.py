@@ -42,7 +42,7 @@ def _state_bytes(optimizer) -> int:
                if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
-def _train(layout: dict, distributed: bool) -> dict:
+def _train_layout(layout: dict, distributed: bool) -> dict:
     model, vocab = make("nanogpt")
     data = batches(vocab, steps=STEPS, rows=BATCH * M * layout["dp"])
     engine = parallelize_on(model, data, BATCH, microbatches=M, **layout).materialize()
@@ -173,7 +173,7 @@ def _bf16(distributed: bool) -> dict:
 
 
 def _train_sharded_and_not():
-    runs = {(name, dist_): _train(layout, dist_) for name, layout in LAYOUTS.items() for dist_ in (False, True)}
+    runs = {(name, dist_): _train_layout(layout, dist_) for name, layout in LAYOUTS.items() for dist_ in (False, True)}
     overlap = {flag: _overlap(flag) for flag in (True, False)}
     bf16 = {flag: _bf16(flag) for flag in (True, False)}
     return runs, _refusals(), overlap, bf16

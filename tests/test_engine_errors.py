@@ -31,7 +31,7 @@ def _marked_program(family: str = "gpt", **config):
     return autopar.parallelize(model, microbatches=M, example_inputs=(x,), example_targets=x, **config)
 
 
-def _batch(bad_microbatch: int | None):
+def _marked_batch(bad_microbatch: int | None):
     """A global batch of M microbatches; ``bad_microbatch`` holds ``MARK`` in its inputs and targets."""
     x = torch.randint(0, MARK, (ROWS * M, SEQ), generator=torch.Generator().manual_seed(1))
     y = x.clone()
@@ -63,10 +63,10 @@ def _failing_on(engine, rank: int):
 
 def test_failing_forward_names_rank_action_and_marks_the_grid():
     engine = _failing_on(_marked_program(tp=1).materialize(), 0)
-    assert engine.train_step(*_batch(None)) > 0  # the same engine steps on a good batch
+    assert engine.train_step(*_marked_batch(None)) > 0  # the same engine steps on a good batch
 
     with pytest.raises(ActionError) as err:
-        engine.train_step(*_batch(1))
+        engine.train_step(*_marked_batch(1))
     msg = str(err.value)
     assert "rank 0 (pp=0, dp=0, tp=0)" in msg
     assert "failed running F0.1 (stage 0, step 2" in msg
@@ -83,21 +83,21 @@ def test_failing_forward_names_rank_action_and_marks_the_grid():
 
     # one rank, no peer: nothing of the failed step is left in flight, and the next good step runs
     # and matches a fresh engine's (a failed step's gradients stay in .grad, as a failed backward's would)
-    loss = engine.train_step(*_batch(None))
-    assert loss == pytest.approx(_marked_program(tp=1).materialize().train_step(*_batch(None)), rel=1e-6)
+    loss = engine.train_step(*_marked_batch(None))
+    assert loss == pytest.approx(_marked_program(tp=1).materialize().train_step(*_marked_batch(None)), rel=1e-6)
 
 
 def test_engine_device_and_batch_on_it():
     engine = _marked_program(tp=1).materialize()
     assert engine.device == torch.device("cpu")
     assert all(p.device == engine.device for p in engine.parameters())
-    engine.train_step(*_batch(None))
+    engine.train_step(*_marked_batch(None))
     assert all(p.grad.device == engine.device for p in engine.parameters())
 
 
 def _fail_on_stage_0():
     engine = _failing_on(_marked_program(tp=1, pp=2).materialize(), 0)
-    engine.train_step(*_batch(2))  # stage 0 runs microbatch 2's forward F0.2; stage 1 waits for it
+    engine.train_step(*_marked_batch(2))  # stage 0 runs microbatch 2's forward F0.2; stage 1 waits for it
     return "unreachable"
 
 
@@ -117,23 +117,23 @@ def _failing_step_then_another(family: str, config: dict, failing_rank: int, bad
     how long each took."""
     engine = _failing_on(_marked_program(family, **config).materialize(), failing_rank)
     engine.failure_timeout_s = 30.0  # a guard: the failure reaches every rank long before
-    engine.train_step(*_batch(None))
+    engine.train_step(*_marked_batch(None))
     start = time.monotonic()
     try:
-        engine.train_step(*_batch(bad_microbatch))
+        engine.train_step(*_marked_batch(bad_microbatch))
         failed = None
     except ActionError as e:
         failed = (str(e), e.rank, e.root_rank, type(e.__cause__).__name__)
     failed_after = time.monotonic() - start
     start = time.monotonic()
     try:
-        engine.train_step(*_batch(None))
+        engine.train_step(*_marked_batch(None))
         refused = None
     except EngineFailedError as e:
         refused = (str(e), e.root.rank)
     refused_after = time.monotonic() - start
     also_refused = []  # the evaluation step and the collectives outside the schedule
-    for name, call in [("eval_step", lambda: engine.eval_step(*_batch(None))),
+    for name, call in [("eval_step", lambda: engine.eval_step(*_marked_batch(None))),
                        ("clip_grad_norm_", lambda: engine.clip_grad_norm_(1.0)),
                        ("full_state_dict", engine.full_state_dict)]:
         try:
@@ -205,10 +205,10 @@ def _hanging_step():
     if engine.mesh.rank == 1:
         engine.runnables = {c: _HangsOnMark(run) for c, run in engine.runnables.items()}
     engine.failure_timeout_s = 1.5
-    engine.train_step(*_batch(None))
+    engine.train_step(*_marked_batch(None))
     start = time.monotonic()
     try:
-        engine.train_step(*_batch(1))
+        engine.train_step(*_marked_batch(1))
         return None, time.monotonic() - start
     except ActionError as e:
         return str(e).splitlines()[0], time.monotonic() - start

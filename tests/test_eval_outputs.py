@@ -76,7 +76,7 @@ LAYOUTS = {
 }
 
 
-def _batch(vocab: int | None, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _eval_batch(vocab: int | None, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     if vocab is None:
         g = torch.Generator().manual_seed(5)
         return torch.randn(dp * M * MB, SEQ, 32, generator=g), torch.randn(dp * M * MB, SEQ, 32, generator=g)
@@ -93,7 +93,7 @@ def _evaluate_every_layout() -> dict:
     with this replica's own rows; the losses of each."""
     out = {}
     for name, (factory, vocab, layout) in LAYOUTS.items():
-        x, y = _batch(vocab, layout["dp"])
+        x, y = _eval_batch(vocab, layout["dp"])
         engine = parallelize_on(factory(), [((x,), (y,))], MB, microbatches=M, loss_fn=_loss_fn(vocab),
                                 **layout).materialize()
         loss, logits = engine.eval_step(x, y, outputs=True)
@@ -114,11 +114,11 @@ def _results() -> list[dict]:
 
 
 @functools.cache
-def _reference(name: str) -> tuple[torch.Tensor, float]:
+def _one_device_eval(name: str) -> tuple[torch.Tensor, float]:
     """One device, ``eval()`` mode: the logits and the loss of the layout's global batch."""
     factory, vocab, layout = LAYOUTS[name]
     model = factory().eval()
-    x, y = _batch(vocab, layout["dp"])
+    x, y = _eval_batch(vocab, layout["dp"])
     with torch.no_grad():
         logits = default_logits(model(x))
     return logits, float(_loss_fn(vocab)(logits, y))
@@ -132,9 +132,9 @@ def _accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:
 def test_logits_equal_one_device(name):
     """Every rank gets the whole logits of the global batch (all microbatches, every replica's rows,
     in order), equal to the single-device model's; the loss is unchanged by asking for them."""
-    ref_logits, ref_loss = _reference(name)
+    ref_logits, ref_loss = _one_device_eval(name)
     _, vocab, layout = LAYOUTS[name]
-    _, y = _batch(vocab, layout["dp"])
+    _, y = _eval_batch(vocab, layout["dp"])
     for rank, results in enumerate(_results()):
         r = results[name]
         assert r["logits"].shape == ref_logits.shape, (name, rank, r["logits"].shape)
@@ -161,7 +161,7 @@ def test_logits_equal_one_device(name):
 def test_logits_on_the_ranks_that_ask(name):
     """``to=[0]``: rank 0 only gets them (the same as everywhere), the loss everywhere. With dp, a
     replica's own batch and ``to="last"``: the last stage's ranks get their replica's rows."""
-    ref_logits, ref_loss = _reference(name)
+    ref_logits, ref_loss = _one_device_eval(name)
     _, _, layout = LAYOUTS[name]
     per_replica = ref_logits.shape[0] // layout["dp"]
     for rank, results in enumerate(_results()):

@@ -74,7 +74,7 @@ class BufferedModel(nn.Module):
         return self.head(h)
 
 
-def _make(family: str) -> tuple[nn.Module, int]:
+def _export_model(family: str) -> tuple[nn.Module, int]:
     if family == "buffers":
         torch.manual_seed(0)
         return BufferedModel(), 64
@@ -89,7 +89,7 @@ def _batches(family: str, vocab: int):
 def _train_and_save(family: str, out_dir: str) -> dict:
     """On one rank: one AdamW step in the family's layout, ``save_pretrained``, the full state dict
     and the engine's loss on the evaluation batch (a forward and backward, no optimizer step)."""
-    model, vocab = _make(family)
+    model, vocab = _export_model(family)
     data = _batches(family, vocab)
     program = parallelize_on(model, data, 1, microbatches=MICROBATCHES, **LAYOUTS[family])
     engine = program.materialize()
@@ -101,12 +101,12 @@ def _train_and_save(family: str, out_dir: str) -> dict:
     state = {k: v.cpu() for k, v in engine.full_state_dict().items()}
     loss = engine.train_step(*data[1][0], *data[1][1])
     coords = engine.mesh.shape.coords(engine.mesh.rank)
-    failures = _failures(engine, out_dir) if family == "buffers" else None
+    failures = _save_pretrained_failures(engine, out_dir) if family == "buffers" else None
     return {"written": written, "loss": loss, "coords": coords, "state": state if coords == (0, 0, 0) else None,
             "failures": failures}
 
 
-def _failures(engine, out_dir: str) -> list[str]:
+def _save_pretrained_failures(engine, out_dir: str) -> list[str]:
     """What each rank raises from ``save_pretrained`` into a file (refused before any work) and into
     a directory where stage 1's weight file is a directory (its writer fails after the gathers)."""
     import torch.distributed as dist
@@ -132,7 +132,7 @@ def _train_and_save_every_family(root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[Path, list[dict]]:
+def trained_and_saved(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Every spawned family trained and saved on one set of 4 ranks: (root, each rank's results)."""
     root = tmp_path_factory.mktemp("export")
     return root, spawn_ranks(_train_and_save_every_family, 4, str(root), timeout_s=600)
@@ -160,8 +160,8 @@ def _assert_loads_strictly(info: dict, label: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", FAMILIES)
-def test_save_pretrained_files_and_writers(saved, family, tmp_path):
-    root, ranks = saved
+def test_save_pretrained_files_and_writers(trained_and_saved, family, tmp_path):
+    root, ranks = trained_and_saved
     out = root / family
     weight_files = [f"model-0000{k}-of-00002.safetensors" for k in (1, 2)]
     assert sorted(os.listdir(out)) == sorted(weight_files + ["model.safetensors.index.json", "config.json",
@@ -191,8 +191,8 @@ def test_save_pretrained_files_and_writers(saved, family, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", FAMILIES)
-def test_save_pretrained_loads_bitwise(saved, family):
-    root, ranks = saved
+def test_save_pretrained_loads_bitwise(trained_and_saved, family):
+    root, ranks = trained_and_saved
     state = ranks[0][family]["state"]
     model, vocab = make(family)
     assert list(state) == list(model.state_dict())  # exactly the model's keys, in its order
@@ -212,15 +212,15 @@ def test_save_pretrained_loads_bitwise(saved, family):
 
 
 @pytest.mark.multiprocess
-def test_save_pretrained_buffers_and_untraced_parameters(saved):
+def test_save_pretrained_buffers_and_untraced_parameters(trained_and_saved):
     """A model that is not HuggingFace's, at pp=2 x dp=2: its state_dict exactly, in two stage files
     written by replica 0's ranks only, no config; strict ``load_state_dict`` of the files
     reproduces the engine's weights and loss."""
     from safetensors.torch import load_file
 
-    root, ranks = saved
+    root, ranks = trained_and_saved
     out, state = root / "buffers", ranks[0]["buffers"]["state"]
-    model, vocab = _make("buffers")
+    model, vocab = _export_model("buffers")
     assert sorted(os.listdir(out)) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                                        "model.safetensors.index.json"]
     assert [res["buffers"]["coords"] for res in ranks] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
@@ -235,7 +235,7 @@ def test_save_pretrained_buffers_and_untraced_parameters(saved):
     files = {}
     for name in set(weight_map.values()):
         files.update(load_file(out / name))
-    fresh, _ = _make("buffers")
+    fresh, _ = _export_model("buffers")
     result = fresh.load_state_dict(files, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     for name, value in state.items():
@@ -248,11 +248,11 @@ def test_save_pretrained_buffers_and_untraced_parameters(saved):
 
 
 @pytest.mark.multiprocess
-def test_save_pretrained_failures_reach_every_rank(saved):
+def test_save_pretrained_failures_reach_every_rank(trained_and_saved):
     """A path that is a file: every rank refuses before any gather. A writer that fails mid-way (its
     file's name taken by a directory): every rank raises ExportError naming that rank (2: stage 1's
     writer), none is left waiting on it."""
-    _, ranks = saved
+    _, ranks = trained_and_saved
     for res in ranks:
         as_file, blocked = res["buffers"]["failures"]
         assert as_file.startswith("ValueError") and "is a file" in as_file and "rank 0" in as_file, as_file
@@ -304,7 +304,7 @@ def test_cli_export_gpt2_in_several_files(tmp_path, capsys):
     """A tied GPT-2 cut into files of at most 150 KB: an index, one progress line per file, the
     keys HuggingFace writes, and from_pretrained loading it strictly and bitwise."""
     model, _ = make("hf-gpt2")
-    saved = _contract_checkpoint(model, tmp_path / "ckpt")
+    trained_and_saved = _contract_checkpoint(model, tmp_path / "ckpt")
     code, lines = _export(capsys, tmp_path / "ckpt", "--to-hf", tmp_path / "hf", "--max-shard-size", "150KB")
     assert code == 0, lines
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
@@ -312,11 +312,12 @@ def test_cli_export_gpt2_in_several_files(tmp_path, capsys):
     assert len(files) >= 3 and all((tmp_path / "hf" / f).stat().st_size <= 150_000 + 30_000 for f in files)
     assert len([line for line in lines if re.match(r"\[\d+/\d+\] model-", line)]) == len(files)
     assert set(index["weight_map"]) == _hf_saved_keys(model, tmp_path / "hf-own")
-    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for k, v in saved.items() if k != "lm_head.weight")
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for k, v in trained_and_saved.items()
+                                                  if k != "lm_head.weight")
     loaded, info = _from_pretrained(tmp_path / "hf")
     _assert_loads_strictly(info, "gpt2 export")
     got = loaded.state_dict()
-    assert got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())
+    assert got.keys() == trained_and_saved.keys() and all(torch.equal(got[k], v) for k, v in trained_and_saved.items())
 
 
 @pytest.mark.parametrize("family", ["hf-llama", "buffers"])
@@ -326,8 +327,8 @@ def test_cli_export_one_file(family, tmp_path, capsys):
     the weight files and index of an earlier export into the directory removed."""
     from safetensors.torch import load_file
 
-    model, _ = _make(family)
-    saved = _contract_checkpoint(model, tmp_path / "ckpt", step=7)
+    model, _ = _export_model(family)
+    trained_and_saved = _contract_checkpoint(model, tmp_path / "ckpt", step=7)
     (tmp_path / "hf").mkdir()
     for stale in ("model-00001-of-00003.safetensors", "model.safetensors.index.json"):
         (tmp_path / "hf" / stale).write_text("an earlier export")
@@ -337,26 +338,26 @@ def test_cli_export_one_file(family, tmp_path, capsys):
     if family == "buffers":
         assert written == ["model.safetensors"]
         tensors = load_file(tmp_path / "hf" / "model.safetensors")
-        assert sorted(tensors) == sorted(saved) and "offset" not in tensors
-        assert all(torch.equal(tensors[k], v) for k, v in saved.items())
+        assert sorted(tensors) == sorted(trained_and_saved) and "offset" not in tensors
+        assert all(torch.equal(tensors[k], v) for k, v in trained_and_saved.items())
         return
     assert written == ["config.json", "generation_config.json", "model.safetensors"]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     loaded, info = _from_pretrained(tmp_path / "hf")
     _assert_loads_strictly(info, "llama export")
     got = loaded.state_dict()
-    assert got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())
+    assert got.keys() == trained_and_saved.keys() and all(torch.equal(got[k], v) for k, v in trained_and_saved.items())
 
 
 def test_cli_export_refuses_bad_input(tmp_path, capsys):
     """Each bad input: exit code 2, a message naming what is wrong, nothing written."""
-    model, _ = _make("buffers")
+    model, _ = _export_model("buffers")
     _contract_checkpoint(model, tmp_path / "ckpt")
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "latest").write_text("step-00000009")
     mismatched = tmp_path / "mismatched"
-    _contract_checkpoint(_make("buffers")[0], mismatched)
+    _contract_checkpoint(_export_model("buffers")[0], mismatched)
     manifest_path = mismatched / "step-00000003" / "autopar.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["params"]["head.weight"] = [64, 17]

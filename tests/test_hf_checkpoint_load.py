@@ -41,7 +41,7 @@ def _one_step_batches(vocab: int):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> dict[str, Path]:
+def pretrained_dirs(tmp_path_factory) -> dict[str, Path]:
     """The checkpoints: llama (sharded index), gpt2 (one file), and two broken copies of gpt2's."""
     root = tmp_path_factory.mktemp("checkpoints")
     out = {}
@@ -136,23 +136,24 @@ def _load_and_train_every_model(paths: dict[str, Path]):
 
 
 @pytest.fixture(scope="module")
-def loaded_runs(saved):
-    return spawn_ranks(_load_and_train_every_model, 4, saved, timeout_s=600)
+def loaded_runs(pretrained_dirs):
+    return spawn_ranks(_load_and_train_every_model, 4, pretrained_dirs, timeout_s=600)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", MODELS)
-def test_loaded_slices_train_like_from_pretrained(saved, loaded_runs, name):
+def test_loaded_slices_train_like_from_pretrained(pretrained_dirs, loaded_runs, name):
     import transformers
 
     if name == "llama":  # the small max_shard_size made a sharded checkpoint
-        assert (saved[name] / "model.safetensors.index.json").exists()
-        assert len(list(saved[name].glob("model-*.safetensors"))) > 2
-    model = transformers.AutoModelForCausalLM.from_pretrained(saved[name])
+        assert (pretrained_dirs[name] / "model.safetensors.index.json").exists()
+        assert len(list(pretrained_dirs[name].glob("model-*.safetensors"))) > 2
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained_dirs[name])
     reference = reference_run(model, _one_step_batches(MODELS[name][1]), lr=1e-3)
     # fp32; the ranks only sum the same terms in another order (split matmuls, all-reduces, the
     # vocabulary-parallel cross-entropy): FP32_TOLERANCE, rtol 1e-5 and atol 1e-6
-    assert_ranks_match(reference, [r[name]["steps"] for r in loaded_runs], label=f"hf-{name} from {saved[name].name}")
+    assert_ranks_match(reference, [r[name]["steps"] for r in loaded_runs],
+                       label=f"hf-{name} from {pretrained_dirs[name].name}")
 
 
 @pytest.mark.multiprocess

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.multiprocess
 VOCAB, ROWS, M, LR = 250, 8, 2, 1e-3
 
 
-def _make(name):
+def _hf_family(name):
     import transformers as T
 
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def _family_batches():
     return token_batches(VOCAB, steps=2, rows=ROWS, seed=1)
 
 
-def _train_hf_families(names, make=_make):
+def _train_hf_families(names, make=_hf_family):
     out = {}
     for name in names:
         data = _family_batches()
@@ -111,8 +111,8 @@ def test_more_hf_families_split_fully_and_match_one_process():
     names = ["qwen2", "phi3", "opt"]
     results = spawn_ranks(_train_hf_families, 4, names)
     for name in names:
-        assert_ranks_match(reference_run(_make(name), _family_batches(), lr=LR), [res[name][:2] for res in results],
-                           name)
+        assert_ranks_match(reference_run(_hf_family(name), _family_batches(), lr=LR),
+                           [res[name][:2] for res in results], name)
         for rank, res in enumerate(results):
             _, _, fallbacks, rejected, per_layer, _, _ = res[name]
             assert fallbacks == [] and rejected == [], (name, rank, fallbacks, rejected)

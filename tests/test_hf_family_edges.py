@@ -35,7 +35,7 @@ VOCAB, ROWS, M, LR = 256, 8, 2, 1e-3
 HOPS = (torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast)
 
 
-def _hf(name):
+def _hf_edge_family(name):
     import transformers as T
 
     torch.manual_seed(0)
@@ -99,8 +99,8 @@ class Regions(nn.Module):
         return self.head(h * scale)
 
 
-def _make(name):
-    return seeded(Regions) if name == "regions" else _hf(name)
+def _edge_model(name):
+    return seeded(Regions) if name == "regions" else _hf_edge_family(name)
 
 
 def _edge_batches():
@@ -109,7 +109,7 @@ def _edge_batches():
 
 def _compile_tp2_pp2(name, **config):
     config = {"tp": 2, "pp": 2, "microbatches": M, "world_size": 4, **config}
-    return parallelize_on(_make(name), _edge_batches(), ROWS // M, **config)
+    return parallelize_on(_edge_model(name), _edge_batches(), ROWS // M, **config)
 
 
 def _regions(gm):
@@ -173,7 +173,7 @@ def test_hybrid_stack_of_one_class_in_four_structures():
                          world_size=4)
 
 
-class Block(nn.Module):
+class EdgeBlock(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
@@ -185,7 +185,7 @@ class Block(nn.Module):
 class Stack(nn.Module):
     def __init__(self, n):
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.blocks = nn.ModuleList(EdgeBlock() for _ in range(n))
 
     def forward(self, h):
         for b in self.blocks:
@@ -219,7 +219,7 @@ def _train_every_edge_run():
     out = {}
     for name, recompute in RUNS:
         data = _edge_batches()
-        program = parallelize_on(_make(name), data, ROWS // M, tp=2, pp=2, microbatches=M, recompute=recompute)
+        program = parallelize_on(_edge_model(name), data, ROWS // M, tp=2, pp=2, microbatches=M, recompute=recompute)
         out[(name, recompute)] = train_steps(program.materialize(), data, LR)
     return out
 
@@ -231,7 +231,7 @@ def test_families_with_regions_and_hybrid_stacks_match_one_device():
     between them stays outside the layers)."""
     results = spawn_ranks(_train_every_edge_run, 4)
     for name, recompute in RUNS:
-        assert_ranks_match(reference_run(_make(name), _edge_batches(), lr=LR),
+        assert_ranks_match(reference_run(_edge_model(name), _edge_batches(), lr=LR),
                            [res[(name, recompute)] for res in results], f"{name} recompute={recompute}")
 
 

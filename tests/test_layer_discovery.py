@@ -257,13 +257,13 @@ FORMS = {
 BLOCK_PARAMS = 9  # wq, wk, wv, wo, w1, w2, w3 and two norms
 
 
-def data():
+def form_batches():
     return token_batches(V, steps=2, rows=8, seed=3, seq=S)
 
 
 def _compile_form(model, **config):
     config.setdefault("sequence_parallel", False)  # the structure counts tensor parallelism's all-reduces
-    return parallelize_on(model, data(), 8 // config.get("microbatches", 1), **config)
+    return parallelize_on(model, form_batches(), 8 // config.get("microbatches", 1), **config)
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -393,7 +393,7 @@ def _seeded_form(form):
 def _train_every_form():
     out = {}
     for form, layout in RUNS:
-        d = data()
+        d = form_batches()
         cfg = LAYOUTS[layout]
         program = parallelize_on(_seeded_form(form), d, 8 // cfg.get("microbatches", 1), **cfg)
         out[(form, layout)] = train_steps(program.materialize(), d, 1e-3)
@@ -408,5 +408,5 @@ def form_runs():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("form,layout", RUNS)
 def test_matches_one_device(form_runs, form, layout):
-    assert_ranks_match(reference_run(_seeded_form(form), data(), lr=1e-3), [r[(form, layout)] for r in form_runs],
-                       label=f"{form} {layout}")
+    assert_ranks_match(reference_run(_seeded_form(form), form_batches(), lr=1e-3),
+                       [r[(form, layout)] for r in form_runs], label=f"{form} {layout}")

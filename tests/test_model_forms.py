@@ -163,14 +163,14 @@ def make(name):
     return seeded(VARIANTS[name])
 
 
-def data():
+def variant_batches():
     return token_batches(V, steps=2, rows=8, seed=1, seq=S)
 
 
 def _split_and_train_every_variant():
     out = {}
     for name in VARIANTS:
-        d = data()
+        d = variant_batches()
         # f and g of tensor parallelism alone are counted per layer
         program = parallelize_on(make(name), d, 4, tp=2, pp=2, microbatches=2, sequence_parallel=False)
         per_layer = {k: v for k, v in program.collectives(by_layer=True).items() if k[0] is not None}
@@ -198,4 +198,5 @@ def test_split_fully(variant_runs, name):
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_matches_one_process(variant_runs, name):
-    assert_ranks_match(reference_run(make(name), data(), lr=1e-3), [res[name][0] for res in variant_runs], label=name)
+    assert_ranks_match(reference_run(make(name), variant_batches(), lr=1e-3), [res[name][0] for res in variant_runs],
+                       label=name)

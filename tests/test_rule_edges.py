@@ -105,7 +105,7 @@ BLOCKS = {c.__name__: c for c in (BaddbmmContracting, BaddbmmColumns, EinsumSumW
                                   EinsumMultiQuery, InplaceOnAView)}
 
 
-class LM(nn.Module):
+class EdgeLM(nn.Module):
     def __init__(self, block):
         super().__init__()
         self.wte, self.ln, self.head = nn.Embedding(V, E), nn.LayerNorm(E), nn.Linear(E, V, bias=False)
@@ -119,7 +119,7 @@ class LM(nn.Module):
 
 
 def _lm_with_block(block):
-    return seeded(LM, block)
+    return seeded(EdgeLM, block)
 
 
 def _block_batches():

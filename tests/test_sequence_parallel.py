@@ -103,21 +103,21 @@ def _train_sp_cases():
 
 
 @pytest.fixture(scope="module")
-def ranks():
+def sp_runs():
     return spawn_ranks(_train_sp_cases, 4)
 
 
 @pytest.mark.multiprocess
-def test_sequence_parallel_matches_one_device(ranks):
+def test_sequence_parallel_matches_one_device(sp_runs):
     for case in CASES:
         model, vocab = _sp_model(case[0])
         ref = reference_run(model, _sp_batches(vocab), lr=LR)
-        assert_ranks_match(ref, [r[0][case][:2] for r in ranks], label=f"sequence parallel {case}")
-        assert all(r[0][case][2] > 0 for r in ranks), f"{case}: nothing ran split on the tokens"
+        assert_ranks_match(ref, [r[0][case][:2] for r in sp_runs], label=f"sequence parallel {case}")
+        assert all(r[0][case][2] > 0 for r in sp_runs), f"{case}: nothing ran split on the tokens"
 
 
 @pytest.mark.multiprocess
-def test_kept_activations_fall_as_the_graph_predicts(ranks):
+def test_kept_activations_fall_as_the_graph_predicts(sp_runs):
     model, vocab = _sp_model("nanogpt")
     data = _sp_batches(vocab)
     whole = parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=False)
@@ -130,7 +130,7 @@ def test_kept_activations_fall_as_the_graph_predicts(ranks):
     assert at_one_tp_th & set(saved_whole)
     for node, nbytes in saved_whole.items():
         assert saved_split.get(node, 0) == (nbytes // 2 if node in at_one_tp_th else nbytes), node
-    for kept in (r[1] for r in ranks):  # the engine counts what the graph says
+    for kept in (r[1] for r in sp_runs):  # the engine counts what the graph says
         assert kept[False] == sum(saved_whole.values())
         assert kept[True] == sum(saved_split.values())
 

@@ -96,7 +96,7 @@ class _nothing:
         return False
 
 
-def _reference(program, model, micro, autocast=False):
+def _unsplit_pipeline_grads(program, model, micro, autocast=False):
     pipe = _Pipeline(program, model, micro)
     for i in range(M):
         pipe.backward_inputs(pipe.forward(i, split=False, autocast=autocast), split=False)
@@ -139,7 +139,7 @@ def _assert_same(got, want, tol, label):
 ])
 def test_split_backward_matches_unsplit(family, config, autocast):
     program, model, micro = _compile_split_pipeline(family, **config)
-    want = _reference(program, model, micro, autocast)
+    want = _unsplit_pipeline_grads(program, model, micro, autocast)
     tol = BF16_TOL if autocast else TOL
     for order in ("BBWW", "BWBW"):
         _assert_same(_split(program, model, micro, order, autocast), want, tol, f"{family} {config} {order}")

@@ -132,7 +132,7 @@ def _trace_batches():
     return token_batches(VOCAB, steps=2, rows=ROWS, seed=1)
 
 
-def _ids():
+def _trace_ids():
     return _trace_batches()[0][0][0][:2]
 
 
@@ -169,11 +169,11 @@ def test_plain_autograd_of_a_straight_through_forward_is_not_its_gradient():
 
 
 def test_a_function_with_a_gradient_of_its_own_is_one_op_and_one_computing_its_forwards_stays_ops():
-    ste = trace(_gpt_with_activation("function-ste"), (_ids(),), (_ids(),), lm_cross_entropy)
+    ste = trace(_gpt_with_activation("function-ste"), (_trace_ids(),), (_trace_ids(),), lm_cross_entropy)
     keys = _function_keys(ste)
     assert len(keys) == 2 and all(k.startswith(f"{__name__}.RoundSTE#") for k in keys), keys  # one per layer
     assert "aten.round.default" not in _targets(ste), _targets(ste)
-    gelu = trace(_gpt_with_activation("function-gelu"), (_ids(),), (_ids(),), lm_cross_entropy)
+    gelu = trace(_gpt_with_activation("function-gelu"), (_trace_ids(),), (_trace_ids(),), lm_cross_entropy)
     assert _function_keys(gelu) == [] and "aten.tanh.default" in _targets(gelu), _targets(gelu)
 
 
@@ -183,7 +183,7 @@ def test_a_function_called_from_the_loss_with_setup_context_is_one_op():
     def loss_fn(logits, targets):
         return lm_cross_entropy(ScaledSignSTE.apply(logits, 0.5), targets)
 
-    traced = trace(_gpt_with_activation("detach-ste"), (_ids(),), (_ids(),), loss_fn)
+    traced = trace(_gpt_with_activation("detach-ste"), (_trace_ids(),), (_trace_ids(),), loss_fn)
     keys = _function_keys(traced)
     assert len(keys) == 1 and keys[0].startswith(f"{__name__}.ScaledSignSTE#"), keys
     assert "aten.sign.default" not in _targets(traced), _targets(traced)
@@ -212,7 +212,7 @@ def test_a_function_reading_a_parameter_it_is_not_given_is_refused():
     for block in model.h:
         block.mlp.__class__ = ReentrantCheckpointMLP
     with pytest.raises(autopar.TraceError) as err:
-        trace(model, (_ids(),), (_ids(),), lm_cross_entropy)
+        trace(model, (_trace_ids(),), (_trace_ids(),), lm_cross_entropy)
     msg = str(err.value)
     assert msg.startswith("cannot trace the custom torch.autograd.Function "
                           "torch.utils.checkpoint.CheckpointFunction"), msg
@@ -237,7 +237,7 @@ PARITY = {"function-gelu": {}, "function-ste": {}, "function-ste-zb-recompute": 
 
 def _parity_model(name: str) -> nn.Module:
     if name in ("xlm", "phimoe"):
-        return _xlm() if name == "xlm" else _hf(name)
+        return _xlm() if name == "xlm" else _hf_traced(name)
     return _gpt_with_activation(name.removesuffix("-zb-recompute"))
 
 
@@ -355,7 +355,7 @@ def test_a_value_read_only_by_an_assertion_is_dropped_with_it():
 # ---------------------------------------------------------------- HuggingFace families
 
 
-def _hf(name: str) -> nn.Module:
+def _hf_traced(name: str) -> nn.Module:
     import transformers as T
 
     torch.manual_seed(0)
@@ -382,7 +382,7 @@ def test_jetmoe_routing_is_refused_with_the_op_and_the_line():
     from transformers.models.jetmoe import modeling_jetmoe
 
     with pytest.raises(autopar.TraceError) as err:
-        _compile_tp2_pp2_traced(_hf("jetmoe"))
+        _compile_tp2_pp2_traced(_hf_traced("jetmoe"))
     msg = str(err.value)
     assert msg.startswith("cannot trace JetMoeForCausalLM: aten.item"), msg
     found = re.search(r"\n  at modeling_jetmoe\.py:(\d+) (.*?) \(in (\S+)\)\n", msg)

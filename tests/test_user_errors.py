@@ -40,12 +40,12 @@ def _hf_llama(intermediate: int = 512) -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _ids(rows: int = 2) -> torch.Tensor:
+def _seeded_ids(rows: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(0))
 
 
 def _compile_on_ids(model: nn.Module, **config) -> autopar.ParallelProgram:
-    x = _ids()
+    x = _seeded_ids()
     return autopar.parallelize(model, example_inputs=(x,), example_targets=x, **config)
 
 
@@ -119,7 +119,7 @@ def test_a_loss_that_wants_more_targets_says_the_signature_and_the_fix():
 
 def test_no_targets_for_the_default_loss_says_to_pass_them():
     with pytest.raises(autopar.TraceError) as err:
-        autopar.parallelize(_default_gpt(), example_inputs=(_ids(),))
+        autopar.parallelize(_default_gpt(), example_inputs=(_seeded_ids(),))
     msg = str(err.value)
     assert "no target, as example_targets was not given" in msg
     assert "lm_cross_entropy(logits, targets) (the default loss" in msg
@@ -134,7 +134,7 @@ def test_a_loss_that_takes_no_target_says_so():
 
 
 def test_a_forward_that_cannot_take_the_example_inputs_says_so():
-    x = _ids()
+    x = _seeded_ids()
     with pytest.raises(autopar.TraceError, match=r"GPT\.forward\(idx\) cannot be called with the 2 example "
                                                  r"input\(s\).*too many positional arguments.*Fix: pass "
                                                  r"example_inputs as a tuple with one tensor per positional"):
@@ -145,7 +145,7 @@ def test_a_forward_that_cannot_take_the_example_inputs_says_so():
 
 
 def test_batch_tensors_carry_the_model_and_loss_argument_names():
-    x = _ids()
+    x = _seeded_ids()
     mask = torch.ones_like(x)
     program = autopar.parallelize(_hf_llama(intermediate=128), tp=2, example_inputs=(x, mask), example_targets=x)
     assert program.traced.input_names == ["input_ids", "attention_mask"]  # LlamaForCausalLM.forward's
@@ -161,7 +161,7 @@ def test_batch_tensors_carry_the_model_and_loss_argument_names():
 
 
 def test_targets_are_named_by_the_loss_parameters():
-    x = _ids()
+    x = _seeded_ids()
 
     def two(out, labels, weights):
         return (F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="none") * weights.flatten()).mean()
