@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
+from helpers import assert_bitwise_equal, on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
 from safetensors.torch import load_file
 
 import autopar
@@ -215,12 +215,6 @@ def _full_params(step_dir: Path) -> dict[str, torch.Tensor]:
     return {key[len("model."):]: value for key, value in state.items()}
 
 
-def _assert_bitwise(got: dict, want: dict, label: str) -> None:
-    assert got.keys() == want.keys(), (label, sorted(set(got) ^ set(want)))
-    for name, value in want.items():
-        assert torch.equal(got[name], value), f"{label}: {name} differs by {(got[name] - value).abs().max()}"
-
-
 # ------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_is_exact(saved_and_resumed, precision):
@@ -229,8 +223,8 @@ def test_resume_is_exact(saved_and_resumed, precision):
     for rank, result in enumerate(r[precision] for r in loaded):
         assert (result["step"], result["extra"]) == (SAVE_AT, {"next_batch": SAVE_AT}), rank
         assert result["losses"] == saved["losses"][SAVE_AT:], (precision, rank)
-    _assert_bitwise(loaded[0][precision]["loaded"], saved["saved"], f"{precision} loaded")
-    _assert_bitwise(loaded[0][precision]["weights"], saved["weights"], f"{precision} after resume")
+    assert_bitwise_equal(loaded[0][precision]["loaded"], saved["saved"], f"{precision} loaded")
+    assert_bitwise_equal(loaded[0][precision]["weights"], saved["weights"], f"{precision} after resume")
 
 
 @pytest.mark.parametrize("target", sorted(RESHARD_TO))
@@ -246,7 +240,7 @@ def test_reshard_continues_the_run(saved_and_resumed, target):
     stays far below what one misplaced shard piece or optimizer moment changes.
     """
     saved = saved_and_resumed["saved"]["reshard"]
-    _assert_bitwise(saved_and_resumed["loaded"][0][target]["loaded"], saved["saved"], f"{target} loaded")
+    assert_bitwise_equal(saved_and_resumed["loaded"][0][target]["loaded"], saved["saved"], f"{target} loaded")
     for rank, result in enumerate(r[target] for r in saved_and_resumed["loaded"]):
         torch.testing.assert_close(result["losses"], saved["losses"][SAVE_AT:], rtol=1e-5, atol=0,
                                    msg=lambda m, rank=rank: f"{target} rank {rank}: {m}")
@@ -256,7 +250,7 @@ def test_reshard_to_another_vocabulary_padding(saved_and_resumed):
     """Saved at tp=1 (vocabulary 51, no padding), loaded at tp=4 (padded to 52): same weights, same losses
     (tolerance as for the reshard test)."""
     saved = saved_and_resumed["saved"]["pad"]
-    _assert_bitwise(saved_and_resumed["loaded"][0]["pad"]["loaded"], saved["saved"], "pad loaded")
+    assert_bitwise_equal(saved_and_resumed["loaded"][0]["pad"]["loaded"], saved["saved"], "pad loaded")
     for rank, result in enumerate(r["pad"] for r in saved_and_resumed["loaded"]):
         torch.testing.assert_close(result["losses"], saved["losses"][SAVE_AT:], rtol=1e-5, atol=0,
                                    msg=lambda m, rank=rank: f"pad rank {rank}: {m}")
@@ -274,7 +268,7 @@ def test_killed_save_leaves_the_previous_checkpoint(saved_and_resumed):
     assert (step, extra) == (1, None)
     stored = _full_params(root / "step-00000001")
     loaded = saved_and_resumed["loaded"][0]["after_kill"][1]
-    _assert_bitwise({name: loaded[name] for name in stored}, stored, "after kill")
+    assert_bitwise_equal({name: loaded[name] for name in stored}, stored, "after kill")
 
 
 def test_bad_loads_fail_on_every_rank(saved_and_resumed):
@@ -388,7 +382,7 @@ def test_one_process_engine_saves_and_loads(tmp_path):
     weights = load_file(tmp_path / "hf" / next(f for f in exported if f.endswith(".safetensors")))
     full = engine.full_state_dict()
     assert set(weights) == set(full) - {"lm_head.weight"}  # the tied head once, under the embedding's name
-    _assert_bitwise(weights, {name: full[name] for name in weights}, "exported")
+    assert_bitwise_equal(weights, {name: full[name] for name in weights}, "exported")
     with pytest.raises(CheckpointError, match="step-00000001 already exists: a step is saved once"):
         engine.save(tmp_path, optimizer, step=1)
     with pytest.raises(ValueError, match="step must be a non-negative int"):
@@ -396,7 +390,7 @@ def test_one_process_engine_saves_and_loads(tmp_path):
     fresh = parallelize_on(seeded(_BufferedGPT, 0.5), data, 2).materialize()
     fresh_optimizer, fresh_scheduler = _optimizer(fresh)
     assert fresh.load(tmp_path, fresh_optimizer, fresh_scheduler) == (1, {"epoch": 0})
-    _assert_bitwise(fresh.full_state_dict(), engine.full_state_dict(), "one process")
+    assert_bitwise_equal(fresh.full_state_dict(), engine.full_state_dict(), "one process")
     assert fresh.full_state_dict()["logit_scale"].item() == pytest.approx(0.7)
     assert (_train_scheduled(fresh, fresh_optimizer, fresh_scheduler, data[1:3])
             == _train_scheduled(engine, optimizer, scheduler, data[1:3]))

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
+from helpers import assert_bitwise_equal, on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.reference.models import build
@@ -134,12 +134,6 @@ def _tensors(step_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tenso
     return state
 
 
-def _assert_bitwise(got: dict, want: dict, label: str) -> None:
-    assert got.keys() == want.keys(), (label, sorted(set(got) ^ set(want)))
-    for name, value in want.items():
-        assert torch.equal(got[name], value), f"{label}: {name} differs by {(got[name] - value).abs().max()}"
-
-
 # ------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_at_the_same_layout_is_exact(saved_and_resumed, precision):
@@ -148,8 +142,8 @@ def test_resume_at_the_same_layout_is_exact(saved_and_resumed, precision):
     saved = saved_and_resumed["saved"][source]
     for rank, result in enumerate(r[case] for r in saved_and_resumed["loaded"]):
         assert result["losses"] == saved["losses"][SAVE_AT:], (precision, rank)
-    _assert_bitwise(saved_and_resumed["loaded"][0][case]["loaded"], saved["saved"], f"{precision} loaded")
-    _assert_bitwise(saved_and_resumed["loaded"][0][case]["weights"], saved["weights"], f"{precision} after resume")
+    assert_bitwise_equal(saved_and_resumed["loaded"][0][case]["loaded"], saved["saved"], f"{precision} loaded")
+    assert_bitwise_equal(saved_and_resumed["loaded"][0][case]["weights"], saved["weights"], f"{precision} after resume")
 
 
 @pytest.mark.parametrize("case", sorted(LOADS))
@@ -157,13 +151,13 @@ def test_reshard_keeps_weights_and_optimizer_state(saved_and_resumed, case):
     """The weights after the load and the optimizer state saved again right after it equal the loaded
     checkpoint's bit for bit, at another d, tp, pp, or optimizer."""
     source = LOADS[case][0]
-    _assert_bitwise(saved_and_resumed["loaded"][0][case]["loaded"], saved_and_resumed["saved"][source]["saved"],
+    assert_bitwise_equal(saved_and_resumed["loaded"][0][case]["loaded"], saved_and_resumed["saved"][source]["saved"],
                     f"{case} loaded")
     root = saved_and_resumed["root"]
     before = _tensors(resolve(root / source), ("optim.", "model."))
     after = _tensors(resolve(root / "resaved" / case), ("optim.", "model."))
     assert sum(k.endswith(".exp_avg_sq") for k in before) == sum(k.startswith("model.") for k in before)
-    _assert_bitwise(after, before, f"{case} state")
+    assert_bitwise_equal(after, before, f"{case} state")
 
 
 @pytest.mark.parametrize("case", sorted(LOADS))

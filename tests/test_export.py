@@ -36,7 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from families import make
-from helpers import parallelize_on, spawn_ranks, token_batches
+from helpers import parallelize_on, spawn_ranks, token_batches, write_contract_checkpoint
 
 import autopar
 from autopar.cli import main as cli_main
@@ -260,40 +260,6 @@ def test_save_pretrained_failures_reach_every_rank(trained_and_saved):
         assert "rank 0" not in blocked and "rank 1" not in blocked and "rank 3" not in blocked, blocked
 
 # ------------------------------------------------------------------ autopar export CKPT --to-hf DIR
-def _contract_checkpoint(model: nn.Module, root: Path, step: int = 3) -> dict[str, torch.Tensor]:
-    """A checkpoint as the checkpoint contract lays it out, of ``model`` with its weights moved off
-    their initial values: DCP (no process group) of full tensors under ``model.<name>``, persistent
-    buffers under ``buffer.<name>``, optimizer state under ``optim.*``; ``autopar.json``; ``latest``;
-    and an interrupted later save beside it. Returns the saved tensors by every name the model uses."""
-    torch.manual_seed(step)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.01)
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    params = dict(model.named_parameters())
-    buffers = {k: v for k, v in model.state_dict().items() if k in dict(model.named_buffers())}
-    tensors = {f"model.{k}": v.detach().clone() for k, v in params.items()}
-    tensors.update({f"buffer.{k}": v.clone() for k, v in buffers.items()})
-    tensors.update({f"optim.{k}.exp_avg": torch.zeros_like(v) for k, v in params.items()})
-    tensors.update({f"optim.{k}.step": torch.tensor(float(step)) for k in params})
-    step_dir = root / f"step-{step:08d}"
-    with warnings.catch_warnings():  # DCP says it saves in one process: the contract's no_dist save
-        warnings.simplefilter("ignore")
-        dcp.save(tensors, checkpoint_id=step_dir, no_dist=True)
-    config = getattr(model, "config", None)
-    manifest = {"format": 1, "step": step, "params": {k: list(v.shape) for k, v in params.items()},
-                "aliases": {group[0]: group for group in names.values()},
-                "buffers": {k: list(v.shape) for k, v in buffers.items()},
-                "hf_config": config.to_dict() if config is not None else None,
-                "layout": {"tp": 2, "pp": 2, "dp": 1, "virtual_stages": 1}}
-    (step_dir / "autopar.json").write_text(json.dumps(manifest))
-    (root / "latest").write_text(step_dir.name)
-    (root / f"step-{step + 10:08d}.partial").mkdir()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def _export(capsys, *argv) -> tuple[int, list[str]]:
     """``autopar export ...``: its exit code and output lines."""
     code = cli_main(["export", *map(str, argv)])
@@ -304,7 +270,7 @@ def test_cli_export_gpt2_in_several_files(tmp_path, capsys):
     """A tied GPT-2 cut into files of at most 150 KB: an index, one progress line per file, the
     keys HuggingFace writes, and from_pretrained loading it strictly and bitwise."""
     model, _ = make("hf-gpt2")
-    trained_and_saved = _contract_checkpoint(model, tmp_path / "ckpt")
+    saved_tensors = write_contract_checkpoint(model, tmp_path / "ckpt")
     code, lines = _export(capsys, tmp_path / "ckpt", "--to-hf", tmp_path / "hf", "--max-shard-size", "150KB")
     assert code == 0, lines
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
@@ -312,12 +278,12 @@ def test_cli_export_gpt2_in_several_files(tmp_path, capsys):
     assert len(files) >= 3 and all((tmp_path / "hf" / f).stat().st_size <= 150_000 + 30_000 for f in files)
     assert len([line for line in lines if re.match(r"\[\d+/\d+\] model-", line)]) == len(files)
     assert set(index["weight_map"]) == _hf_saved_keys(model, tmp_path / "hf-own")
-    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for k, v in trained_and_saved.items()
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for k, v in saved_tensors.items()
                                                   if k != "lm_head.weight")
     loaded, info = _from_pretrained(tmp_path / "hf")
     _assert_loads_strictly(info, "gpt2 export")
     got = loaded.state_dict()
-    assert got.keys() == trained_and_saved.keys() and all(torch.equal(got[k], v) for k, v in trained_and_saved.items())
+    assert got.keys() == saved_tensors.keys() and all(torch.equal(got[k], v) for k, v in saved_tensors.items())
 
 
 @pytest.mark.parametrize("family", ["hf-llama", "buffers"])
@@ -328,7 +294,7 @@ def test_cli_export_one_file(family, tmp_path, capsys):
     from safetensors.torch import load_file
 
     model, _ = _export_model(family)
-    trained_and_saved = _contract_checkpoint(model, tmp_path / "ckpt", step=7)
+    saved_tensors = write_contract_checkpoint(model, tmp_path / "ckpt", step=7)
     (tmp_path / "hf").mkdir()
     for stale in ("model-00001-of-00003.safetensors", "model.safetensors.index.json"):
         (tmp_path / "hf" / stale).write_text("an earlier export")
@@ -338,26 +304,26 @@ def test_cli_export_one_file(family, tmp_path, capsys):
     if family == "buffers":
         assert written == ["model.safetensors"]
         tensors = load_file(tmp_path / "hf" / "model.safetensors")
-        assert sorted(tensors) == sorted(trained_and_saved) and "offset" not in tensors
-        assert all(torch.equal(tensors[k], v) for k, v in trained_and_saved.items())
+        assert sorted(tensors) == sorted(saved_tensors) and "offset" not in tensors
+        assert all(torch.equal(tensors[k], v) for k, v in saved_tensors.items())
         return
     assert written == ["config.json", "generation_config.json", "model.safetensors"]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     loaded, info = _from_pretrained(tmp_path / "hf")
     _assert_loads_strictly(info, "llama export")
     got = loaded.state_dict()
-    assert got.keys() == trained_and_saved.keys() and all(torch.equal(got[k], v) for k, v in trained_and_saved.items())
+    assert got.keys() == saved_tensors.keys() and all(torch.equal(got[k], v) for k, v in saved_tensors.items())
 
 
 def test_cli_export_refuses_bad_input(tmp_path, capsys):
     """Each bad input: exit code 2, a message naming what is wrong, nothing written."""
     model, _ = _export_model("buffers")
-    _contract_checkpoint(model, tmp_path / "ckpt")
+    write_contract_checkpoint(model, tmp_path / "ckpt")
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "latest").write_text("step-00000009")
     mismatched = tmp_path / "mismatched"
-    _contract_checkpoint(_export_model("buffers")[0], mismatched)
+    write_contract_checkpoint(_export_model("buffers")[0], mismatched)
     manifest_path = mismatched / "step-00000003" / "autopar.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["params"]["head.weight"] = [64, 17]

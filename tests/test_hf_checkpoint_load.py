@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import BATCH, SEQ, _hf_gpt2, _hf_llama, batches, train_steps
-from helpers import assert_ranks_match, reference_run, spawn_ranks
+from helpers import assert_ranks_match, meta_model_from, reference_run, spawn_ranks
 from safetensors.torch import load_file, save_file
 
 import autopar
@@ -58,14 +58,6 @@ def pretrained_dirs(tmp_path_factory) -> dict[str, Path]:
         save_file({k: v.contiguous() for k, v in content.items()}, root / name / "model.safetensors")
         out[name] = root / name
     return out
-
-
-def _meta_from(path: Path):
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 class _Counting:
@@ -118,7 +110,7 @@ def _load_and_train_every_model(paths: dict[str, Path]):
     for name, (_, vocab) in MODELS.items():
         data = _one_step_batches(vocab)
         x = data[0][0][0][:BATCH]
-        program = autopar.parallelize(_meta_from(paths[name]), tp=2, pp=2, example_inputs=(x,), example_targets=x)
+        program = autopar.parallelize(meta_model_from(paths[name]), tp=2, pp=2, example_inputs=(x,), example_targets=x)
         engine, log = _load_counting(program, paths[name])
         local = {n: p.numel() * p.element_size() for n, p in engine.named_local_parameters()}
         full = {n: program.full_shape(n) for n in program.param_names}

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import BATCH, SEQ, _hf_llama, batches
-from helpers import spawn_ranks
+from helpers import meta_model_from, spawn_ranks, write_contract_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -113,18 +113,11 @@ def hub_dirs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _meta_from(path: Path):
-    import transformers
-
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
-
-
 def _load_evaluate_and_export(paths: dict[str, Path], out_root: Path) -> dict:
     (x,), (y,) = _hub_batch()
     out = {}
     for name in MODELS:
-        program = autopar.parallelize(_meta_from(paths[name]), tp=2, pp=2, example_inputs=(x[:BATCH],),
+        program = autopar.parallelize(meta_model_from(paths[name]), tp=2, pp=2, example_inputs=(x[:BATCH],),
                                       example_targets=y[:BATCH])
         engine = program.materialize(checkpoint=paths[name])
         out[name] = engine.eval_step(x, y)
@@ -160,7 +153,7 @@ def test_gpt_neox_is_stored_under_transformers_names(hub_dirs):
     """What makes this case: the file has ``embed_out.weight``, the model ``lm_head.weight``."""
     stored = _stored(hub_dirs["gpt-neox"])
     assert "embed_out.weight" in stored and "lm_head.weight" not in stored
-    assert "lm_head.weight" in _meta_from(hub_dirs["gpt-neox"]).state_dict()
+    assert "lm_head.weight" in meta_model_from(hub_dirs["gpt-neox"]).state_dict()
 
 
 @pytest.mark.multiprocess
@@ -240,7 +233,7 @@ def test_legacy_gamma_beta_names_load(tmp_path):
     save_file(legacy, tmp_path / "legacy" / "model.safetensors", metadata={"format": "pt"})
 
     (x,), (y,) = _hub_batch()
-    program = autopar.parallelize(_meta_from(tmp_path / "legacy"), example_inputs=(x,), example_targets=y)
+    program = autopar.parallelize(meta_model_from(tmp_path / "legacy"), example_inputs=(x,), example_targets=y)
     engine = program.materialize(checkpoint=tmp_path / "legacy")
     got = engine.full_state_dict()
     for key, value in original.state_dict().items():
@@ -350,15 +343,14 @@ def test_cli_export_writes_what_save_pretrained_writes(tmp_path):
     """``autopar export CKPT --to-hf DIR`` of a GPT-NeoX checkpoint: transformers' own names
     (``embed_out``) and shapes, and ``from_pretrained`` of it holds the checkpoint's weights."""
     import transformers
-    from test_export import _contract_checkpoint
 
     from autopar.runtime.hf.export_checkpoint import export_checkpoint
 
     torch.manual_seed(2)
     model = _hf_gpt_neox()
-    hub_dirs = _contract_checkpoint(model, tmp_path / "ckpt")
+    saved_tensors = write_contract_checkpoint(model, tmp_path / "ckpt")
     export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     model.save_pretrained(tmp_path / "own")
     assert _stored(tmp_path / "hf") == _stored(tmp_path / "own") and "embed_out.weight" in _stored(tmp_path / "hf")
     got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
-    assert got.keys() == hub_dirs.keys() and all(torch.equal(got[k], v) for k, v in hub_dirs.items())
+    assert got.keys() == saved_tensors.keys() and all(torch.equal(got[k], v) for k, v in saved_tensors.items())

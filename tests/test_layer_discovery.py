@@ -20,9 +20,8 @@ from collections import Counter
 import pytest
 import torch.nn as nn
 import torch.nn.functional as F
-from families import train_steps
+from families import FF, TB, RMSNorm, precompute_freqs_cis, train_steps
 from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, spawn_ranks, token_batches
-from test_model_forms import FF, TB, RMSNorm, precompute_freqs_cis
 
 import autopar
 from autopar.core.activation_recompute import Checkpointed
