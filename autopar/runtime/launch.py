@@ -158,10 +158,11 @@ def _leave() -> None:
 
 
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeout_s: float,
-            fn: Callable, args: tuple, results, environ: dict[str, str], streams: tuple[int, int] | None) -> None:
+            fn: Callable, args: tuple, results, environ: dict[str, str],
+            streams: tuple[int | None, int | None] | None) -> None:
     if streams is not None:  # forked by the server: write where the parent writes now, draw fresh random numbers
         for fd, target in zip(streams, (1, 2)):
-            if fd != target:
+            if fd is not None and fd != target:
                 os.dup2(fd, target)
                 os.close(fd)
         torch.seed()
@@ -205,7 +206,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
         return [out]
     backend = backend or default_backend(nprocs)
     ctx = _rank_context(backend)
-    streams = (_ParentFd(1), _ParentFd(2)) if ctx.get_start_method() == "forkserver" else None
+    streams = tuple(_ParentFd.of(fd) for fd in (1, 2)) if ctx.get_start_method() == "forkserver" else None
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [
@@ -274,6 +275,15 @@ class _ParentFd:
 
     def __init__(self, fd: int):
         self.fd = fd
+
+    @classmethod
+    def of(cls, fd: int) -> _ParentFd | None:
+        """``fd`` to send, or None where this process has it closed (the rank keeps the server's)."""
+        try:
+            os.fstat(fd)
+        except OSError:
+            return None
+        return cls(fd)
 
     def __reduce__(self):
         return _received_fd, (reduction.DupFd(self.fd),)
