@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from helpers import reference_run
+from helpers import reference_run, tiny_gpt_program
+
+import autopar
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +29,21 @@ def reference() -> Callable:
         return runs[full]
 
     return run
+
+
+@pytest.fixture
+def show(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """``show(text)``: print ``text`` only when output capture is off (``pytest -s``): the numbers behind an
+    assertion, for a reader, without cluttering a normal run."""
+
+    def print_uncaptured(text: str) -> None:
+        if request.config.getoption("capture") == "no":
+            print(text)
+
+    return print_uncaptured
+
+
+@pytest.fixture
+def tiny_program() -> autopar.ParallelProgram:
+    """A 2-layer GPT compiled for one device (``helpers.tiny_gpt_program``), fresh for each test."""
+    return tiny_gpt_program()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -119,4 +121,85 @@ def make_fallback_model() -> tuple[nn.Module, int]:
     return GPTWithFallback(ModelConfig(vocab_size=320, seq_len=SEQ, n_layer=2, n_head=4, d_model=64)), 320
 
 
-__all__ = ["FAMILIES", "make", "hf_gptj", "batches", "make_fallback_model", "train_steps", "assert_steps_match", "AFTER_ADAMW"]
+# ------------------------------------------------------------------ Meta's Llama, as its reference code writes it
+# rotary embeddings through complex numbers, attention written out (q @ k^T, a mask, softmax) or with
+# torch.einsum, SwiGLU, RMSNorm by hand: the blocks of the model forms and layer discovery tests
+META_DIM, META_HEADS = 64, 4
+META_HEAD_DIM = META_DIM // META_HEADS
+
+
+def precompute_freqs_cis(dim, end, theta=10000.0):
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end)
+    freqs = torch.outer(t, freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    fc = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    xq_out = torch.view_as_real(xq_ * fc).flatten(3)
+    xk_out = torch.view_as_real(xk_ * fc).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class RMSNorm(nn.Module):
+    def __init__(s, d, eps=1e-6):
+        super().__init__()
+        s.eps = eps
+        s.weight = nn.Parameter(torch.ones(d))
+
+    def forward(s, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + s.eps) * s.weight
+
+
+class MetaAttn(nn.Module):  # complex rope, attention written out (or with einsum)
+    def __init__(s, einsum=False):
+        super().__init__()
+        s.einsum = einsum
+        s.wq, s.wk, s.wv, s.wo = (nn.Linear(META_DIM, META_DIM, bias=False) for _ in range(4))
+
+    def forward(s, x, freqs_cis):
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, META_HEADS, META_HEAD_DIM) for w in (s.wq, s.wk, s.wv))
+        q, k = apply_rotary_emb(q, k, freqs_cis)
+        if s.einsum:
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(META_HEAD_DIM)
+            mask = torch.full((t, t), float("-inf")).triu(1)
+            p = F.softmax(scores + mask, dim=-1)
+            o = torch.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, META_DIM)
+        else:
+            q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+            scores = q @ k.transpose(2, 3) / math.sqrt(META_HEAD_DIM)
+            scores = scores + torch.full((t, t), float("-inf")).triu(1)
+            o = (F.softmax(scores.float(), dim=-1).type_as(q) @ v).transpose(1, 2).contiguous().view(b, t, META_DIM)
+        return s.wo(o)
+
+
+class FF(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.w1 = nn.Linear(META_DIM, 96, bias=False)
+        s.w2 = nn.Linear(96, META_DIM, bias=False)
+        s.w3 = nn.Linear(META_DIM, 96, bias=False)
+
+    def forward(s, x):
+        return s.w2(F.silu(s.w1(x)) * s.w3(x))
+
+
+class TB(nn.Module):
+    def __init__(s, einsum):
+        super().__init__()
+        s.attention = MetaAttn(einsum)
+        s.feed_forward = FF()
+        s.attention_norm = RMSNorm(META_DIM)
+        s.ffn_norm = RMSNorm(META_DIM)
+
+    def forward(s, x, fc):
+        h = x + s.attention(s.attention_norm(x), fc)
+        return h + s.feed_forward(s.ffn_norm(h))
+
+
+__all__ = ["FAMILIES", "make", "hf_gptj", "batches", "make_fallback_model", "train_steps", "assert_steps_match",
+           "AFTER_ADAMW", "precompute_freqs_cis", "RMSNorm", "FF", "TB"]

@@ -1,4 +1,6 @@
-"""Plain helpers the parity tests share (``conftest.py`` builds its fixtures on them).
+"""Plain helpers the tests share (``conftest.py`` builds its fixtures on them): the parity pattern below,
+a tiny compiled program, bitwise state comparison, and checkpoints written as the checkpoint contract lays
+them out.
 
 A parity test follows one pattern: a seeded model and a few global batches of
 token ids; in every rank of one ``autopar.spawn``, the model compiled for a
@@ -11,17 +13,24 @@ The model families themselves live in ``families.py``.
 
 from __future__ import annotations
 
+import json
+import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from families import SEQ, assert_steps_match, batches
 
 import autopar
+from autopar.reference.models import build
 from autopar.reference.parity import single_device_run
 
-__all__ = ["seeded", "token_batches", "parallelize_on", "reference_run", "spawn_ranks", "assert_ranks_match",
-           "assert_same_grads"]
+__all__ = ["seeded", "token_batches", "parallelize_on", "tiny_gpt_program", "reference_run", "spawn_ranks",
+           "assert_ranks_match", "assert_same_grads", "assert_bitwise_equal", "meta_model_from",
+           "write_contract_checkpoint"]
 
 Batches = list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
 
@@ -43,6 +52,15 @@ def parallelize_on(model, data: Batches, rows: int, **config) -> autopar.Paralle
     inputs, targets = data[0]
     return autopar.parallelize(model, example_inputs=tuple(x[:rows] for x in inputs),
                                example_targets=tuple(y[:rows] for y in targets), **config)
+
+
+def tiny_gpt_program(vocab: int = 64, **layout) -> autopar.ParallelProgram:
+    """A 2-layer GPT (d_model 16, 2 heads, 8 positions) compiled for ``layout`` on 2 sequences of ids below 64:
+    for what needs a real program but no particular model."""
+    torch.manual_seed(0)
+    model = build("gpt", vocab_size=vocab, seq_len=8, n_layer=2, n_head=2, d_model=16)
+    x = torch.randint(0, 64, (2, 8))
+    return autopar.parallelize(model, example_inputs=(x,), example_targets=x.clone(), **layout)
 
 
 def reference_run(model, data: Batches, lr: float | None = None, loss_fn: Callable = autopar.lm_cross_entropy,
@@ -92,3 +110,52 @@ def assert_same_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
     for name, ref in want.items():
         torch.testing.assert_close(got[name], ref, rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"{label} gradient of {name}: {m}")
+
+
+def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str) -> None:
+    """The same names and every tensor bit for bit (a resumed or resharded state against the saved one)."""
+    assert got.keys() == want.keys(), (label, sorted(set(got) ^ set(want)))
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{label}: {name} differs by {(got[name] - value).abs().max()}"
+
+
+def meta_model_from(path: Path) -> nn.Module:
+    """The transformers model of the config saved in ``path``, on the meta device (no weights read)."""
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+
+
+def write_contract_checkpoint(model: nn.Module, root: Path, step: int = 3) -> dict[str, torch.Tensor]:
+    """A checkpoint as the checkpoint contract lays it out, of ``model`` with its weights moved off
+    their initial values: DCP (no process group) of full tensors under ``model.<name>``, persistent
+    buffers under ``buffer.<name>``, optimizer state under ``optim.*``; ``autopar.json``; ``latest``;
+    and an interrupted later save beside it. Returns the saved tensors by every name the model uses."""
+    torch.manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    params = dict(model.named_parameters())
+    buffers = {k: v for k, v in model.state_dict().items() if k in dict(model.named_buffers())}
+    tensors = {f"model.{k}": v.detach().clone() for k, v in params.items()}
+    tensors.update({f"buffer.{k}": v.clone() for k, v in buffers.items()})
+    tensors.update({f"optim.{k}.exp_avg": torch.zeros_like(v) for k, v in params.items()})
+    tensors.update({f"optim.{k}.step": torch.tensor(float(step)) for k in params})
+    step_dir = root / f"step-{step:08d}"
+    with warnings.catch_warnings():  # DCP says it saves in one process: the contract's no_dist save
+        warnings.simplefilter("ignore")
+        dcp.save(tensors, checkpoint_id=step_dir, no_dist=True)
+    config = getattr(model, "config", None)
+    manifest = {"format": 1, "step": step, "params": {k: list(v.shape) for k, v in params.items()},
+                "aliases": {group[0]: group for group in names.values()},
+                "buffers": {k: list(v.shape) for k, v in buffers.items()},
+                "hf_config": config.to_dict() if config is not None else None,
+                "layout": {"tp": 2, "pp": 2, "dp": 1, "virtual_stages": 1}}
+    (step_dir / "autopar.json").write_text(json.dumps(manifest))
+    (root / "latest").write_text(step_dir.name)
+    (root / f"step-{step + 10:08d}.partial").mkdir()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

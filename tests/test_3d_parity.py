@@ -25,11 +25,11 @@ BUCKET = 2**16
 gradients a rank holds fill several buckets and the count depends on the bucket size."""
 
 
-def _model():
+def _parity_gpt():
     return seeded(build, "gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=LAYERS, n_head=8, d_model=64)
 
 
-def _data():
+def _parity_batches():
     return token_batches(VOCAB, steps=3, rows=ROWS, seed=3)
 
 
@@ -68,13 +68,13 @@ def _expected_buckets(program, engine) -> int:
     return buckets
 
 
-def _run(layout):
+def _train_3d_layout(layout):
     import torch.distributed as dist
 
     tp, pp, dp = layout
     v, m, mb = _shape(*layout)
-    data = _data()
-    program = parallelize_on(_model(), data, mb, tp=tp, pp=pp, dp=dp, virtual_stages=v, microbatches=m)
+    data = _parity_batches()
+    program = parallelize_on(_parity_gpt(), data, mb, tp=tp, pp=pp, dp=dp, virtual_stages=v, microbatches=m)
     engine = program.materialize()
     engine.grads.bucket_bytes = BUCKET
     losses, grads = train_steps(engine, data, LR, clip=CLIP)
@@ -83,13 +83,13 @@ def _run(layout):
     return losses, grads, local, engine.mesh.shape.coords(dist.get_rank()), program.tied_params, buckets
 
 
-def _worker():
-    return {layout: _run(layout) for layout in LAYOUTS}
+def _train_every_layout():
+    return {layout: _train_3d_layout(layout) for layout in LAYOUTS}
 
 
 def test_every_8_rank_layout_matches_single_device():
-    results = spawn_ranks(_worker, 8, timeout_s=1200)
-    ref = reference_run(_model(), _data(), lr=LR, clip_grad_norm=CLIP)
+    results = spawn_ranks(_train_every_layout, 8, timeout_s=1200)
+    ref = reference_run(_parity_gpt(), _parity_batches(), lr=LR, clip_grad_norm=CLIP)
     for layout in LAYOUTS:
         assert_ranks_match(ref, [res[layout][:2] for res in results], label=f"(tp, pp, dp)={layout}")
         for rank, res in enumerate(results):

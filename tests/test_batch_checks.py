@@ -78,7 +78,7 @@ def gpt():
     return model, vocab, data, engine
 
 
-def _refused(engine, x, y) -> str:
+def _refused_before_work(engine, x, y) -> str:
     engine.zero_grad()
     with pytest.raises(BatchError) as err:
         engine.train_step(x, y)
@@ -91,18 +91,18 @@ def test_out_of_range_ids_are_refused_before_any_work(gpt):
     (x,), (y,) = data[0]
     bad = x.clone()
     bad[5, 7] = vocab + 4680
-    msg = _refused(engine, bad, y)
+    msg = _refused_before_work(engine, bad, y)
     assert f"'idx' holds {vocab + 4680} at row 5, position 7" in msg
     assert f"outside the {vocab} rows of the embedding table wte.weight" in msg and f"[0, {vocab})" in msg
     assert "tokenizer that matches the model" in msg
 
     bad = x.clone()
     bad[0, 0] = -1
-    assert "'idx' holds -1 at row 0, position 0" in _refused(engine, bad, y)
+    assert "'idx' holds -1 at row 0, position 0" in _refused_before_work(engine, bad, y)
 
     bad = y.clone()
     bad[6, 11] = vocab
-    msg = _refused(engine, x, bad)
+    msg = _refused_before_work(engine, x, bad)
     assert f"'targets' holds {vocab} at row 6, position 11" in msg
     assert f"the {vocab} classes of cross_entropy_loss" in msg and "or equal the ignore_index -100" in msg
 
@@ -121,10 +121,10 @@ def test_ignore_index_targets_pass_and_match_one_device(gpt):
 def test_dtypes_are_checked_and_index_widths_cast(gpt):
     _, _, data, engine = gpt
     (x,), (y,) = data[0]
-    msg = _refused(engine, x, y.float())
+    msg = _refused_before_work(engine, x, y.float())
     assert "'targets' has dtype torch.float32, but the program was traced with torch.int64" in msg
     assert "targets.long()" in msg
-    msg = _refused(engine, x.double(), y)
+    msg = _refused_before_work(engine, x.double(), y)
     assert "'idx' has dtype torch.float64" in msg and "idx.long()" in msg
     engine.zero_grad()  # int32 ids and targets (indices only): cast, the same step
     assert engine.train_step(x.int(), y.int()) == engine.train_step(x, y)

@@ -1,6 +1,6 @@
 """Checkpoints on gloo ranks: exact resume, resharding, never half-written, failing loudly.
 
-Three spawns, run once for the module (the ``runs`` fixture):
+Three spawns, run once for the module (the ``saved_and_resumed`` fixture):
 
 1. *save* (8 ranks). A GPT with dropout 0.1 at tp=2 x pp=2 x dp=2 (tied
    embedding across the stages), AdamW with weight decay and an LR schedule, in
@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
+from helpers import assert_bitwise_equal, on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
 from safetensors.torch import load_file
 
 import autopar
@@ -65,7 +65,7 @@ RESHARD_TO = {"tp4-pp2": dict(tp=4, pp=2, microbatches=2), "tp1-pp4-dp2": dict(t
 KILL = dict(tp=2)
 
 
-def _gpt(dropout: float = 0.1, vocab: int = VOCAB):
+def _checkpoint_gpt(dropout: float = 0.1, vocab: int = VOCAB):
     return seeded(build, "gpt", vocab_size=vocab, seq_len=SEQ, n_layer=4, n_head=4, d_model=32, dropout=dropout)
 
 
@@ -73,13 +73,13 @@ def _fused():
     return seeded(build, "gpt2-fused", vocab_size=FUSED_VOCAB, seq_len=SEQ, n_layer=4, n_head=4, d_model=32)
 
 
-def _data(vocab: int, rows: int = ROWS):
+def _checkpoint_batches(vocab: int, rows: int = ROWS):
     return token_batches(vocab, steps=STEPS, rows=rows, seed=7, seq=SEQ)
 
 
-def _engine(model, vocab: int, layout: dict, rows: int = ROWS, **config):
+def _scheduled_engine(model, vocab: int, layout: dict, rows: int = ROWS, **config):
     """A freshly compiled program for ``layout``, its engine, AdamW and an LR schedule, and the data."""
-    data = _data(vocab, rows)
+    data = _checkpoint_batches(vocab, rows)
     program = parallelize_on(model, data, rows // (layout.get("dp", 1) * layout.get("microbatches", 1)),
                              **layout, **config)
     engine = program.materialize()
@@ -91,7 +91,7 @@ def _optimizer(engine):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
 
 
-def _train(engine, optimizer, scheduler, batches) -> list[float]:
+def _train_scheduled(engine, optimizer, scheduler, batches) -> list[float]:
     losses = []
     for (x,), (y,) in batches:
         losses.append(engine.train_step(x, y))
@@ -102,13 +102,13 @@ def _train(engine, optimizer, scheduler, batches) -> list[float]:
 
 
 # ------------------------------------------------------------------ the spawns
-def _save_run(make, vocab: int, layout: dict, root: str, async_save: bool = False, **config) -> dict:
+def _train_and_save(make, vocab: int, layout: dict, root: str, async_save: bool = False, **config) -> dict:
     """Uninterrupted STEPS steps; then from the same start SAVE_AT steps, saved."""
-    engine, optimizer, scheduler, data = _engine(make(), vocab, layout, **config)
-    losses = _train(engine, optimizer, scheduler, data)
+    engine, optimizer, scheduler, data = _scheduled_engine(make(), vocab, layout, **config)
+    losses = _train_scheduled(engine, optimizer, scheduler, data)
     weights = on_rank0(engine.full_state_dict())
-    engine, optimizer, scheduler, data = _engine(make(), vocab, layout, **config)
-    _train(engine, optimizer, scheduler, data[:SAVE_AT])
+    engine, optimizer, scheduler, data = _scheduled_engine(make(), vocab, layout, **config)
+    _train_scheduled(engine, optimizer, scheduler, data[:SAVE_AT])
     saved = on_rank0(engine.full_state_dict())
     handle = engine.save(root, optimizer, step=SAVE_AT, scheduler=scheduler, extra={"next_batch": SAVE_AT},
                          async_save=async_save)
@@ -116,22 +116,22 @@ def _save_run(make, vocab: int, layout: dict, root: str, async_save: bool = Fals
     return {"losses": losses, "weights": weights, "saved": saved, "path": str(handle.path)}
 
 
-def _save_worker(root: str) -> dict:
+def _save_fp32_and_bf16(root: str) -> dict:
     return {
-        "fp32": _save_run(_gpt, VOCAB, EXACT, f"{root}/fp32"),
-        "bf16": _save_run(_gpt, VOCAB, EXACT, f"{root}/bf16", async_save=True, precision="bf16"),
-        "reshard": _save_run(_fused, FUSED_VOCAB, RESHARD_FROM, f"{root}/reshard"),
-        "pad": _save_run(_fused, FUSED_VOCAB, PAD_FROM, f"{root}/pad"),
+        "fp32": _train_and_save(_checkpoint_gpt, VOCAB, EXACT, f"{root}/fp32"),
+        "bf16": _train_and_save(_checkpoint_gpt, VOCAB, EXACT, f"{root}/bf16", async_save=True, precision="bf16"),
+        "reshard": _train_and_save(_fused, FUSED_VOCAB, RESHARD_FROM, f"{root}/reshard"),
+        "pad": _train_and_save(_fused, FUSED_VOCAB, PAD_FROM, f"{root}/pad"),
     }
 
 
 def _kill_worker(root: str) -> None:
     import torch.distributed as dist
 
-    engine, optimizer, scheduler, data = _engine(_fused(), FUSED_VOCAB, KILL, rows=2)
-    _train(engine, optimizer, scheduler, data[:1])
+    engine, optimizer, scheduler, data = _scheduled_engine(_fused(), FUSED_VOCAB, KILL, rows=2)
+    _train_scheduled(engine, optimizer, scheduler, data[:1])
     engine.save(root, optimizer, step=1, scheduler=scheduler)
-    _train(engine, optimizer, scheduler, data[1:2])
+    _train_scheduled(engine, optimizer, scheduler, data[1:2])
     if dist.get_rank() == 1:
         PublishingWriter.write_data = lambda *args, **kwargs: os._exit(17)
     engine.save(root, optimizer, step=2, scheduler=scheduler)
@@ -142,12 +142,12 @@ def _resume(engine, data, path: str) -> dict:
     optimizer, scheduler = _optimizer(engine)
     step, extra = engine.load(path, optimizer, scheduler)
     loaded = on_rank0(engine.full_state_dict())
-    losses = _train(engine, optimizer, scheduler, data[extra["next_batch"]:])
+    losses = _train_scheduled(engine, optimizer, scheduler, data[extra["next_batch"]:])
     return {"step": step, "extra": extra, "loaded": loaded, "losses": losses,
             "weights": on_rank0(engine.full_state_dict())}
 
 
-def _failures(engine, root: str) -> dict:
+def _bad_loads(engine, root: str) -> dict:
     """Each bad load on this rank: (exception type, message); the optimizer's state after the last."""
     out = {}
     sgd = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
@@ -163,15 +163,15 @@ def _failures(engine, root: str) -> dict:
     return out
 
 
-def _load_worker(root: str) -> dict:
+def _resume_fp32_and_bf16(root: str) -> dict:
     out = {}
     for precision, config in (("fp32", {}), ("bf16", {"precision": "bf16"})):
-        engine, _, _, data = _engine(_gpt(), VOCAB, EXACT, **config)
+        engine, _, _, data = _scheduled_engine(_checkpoint_gpt(), VOCAB, EXACT, **config)
         out[precision] = _resume(engine, data, f"{root}/{precision}")
     for name, layout in RESHARD_TO.items():
-        engine, _, _, data = _engine(_fused(), FUSED_VOCAB, layout)
+        engine, _, _, data = _scheduled_engine(_fused(), FUSED_VOCAB, layout)
         if name == "tp4-pp2":  # this engine also meets the bad checkpoints and the killed run's
-            out["failures"] = _failures(engine, root)
+            out["failures"] = _bad_loads(engine, root)
             out["after_kill"] = (engine.load(f"{root}/kill"), on_rank0(engine.full_state_dict()))
             out["pad"] = _resume(engine, data, f"{root}/pad")
         out[name] = _resume(engine, data, f"{root}/reshard")
@@ -192,14 +192,14 @@ def _truncated_copy(root: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def saved_and_resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
-    saved = spawn_ranks(_save_worker, 8, str(root), timeout_s=600)[0]
+    saved = spawn_ranks(_save_fp32_and_bf16, 8, str(root), timeout_s=600)[0]
     with pytest.raises(autopar.RankError) as killed:
         spawn_ranks(_kill_worker, 2, str(root / "kill"), timeout_s=300)
     kill_files = sorted(p.name for p in (root / "kill").iterdir())
     truncated = _truncated_copy(root)
-    loaded = spawn_ranks(_load_worker, 8, str(root), timeout_s=600)
+    loaded = spawn_ranks(_resume_fp32_and_bf16, 8, str(root), timeout_s=600)
     return {"root": root, "saved": saved, "killed": str(killed.value), "kill_files": kill_files,
             "truncated": truncated, "loaded": loaded}
 
@@ -215,26 +215,20 @@ def _full_params(step_dir: Path) -> dict[str, torch.Tensor]:
     return {key[len("model."):]: value for key, value in state.items()}
 
 
-def _assert_bitwise(got: dict, want: dict, label: str) -> None:
-    assert got.keys() == want.keys(), (label, sorted(set(got) ^ set(want)))
-    for name, value in want.items():
-        assert torch.equal(got[name], value), f"{label}: {name} differs by {(got[name] - value).abs().max()}"
-
-
 # ------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_resume_is_exact(runs, precision):
+def test_resume_is_exact(saved_and_resumed, precision):
     """3 steps, save, new processes, load, 3 steps == 6 steps: losses and weights bitwise, dropout on."""
-    saved, loaded = runs["saved"][precision], runs["loaded"]
+    saved, loaded = saved_and_resumed["saved"][precision], saved_and_resumed["loaded"]
     for rank, result in enumerate(r[precision] for r in loaded):
         assert (result["step"], result["extra"]) == (SAVE_AT, {"next_batch": SAVE_AT}), rank
         assert result["losses"] == saved["losses"][SAVE_AT:], (precision, rank)
-    _assert_bitwise(loaded[0][precision]["loaded"], saved["saved"], f"{precision} loaded")
-    _assert_bitwise(loaded[0][precision]["weights"], saved["weights"], f"{precision} after resume")
+    assert_bitwise_equal(loaded[0][precision]["loaded"], saved["saved"], f"{precision} loaded")
+    assert_bitwise_equal(loaded[0][precision]["weights"], saved["weights"], f"{precision} after resume")
 
 
 @pytest.mark.parametrize("target", sorted(RESHARD_TO))
-def test_reshard_continues_the_run(runs, target):
+def test_reshard_continues_the_run(saved_and_resumed, target):
     """Saved at tp=2 x pp=2 (v=2) x dp=2, loaded at another layout: the saved weights exactly, and
     the uninterrupted run's losses.
 
@@ -245,63 +239,63 @@ def test_reshard_continues_the_run(runs, target):
     leaves room for AdamW to amplify that where a gradient is near zero, and
     stays far below what one misplaced shard piece or optimizer moment changes.
     """
-    saved = runs["saved"]["reshard"]
-    _assert_bitwise(runs["loaded"][0][target]["loaded"], saved["saved"], f"{target} loaded")
-    for rank, result in enumerate(r[target] for r in runs["loaded"]):
+    saved = saved_and_resumed["saved"]["reshard"]
+    assert_bitwise_equal(saved_and_resumed["loaded"][0][target]["loaded"], saved["saved"], f"{target} loaded")
+    for rank, result in enumerate(r[target] for r in saved_and_resumed["loaded"]):
         torch.testing.assert_close(result["losses"], saved["losses"][SAVE_AT:], rtol=1e-5, atol=0,
                                    msg=lambda m, rank=rank: f"{target} rank {rank}: {m}")
 
 
-def test_reshard_to_another_vocabulary_padding(runs):
+def test_reshard_to_another_vocabulary_padding(saved_and_resumed):
     """Saved at tp=1 (vocabulary 51, no padding), loaded at tp=4 (padded to 52): same weights, same losses
     (tolerance as for the reshard test)."""
-    saved = runs["saved"]["pad"]
-    _assert_bitwise(runs["loaded"][0]["pad"]["loaded"], saved["saved"], "pad loaded")
-    for rank, result in enumerate(r["pad"] for r in runs["loaded"]):
+    saved = saved_and_resumed["saved"]["pad"]
+    assert_bitwise_equal(saved_and_resumed["loaded"][0]["pad"]["loaded"], saved["saved"], "pad loaded")
+    for rank, result in enumerate(r["pad"] for r in saved_and_resumed["loaded"]):
         torch.testing.assert_close(result["losses"], saved["losses"][SAVE_AT:], rtol=1e-5, atol=0,
                                    msg=lambda m, rank=rank: f"pad rank {rank}: {m}")
 
 
-def test_killed_save_leaves_the_previous_checkpoint(runs):
-    root = runs["root"] / "kill"
-    assert runs["kill_files"] == ["latest", "step-00000001", "step-00000002.partial"]
+def test_killed_save_leaves_the_previous_checkpoint(saved_and_resumed):
+    root = saved_and_resumed["root"] / "kill"
+    assert saved_and_resumed["kill_files"] == ["latest", "step-00000001", "step-00000002.partial"]
     assert (root / "latest").read_text().strip() == "step-00000001"
     assert not (root / "step-00000002.partial" / ".metadata").exists()
     assert resolve(root) == root / "step-00000001"
     with pytest.raises(CheckpointError, match="step-00000002.partial is an unfinished or interrupted save"):
         resolve(root / "step-00000002.partial")
-    step, extra = runs["loaded"][0]["after_kill"][0]
+    step, extra = saved_and_resumed["loaded"][0]["after_kill"][0]
     assert (step, extra) == (1, None)
     stored = _full_params(root / "step-00000001")
-    loaded = runs["loaded"][0]["after_kill"][1]
-    _assert_bitwise({name: loaded[name] for name in stored}, stored, "after kill")
+    loaded = saved_and_resumed["loaded"][0]["after_kill"][1]
+    assert_bitwise_equal({name: loaded[name] for name in stored}, stored, "after kill")
 
 
-def test_bad_loads_fail_on_every_rank(runs):
-    root = runs["root"]
+def test_bad_loads_fail_on_every_rank(saved_and_resumed):
+    root = saved_and_resumed["root"]
     want = {
         "missing": [f"checkpoint {root}/absent does not exist"],
-        "truncated": [f"cannot load checkpoint {root}/truncated/step-00000003", f"file {runs['truncated']} has",
-                      "the file was cut short"],
+        "truncated": [f"cannot load checkpoint {root}/truncated/step-00000003",
+                      f"file {saved_and_resumed['truncated']} has", "the file was cut short"],
         "mismatched": [f"cannot load checkpoint {root}/fp32/step-00000003",
                        "parameter wte.weight has shape (64, 32) in the checkpoint but (51, 32) in this program"],
         "optimizer": ["holds optimizer state ['exp_avg', 'exp_avg_sq', 'step']", "keeps ['momentum_buffer']"],
     }
-    for rank, result in enumerate(r["failures"] for r in runs["loaded"]):
+    for rank, result in enumerate(r["failures"] for r in saved_and_resumed["loaded"]):
         for case, parts in want.items():
             kind, message = result[case]
             assert kind == "CheckpointError", (case, rank, kind, message)
             for part in parts:
                 assert part in message, (case, rank, part, message)
         assert result["sgd_state_after"] == 0, rank  # a failed load leaves the optimizer as it was
-    truncated = runs["loaded"][0]["failures"]["truncated"][1]
+    truncated = saved_and_resumed["loaded"][0]["failures"]["truncated"][1]
     assert "(the chunk at offsets" in truncated and "of full shape" in truncated, truncated
 
 
-def test_description_and_chunks(runs):
+def test_description_and_chunks(saved_and_resumed):
     """``autopar.json`` and DCP's metadata: full unpadded shapes, each replicated or tied tensor stored
     once, a fused parameter as one chunk per segment and rank, a padded vocabulary's in-range rows."""
-    step_dir = resolve(runs["root"] / "reshard")
+    step_dir = resolve(saved_and_resumed["root"] / "reshard")
     description = json.loads((step_dir / "autopar.json").read_text())
     assert (description["format"], description["step"], description["hf_config"]) == (1, SAVE_AT, None)
     assert description["layout"] == {"tp": 2, "pp": 2, "dp": 2, "virtual_stages": 2}
@@ -312,11 +306,12 @@ def test_description_and_chunks(runs):
     assert len(chunks["optim.h.0.attn.c_attn.weight.exp_avg"]) == 3 * 2
     assert len(chunks["model.ln_f.weight"]) == 1  # replicated over tp and dp: once
     assert len(chunks["optim.ln_f.weight.step"]) == 1
-    tied = json.loads((resolve(runs["root"] / "fp32") / "autopar.json").read_text())
+    tied = json.loads((resolve(saved_and_resumed["root"] / "fp32") / "autopar.json").read_text())
     assert tied["aliases"]["wte.weight"] == ["wte.weight", "lm_head.weight"]
-    tied_chunks = dcp.FileSystemReader(resolve(runs["root"] / "fp32")).read_metadata().state_dict_metadata
+    tied_chunks = dcp.FileSystemReader(resolve(saved_and_resumed["root"] / "fp32")).read_metadata().state_dict_metadata
     assert len(tied_chunks["model.wte.weight"].chunks) == 2  # on stages 0 and 1, tp=2: two chunks, not four
-    padded = dcp.FileSystemReader(runs["root"] / "kill" / "step-00000001").read_metadata().state_dict_metadata
+    padded = dcp.FileSystemReader(saved_and_resumed["root"] / "kill" / "step-00000001").read_metadata()
+    padded = padded.state_dict_metadata
     rows = sorted((c.offsets[0], c.sizes[0]) for c in padded["model.wte.weight"].chunks)
     assert rows == [(0, 26), (26, 25)]  # 51 padded to 52: the last rank's 26th row is padding
 
@@ -374,10 +369,10 @@ def test_one_process_engine_saves_and_loads(tmp_path):
     ``state_dict`` (the format is the export's contract); a program of the same model with another
     buffer value loads it (the saved buffer with it) and trains on exactly alike; a step saved twice
     and a negative step are refused before anything is written."""
-    data = _data(VOCAB, rows=2)
+    data = _checkpoint_batches(VOCAB, rows=2)
     engine = parallelize_on(seeded(_BufferedGPT, 0.7), data, 2).materialize()
     optimizer, scheduler = _optimizer(engine)
-    _train(engine, optimizer, scheduler, data[:1])
+    _train_scheduled(engine, optimizer, scheduler, data[:1])
     handle = engine.save(tmp_path, optimizer, step=1, scheduler=scheduler, extra={"epoch": 0}, async_save=True)
     assert handle.wait() == tmp_path / "step-00000001"
     description = json.loads((handle.path / "autopar.json").read_text())
@@ -387,7 +382,7 @@ def test_one_process_engine_saves_and_loads(tmp_path):
     weights = load_file(tmp_path / "hf" / next(f for f in exported if f.endswith(".safetensors")))
     full = engine.full_state_dict()
     assert set(weights) == set(full) - {"lm_head.weight"}  # the tied head once, under the embedding's name
-    _assert_bitwise(weights, {name: full[name] for name in weights}, "exported")
+    assert_bitwise_equal(weights, {name: full[name] for name in weights}, "exported")
     with pytest.raises(CheckpointError, match="step-00000001 already exists: a step is saved once"):
         engine.save(tmp_path, optimizer, step=1)
     with pytest.raises(ValueError, match="step must be a non-negative int"):
@@ -395,7 +390,7 @@ def test_one_process_engine_saves_and_loads(tmp_path):
     fresh = parallelize_on(seeded(_BufferedGPT, 0.5), data, 2).materialize()
     fresh_optimizer, fresh_scheduler = _optimizer(fresh)
     assert fresh.load(tmp_path, fresh_optimizer, fresh_scheduler) == (1, {"epoch": 0})
-    _assert_bitwise(fresh.full_state_dict(), engine.full_state_dict(), "one process")
+    assert_bitwise_equal(fresh.full_state_dict(), engine.full_state_dict(), "one process")
     assert fresh.full_state_dict()["logit_scale"].item() == pytest.approx(0.7)
-    assert _train(fresh, fresh_optimizer, fresh_scheduler, data[1:3]) == _train(engine, optimizer, scheduler,
-                                                                                 data[1:3])
+    assert (_train_scheduled(fresh, fresh_optimizer, fresh_scheduler, data[1:3])
+            == _train_scheduled(engine, optimizer, scheduler, data[1:3]))

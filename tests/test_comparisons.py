@@ -179,7 +179,7 @@ def test_scatter_gather_gain_is_largest_at_small_batch(ranked):
 # ------------------------------------------------------------------ the CLI's code path
 
 
-def _plan_json(capsys, *args: str) -> dict:
+def _plan_json_recompute_layer(capsys, *args: str) -> dict:
     rc = main(["plan", *args, "--json", "--recompute", "layer"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0, out.get("error")
@@ -191,7 +191,7 @@ def test_every_section_5_4_layout_through_the_cli(key, capsys):
     comp = BY_KEY[key]
     dims = ["--layers", str(comp.spec.layers), "--hidden", str(comp.spec.hidden), "--heads", str(comp.spec.heads)]
     for c in comp.candidates:
-        out = _plan_json(capsys, *dims, "--gpus", str(comp.gpus), "--batch", str(min(comp.batches)),
+        out = _plan_json_recompute_layer(capsys, *dims, "--gpus", str(comp.gpus), "--batch", str(min(comp.batches)),
                          "--tp", str(c.t), "--pp", str(c.p), "--micro-batch", str(c.b), "--top", "1")
         row = out["ranked"][0]
         assert (row["t"], row["p"], row["b"]) == (c.t, c.p, c.b)
@@ -201,7 +201,8 @@ def test_every_section_5_4_layout_through_the_cli(key, capsys):
 
 def test_cli_versus_table(capsys):
     dims = ["--layers", "32", "--hidden", "20480", "--heads", "128", "--gpus", "64", "--batch", "128"]
-    out = _plan_json(capsys, *dims, "--tp", "8", "--pp", "8", "--micro-batch", "1", "--vs-tp", "16", "--vs-pp", "4")
+    out = _plan_json_recompute_layer(capsys, *dims, "--tp", "8", "--pp", "8", "--micro-batch", "1", "--vs-tp", "16",
+                                     "--vs-pp", "4")
     terms = {r["term"]: r for r in out["versus"]["terms"]}
     assert out["versus"]["layout"]["t"] == 16 and out["versus"]["layout"]["p"] == 4
     # t=16 crosses nodes: its tensor-parallel all-reduces cost more than twice t=8's
@@ -212,7 +213,7 @@ def test_cli_versus_table(capsys):
 
 def test_cli_prices_a_fixed_unrunnable_layout_and_marks_it(capsys):
     dims = ["--layers", "32", "--hidden", "20480", "--heads", "128", "--gpus", "64", "--batch", "36"]
-    out = _plan_json(capsys, *dims, "--tp", "8", "--pp", "8", "--vp", "2", "--micro-batch", "1",
+    out = _plan_json_recompute_layer(capsys, *dims, "--tp", "8", "--pp", "8", "--vp", "2", "--micro-batch", "1",
                      "--schedule", "interleaved")
     row = out["ranked"][0]
     assert not row["runnable"] and "multiple of p" in row["runtime_errors"][0]

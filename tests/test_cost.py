@@ -23,16 +23,6 @@ from autopar.planning.cost.transformer import graph_flops, layer_ops, paper_flop
 A100 = get_hardware("dgx-a100-80gb")
 
 
-def _show(request: pytest.FixtureRequest, text: str) -> None:
-    """Print ``text`` only when output capture is off (``pytest -s``): the numbers behind an
-    assertion, for a reader, without cluttering a normal run."""
-    if request.config.getoption("capture") == "no":
-        print(text)
-
-
-# ------------------------------------------------------------------ per node
-
-
 def test_per_node_flops_and_bytes_from_shapes():
     # Y (4, 5) = X (4, 3) W (3, 5): 2*4*3*5 FLOPs; reads X (12) and W (15), writes Y (20), fp16
     assert linear_flops(4, 3, 5) == 120
@@ -241,7 +231,7 @@ def test_tensor_parallel_fills_a_node_or_whole_nodes():
 # --------------------------------------------------------------- calibration
 
 
-def test_calibration_rows_within_5_percent(request):
+def test_calibration_rows_within_5_percent(show):
     """The paper's weak-scaling rows: predicted TFLOP/s per GPU at the paper's layout vs reported
     (``pytest -s`` prints the table of docs/performance-model.md, section 7)."""
     lines = [f"{'model':10} {'t':>2} {'p':>2} {'v':>2} {'GPUs':>5} {'B':>5} {'b':>3} "
@@ -254,7 +244,7 @@ def test_calibration_rows_within_5_percent(request):
         lines.append(f"{run.model:10} {run.t:2} {run.p:2} {run.v:2} {run.gpus:5} {run.batch:5} {run.micro:3} "
                      f"{est.tflops_per_gpu:9.1f} {run.tflops:8.0f} {err:+7.1%}")
     table = "\n".join(lines)
-    _show(request, "\n" + table)
+    show("\n" + table)
     for run in PAPER_RUNS:
         est = run.predict()
         assert abs(est.tflops_per_gpu / run.tflops - 1) < 0.05, table

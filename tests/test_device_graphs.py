@@ -1,21 +1,13 @@
 """Chunk graphs make their tensors on the engine's device, not on the device they were traced on."""
 
 import torch
+from helpers import tiny_gpt_program
 
-import autopar
-from autopar.reference.models import build
 from autopar.runtime.engine.device_graphs import foreign_devices, on_device
 
 
-def _program(**layout):
-    torch.manual_seed(0)
-    model = build("gpt", vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
-    x = torch.randint(0, 64, (2, 8))
-    return autopar.parallelize(model, example_inputs=(x,), example_targets=x.clone(), **layout)
-
-
 def test_factory_ops_follow_the_engine_device_on_a_copy():
-    program = _program(tp=2, pp=2, world_size=4, recompute="layer")
+    program = tiny_gpt_program(tp=2, pp=2, world_size=4, recompute="layer")
     first = program.split.chunks[0].module
     cpu, meta = torch.device("cpu"), torch.device("meta")
     traced_on_cpu = foreign_devices(first, meta)

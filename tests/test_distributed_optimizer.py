@@ -42,7 +42,7 @@ def _state_bytes(optimizer) -> int:
                if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
-def _train(layout: dict, distributed: bool) -> dict:
+def _train_layout(layout: dict, distributed: bool) -> dict:
     model, vocab = make("nanogpt")
     data = batches(vocab, steps=STEPS, rows=BATCH * M * layout["dp"])
     engine = parallelize_on(model, data, BATCH, microbatches=M, **layout).materialize()
@@ -172,16 +172,16 @@ def _bf16(distributed: bool) -> dict:
     return {"losses": losses, "weights": weights, "initial": initial, "dtypes": {str(w.dtype) for w in weights.values()}}
 
 
-def _worker():
-    runs = {(name, dist_): _train(layout, dist_) for name, layout in LAYOUTS.items() for dist_ in (False, True)}
+def _train_sharded_and_not():
+    runs = {(name, dist_): _train_layout(layout, dist_) for name, layout in LAYOUTS.items() for dist_ in (False, True)}
     overlap = {flag: _overlap(flag) for flag in (True, False)}
     bf16 = {flag: _bf16(flag) for flag in (True, False)}
     return runs, _refusals(), overlap, bf16
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn_ranks(_worker, 4)
+def optimizer_runs():
+    return spawn_ranks(_train_sharded_and_not, 4)
 
 
 # Reduce-scatter and all-reduce may sum the replicas' gradients in different orders, and the norm
@@ -192,8 +192,8 @@ WEIGHTS = dict(rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_weights_after_three_steps_equal_the_plain_optimizers(results, layout):
-    for rank, (runs, *_) in enumerate(results):
+def test_weights_after_three_steps_equal_the_plain_optimizers(optimizer_runs, layout):
+    for rank, (runs, *_) in enumerate(optimizer_runs):
         plain, sharded = runs[(layout, False)], runs[(layout, True)]
         assert plain["weights"].keys() == sharded["weights"].keys()
         for key, want in plain["weights"].items():
@@ -204,8 +204,8 @@ def test_weights_after_three_steps_equal_the_plain_optimizers(results, layout):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_clipping_norm_and_reduced_gradients_equal(results, layout):
-    for rank, (runs, *_) in enumerate(results):
+def test_clipping_norm_and_reduced_gradients_equal(optimizer_runs, layout):
+    for rank, (runs, *_) in enumerate(optimizer_runs):
         plain, sharded = runs[(layout, False)], runs[(layout, True)]
         # the norm in float64 from fp32 gradients summed in another order: equal to ~1e-7 relative
         torch.testing.assert_close(torch.tensor(sharded["norms"]), torch.tensor(plain["norms"]), rtol=1e-6, atol=0)
@@ -216,10 +216,10 @@ def test_clipping_norm_and_reduced_gradients_equal(results, layout):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_optimizer_state_is_one_dth_per_replica(results, layout):
+def test_optimizer_state_is_one_dth_per_replica(optimizer_runs, layout):
     d = LAYOUTS[layout]["dp"]
-    states = [runs[(layout, True)]["state"] for runs, *_ in results]
-    for rank, (runs, *_) in enumerate(results):
+    states = [runs[(layout, True)]["state"] for runs, *_ in optimizer_runs]
+    for rank, (runs, *_) in enumerate(optimizer_runs):
         plain, sharded = runs[(layout, False)]["state"], runs[(layout, True)]["state"]
         padding_bytes = runs[(layout, True)]["padding"] * 8  # AdamW: two fp32 moments per entry
         assert abs(sharded - plain / d) <= padding_bytes, (layout, rank, sharded, plain, d, padding_bytes)
@@ -229,12 +229,12 @@ def test_optimizer_state_is_one_dth_per_replica(results, layout):
         buffers, grad_shards = runs[(layout, True)]["extra_bytes"]
         assert buffers == grad_shards, (layout, rank, buffers, grad_shards)
     # no padding is stepped: the d replicas together hold exactly one plain copy of the state
-    plain_total = sum(runs[(layout, False)]["state"] for runs, *_ in results)
+    plain_total = sum(runs[(layout, False)]["state"] for runs, *_ in optimizer_runs)
     assert sum(states) * d == plain_total, (layout, states, plain_total)
 
 
-def test_refused_optimizers_name_the_class_and_the_fix(results):
-    for rank, (_, messages, *_) in enumerate(results):
+def test_refused_optimizers_name_the_class_and_the_fix(optimizer_runs):
+    for rank, (_, messages, *_) in enumerate(optimizer_runs):
         assert "torch.optim.lbfgs.LBFGS is not known to update each parameter entry" in messages["LBFGS"]
         assert "Adafactor" in messages["Adafactor"] and "elementwise=True" in messages["Adafactor"]
         assert "Scaled is not known" in messages["Scaled"] and "elementwise=True" in messages["Scaled"]
@@ -262,28 +262,28 @@ def test_flat_bucket_pieces_cover_each_entry_once_with_fp32_masters():
     assert [(p.name, p.start, p.length) for p in buckets[2].pieces] == [("a", 12, 3), ("b", 0, 3)]
 
 
-def test_overlapped_parameter_gathers_change_nothing(results):
+def test_overlapped_parameter_gathers_change_nothing(optimizer_runs):
     """With and without overlapping the all-gathers: the same losses and weights, bit for bit."""
-    for rank, (*_, overlap, _) in enumerate(results):
+    for rank, (*_, overlap, _) in enumerate(optimizer_runs):
         assert overlap[True]["losses"] == overlap[False]["losses"], rank
         for key, want in overlap[False]["weights"].items():
             assert torch.equal(overlap[True]["weights"][key], want), (rank, key)
 
 
-def test_a_load_during_the_gathers_keeps_the_loaded_values(results):
+def test_a_load_during_the_gathers_keeps_the_loaded_values(optimizer_runs):
     """engine.load_state_dict while a step's all-gathers are in flight waits for them first: the
     loaded values are what the next forward reads (a gather landing later would undo the load)."""
-    for rank, (*_, overlap, _) in enumerate(results):
+    for rank, (*_, overlap, _) in enumerate(optimizer_runs):
         assert overlap[True]["load_in_flight"] > 0 and overlap[False]["load_in_flight"] == 0, rank
         assert overlap[True]["loaded_kept"] and overlap[False]["loaded_kept"], rank
 
 
-def test_gathers_are_waited_for_at_each_chunks_first_forward(results):
+def test_gathers_are_waited_for_at_each_chunks_first_forward(optimizer_runs):
     """Overlapped: step() returns with every bucket's gather in flight; the next step waits at the first
     F of each of the stage's 2 chunks (microbatch 0), each bucket exactly once, and nowhere else.
     An evaluation step waits for all of them before its first forward. Not overlapped: step() itself
     waits for all of them."""
-    for rank, (*_, overlap, _) in enumerate(results):
+    for rank, (*_, overlap, _) in enumerate(optimizer_runs):
         on, off = overlap[True], overlap[False]
         assert on["pending_after_step"] == on["buckets"] > 2, rank
         assert [where for where, _ in on["waits"]] == on["first_f"], (rank, on["waits"], on["first_f"])
@@ -296,7 +296,7 @@ def test_gathers_are_waited_for_at_each_chunks_first_forward(results):
         assert off["eval_waits"] == off["waits"], rank
 
 
-def test_bf16_parameters_with_fp32_masters_match_the_plain_optimizer(results):
+def test_bf16_parameters_with_fp32_masters_match_the_plain_optimizer(optimizer_runs):
     """The model in bf16 at tp=2 x dp=2, 3 steps: the distributed optimizer (fp32 masters) against AdamW
     over fp32 master copies of the plain engine's parameters.
 
@@ -311,7 +311,7 @@ def test_bf16_parameters_with_fp32_masters_match_the_plain_optimizer(results):
     relative) where the fp32 reduce-scatter does not, and the two runs would
     drift apart by bf16 noise instead: this isolates the master-weight path.
     """
-    for rank, (*_, bf16) in enumerate(results):
+    for rank, (*_, bf16) in enumerate(optimizer_runs):
         sharded, plain = bf16[True], bf16[False]
         assert sharded["dtypes"] == plain["dtypes"] == {"torch.bfloat16"}
         assert sharded["losses"] == plain["losses"], rank

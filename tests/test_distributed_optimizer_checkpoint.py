@@ -1,6 +1,6 @@
 """The distributed optimizer's state through checkpoints: exact resume, resharding, either optimizer.
 
-Two spawns of 4 gloo ranks, run once for the module (the ``runs`` fixture), on
+Two spawns of 4 gloo ranks, run once for the module (the ``saved_and_resumed`` fixture), on
 a GPT-2 with fused QKV (three segments per tp shard) and a vocabulary of 51
 (padded to 52 at tp=2), buckets of 4 KiB so the replicas' ranges start and end
 mid-row and mid-segment:
@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
+from helpers import assert_bitwise_equal, on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.reference.models import build
@@ -55,7 +55,7 @@ LOADS = {"same": ("dp2", DP2, True), "dp2-to-dp4": ("dp2", dict(dp=4), True),
 """Case -> (checkpoint, layout loaded at, distributed optimizer)."""
 
 
-def _engine(layout: dict, distributed: bool, dtype=torch.float32):
+def _fused_gpt_engine(layout: dict, distributed: bool, dtype=torch.float32):
     model = seeded(build, "gpt2-fused", vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, d_model=32).to(dtype)
     data = token_batches(VOCAB, steps=STEPS, rows=ROWS, seed=7, seq=SEQ)
     rows = ROWS // (layout.get("dp", 1) * layout.get("microbatches", 1))
@@ -68,7 +68,7 @@ def _engine(layout: dict, distributed: bool, dtype=torch.float32):
     return engine, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s)), data
 
 
-def _train(engine, optimizer, scheduler, batches) -> list[float]:
+def _train_clipped(engine, optimizer, scheduler, batches) -> list[float]:
     losses = []
     for (x,), (y,) in batches:
         losses.append(engine.train_step(x, y))
@@ -79,46 +79,46 @@ def _train(engine, optimizer, scheduler, batches) -> list[float]:
     return losses
 
 
-def _save_run(root: str, layout: dict, distributed: bool, dtype=torch.float32, go_on: bool = False) -> dict:
+def _train_and_save(root: str, layout: dict, distributed: bool, dtype=torch.float32, go_on: bool = False) -> dict:
     """SAVE_AT steps, saved; with ``go_on`` the same engine goes on to STEPS steps (a save changes nothing
     a step reads), the uninterrupted run the resumed ones are compared with."""
-    engine, optimizer, scheduler, data = _engine(layout, distributed, dtype)
-    losses = _train(engine, optimizer, scheduler, data[:SAVE_AT])
+    engine, optimizer, scheduler, data = _fused_gpt_engine(layout, distributed, dtype)
+    losses = _train_clipped(engine, optimizer, scheduler, data[:SAVE_AT])
     out = {"saved": on_rank0(engine.full_state_dict())}
     engine.save(root, optimizer, step=SAVE_AT, scheduler=scheduler).wait()
     if go_on:
-        out["losses"] = losses + _train(engine, optimizer, scheduler, data[SAVE_AT:])
+        out["losses"] = losses + _train_clipped(engine, optimizer, scheduler, data[SAVE_AT:])
         out["weights"] = on_rank0(engine.full_state_dict())
     return out
 
 
-def _save_worker(root: str) -> dict:
-    out = {name: _save_run(f"{root}/{name}", layout, distributed, go_on=name == "dp2")
+def _save_every_layout(root: str) -> dict:
+    out = {name: _train_and_save(f"{root}/{name}", layout, distributed, go_on=name == "dp2")
            for name, (layout, distributed) in SAVES.items()}
-    out["bf16"] = _save_run(f"{root}/bf16", DP2, True, torch.bfloat16, go_on=True)
+    out["bf16"] = _train_and_save(f"{root}/bf16", DP2, True, torch.bfloat16, go_on=True)
     return out
 
 
 def _load_run(root: str, case: str, source: str, layout: dict, distributed: bool, dtype=torch.float32) -> dict:
-    engine, optimizer, scheduler, data = _engine(layout, distributed, dtype)
+    engine, optimizer, scheduler, data = _fused_gpt_engine(layout, distributed, dtype)
     step, _ = engine.load(f"{root}/{source}", optimizer, scheduler)
     loaded = on_rank0(engine.full_state_dict())
     engine.save(f"{root}/resaved/{case}", optimizer, step=step, scheduler=scheduler).wait()
-    losses = _train(engine, optimizer, scheduler, data[step:])
+    losses = _train_clipped(engine, optimizer, scheduler, data[step:])
     return {"loaded": loaded, "losses": losses, "weights": on_rank0(engine.full_state_dict())}
 
 
-def _load_worker(root: str) -> dict:
+def _resume_every_case(root: str) -> dict:
     out = {case: _load_run(root, case, *spec) for case, spec in LOADS.items()}
     out["bf16"] = _load_run(root, "bf16", "bf16", DP2, True, torch.bfloat16)
     return out
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def saved_and_resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("distopt")
-    saved = spawn_ranks(_save_worker, 4, str(root), timeout_s=600)[0]
-    loaded = spawn_ranks(_load_worker, 4, str(root), timeout_s=600)
+    saved = spawn_ranks(_save_every_layout, 4, str(root), timeout_s=600)[0]
+    loaded = spawn_ranks(_resume_every_case, 4, str(root), timeout_s=600)
     return {"root": root, "saved": saved, "loaded": loaded}
 
 
@@ -134,39 +134,34 @@ def _tensors(step_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tenso
     return state
 
 
-def _assert_bitwise(got: dict, want: dict, label: str) -> None:
-    assert got.keys() == want.keys(), (label, sorted(set(got) ^ set(want)))
-    for name, value in want.items():
-        assert torch.equal(got[name], value), f"{label}: {name} differs by {(got[name] - value).abs().max()}"
-
-
 # ------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_resume_at_the_same_layout_is_exact(runs, precision):
+def test_resume_at_the_same_layout_is_exact(saved_and_resumed, precision):
     """3 steps, save, new processes, load, 3 steps == 6 steps: losses and weights bitwise."""
     source, case = ("dp2", "same") if precision == "fp32" else ("bf16", "bf16")
-    saved = runs["saved"][source]
-    for rank, result in enumerate(r[case] for r in runs["loaded"]):
+    saved = saved_and_resumed["saved"][source]
+    for rank, result in enumerate(r[case] for r in saved_and_resumed["loaded"]):
         assert result["losses"] == saved["losses"][SAVE_AT:], (precision, rank)
-    _assert_bitwise(runs["loaded"][0][case]["loaded"], saved["saved"], f"{precision} loaded")
-    _assert_bitwise(runs["loaded"][0][case]["weights"], saved["weights"], f"{precision} after resume")
+    assert_bitwise_equal(saved_and_resumed["loaded"][0][case]["loaded"], saved["saved"], f"{precision} loaded")
+    assert_bitwise_equal(saved_and_resumed["loaded"][0][case]["weights"], saved["weights"], f"{precision} after resume")
 
 
 @pytest.mark.parametrize("case", sorted(LOADS))
-def test_reshard_keeps_weights_and_optimizer_state(runs, case):
+def test_reshard_keeps_weights_and_optimizer_state(saved_and_resumed, case):
     """The weights after the load and the optimizer state saved again right after it equal the loaded
     checkpoint's bit for bit, at another d, tp, pp, or optimizer."""
     source = LOADS[case][0]
-    _assert_bitwise(runs["loaded"][0][case]["loaded"], runs["saved"][source]["saved"], f"{case} loaded")
-    root = runs["root"]
+    assert_bitwise_equal(saved_and_resumed["loaded"][0][case]["loaded"], saved_and_resumed["saved"][source]["saved"],
+                    f"{case} loaded")
+    root = saved_and_resumed["root"]
     before = _tensors(resolve(root / source), ("optim.", "model."))
     after = _tensors(resolve(root / "resaved" / case), ("optim.", "model."))
     assert sum(k.endswith(".exp_avg_sq") for k in before) == sum(k.startswith("model.") for k in before)
-    _assert_bitwise(after, before, f"{case} state")
+    assert_bitwise_equal(after, before, f"{case} state")
 
 
 @pytest.mark.parametrize("case", sorted(LOADS))
-def test_resharded_run_continues_within_fp32_rounding(runs, case):
+def test_resharded_run_continues_within_fp32_rounding(saved_and_resumed, case):
     """Later losses against the uninterrupted dp=2 x pp=2 run.
 
     Tolerance: the layouts (and the plain optimizer's all-reduce against the
@@ -175,17 +170,17 @@ def test_resharded_run_continues_within_fp32_rounding(runs, case):
     leaves room for AdamW amplifying it where a gradient is near zero, far
     below what one misplaced range of a moment changes.
     """
-    reference = runs["saved"]["dp2"]["losses"][SAVE_AT:]
-    for rank, result in enumerate(r[case] for r in runs["loaded"]):
+    reference = saved_and_resumed["saved"]["dp2"]["losses"][SAVE_AT:]
+    for rank, result in enumerate(r[case] for r in saved_and_resumed["loaded"]):
         torch.testing.assert_close(result["losses"], reference, rtol=1e-5, atol=0,
                                    msg=lambda m, rank=rank: f"{case} rank {rank}: {m}")
 
 
-def test_ranges_are_written_once_without_overlap(runs):
+def test_ranges_are_written_once_without_overlap(saved_and_resumed):
     """dp=4's checkpoint: a moment of each parameter as chunks of its full shape that never overlap and
     together cover it exactly once; the bf16 one keeps fp32 masters, the fp32 ones none."""
     for name in ("dp4", "dp2"):
-        metadata = dcp.FileSystemReader(resolve(runs["root"] / name)).read_metadata().state_dict_metadata
+        metadata = dcp.FileSystemReader(resolve(saved_and_resumed["root"] / name)).read_metadata().state_dict_metadata
         for key, md in metadata.items():
             if key.endswith(".exp_avg"):
                 covered = torch.zeros(md.size, dtype=torch.int32)
@@ -194,7 +189,7 @@ def test_ranges_are_written_once_without_overlap(runs):
                 assert bool((covered == 1).all()), (name, key, covered.unique())
         assert not any(k.startswith("master.") for k in metadata), name
         assert max(len(md.chunks) for k, md in metadata.items() if k.endswith(".exp_avg")) > 1  # ranges cut rows
-    bf16 = dcp.FileSystemReader(resolve(runs["root"] / "bf16")).read_metadata().state_dict_metadata
+    bf16 = dcp.FileSystemReader(resolve(saved_and_resumed["root"] / "bf16")).read_metadata().state_dict_metadata
     masters = [k for k in bf16 if k.startswith("master.")]
     assert len(masters) == sum(k.startswith("model.") for k in bf16)
     assert {bf16[k].properties.dtype for k in masters} == {torch.float32}

@@ -94,17 +94,17 @@ def _step(recompute):
             "layers": {c: len(ch.layers) for c, ch in engine.chunks.items()}}
 
 
-def _worker():
+def _dropout_step_per_recompute():
     return {rc: _step(rc) for rc in ("none", "layer")}
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn_ranks(_worker, 8, timeout_s=600)
+def dropout_steps():
+    return spawn_ranks(_dropout_step_per_recompute, 8, timeout_s=600)
 
 
-def _by_coords(results, rc="none"):
-    return {r[rc]["coords"]: r[rc] for r in results}
+def _by_coords(dropout_steps, rc="none"):
+    return {r[rc]["coords"]: r[rc] for r in dropout_steps}
 
 
 def _residual(masks):
@@ -112,9 +112,9 @@ def _residual(masks):
     return [m for m in masks if m.dim() == 3]
 
 
-def test_masks_drawn_on_every_stage(results):
+def test_masks_drawn_on_every_stage(dropout_steps):
     layers = {}
-    for r in results:
+    for r in dropout_steps:
         stage = r["none"]["coords"][0]
         layers[stage] = sum(r["none"]["layers"].values())
         # per microbatch, each layer's MLP output dropout and, on stage 0, the embedding's
@@ -123,8 +123,8 @@ def test_masks_drawn_on_every_stage(results):
     assert sum(layers.values()) == LAYERS
 
 
-def test_tensor_parallel_peers_draw_the_same_replicated_masks(results):
-    by = _by_coords(results)
+def test_tensor_parallel_peers_draw_the_same_replicated_masks(dropout_steps):
+    by = _by_coords(dropout_steps)
     for pp in range(2):
         for dp in range(DP):
             a, b = _residual(by[(pp, dp, 0)]["masks"]), _residual(by[(pp, dp, 1)]["masks"])
@@ -132,19 +132,19 @@ def test_tensor_parallel_peers_draw_the_same_replicated_masks(results):
             assert by[(pp, dp, 0)]["seed"] == by[(pp, dp, 1)]["seed"]
 
 
-def test_stages_and_replicas_draw_different_masks(results):
-    by = _by_coords(results)
+def test_stages_and_replicas_draw_different_masks(dropout_steps):
+    by = _by_coords(dropout_steps)
     for tp in range(2):
         s0, s1 = _residual(by[(0, 0, tp)]["masks"]), _residual(by[(1, 0, tp)]["masks"])
         pairs = [(x, y) for x, y in zip(s0, s1) if x.shape == y.shape]
         assert pairs and not any(torch.equal(x, y) for x, y in pairs)
         r0, r1 = _residual(by[(0, 0, tp)]["masks"]), _residual(by[(0, 1, tp)]["masks"])
         assert len(r0) == len(r1) and not any(torch.equal(x, y) for x, y in zip(r0, r1))
-    assert len({r["none"]["seed"] for r in results}) == 4  # one stream per (stage, replica)
+    assert len({r["none"]["seed"] for r in dropout_steps}) == 4  # one stream per (stage, replica)
 
 
-def test_default_generator_untouched(results):
-    assert all(r[rc]["rng_untouched"] for r in results for rc in ("none", "layer"))
+def test_default_generator_untouched(dropout_steps):
+    assert all(r[rc]["rng_untouched"] for r in dropout_steps for rc in ("none", "layer"))
 
 
 def _by_action(records, kind):
@@ -165,8 +165,8 @@ def _per_layer(drawn):
     return out
 
 
-def test_recompute_replays_the_same_masks(results):
-    for r in results:
+def test_recompute_replays_the_same_masks(dropout_steps):
+    for r in dropout_steps:
         plain, rec = r["none"], r["layer"]
         where = f"(pp, dp, tp)={plain['coords']}"
         # without recomputation the backward draws nothing; with it, the forward draws exactly the

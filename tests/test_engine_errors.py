@@ -24,14 +24,14 @@ MARK = VOCAB - 1
 """The token id that marks the failing microbatch."""
 
 
-def _program(family: str = "gpt", **config):
+def _marked_program(family: str = "gpt", **config):
     torch.manual_seed(0)
     model = build(family, ModelConfig(vocab_size=VOCAB))
     x = torch.randint(0, MARK, (ROWS, SEQ))
     return autopar.parallelize(model, microbatches=M, example_inputs=(x,), example_targets=x, **config)
 
 
-def _batch(bad_microbatch: int | None):
+def _marked_batch(bad_microbatch: int | None):
     """A global batch of M microbatches; ``bad_microbatch`` holds ``MARK`` in its inputs and targets."""
     x = torch.randint(0, MARK, (ROWS * M, SEQ), generator=torch.Generator().manual_seed(1))
     y = x.clone()
@@ -62,11 +62,11 @@ def _failing_on(engine, rank: int):
 
 
 def test_failing_forward_names_rank_action_and_marks_the_grid():
-    engine = _failing_on(_program(tp=1).materialize(), 0)
-    assert engine.train_step(*_batch(None)) > 0  # the same engine steps on a good batch
+    engine = _failing_on(_marked_program(tp=1).materialize(), 0)
+    assert engine.train_step(*_marked_batch(None)) > 0  # the same engine steps on a good batch
 
     with pytest.raises(ActionError) as err:
-        engine.train_step(*_batch(1))
+        engine.train_step(*_marked_batch(1))
     msg = str(err.value)
     assert "rank 0 (pp=0, dp=0, tp=0)" in msg
     assert "failed running F0.1 (stage 0, step 2" in msg
@@ -83,21 +83,21 @@ def test_failing_forward_names_rank_action_and_marks_the_grid():
 
     # one rank, no peer: nothing of the failed step is left in flight, and the next good step runs
     # and matches a fresh engine's (a failed step's gradients stay in .grad, as a failed backward's would)
-    loss = engine.train_step(*_batch(None))
-    assert loss == pytest.approx(_program(tp=1).materialize().train_step(*_batch(None)), rel=1e-6)
+    loss = engine.train_step(*_marked_batch(None))
+    assert loss == pytest.approx(_marked_program(tp=1).materialize().train_step(*_marked_batch(None)), rel=1e-6)
 
 
 def test_engine_device_and_batch_on_it():
-    engine = _program(tp=1).materialize()
+    engine = _marked_program(tp=1).materialize()
     assert engine.device == torch.device("cpu")
     assert all(p.device == engine.device for p in engine.parameters())
-    engine.train_step(*_batch(None))
+    engine.train_step(*_marked_batch(None))
     assert all(p.grad.device == engine.device for p in engine.parameters())
 
 
 def _fail_on_stage_0():
-    engine = _failing_on(_program(tp=1, pp=2).materialize(), 0)
-    engine.train_step(*_batch(2))  # stage 0 runs microbatch 2's forward F0.2; stage 1 waits for it
+    engine = _failing_on(_marked_program(tp=1, pp=2).materialize(), 0)
+    engine.train_step(*_marked_batch(2))  # stage 0 runs microbatch 2's forward F0.2; stage 1 waits for it
     return "unreachable"
 
 
@@ -115,25 +115,25 @@ def test_a_failing_action_on_one_stage_stops_the_other():
 def _failing_step_then_another(family: str, config: dict, failing_rank: int, bad_microbatch: int):
     """One good step, a step that fails on ``failing_rank``, and one more step: what each raised, and
     how long each took."""
-    engine = _failing_on(_program(family, **config).materialize(), failing_rank)
+    engine = _failing_on(_marked_program(family, **config).materialize(), failing_rank)
     engine.failure_timeout_s = 30.0  # a guard: the failure reaches every rank long before
-    engine.train_step(*_batch(None))
+    engine.train_step(*_marked_batch(None))
     start = time.monotonic()
     try:
-        engine.train_step(*_batch(bad_microbatch))
+        engine.train_step(*_marked_batch(bad_microbatch))
         failed = None
     except ActionError as e:
         failed = (str(e), e.rank, e.root_rank, type(e.__cause__).__name__)
     failed_after = time.monotonic() - start
     start = time.monotonic()
     try:
-        engine.train_step(*_batch(None))
+        engine.train_step(*_marked_batch(None))
         refused = None
     except EngineFailedError as e:
         refused = (str(e), e.root.rank)
     refused_after = time.monotonic() - start
     also_refused = []  # the evaluation step and the collectives outside the schedule
-    for name, call in [("eval_step", lambda: engine.eval_step(*_batch(None))),
+    for name, call in [("eval_step", lambda: engine.eval_step(*_marked_batch(None))),
                        ("clip_grad_norm_", lambda: engine.clip_grad_norm_(1.0)),
                        ("full_state_dict", engine.full_state_dict)]:
         try:
@@ -201,14 +201,14 @@ HANG_S = 8.0
 
 
 def _hanging_step():
-    engine = _program("gpt", pp=2).materialize()
+    engine = _marked_program("gpt", pp=2).materialize()
     if engine.mesh.rank == 1:
         engine.runnables = {c: _HangsOnMark(run) for c, run in engine.runnables.items()}
     engine.failure_timeout_s = 1.5
-    engine.train_step(*_batch(None))
+    engine.train_step(*_marked_batch(None))
     start = time.monotonic()
     try:
-        engine.train_step(*_batch(1))
+        engine.train_step(*_marked_batch(1))
         return None, time.monotonic() - start
     except ActionError as e:
         return str(e).splitlines()[0], time.monotonic() - start

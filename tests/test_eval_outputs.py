@@ -43,7 +43,7 @@ LOGITS_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
-def _gpt(tied: bool):
+def _dropout_gpt(tied: bool):
     return seeded(build, "gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, d_model=64, dropout=0.5,
                   tie_embeddings=tied)
 
@@ -67,15 +67,16 @@ class _Regressor(nn.Module):
 
 # name -> (model factory, vocabulary (None: the regressor, its loss F.mse_loss), layout)
 LAYOUTS = {
-    "gpt-tied tp2pp2 sp": (functools.partial(_gpt, True), VOCAB, dict(tp=2, pp=2, dp=1, sequence_parallel=True)),
-    "gpt-untied tp2dp2": (functools.partial(_gpt, False), VOCAB, dict(tp=2, pp=1, dp=2)),
+    "gpt-tied tp2pp2 sp": (functools.partial(_dropout_gpt, True), VOCAB,
+                           dict(tp=2, pp=2, dp=1, sequence_parallel=True)),
+    "gpt-untied tp2dp2": (functools.partial(_dropout_gpt, False), VOCAB, dict(tp=2, pp=1, dp=2)),
     "hf-gpt2 tp2dp2": (_hf_gpt2, 257, dict(tp=2, pp=1, dp=2)),
     "tokens split tp2dp2 sp": (functools.partial(seeded, _Regressor), None, dict(tp=2, pp=1, dp=2,
                                                                                  sequence_parallel=True)),
 }
 
 
-def _batch(vocab: int | None, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _eval_batch(vocab: int | None, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     if vocab is None:
         g = torch.Generator().manual_seed(5)
         return torch.randn(dp * M * MB, SEQ, 32, generator=g), torch.randn(dp * M * MB, SEQ, 32, generator=g)
@@ -87,12 +88,12 @@ def _loss_fn(vocab: int | None):
     return F.mse_loss if vocab is None else autopar.lm_cross_entropy
 
 
-def _worker() -> dict:
+def _evaluate_every_layout() -> dict:
     """Per layout: the logits asked for everywhere, on rank 0 only, and (with dp) on the last stage
     with this replica's own rows; the losses of each."""
     out = {}
     for name, (factory, vocab, layout) in LAYOUTS.items():
-        x, y = _batch(vocab, layout["dp"])
+        x, y = _eval_batch(vocab, layout["dp"])
         engine = parallelize_on(factory(), [((x,), (y,))], MB, microbatches=M, loss_fn=_loss_fn(vocab),
                                 **layout).materialize()
         loss, logits = engine.eval_step(x, y, outputs=True)
@@ -109,15 +110,15 @@ def _worker() -> dict:
 
 @functools.cache
 def _results() -> list[dict]:
-    return spawn_ranks(_worker, 4, timeout_s=600)
+    return spawn_ranks(_evaluate_every_layout, 4, timeout_s=600)
 
 
 @functools.cache
-def _reference(name: str) -> tuple[torch.Tensor, float]:
+def _one_device_eval(name: str) -> tuple[torch.Tensor, float]:
     """One device, ``eval()`` mode: the logits and the loss of the layout's global batch."""
     factory, vocab, layout = LAYOUTS[name]
     model = factory().eval()
-    x, y = _batch(vocab, layout["dp"])
+    x, y = _eval_batch(vocab, layout["dp"])
     with torch.no_grad():
         logits = default_logits(model(x))
     return logits, float(_loss_fn(vocab)(logits, y))
@@ -131,9 +132,9 @@ def _accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:
 def test_logits_equal_one_device(name):
     """Every rank gets the whole logits of the global batch (all microbatches, every replica's rows,
     in order), equal to the single-device model's; the loss is unchanged by asking for them."""
-    ref_logits, ref_loss = _reference(name)
+    ref_logits, ref_loss = _one_device_eval(name)
     _, vocab, layout = LAYOUTS[name]
-    _, y = _batch(vocab, layout["dp"])
+    _, y = _eval_batch(vocab, layout["dp"])
     for rank, results in enumerate(_results()):
         r = results[name]
         assert r["logits"].shape == ref_logits.shape, (name, rank, r["logits"].shape)
@@ -160,7 +161,7 @@ def test_logits_equal_one_device(name):
 def test_logits_on_the_ranks_that_ask(name):
     """``to=[0]``: rank 0 only gets them (the same as everywhere), the loss everywhere. With dp, a
     replica's own batch and ``to="last"``: the last stage's ranks get their replica's rows."""
-    ref_logits, ref_loss = _reference(name)
+    ref_logits, ref_loss = _one_device_eval(name)
     _, _, layout = LAYOUTS[name]
     per_replica = ref_logits.shape[0] // layout["dp"]
     for rank, results in enumerate(_results()):
@@ -179,7 +180,7 @@ def test_logits_on_the_ranks_that_ask(name):
 
 
 # ---------------------------------------------------------------- without a process group
-def _program(model, **layout):
+def _program_and_batch(model, **layout):
     (x,), (y,) = token_batches(VOCAB, steps=1, rows=M * MB, seed=5, seq=SEQ)[0]
     return parallelize_on(model, [((x,), (y,))], MB, microbatches=M, world_size=layout["tp"] * layout["pp"],
                           **layout), x, y
@@ -188,9 +189,9 @@ def _program(model, **layout):
 def test_training_graphs_unchanged(monkeypatch):
     """The logits are an extra output of the last chunk's evaluation graph only: every chunk's
     training graph (and its balanced cost) is the same as when tracing marks nothing."""
-    marked, _, _ = _program(_gpt(False), tp=2, pp=2)
+    marked, _, _ = _program_and_batch(_dropout_gpt(False), tp=2, pp=2)
     monkeypatch.setattr(trace_module, "_logits_marker", lambda t: t)
-    unmarked, _, _ = _program(_gpt(False), tp=2, pp=2)
+    unmarked, _, _ = _program_and_batch(_dropout_gpt(False), tp=2, pp=2)
     assert unmarked.traced.logits is None and marked.traced.logits is not None
     for a, b in zip(marked.split.chunks, unmarked.split.chunks, strict=True):
         assert a.gm.code == b.gm.code, a.index
@@ -212,8 +213,8 @@ def test_training_graphs_unchanged(monkeypatch):
 
 def test_one_device_logits():
     """One rank, no process group: the logits of both microbatches equal ``model.eval()``'s."""
-    model = _gpt(True)
-    program, x, y = _program(model, tp=1, pp=1)
+    model = _dropout_gpt(True)
+    program, x, y = _program_and_batch(model, tp=1, pp=1)
     loss, logits = program.materialize().eval_step(x, y, outputs=True)
     with torch.no_grad():
         want = model.eval()(x)
@@ -224,7 +225,7 @@ def test_one_device_logits():
 def test_what_cannot_be_returned_fails_first():
     """``output_fn`` returning no tensor, or ``to`` naming no rank of the world: a ValueError that
     says what and how to fix it, raised before the step runs."""
-    model = _gpt(True)
+    model = _dropout_gpt(True)
     (x,), (y,) = token_batches(VOCAB, steps=1, rows=M * MB, seed=5, seq=SEQ)[0]
     program = autopar.parallelize(model, example_inputs=(x[:MB],), example_targets=(y[:MB],), microbatches=M,
                                   world_size=1, output_fn=lambda out: (out,),
@@ -234,7 +235,7 @@ def test_what_cannot_be_returned_fails_first():
         engine.eval_step(x, y, outputs=True)
     assert engine.events == []  # nothing ran
     assert isinstance(engine.eval_step(x, y), float)  # the loss alone still works
-    good = _program(_gpt(True), tp=1, pp=1)[0].materialize()
+    good = _program_and_batch(_dropout_gpt(True), tp=1, pp=1)[0].materialize()
     for to, match in ((3, r"rank\(s\) \[3\] outside the world of 1"), ("first", "expected 'all', 'last'")):
         with pytest.raises(ValueError, match=match):
             good.eval_step(x, y, outputs=True, to=to)
@@ -257,7 +258,7 @@ class _BiasedHead(nn.Module):
 def test_biased_head_logits():
     """A ``x @ W.T + b`` head made one linear by normalisation still returns its logits."""
     model = seeded(_BiasedHead)
-    program, x, y = _program(model, tp=1, pp=1)
+    program, x, y = _program_and_batch(model, tp=1, pp=1)
     assert program.traced.logits is not None
     loss, logits = program.materialize().eval_step(x, y, outputs=True)
     with torch.no_grad():

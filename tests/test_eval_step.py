@@ -221,7 +221,7 @@ def test_a_failing_evaluation_is_marked_on_the_forward_only_grid():
 
 # ---------------------------------------------------------------- 4 gloo ranks
 @pytest.fixture(scope="module")
-def ranks():
+def spawned_evals():
     return results()
 
 
@@ -239,9 +239,9 @@ def eval_reference():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_eval_loss_matches_one_device_in_eval_mode(ranks, eval_reference, layout):
+def test_eval_loss_matches_one_device_in_eval_mode(spawned_evals, eval_reference, layout):
     want = eval_reference[layout]
-    for rank, r in enumerate(ranks):
+    for rank, r in enumerate(spawned_evals):
         got = r[layout]
         for loss in [got["eval_fresh"], *got["eval_after_train"]]:
             torch.testing.assert_close(loss, want, **LOSS_TOLERANCE, msg=lambda m, rank=rank: f"rank {rank}: {m}")
@@ -252,8 +252,8 @@ def test_eval_loss_matches_one_device_in_eval_mode(ranks, eval_reference, layout
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_eval_touches_no_gradient_and_no_training_state(ranks, layout):
-    for rank, r in enumerate(ranks):
+def test_eval_touches_no_gradient_and_no_training_state(spawned_evals, layout):
+    for rank, r in enumerate(spawned_evals):
         got = r[layout]
         assert got["grads_after_eval_fresh"] == [], rank
         assert got["grads_kept"], rank
@@ -267,9 +267,9 @@ def test_eval_touches_no_gradient_and_no_training_state(ranks, layout):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_train_step_after_eval_steps_is_unchanged(ranks, layout):
+def test_train_step_after_eval_steps_is_unchanged(spawned_evals, layout):
     """Bit for bit: the same masks drawn, the same gradients accumulated (same program, same ops)."""
-    for rank, r in enumerate(ranks):
+    for rank, r in enumerate(spawned_evals):
         got = r[layout]
         assert got["train_a"] == got["train_b"], rank
         assert got["train_a"][0] != got["train_a"][1], rank  # the second step draws other masks

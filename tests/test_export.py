@@ -36,7 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from families import make
-from helpers import parallelize_on, spawn_ranks, token_batches
+from helpers import parallelize_on, spawn_ranks, token_batches, write_contract_checkpoint
 
 import autopar
 from autopar.cli import main as cli_main
@@ -74,7 +74,7 @@ class BufferedModel(nn.Module):
         return self.head(h)
 
 
-def _make(family: str) -> tuple[nn.Module, int]:
+def _export_model(family: str) -> tuple[nn.Module, int]:
     if family == "buffers":
         torch.manual_seed(0)
         return BufferedModel(), 64
@@ -89,7 +89,7 @@ def _batches(family: str, vocab: int):
 def _train_and_save(family: str, out_dir: str) -> dict:
     """On one rank: one AdamW step in the family's layout, ``save_pretrained``, the full state dict
     and the engine's loss on the evaluation batch (a forward and backward, no optimizer step)."""
-    model, vocab = _make(family)
+    model, vocab = _export_model(family)
     data = _batches(family, vocab)
     program = parallelize_on(model, data, 1, microbatches=MICROBATCHES, **LAYOUTS[family])
     engine = program.materialize()
@@ -101,12 +101,12 @@ def _train_and_save(family: str, out_dir: str) -> dict:
     state = {k: v.cpu() for k, v in engine.full_state_dict().items()}
     loss = engine.train_step(*data[1][0], *data[1][1])
     coords = engine.mesh.shape.coords(engine.mesh.rank)
-    failures = _failures(engine, out_dir) if family == "buffers" else None
+    failures = _save_pretrained_failures(engine, out_dir) if family == "buffers" else None
     return {"written": written, "loss": loss, "coords": coords, "state": state if coords == (0, 0, 0) else None,
             "failures": failures}
 
 
-def _failures(engine, out_dir: str) -> list[str]:
+def _save_pretrained_failures(engine, out_dir: str) -> list[str]:
     """What each rank raises from ``save_pretrained`` into a file (refused before any work) and into
     a directory where stage 1's weight file is a directory (its writer fails after the gathers)."""
     import torch.distributed as dist
@@ -127,15 +127,15 @@ def _failures(engine, out_dir: str) -> list[str]:
     return out
 
 
-def _worker(root: str) -> dict:
+def _train_and_save_every_family(root: str) -> dict:
     return {family: _train_and_save(family, os.path.join(root, family)) for family in LAYOUTS}
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[Path, list[dict]]:
+def trained_and_saved(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Every spawned family trained and saved on one set of 4 ranks: (root, each rank's results)."""
     root = tmp_path_factory.mktemp("export")
-    return root, spawn_ranks(_worker, 4, str(root), timeout_s=600)
+    return root, spawn_ranks(_train_and_save_every_family, 4, str(root), timeout_s=600)
 
 
 def _from_pretrained(path):
@@ -160,8 +160,8 @@ def _assert_loads_strictly(info: dict, label: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", FAMILIES)
-def test_save_pretrained_files_and_writers(saved, family, tmp_path):
-    root, ranks = saved
+def test_save_pretrained_files_and_writers(trained_and_saved, family, tmp_path):
+    root, ranks = trained_and_saved
     out = root / family
     weight_files = [f"model-0000{k}-of-00002.safetensors" for k in (1, 2)]
     assert sorted(os.listdir(out)) == sorted(weight_files + ["model.safetensors.index.json", "config.json",
@@ -191,8 +191,8 @@ def test_save_pretrained_files_and_writers(saved, family, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", FAMILIES)
-def test_save_pretrained_loads_bitwise(saved, family):
-    root, ranks = saved
+def test_save_pretrained_loads_bitwise(trained_and_saved, family):
+    root, ranks = trained_and_saved
     state = ranks[0][family]["state"]
     model, vocab = make(family)
     assert list(state) == list(model.state_dict())  # exactly the model's keys, in its order
@@ -212,15 +212,15 @@ def test_save_pretrained_loads_bitwise(saved, family):
 
 
 @pytest.mark.multiprocess
-def test_save_pretrained_buffers_and_untraced_parameters(saved):
+def test_save_pretrained_buffers_and_untraced_parameters(trained_and_saved):
     """A model that is not HuggingFace's, at pp=2 x dp=2: its state_dict exactly, in two stage files
     written by replica 0's ranks only, no config; strict ``load_state_dict`` of the files
     reproduces the engine's weights and loss."""
     from safetensors.torch import load_file
 
-    root, ranks = saved
+    root, ranks = trained_and_saved
     out, state = root / "buffers", ranks[0]["buffers"]["state"]
-    model, vocab = _make("buffers")
+    model, vocab = _export_model("buffers")
     assert sorted(os.listdir(out)) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                                        "model.safetensors.index.json"]
     assert [res["buffers"]["coords"] for res in ranks] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
@@ -235,7 +235,7 @@ def test_save_pretrained_buffers_and_untraced_parameters(saved):
     files = {}
     for name in set(weight_map.values()):
         files.update(load_file(out / name))
-    fresh, _ = _make("buffers")
+    fresh, _ = _export_model("buffers")
     result = fresh.load_state_dict(files, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     for name, value in state.items():
@@ -248,11 +248,11 @@ def test_save_pretrained_buffers_and_untraced_parameters(saved):
 
 
 @pytest.mark.multiprocess
-def test_save_pretrained_failures_reach_every_rank(saved):
+def test_save_pretrained_failures_reach_every_rank(trained_and_saved):
     """A path that is a file: every rank refuses before any gather (CheckpointError). A writer that fails mid-way (its
     file's name taken by a directory): every rank raises ExportError naming that rank (2: stage 1's
     writer), none is left waiting on it."""
-    _, ranks = saved
+    _, ranks = trained_and_saved
     for res in ranks:
         as_file, blocked = res["buffers"]["failures"]
         assert as_file.startswith("CheckpointError") and "is a file" in as_file and "rank 0" in as_file, as_file
@@ -260,40 +260,6 @@ def test_save_pretrained_failures_reach_every_rank(saved):
         assert "rank 0" not in blocked and "rank 1" not in blocked and "rank 3" not in blocked, blocked
 
 # ------------------------------------------------------------------ autopar export CKPT --to-hf DIR
-def _contract_checkpoint(model: nn.Module, root: Path, step: int = 3) -> dict[str, torch.Tensor]:
-    """A checkpoint as the checkpoint contract lays it out, of ``model`` with its weights moved off
-    their initial values: DCP (no process group) of full tensors under ``model.<name>``, persistent
-    buffers under ``buffer.<name>``, optimizer state under ``optim.*``; ``autopar.json``; ``latest``;
-    and an interrupted later save beside it. Returns the saved tensors by every name the model uses."""
-    torch.manual_seed(step)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.01)
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    params = dict(model.named_parameters())
-    buffers = {k: v for k, v in model.state_dict().items() if k in dict(model.named_buffers())}
-    tensors = {f"model.{k}": v.detach().clone() for k, v in params.items()}
-    tensors.update({f"buffer.{k}": v.clone() for k, v in buffers.items()})
-    tensors.update({f"optim.{k}.exp_avg": torch.zeros_like(v) for k, v in params.items()})
-    tensors.update({f"optim.{k}.step": torch.tensor(float(step)) for k in params})
-    step_dir = root / f"step-{step:08d}"
-    with warnings.catch_warnings():  # DCP says it saves in one process: the contract's no_dist save
-        warnings.simplefilter("ignore")
-        dcp.save(tensors, checkpoint_id=step_dir, no_dist=True)
-    config = getattr(model, "config", None)
-    manifest = {"format": 1, "step": step, "params": {k: list(v.shape) for k, v in params.items()},
-                "aliases": {group[0]: group for group in names.values()},
-                "buffers": {k: list(v.shape) for k, v in buffers.items()},
-                "hf_config": config.to_dict() if config is not None else None,
-                "layout": {"tp": 2, "pp": 2, "dp": 1, "virtual_stages": 1}}
-    (step_dir / "autopar.json").write_text(json.dumps(manifest))
-    (root / "latest").write_text(step_dir.name)
-    (root / f"step-{step + 10:08d}.partial").mkdir()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def _export(capsys, *argv) -> tuple[int, list[str]]:
     """``autopar export ...``: its exit code and output lines."""
     code = cli_main(["export", *map(str, argv)])
@@ -304,7 +270,7 @@ def test_cli_export_gpt2_in_several_files(tmp_path, capsys):
     """A tied GPT-2 cut into files of at most 150 KB: an index, one progress line per file, the
     keys HuggingFace writes, and from_pretrained loading it strictly and bitwise."""
     model, _ = make("hf-gpt2")
-    saved = _contract_checkpoint(model, tmp_path / "ckpt")
+    saved_tensors = write_contract_checkpoint(model, tmp_path / "ckpt")
     code, lines = _export(capsys, tmp_path / "ckpt", "--to-hf", tmp_path / "hf", "--max-shard-size", "150KB")
     assert code == 0, lines
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
@@ -312,11 +278,12 @@ def test_cli_export_gpt2_in_several_files(tmp_path, capsys):
     assert len(files) >= 3 and all((tmp_path / "hf" / f).stat().st_size <= 150_000 + 30_000 for f in files)
     assert len([line for line in lines if re.match(r"\[\d+/\d+\] model-", line)]) == len(files)
     assert set(index["weight_map"]) == _hf_saved_keys(model, tmp_path / "hf-own")
-    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for k, v in saved.items() if k != "lm_head.weight")
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for k, v in saved_tensors.items()
+                                                  if k != "lm_head.weight")
     loaded, info = _from_pretrained(tmp_path / "hf")
     _assert_loads_strictly(info, "gpt2 export")
     got = loaded.state_dict()
-    assert got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())
+    assert got.keys() == saved_tensors.keys() and all(torch.equal(got[k], v) for k, v in saved_tensors.items())
 
 
 @pytest.mark.parametrize("family", ["hf-llama", "buffers"])
@@ -326,8 +293,8 @@ def test_cli_export_one_file(family, tmp_path, capsys):
     the weight files and index of an earlier export into the directory removed."""
     from safetensors.torch import load_file
 
-    model, _ = _make(family)
-    saved = _contract_checkpoint(model, tmp_path / "ckpt", step=7)
+    model, _ = _export_model(family)
+    saved_tensors = write_contract_checkpoint(model, tmp_path / "ckpt", step=7)
     (tmp_path / "hf").mkdir()
     for stale in ("model-00001-of-00003.safetensors", "model.safetensors.index.json"):
         (tmp_path / "hf" / stale).write_text("an earlier export")
@@ -337,26 +304,26 @@ def test_cli_export_one_file(family, tmp_path, capsys):
     if family == "buffers":
         assert written == ["model.safetensors"]
         tensors = load_file(tmp_path / "hf" / "model.safetensors")
-        assert sorted(tensors) == sorted(saved) and "offset" not in tensors
-        assert all(torch.equal(tensors[k], v) for k, v in saved.items())
+        assert sorted(tensors) == sorted(saved_tensors) and "offset" not in tensors
+        assert all(torch.equal(tensors[k], v) for k, v in saved_tensors.items())
         return
     assert written == ["config.json", "generation_config.json", "model.safetensors"]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     loaded, info = _from_pretrained(tmp_path / "hf")
     _assert_loads_strictly(info, "llama export")
     got = loaded.state_dict()
-    assert got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())
+    assert got.keys() == saved_tensors.keys() and all(torch.equal(got[k], v) for k, v in saved_tensors.items())
 
 
 def test_cli_export_refuses_bad_input(tmp_path, capsys):
     """Each bad input: exit code 2, a message naming what is wrong, nothing written."""
-    model, _ = _make("buffers")
-    _contract_checkpoint(model, tmp_path / "ckpt")
+    model, _ = _export_model("buffers")
+    write_contract_checkpoint(model, tmp_path / "ckpt")
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "latest").write_text("step-00000009")
     mismatched = tmp_path / "mismatched"
-    _contract_checkpoint(_make("buffers")[0], mismatched)
+    write_contract_checkpoint(_export_model("buffers")[0], mismatched)
     manifest_path = mismatched / "step-00000003" / "autopar.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["params"]["head.weight"] = [64, 17]

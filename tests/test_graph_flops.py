@@ -43,7 +43,7 @@ MATMUL_TARGETS = {
 }
 
 
-def _program(tp: int):
+def _meta_gpt_program(tp: int):
     with torch.device("meta"):
         model = build("gpt", ModelConfig(vocab_size=V, seq_len=S, n_layer=L, n_head=A, d_model=H))
     x = torch.zeros(1, S, dtype=torch.long)
@@ -52,7 +52,7 @@ def _program(tp: int):
 
 @pytest.fixture(scope="module")
 def program():
-    return _program(1)
+    return _meta_gpt_program(1)
 
 
 def forward_flops(gm, node_layer: dict[str, int]) -> tuple[float, float, float]:
@@ -119,7 +119,7 @@ def test_tensor_parallel_rank_holds_1_over_t_of_the_matrix_flops(program):
     """On the per-rank program (local shapes, t=2) every matrix product is split in two,
     the vocabulary-parallel LM head included."""
     full_layers, full_rest, _ = forward_flops(program.traced.gm, program.layers.node_layer)
-    tp2 = _program(2)
+    tp2 = _meta_gpt_program(2)
     local_layers, local_rest, _ = forward_flops(tp2.rank_module, tp2.layers.node_layer)
     assert local_layers * 2 == full_layers
     assert local_rest * 2 == full_rest

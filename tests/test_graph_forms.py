@@ -42,7 +42,7 @@ class TransposedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Block(nn.Module):
+class FormBlock(nn.Module):
     def __init__(self, linear=nn.Linear, head_norm=False, mqa=False):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
@@ -78,7 +78,7 @@ class Model(nn.Module):
     def __init__(self, **kw):
         super().__init__()
         self.wte = nn.Embedding(V, H)
-        self.h = nn.ModuleList(Block(**kw) for _ in range(LAYERS))
+        self.h = nn.ModuleList(FormBlock(**kw) for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(H)
 
     def forward(self, idx):
@@ -88,14 +88,14 @@ class Model(nn.Module):
         return self.ln_f(x) @ self.wte.weight.T
 
 
-def _data():
+def _example_pair():
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, V, (2, SEQ), generator=g), torch.randint(0, V, (2, SEQ), generator=g)
 
 
-def _program(tp=2, pp=1, **kw):
+def _compile_block_model(tp=2, pp=1, **kw):
     torch.manual_seed(0)
-    x, y = _data()
+    x, y = _example_pair()
     return autopar.parallelize(Model(**kw), tp=tp, pp=pp, microbatches=max(pp, 1), example_inputs=(x,),
                                example_targets=y, sequence_parallel=False)  # tensor parallelism's own collectives
 
@@ -109,14 +109,14 @@ def _model_of(block) -> "Model":
 
 
 def _parallelize(model, tp=2, **kw):
-    x, y = _data()
+    x, y = _example_pair()
     kw.setdefault("sequence_parallel", False)  # tensor parallelism's own collectives
     return autopar.parallelize(model, tp=tp, example_inputs=(x,), example_targets=y, **kw)
 
 
 def test_normalize_turns_transposed_matmuls_into_linears_and_drops_assertions():
     torch.manual_seed(0)
-    x, y = _data()
+    x, y = _example_pair()
     traced = trace(Model(linear=TransposedLinear), (x,), (y,), autopar.lm_cross_entropy)
     targets = [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
     assert aten._assert_tensor_metadata.default in targets
@@ -142,7 +142,7 @@ def test_normalize_turns_transposed_matmuls_into_linears_and_drops_assertions():
 
 def test_transposed_linears_split_like_nn_linear():
     for linear in (nn.Linear, TransposedLinear):
-        program = _program(linear=linear)
+        program = _compile_block_model(linear=linear)
         per_layer = program.collectives(by_layer=True)
         for layer in range(LAYERS):
             assert per_layer[(layer, "reduce_from_tp")] == 2 and per_layer[(layer, "copy_to_tp")] == 2
@@ -150,7 +150,7 @@ def test_transposed_linears_split_like_nn_linear():
 
 
 def test_per_head_norm_weight_gets_f_and_placeholders_stay_first():
-    program = _program(head_norm=True, pp=2)
+    program = _compile_block_model(head_norm=True, pp=2)
     nodes = list(program.rank_module.graph.nodes)
     kinds = [n.op for n in nodes]
     first_other = kinds.index("call_function")
@@ -163,7 +163,7 @@ def test_per_head_norm_weight_gets_f_and_placeholders_stay_first():
 
 
 def test_rejected_segmented_trial_leaves_no_stale_decisions():
-    program = _program(mqa=True)
+    program = _compile_block_model(mqa=True)
     plan = program.plan
     rejected = {r.node for r in plan.rejected}
     qkv = [n.name for n in program.traced.gm.graph.nodes
@@ -296,7 +296,7 @@ def test_rmsnorm_over_a_split_projection_is_a_local_mean_and_g():
     """q normalised over all heads before they are taken apart (OLMoE, OLMo-2): the mean over
     the split dim is each rank's mean over t, summed by one all-reduce; no gather."""
 
-    class QNorm(Block):
+    class QNorm(FormBlock):
         def __init__(self):
             super().__init__()
             self.norm_weight = nn.Parameter(torch.ones(3 * H))
@@ -322,7 +322,7 @@ def test_rmsnorm_over_a_split_projection_is_a_local_mean_and_g():
     assert all(per_layer[(layer, "copy_to_tp")] == 3 for layer in range(LAYERS)), per_layer
 
 
-class HeadMix(Block):
+class HeadMix(FormBlock):
     """A weight applied to every head's output (the heads dim is split, so the weight is read
     whole on each rank and its gradient is partial): as a matrix, or as one slice W[0] of a stack."""
 
@@ -357,7 +357,7 @@ def test_a_harmless_fallback_does_not_unsplit_separate_q_k_v():
     """One op without a rule on the attention output (a sort) is gathered; q, k and v, tried as a
     group, stay split: only members that reach neither a sink nor each other are dropped."""
 
-    class SortAttn(Block):
+    class SortAttn(FormBlock):
         def __init__(self):
             super().__init__()
             self.q, self.k, self.v = (nn.Linear(H, H) for _ in range(3))
@@ -480,7 +480,7 @@ def test_sequential_of_embedding_blocks_and_head_finds_the_blocks():
             return self.out(self.ln(x))
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(V, H), *[Block() for _ in range(4)], Head())
+    model = nn.Sequential(nn.Embedding(V, H), *[FormBlock() for _ in range(4)], Head())
     program = _parallelize(model, pp=2, microbatches=2, recompute="layer")
     layers = program.layers
     assert (layers.prefix, layers.count, layers.offset) == ("", 4, 1)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import BATCH, SEQ, _hf_gpt2, _hf_llama, batches, train_steps
-from helpers import assert_ranks_match, reference_run, spawn_ranks
+from helpers import assert_ranks_match, meta_model_from, reference_run, spawn_ranks
 from safetensors.torch import load_file, save_file
 
 import autopar
@@ -37,12 +37,12 @@ import autopar.runtime.hf.weights_in as hf_weights
 MODELS = {"llama": (lambda: _hf_llama(320), 320), "gpt2": (lambda: _hf_gpt2(257), 257)}
 
 
-def _data(vocab: int):
+def _one_step_batches(vocab: int):
     return batches(vocab, steps=1, seed=3, rows=BATCH * 2)  # tp=2 x pp=2: 2 microbatches of BATCH rows
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> dict[str, Path]:
+def pretrained_dirs(tmp_path_factory) -> dict[str, Path]:
     """The checkpoints: llama (sharded index), gpt2 (one file), and two broken copies of gpt2's."""
     root = tmp_path_factory.mktemp("checkpoints")
     out = {}
@@ -59,14 +59,6 @@ def saved(tmp_path_factory) -> dict[str, Path]:
         save_file({k: v.contiguous() for k, v in content.items()}, root / name / "model.safetensors")
         out[name] = root / name
     return out
-
-
-def _meta_from(path: Path):
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 class _Counting:
@@ -114,12 +106,12 @@ def _load_counting(program, path: Path) -> tuple:
     return engine, log
 
 
-def _worker(paths: dict[str, Path]):
+def _load_and_train_every_model(paths: dict[str, Path]):
     out = {}
     for name, (_, vocab) in MODELS.items():
-        data = _data(vocab)
+        data = _one_step_batches(vocab)
         x = data[0][0][0][:BATCH]
-        program = autopar.parallelize(_meta_from(paths[name]), tp=2, pp=2, example_inputs=(x,), example_targets=x)
+        program = autopar.parallelize(meta_model_from(paths[name]), tp=2, pp=2, example_inputs=(x,), example_targets=x)
         engine, log = _load_counting(program, paths[name])
         local = {n: p.numel() * p.element_size() for n, p in engine.named_local_parameters()}
         full = {n: program.full_shape(n) for n in program.param_names}
@@ -137,29 +129,30 @@ def _worker(paths: dict[str, Path]):
 
 
 @pytest.fixture(scope="module")
-def results(saved):
-    return spawn_ranks(_worker, 4, saved, timeout_s=600)
+def loaded_runs(pretrained_dirs):
+    return spawn_ranks(_load_and_train_every_model, 4, pretrained_dirs, timeout_s=600)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", MODELS)
-def test_loaded_slices_train_like_from_pretrained(saved, results, name):
+def test_loaded_slices_train_like_from_pretrained(pretrained_dirs, loaded_runs, name):
     import transformers
 
     if name == "llama":  # the small max_shard_size made a sharded checkpoint
-        assert (saved[name] / "model.safetensors.index.json").exists()
-        assert len(list(saved[name].glob("model-*.safetensors"))) > 2
-    model = transformers.AutoModelForCausalLM.from_pretrained(saved[name])
-    reference = reference_run(model, _data(MODELS[name][1]), lr=1e-3)
+        assert (pretrained_dirs[name] / "model.safetensors.index.json").exists()
+        assert len(list(pretrained_dirs[name].glob("model-*.safetensors"))) > 2
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained_dirs[name])
+    reference = reference_run(model, _one_step_batches(MODELS[name][1]), lr=1e-3)
     # fp32; the ranks only sum the same terms in another order (split matmuls, all-reduces, the
     # vocabulary-parallel cross-entropy): FP32_TOLERANCE, rtol 1e-5 and atol 1e-6
-    assert_ranks_match(reference, [r[name]["steps"] for r in results], label=f"hf-{name} from {saved[name].name}")
+    assert_ranks_match(reference, [r[name]["steps"] for r in loaded_runs],
+                       label=f"hf-{name} from {pretrained_dirs[name].name}")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", MODELS)
-def test_each_rank_reads_only_its_slices(results, name):
-    for rank, r in enumerate(results):
+def test_each_rank_reads_only_its_slices(loaded_runs, name):
+    for rank, r in enumerate(loaded_runs):
         log, local, sharded = r[name]["log"], r[name]["local"], r[name]["sharded"]
         read = {}
         for key, kind, nbytes in log:
@@ -174,12 +167,12 @@ def test_each_rank_reads_only_its_slices(results, name):
             else:
                 assert reads == [("whole", local[key])] and local[key] == full, (rank, key, reads)
         assert sum(nbytes for _, _, nbytes in log) <= sum(local.values())
-    assert any(key in r[name]["sharded"] for r in results for key in r[name]["local"])
+    assert any(key in r[name]["sharded"] for r in loaded_runs for key in r[name]["local"])
 
 
 @pytest.mark.multiprocess
-def test_a_broken_checkpoint_fails_every_rank_before_any_work(results):
-    for rank, r in enumerate(results):
+def test_a_broken_checkpoint_fails_every_rank_before_any_work(loaded_runs):
+    for rank, r in enumerate(loaded_runs):
         errors = r["errors"]
         assert errors["missing"].startswith("CheckpointError") and \
             "transformer.h.1.mlp.c_proj.weight: in no file" in errors["missing"], (rank, errors["missing"])

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.multiprocess
 VOCAB, ROWS, M, LR = 250, 8, 2, 1e-3
 
 
-def _make(name):
+def _hf_family(name):
     import transformers as T
 
     torch.manual_seed(0)
@@ -89,14 +89,14 @@ def _make_more(name):
                                                       embd_pdrop=0.0, **gpt))
 
 
-def _data():
+def _family_batches():
     return token_batches(VOCAB, steps=2, rows=ROWS, seed=1)
 
 
-def _worker(names, make=_make):
+def _train_hf_families(names, make=_hf_family):
     out = {}
     for name in names:
-        data = _data()
+        data = _family_batches()
         # f and g of tensor parallelism alone are counted per layer
         program = parallelize_on(make(name), data, ROWS // M, tp=2, pp=2, microbatches=M, sequence_parallel=False)
         losses, grads = train_steps(program.materialize(), data, LR)
@@ -109,9 +109,10 @@ def _worker(names, make=_make):
 
 def test_more_hf_families_split_fully_and_match_one_process():
     names = ["qwen2", "phi3", "opt"]
-    results = spawn_ranks(_worker, 4, names)
+    results = spawn_ranks(_train_hf_families, 4, names)
     for name in names:
-        assert_ranks_match(reference_run(_make(name), _data(), lr=LR), [res[name][:2] for res in results], name)
+        assert_ranks_match(reference_run(_hf_family(name), _family_batches(), lr=LR),
+                           [res[name][:2] for res in results], name)
         for rank, res in enumerate(results):
             _, _, fallbacks, rejected, per_layer, _, _ = res[name]
             assert fallbacks == [] and rejected == [], (name, rank, fallbacks, rejected)
@@ -124,9 +125,10 @@ MORE = ["gpt-neox", "gpt-j", "gemma2", "falcon", "qwen3", "bloom", "bigcode", "m
 
 
 def test_families_written_differently_match_one_process():
-    results = spawn_ranks(_worker, 4, MORE, _make_more)
+    results = spawn_ranks(_train_hf_families, 4, MORE, _make_more)
     for name in MORE:
-        assert_ranks_match(reference_run(_make_more(name), _data(), lr=LR), [res[name][:2] for res in results], name)
+        assert_ranks_match(reference_run(_make_more(name), _family_batches(), lr=LR),
+                           [res[name][:2] for res in results], name)
         for rank, res in enumerate(results):
             _, _, fallbacks, rejected, per_layer, whole, where = res[name]
             assert fallbacks == [], (name, fallbacks)

@@ -35,7 +35,7 @@ VOCAB, ROWS, M, LR = 256, 8, 2, 1e-3
 HOPS = (torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast)
 
 
-def _hf(name):
+def _hf_edge_family(name):
     import transformers as T
 
     torch.manual_seed(0)
@@ -99,17 +99,17 @@ class Regions(nn.Module):
         return self.head(h * scale)
 
 
-def _make(name):
-    return seeded(Regions) if name == "regions" else _hf(name)
+def _edge_model(name):
+    return seeded(Regions) if name == "regions" else _hf_edge_family(name)
 
 
-def _data():
+def _edge_batches():
     return token_batches(VOCAB, steps=1, rows=ROWS, seed=1)
 
 
-def _compile(name, **config):
+def _compile_tp2_pp2(name, **config):
     config = {"tp": 2, "pp": 2, "microbatches": M, "world_size": 4, **config}
-    return parallelize_on(_make(name), _data(), ROWS // M, **config)
+    return parallelize_on(_edge_model(name), _edge_batches(), ROWS // M, **config)
 
 
 def _regions(gm):
@@ -119,7 +119,7 @@ def _regions(gm):
 
 
 def test_each_chunk_holds_the_sub_modules_of_the_regions_it_runs():
-    program = _compile("regions")
+    program = _compile_tp2_pp2("regions")
     traced = _regions(program.traced.gm)
     layer = program.layers.node_layer
     assert program.layers.count == 4 and len(traced) == 9  # 2 autocast regions per block, 1 no_grad region
@@ -144,7 +144,7 @@ def test_each_chunk_holds_the_sub_modules_of_the_regions_it_runs():
 def test_no_grad_layers_are_costed_and_carried():
     """HRM-Text: layers run under no_grad (a sub-module holding whole layers) go with the chunk of their
     inputs, their graph's cost counted (a third: no backward), the parameters they share tied across stages."""
-    program = _compile("hrm_text")
+    program = _compile_tp2_pp2("hrm_text")
     assert program.layers.count == 4 and program.layers.by_calls
     regions = [_regions(c.gm) for c in program.split.chunks]
     assert sum(len(r) for r in regions) == 2 and all(len(s) == 1 for r in regions for s in r.values())
@@ -154,7 +154,7 @@ def test_no_grad_layers_are_costed_and_carried():
 
 
 def test_hybrid_stack_of_one_class_in_four_structures():
-    program = _compile("nemotron_h")
+    program = _compile_tp2_pp2("nemotron_h")
     layers = program.layers
     assert layers.count == 4 and layers.kinds == (0, 1, 2, 3)
     assert list(layers.paths) == [f"model.layers.{i}" for i in range(4)]
@@ -169,10 +169,11 @@ def test_hybrid_stack_of_one_class_in_four_structures():
                                             r"4 structures: 1 like 'model.layers.0', .*\) but pp \* virtual_stages = "
                                             r"8 chunks need at least one layer each. Fix: use pp \* virtual_stages "
                                             r"<= 4"):
-        _compile("nemotron_h", tp=1, pp=4, virtual_stages=2, schedule="interleaved", microbatches=4, world_size=4)
+        _compile_tp2_pp2("nemotron_h", tp=1, pp=4, virtual_stages=2, schedule="interleaved", microbatches=4,
+                         world_size=4)
 
 
-class Block(nn.Module):
+class EdgeBlock(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
@@ -184,7 +185,7 @@ class Block(nn.Module):
 class Stack(nn.Module):
     def __init__(self, n):
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.blocks = nn.ModuleList(EdgeBlock() for _ in range(n))
 
     def forward(self, h):
         for b in self.blocks:
@@ -214,11 +215,11 @@ RUNS = [("regions", "none"), ("regions", "layer"), ("cpmant", "none"), ("hrm_tex
         ("blt", "none")]
 
 
-def _worker():
+def _train_every_edge_run():
     out = {}
     for name, recompute in RUNS:
-        data = _data()
-        program = parallelize_on(_make(name), data, ROWS // M, tp=2, pp=2, microbatches=M, recompute=recompute)
+        data = _edge_batches()
+        program = parallelize_on(_edge_model(name), data, ROWS // M, tp=2, pp=2, microbatches=M, recompute=recompute)
         out[(name, recompute)] = train_steps(program.materialize(), data, LR)
     return out
 
@@ -228,10 +229,10 @@ def test_families_with_regions_and_hybrid_stacks_match_one_device():
     """The regions model also with each layer recomputed (its regions inside the checkpointed layers);
     BLT with its patches given (its layers: the local encoder's and decoder's; the global transformer
     between them stays outside the layers)."""
-    results = spawn_ranks(_worker, 4)
+    results = spawn_ranks(_train_every_edge_run, 4)
     for name, recompute in RUNS:
-        assert_ranks_match(reference_run(_make(name), _data(), lr=LR), [res[(name, recompute)] for res in results],
-                           f"{name} recompute={recompute}")
+        assert_ranks_match(reference_run(_edge_model(name), _edge_batches(), lr=LR),
+                           [res[(name, recompute)] for res in results], f"{name} recompute={recompute}")
 
 
 class CondBlock(RegionBlock):
@@ -257,7 +258,7 @@ def test_a_higher_order_op_the_engine_does_not_run_is_refused_with_its_line():
     # as a user meets it: torch's own Function behind cond is not taken for the model's, and the
     # compile refuses the op by name before any process starts
     with pytest.raises(PipelineError, match=r"higher-order op cond .*test_hf_family_edges.py:\d+ u = torch.cond"):
-        parallelize_on(model, _data(), ROWS // M, tp=2, pp=2, microbatches=M)
+        parallelize_on(model, _edge_batches(), ROWS // M, tp=2, pp=2, microbatches=M)
 
 
 class DropoutRegionBlock(RegionBlock):
@@ -274,7 +275,7 @@ def test_a_region_is_evaluated_in_eval_mode():
     is removed (the training graph's region keeps it), and ``eval_step`` equals ``model.eval()``."""
     model = seeded(Regions)
     model.blocks[1] = seeded(DropoutRegionBlock)
-    data = _data()
+    data = _edge_batches()
     program = parallelize_on(model, data, ROWS // M, microbatches=M)
     (x,), (y,) = data[0]
     chunk = program.split.chunks[0]

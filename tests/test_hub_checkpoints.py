@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import BATCH, SEQ, _hf_llama, batches
-from helpers import spawn_ranks
+from helpers import meta_model_from, spawn_ranks, write_contract_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -65,7 +65,7 @@ MODELS = {"gpt-neox": _hf_gpt_neox, "llama": lambda: _hf_llama(VOCAB)}
 BROKEN = ("truncated", "not-json", "bad-offsets")
 
 
-def _batch():
+def _hub_batch():
     """One global batch: 2 microbatches of BATCH rows."""
     return batches(VOCAB, steps=1, seed=5, rows=BATCH * 2)[0]
 
@@ -101,7 +101,7 @@ def _break(source: Path, root: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> dict[str, Path]:
+def hub_dirs(tmp_path_factory) -> dict[str, Path]:
     """Each model written by transformers' save_pretrained, and the damaged copies of GPT-NeoX's."""
     root = tmp_path_factory.mktemp("hub")
     out = {}
@@ -113,18 +113,11 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _meta_from(path: Path):
-    import transformers
-
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
-
-
-def _worker(paths: dict[str, Path], out_root: Path) -> dict:
-    (x,), (y,) = _batch()
+def _load_evaluate_and_export(paths: dict[str, Path], out_root: Path) -> dict:
+    (x,), (y,) = _hub_batch()
     out = {}
     for name in MODELS:
-        program = autopar.parallelize(_meta_from(paths[name]), tp=2, pp=2, example_inputs=(x[:BATCH],),
+        program = autopar.parallelize(meta_model_from(paths[name]), tp=2, pp=2, example_inputs=(x[:BATCH],),
                                       example_targets=y[:BATCH])
         engine = program.materialize(checkpoint=paths[name])
         out[name] = engine.eval_step(x, y)
@@ -140,9 +133,9 @@ def _worker(paths: dict[str, Path], out_root: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(saved, tmp_path_factory) -> tuple[Path, list[dict]]:
+def hub_runs(hub_dirs, tmp_path_factory) -> tuple[Path, list[dict]]:
     root = tmp_path_factory.mktemp("exported")
-    return root, spawn_ranks(_worker, 4, saved, root, timeout_s=600)
+    return root, spawn_ranks(_load_evaluate_and_export, 4, hub_dirs, root, timeout_s=600)
 
 
 def _stored(path: Path) -> dict[str, tuple[int, ...]]:
@@ -156,21 +149,21 @@ def _stored(path: Path) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def test_gpt_neox_is_stored_under_transformers_names(saved):
+def test_gpt_neox_is_stored_under_transformers_names(hub_dirs):
     """What makes this case: the file has ``embed_out.weight``, the model ``lm_head.weight``."""
-    stored = _stored(saved["gpt-neox"])
+    stored = _stored(hub_dirs["gpt-neox"])
     assert "embed_out.weight" in stored and "lm_head.weight" not in stored
-    assert "lm_head.weight" in _meta_from(saved["gpt-neox"]).state_dict()
+    assert "lm_head.weight" in meta_model_from(hub_dirs["gpt-neox"]).state_dict()
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", MODELS)
-def test_loads_and_evaluates_like_from_pretrained(saved, results, name):
+def test_loads_and_evaluates_like_from_pretrained(hub_dirs, hub_runs, name):
     import transformers
 
-    _, ranks = results
-    model = transformers.AutoModelForCausalLM.from_pretrained(saved[name]).eval()
-    (x,), (y,) = _batch()
+    _, ranks = hub_runs
+    model = transformers.AutoModelForCausalLM.from_pretrained(hub_dirs[name]).eval()
+    (x,), (y,) = _hub_batch()
     with torch.no_grad():
         want = autopar.lm_cross_entropy(model(x).logits, y)
     for rank, r in enumerate(ranks):
@@ -179,12 +172,12 @@ def test_loads_and_evaluates_like_from_pretrained(saved, results, name):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", MODELS)
-def test_export_is_what_save_pretrained_writes(saved, results, name):
+def test_export_is_what_save_pretrained_writes(hub_dirs, hub_runs, name):
     import transformers
 
-    root, _ = results
-    assert _stored(root / name) == _stored(saved[name])  # transformers' own names and shapes (embed_out)
-    want = transformers.AutoModelForCausalLM.from_pretrained(saved[name]).state_dict()
+    root, _ = hub_runs
+    assert _stored(root / name) == _stored(hub_dirs[name])  # transformers' own names and shapes (embed_out)
+    want = transformers.AutoModelForCausalLM.from_pretrained(hub_dirs[name]).state_dict()
     got, info = transformers.AutoModelForCausalLM.from_pretrained(root / name, output_loading_info=True)
     problems = {k: v for k, v in info.items() if k != "conversion_errors" and v}
     assert not problems and not info.get("conversion_errors"), problems
@@ -195,16 +188,16 @@ def test_export_is_what_save_pretrained_writes(saved, results, name):
 
 
 @pytest.mark.multiprocess
-def test_damaged_files_are_named_on_every_rank(saved, results):
-    _, ranks = results
-    file = saved["truncated"] / "model.safetensors"
-    n, header = _header(saved["gpt-neox"] / "model.safetensors")
+def test_damaged_files_are_named_on_every_rank(hub_dirs, hub_runs):
+    _, ranks = hub_runs
+    file = hub_dirs["truncated"] / "model.safetensors"
+    n, header = _header(hub_dirs["gpt-neox"] / "model.safetensors")
     need = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
     found = file.stat().st_size - 8 - n
     assert need - found == 100
     for rank, r in enumerate(ranks):
         for kind in BROKEN:
-            assert r[kind].startswith("CheckpointError: ") and str(saved[kind] / "model.safetensors") in r[kind], \
+            assert r[kind].startswith("CheckpointError: ") and str(hub_dirs[kind] / "model.safetensors") in r[kind], \
                 (rank, kind, r[kind])
         assert f"truncated: its header's tensors need {need} bytes of data, found {found}" in r["truncated"], \
             (rank, r["truncated"])
@@ -239,8 +232,8 @@ def test_legacy_gamma_beta_names_load(tmp_path):
     shutil.copy(tmp_path / "new" / "config.json", tmp_path / "legacy" / "config.json")
     save_file(legacy, tmp_path / "legacy" / "model.safetensors", metadata={"format": "pt"})
 
-    (x,), (y,) = _batch()
-    program = autopar.parallelize(_meta_from(tmp_path / "legacy"), example_inputs=(x,), example_targets=y)
+    (x,), (y,) = _hub_batch()
+    program = autopar.parallelize(meta_model_from(tmp_path / "legacy"), example_inputs=(x,), example_targets=y)
     engine = program.materialize(checkpoint=tmp_path / "legacy")
     got = engine.full_state_dict()
     for key, value in original.state_dict().items():
@@ -350,15 +343,14 @@ def test_cli_export_writes_what_save_pretrained_writes(tmp_path):
     """``autopar export CKPT --to-hf DIR`` of a GPT-NeoX checkpoint: transformers' own names
     (``embed_out``) and shapes, and ``from_pretrained`` of it holds the checkpoint's weights."""
     import transformers
-    from test_export import _contract_checkpoint
 
     from autopar.runtime.hf.export_checkpoint import export_checkpoint
 
     torch.manual_seed(2)
     model = _hf_gpt_neox()
-    saved = _contract_checkpoint(model, tmp_path / "ckpt")
+    saved_tensors = write_contract_checkpoint(model, tmp_path / "ckpt")
     export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     model.save_pretrained(tmp_path / "own")
     assert _stored(tmp_path / "hf") == _stored(tmp_path / "own") and "embed_out.weight" in _stored(tmp_path / "hf")
     got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
-    assert got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())
+    assert got.keys() == saved_tensors.keys() and all(torch.equal(got[k], v) for k, v in saved_tensors.items())

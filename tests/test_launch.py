@@ -40,12 +40,12 @@ def script(tmp_path):
     return str(path)
 
 
-def _run(cmd, timeout=180):
+def _run_command(cmd, timeout=180):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
 def test_autopar_run_starts_every_rank(script):
-    out = _run([sys.executable, "-m", "autopar.cli", "run", "--nproc", "2", script, "-1"])
+    out = _run_command([sys.executable, "-m", "autopar.cli", "run", "--nproc", "2", script, "-1"])
     assert out.returncode == 0, out.stderr[-2000:]
     found = sorted(re.findall(r"rank (\d) of 2 loss (\d+\.\d{6})", out.stdout))  # ranks' lines may interleave
     assert [r for r, _ in found] == ["0", "1"], out.stdout
@@ -53,7 +53,7 @@ def test_autopar_run_starts_every_rank(script):
 
 
 def test_torchrun_starts_every_rank(script):
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    out = _run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 script, "-1"])
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(re.findall(r"rank (\d) of 2 loss", out.stdout)) == ["0", "1"], out.stdout
@@ -61,7 +61,7 @@ def test_torchrun_starts_every_rank(script):
 
 def test_autopar_run_stops_all_ranks_when_one_fails(script):
     start = time.monotonic()
-    out = _run([sys.executable, "-m", "autopar.cli", "run", "--nproc", "2", script, "1"])
+    out = _run_command([sys.executable, "-m", "autopar.cli", "run", "--nproc", "2", script, "1"])
     assert out.returncode != 0
     assert "boom on rank 1" in out.stderr and "stopped the others" in out.stderr
     assert time.monotonic() - start < 120

@@ -20,9 +20,8 @@ from collections import Counter
 import pytest
 import torch.nn as nn
 import torch.nn.functional as F
-from families import train_steps
+from families import FF, TB, RMSNorm, precompute_freqs_cis, train_steps
 from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, spawn_ranks, token_batches
-from test_model_forms import FF, TB, RMSNorm, precompute_freqs_cis
 
 import autopar
 from autopar.core.activation_recompute import Checkpointed
@@ -257,19 +256,19 @@ FORMS = {
 BLOCK_PARAMS = 9  # wq, wk, wv, wo, w1, w2, w3 and two norms
 
 
-def data():
+def form_batches():
     return token_batches(V, steps=2, rows=8, seed=3, seq=S)
 
 
-def _compile(model, **config):
+def _compile_form(model, **config):
     config.setdefault("sequence_parallel", False)  # the structure counts tensor parallelism's all-reduces
-    return parallelize_on(model, data(), 8 // config.get("microbatches", 1), **config)
+    return parallelize_on(model, form_batches(), 8 // config.get("microbatches", 1), **config)
 
 
 @pytest.mark.parametrize("form", list(FORMS))
 def test_layers_found_with_their_nodes_and_parameters(form):
     factory, paths = FORMS[form]
-    program = _compile(seeded(factory), tp=2, pp=2, microbatches=2, world_size=4)
+    program = _compile_form(seeded(factory), tp=2, pp=2, microbatches=2, world_size=4)
     layers = program.layers
     assert layers.count == L and list(layers.paths) == paths and not layers.by_calls
     assert [layers.label(i) for i in range(L)] == paths
@@ -298,8 +297,8 @@ def test_layers_found_with_their_nodes_and_parameters(form):
 def test_blocks_chosen_at_run_time_are_counted_like_a_module_dict(form):
     """Blocks reached through a list or dict built outside any module container: the same layer count,
     nodes per layer and parameters per layer as the ModuleDict form."""
-    want = _compile(seeded(DictLlama), tp=2, pp=2, microbatches=2, world_size=4)
-    program = _compile(seeded(FORMS[form][0]), tp=2, pp=2, microbatches=2, world_size=4)
+    want = _compile_form(seeded(DictLlama), tp=2, pp=2, microbatches=2, world_size=4)
+    program = _compile_form(seeded(FORMS[form][0]), tp=2, pp=2, microbatches=2, world_size=4)
     nodes = Counter(want.layers.node_layer.values())
     assert program.layers.count == want.layers.count == L
     assert Counter(program.layers.node_layer.values()) == nodes and len(set(nodes.values())) == 1 and nodes[0] > 0
@@ -309,8 +308,8 @@ def test_blocks_chosen_at_run_time_are_counted_like_a_module_dict(form):
 
 
 def test_one_block_called_four_times_is_four_layers():
-    want = _compile(seeded(DictLlama), tp=2, pp=2, microbatches=2, world_size=4)
-    program = _compile(seeded(ReusedLlama), tp=2, pp=2, microbatches=2, world_size=4)
+    want = _compile_form(seeded(DictLlama), tp=2, pp=2, microbatches=2, world_size=4)
+    program = _compile_form(seeded(ReusedLlama), tp=2, pp=2, microbatches=2, world_size=4)
     layers = program.layers
     assert layers.count == L and layers.by_calls and list(layers.paths) == ["block"] * L
     assert Counter(layers.node_layer.values()) == Counter(want.layers.node_layer.values())
@@ -321,7 +320,7 @@ def test_one_block_called_four_times_is_four_layers():
 
 
 def test_interleaved_pipeline_takes_one_layer_per_chunk():
-    program = _compile(seeded(DictLlama), pp=2, virtual_stages=2, schedule="interleaved", microbatches=2,
+    program = _compile_form(seeded(DictLlama), pp=2, virtual_stages=2, schedule="interleaved", microbatches=2,
                        world_size=2)
     assert [c.layers for c in program.split.chunks] == [[0], [1], [2], [3]]
     for chunk in program.split.chunks:
@@ -342,7 +341,7 @@ def test_blocks_of_two_kinds_are_layers_each_shown_once(form):
     """Blocks of another structure in the same container are layers too, of their own kind: the
     pipeline cut and the per-layer counts see them, the summary shows each kind's first layer."""
     factory, paths, kinds, mlp = HETERO[form]
-    program = _compile(seeded(factory), tp=2, pp=2, microbatches=2, world_size=4)
+    program = _compile_form(seeded(factory), tp=2, pp=2, microbatches=2, world_size=4)
     layers = program.layers
     assert layers.count == L and list(layers.paths) == paths and layers.kinds == kinds
     sizes = Counter(layers.node_layer.values())
@@ -359,20 +358,20 @@ def test_blocks_of_two_kinds_are_layers_each_shown_once(form):
 
 @pytest.mark.parametrize("flat", [Flat, FlatSameShapes])
 def test_no_repeated_structure_compiles_at_pp1_and_is_refused_where_layers_are_needed(flat):
-    program = _compile(seeded(flat), tp=2, world_size=2)
+    program = _compile_form(seeded(flat), tp=2, world_size=2)
     assert program.layers.count == 0 and [c.layers for c in program.split.chunks] == [[]]
     assert program.fallbacks() == [] and program.replicated_weights() == []
     assert "no repeated layers (looked for a module call repeated" in program.summary()
     assert "Layers: the repeated module calls" not in program.summary()
-    chunk = _compile(seeded(flat), tp=2, world_size=2, recompute="chunk")
+    chunk = _compile_form(seeded(flat), tp=2, world_size=2, recompute="chunk")
     assert isinstance(chunk.split.chunks[0].module, Checkpointed)
     with pytest.raises(PipelineError, match=r"pipeline parallelism \(pp \* virtual_stages = 2 chunks\) cuts between "
                                             r"repeated layers.*looked for a module call repeated at least twice.*"
                                             r"Fix: use pp=1 and virtual_stages=1"):
-        _compile(seeded(flat), pp=2, microbatches=2, world_size=2)
+        _compile_form(seeded(flat), pp=2, microbatches=2, world_size=2)
     with pytest.raises(autopar.RecomputeError, match=r"recompute='layer' checkpoints each repeated layer.*looked for a "
                                              r"module call repeated.*Fix: use recompute='chunk'.*or recompute='none'"):
-        _compile(seeded(flat), tp=2, world_size=2, recompute="layer")
+        _compile_form(seeded(flat), tp=2, world_size=2, recompute="layer")
 
 
 INTERLEAVED = {"pp": 2, "virtual_stages": 2, "schedule": "interleaved", "microbatches": 2}
@@ -386,27 +385,27 @@ RUNS += [("flat", "tp2"), ("alternating", "pp2_layer"), ("first_differs", "pp2")
 RUNS += [("first_attribute", "pp2_layer"), ("last_in_sequential", "pp2"), ("last_in_sequential", "tp2")]
 
 
-def _model(form):
+def _seeded_form(form):
     return seeded({"flat": Flat, "reused": ReusedLlama, **{k: v[0] for k, v in {**FORMS, **HETERO}.items()}}[form])
 
 
-def _worker():
+def _train_every_form():
     out = {}
     for form, layout in RUNS:
-        d = data()
+        d = form_batches()
         cfg = LAYOUTS[layout]
-        program = parallelize_on(_model(form), d, 8 // cfg.get("microbatches", 1), **cfg)
+        program = parallelize_on(_seeded_form(form), d, 8 // cfg.get("microbatches", 1), **cfg)
         out[(form, layout)] = train_steps(program.materialize(), d, 1e-3)
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn_ranks(_worker, 2, timeout_s=900)
+def form_runs():
+    return spawn_ranks(_train_every_form, 2, timeout_s=900)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("form,layout", RUNS)
-def test_matches_one_device(results, form, layout):
-    assert_ranks_match(reference_run(_model(form), data(), lr=1e-3), [r[(form, layout)] for r in results],
-                       label=f"{form} {layout}")
+def test_matches_one_device(form_runs, form, layout):
+    assert_ranks_match(reference_run(_seeded_form(form), form_batches(), lr=1e-3),
+                       [r[(form, layout)] for r in form_runs], label=f"{form} {layout}")

@@ -80,19 +80,19 @@ LOSSES = {"label_smoothing": (_smooth, 257), "ignore_index_sum": (_ignore_sum, 2
           "soft_targets": (_soft_targets, 256), "padded_soft_targets": (_soft_targets, 257)}
 
 
-def _model(vocab):
+def _loss_gpt(vocab):
     return seeded(build, "gpt", vocab_size=vocab, seq_len=SEQ, n_layer=2, n_head=4, d_model=64)
 
 
-def _data(vocab):
+def _loss_batches(vocab):
     return token_batches(vocab, steps=1, rows=ROWS, seed=2, seq=SEQ)
 
 
-def _worker():
+def _train_one_step_per_loss():
     out = {}
     for name, (loss_fn, vocab) in LOSSES.items():
-        data = _data(vocab)
-        program = autopar.parallelize(_model(vocab), tp=2, loss_fn=loss_fn, example_inputs=data[0][0],
+        data = _loss_batches(vocab)
+        program = autopar.parallelize(_loss_gpt(vocab), tp=2, loss_fn=loss_fn, example_inputs=data[0][0],
                                       example_targets=data[0][1])
         engine = program.materialize()
         loss = engine.train_step(*data[0][0], *data[0][1])
@@ -102,15 +102,15 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn_ranks(_worker, 2, timeout_s=600)
+def loss_runs():
+    return spawn_ranks(_train_one_step_per_loss, 2, timeout_s=600)
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_loss_matches_one_process(results, name):
+def test_loss_matches_one_process(loss_runs, name):
     loss_fn, vocab = LOSSES[name]
-    per_rank = [([res[name][0]], [res[name][1]]) for res in results]  # one step: (losses, gradients)
-    assert_ranks_match(reference_run(_model(vocab), _data(vocab), loss_fn=loss_fn), per_rank, label=name)
+    per_rank = [([res[name][0]], [res[name][1]]) for res in loss_runs]  # one step: (losses, gradients)
+    assert_ranks_match(reference_run(_loss_gpt(vocab), _loss_batches(vocab), loss_fn=loss_fn), per_rank, label=name)
 
 
 VOCAB_KINDS = {"label_smoothing": {"vocab_cross_entropy"}, "ignore_index_sum": {"vocab_cross_entropy"},
@@ -120,19 +120,19 @@ VOCAB_KINDS = {"label_smoothing": {"vocab_cross_entropy"}, "ignore_index_sum": {
 
 
 @pytest.mark.parametrize("name", list(VOCAB_KINDS))
-def test_losses_stay_vocabulary_parallel(results, name):
-    _, _, fallbacks, rejected, kinds = results[0][name]
+def test_losses_stay_vocabulary_parallel(loss_runs, name):
+    _, _, fallbacks, rejected, kinds = loss_runs[0][name]
     assert fallbacks == [] and rejected == [], (fallbacks, rejected)
     assert VOCAB_KINDS[name] <= kinds, kinds
 
 
-def test_log_softmax_over_a_padded_vocabulary_keeps_the_vocabulary_whole_and_says_so(results):
-    _, _, fallbacks, rejected, kinds = results[0]["padded_log_softmax"]
+def test_log_softmax_over_a_padded_vocabulary_keeps_the_vocabulary_whole_and_says_so(loss_runs):
+    _, _, fallbacks, rejected, kinds = loss_runs[0]["padded_log_softmax"]
     assert not any(k.startswith("vocab_") for k in kinds) and fallbacks == []
     assert any(r.module == "lm_head" and "softmax over the sharded dim" in r.reason for r in rejected), rejected
 
 
-def test_soft_targets_over_a_padded_vocabulary_keep_it_whole_and_say_so(results):
-    _, _, fallbacks, rejected, kinds = results[0]["padded_soft_targets"]
+def test_soft_targets_over_a_padded_vocabulary_keep_it_whole_and_say_so(loss_runs):
+    _, _, fallbacks, rejected, kinds = loss_runs[0]["padded_soft_targets"]
     assert not any(k.startswith("vocab_") for k in kinds) and fallbacks == []
     assert any(r.module == "lm_head" and "class probabilities" in r.reason for r in rejected), rejected

@@ -65,7 +65,7 @@ if "sequence_parallel" in inspect.signature(autopar.parallelize).parameters:
     ]
 
 
-def _model(name: str):
+def _gpt_of_shape(name: str):
     torch.manual_seed(0)
     return build("gpt", **SHAPES[name])
 
@@ -105,7 +105,7 @@ def _count_kept_by_storage(engine) -> None:
 
 
 def _measure(name: str, b: int, config: dict, distributed: bool) -> dict:
-    model = _model(name)
+    model = _gpt_of_shape(name)
     vocab, seq = SHAPES[name]["vocab_size"], SHAPES[name]["seq_len"]
     gen = torch.Generator().manual_seed(1)
     example = torch.randint(0, vocab, (b, seq + 1), generator=gen)
@@ -142,7 +142,7 @@ def _layout(index: int) -> tuple[ModelSpec, Layout, int]:
     """The layout ``LAYOUTS[index]`` as the planner sees it: the model's spec read from its traced
     graph, the ``Layout`` of the program's config in the runtime's byte sizes, the microbatches."""
     name, b, config, distributed = LAYOUTS[index]
-    model = _model(name)
+    model = _gpt_of_shape(name)
     example = torch.zeros(b, SHAPES[name]["seq_len"], dtype=torch.long)
     spec = spec_from_model(model, (example,), name=name)
     program = autopar.parallelize(model, example_inputs=(example,), example_targets=example, world_size=WORLD,

@@ -15,89 +15,15 @@ Each is split fully (2 f and 2 g per layer, no fallback, nothing left whole)
 and matches one process over two AdamW steps (tolerances as in test_tp_parity).
 """
 
-import math
-
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from families import train_steps
+from families import TB, RMSNorm, precompute_freqs_cis, train_steps
 from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, spawn_ranks, token_batches
 
 pytestmark = pytest.mark.multiprocess
 V, H, NH, S, L = 128, 64, 4, 16, 4
 D = H // NH
-
-
-def precompute_freqs_cis(dim, end, theta=10000.0):
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
-    t = torch.arange(end)
-    freqs = torch.outer(t, freqs).float()
-    return torch.polar(torch.ones_like(freqs), freqs)
-
-
-def apply_rotary_emb(xq, xk, freqs_cis):
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    fc = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
-    xq_out = torch.view_as_real(xq_ * fc).flatten(3)
-    xk_out = torch.view_as_real(xk_ * fc).flatten(3)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
-
-
-class RMSNorm(nn.Module):
-    def __init__(s, d, eps=1e-6):
-        super().__init__()
-        s.eps = eps
-        s.weight = nn.Parameter(torch.ones(d))
-
-    def forward(s, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + s.eps) * s.weight
-
-
-class MetaAttn(nn.Module):  # Meta's llama: complex rope, manual softmax attention, einsum variant
-    def __init__(s, einsum=False):
-        super().__init__()
-        s.einsum = einsum
-        s.wq, s.wk, s.wv, s.wo = (nn.Linear(H, H, bias=False) for _ in range(4))
-
-    def forward(s, x, freqs_cis):
-        b, t, _ = x.shape
-        q, k, v = s.wq(x).view(b, t, NH, D), s.wk(x).view(b, t, NH, D), s.wv(x).view(b, t, NH, D)
-        q, k = apply_rotary_emb(q, k, freqs_cis)
-        if s.einsum:
-            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
-            mask = torch.full((t, t), float("-inf")).triu(1)
-            p = F.softmax(scores + mask, dim=-1)
-            o = torch.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, H)
-        else:
-            q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-            scores = q @ k.transpose(2, 3) / math.sqrt(D)
-            scores = scores + torch.full((t, t), float("-inf")).triu(1)
-            o = (F.softmax(scores.float(), dim=-1).type_as(q) @ v).transpose(1, 2).contiguous().view(b, t, H)
-        return s.wo(o)
-
-
-class FF(nn.Module):
-    def __init__(s):
-        super().__init__()
-        s.w1, s.w2, s.w3 = nn.Linear(H, 96, bias=False), nn.Linear(96, H, bias=False), nn.Linear(H, 96, bias=False)
-
-    def forward(s, x):
-        return s.w2(F.silu(s.w1(x)) * s.w3(x))
-
-
-class TB(nn.Module):
-    def __init__(s, einsum):
-        super().__init__()
-        s.attention = MetaAttn(einsum)
-        s.feed_forward = FF()
-        s.attention_norm = RMSNorm(H)
-        s.ffn_norm = RMSNorm(H)
-
-    def forward(s, x, fc):
-        h = x + s.attention(s.attention_norm(x), fc)
-        return h + s.feed_forward(s.ffn_norm(h))
 
 
 class MetaLlama(nn.Module):
@@ -163,14 +89,14 @@ def make(name):
     return seeded(VARIANTS[name])
 
 
-def data():
+def variant_batches():
     return token_batches(V, steps=2, rows=8, seed=1, seq=S)
 
 
-def _worker():
+def _split_and_train_every_variant():
     out = {}
     for name in VARIANTS:
-        d = data()
+        d = variant_batches()
         # f and g of tensor parallelism alone are counted per layer
         program = parallelize_on(make(name), d, 4, tp=2, pp=2, microbatches=2, sequence_parallel=False)
         per_layer = {k: v for k, v in program.collectives(by_layer=True).items() if k[0] is not None}
@@ -185,17 +111,18 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn_ranks(_worker, 4, timeout_s=600)
+def variant_runs():
+    return spawn_ranks(_split_and_train_every_variant, 4, timeout_s=600)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_split_fully(results, name):
-    _, fallbacks, rejected, whole, per_layer = results[0][name]
+def test_split_fully(variant_runs, name):
+    _, fallbacks, rejected, whole, per_layer = variant_runs[0][name]
     assert fallbacks == [] and rejected == [] and whole == []
     assert per_layer == {(i, kind): 2 for i in range(L) for kind in ("copy_to_tp", "reduce_from_tp")}
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_matches_one_process(results, name):
-    assert_ranks_match(reference_run(make(name), data(), lr=1e-3), [res[name][0] for res in results], label=name)
+def test_matches_one_process(variant_runs, name):
+    assert_ranks_match(reference_run(make(name), variant_batches(), lr=1e-3), [res[name][0] for res in variant_runs],
+                       label=name)

@@ -14,7 +14,7 @@ from autopar.planning.search.planner import SearchSpace, search
 from autopar.reference.models import build
 
 
-def _ids(seq=16, vocab=250):
+def _random_ids(seq=16, vocab=250):
     return (torch.randint(0, vocab, (2, seq)),)
 
 
@@ -25,7 +25,7 @@ def _ids(seq=16, vocab=250):
 ])
 def test_dimensions_read_from_the_graph(family, kw, expect):
     model = build(family, vocab_size=250, seq_len=16, n_layer=3, n_head=8, d_model=64, **kw)
-    spec = spec_from_model(model, _ids())
+    spec = spec_from_model(model, _random_ids())
     assert (spec.layers, spec.hidden, spec.seq_len, spec.vocab) == (3, 64, 16, 250)
     assert (spec.heads, spec.kv, spec.ffn_size, spec.gated_mlp) == (
         expect["heads"], expect["kv"], expect["ffn"], expect["gated"])
@@ -64,7 +64,7 @@ def test_a_model_without_an_mlp_the_graph_shows_says_what_to_give():
     for block in model.h:
         block.mlp = Experts(64)
     with pytest.raises(SpecError, match="give --ffn by hand"):
-        spec_from_model(model, _ids())
+        spec_from_model(model, _random_ids())
 
 
 def test_cli_plans_from_a_huggingface_config(tmp_path, capsys):

@@ -31,7 +31,7 @@ def _m(layout) -> int:
     return layout[6] if len(layout) > 6 else M
 
 
-def _run(layout):
+def _train_pipeline_layout(layout):
     fam, tp, pp, v, sched, sg = layout[:6]
     model, vocab = make(fam, layers=LAYERS)
     data = batches(vocab, rows=BATCH * _m(layout))
@@ -45,8 +45,8 @@ def _run(layout):
     return losses, grads, stats, [c.layers for c in program.split.chunks]
 
 
-def _worker(layouts):
-    return {layout: _run(layout) for layout in layouts}
+def _train_pipeline_layouts(layouts):
+    return {layout: _train_pipeline_layout(layout) for layout in layouts}
 
 
 def _check(results, layouts, reference):
@@ -86,11 +86,11 @@ def _assert_in_flight(results, layout):
 
 @pytest.fixture(scope="module")
 def world_4():
-    return spawn_ranks(_worker, 4, WORLD_4)
+    return spawn_ranks(_train_pipeline_layouts, 4, WORLD_4)
 
 
 def test_pp2_gpipe_1f1b_interleaved_parity_and_in_flight(reference):
-    results = spawn_ranks(_worker, 2, WORLD_2)
+    results = spawn_ranks(_train_pipeline_layouts, 2, WORLD_2)
     _check(results, WORLD_2, reference)
     for layout in WORLD_2:
         _, _, _, layers = results[0][layout]

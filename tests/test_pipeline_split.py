@@ -11,7 +11,7 @@ import autopar
 from passes.pipeline_split import PipelineError, balance
 
 
-def _program(model, vocab=320, **kw):
+def _compile_on_random_ids(model, vocab=320, **kw):
     x = torch.randint(0, vocab, (BATCH, SEQ))
     return autopar.parallelize(model, example_inputs=(x,), example_targets=x.clone(), **kw)
 
@@ -29,7 +29,7 @@ def test_balance_is_min_max():
 @pytest.mark.parametrize("layers,chunks", [(5, 2), (7, 4), (8, 8), (6, 4)])
 def test_uneven_layer_counts_are_balanced_never_dropped(layers, chunks):
     model, vocab = make("nanogpt", layers=layers)
-    program = _program(model, pp=chunks, microbatches=chunks)
+    program = _compile_on_random_ids(model, pp=chunks, microbatches=chunks)
     got = [c.layers for c in program.split.chunks]
     assert sorted(sum(got, [])) == list(range(layers))  # every layer once, in order
     assert all(got) and all(a[-1] + 1 == b[0] for a, b in zip(got, got[1:]))
@@ -40,7 +40,7 @@ def test_uneven_layer_counts_are_balanced_never_dropped(layers, chunks):
 
 def test_embedding_first_loss_last_targets_fed_not_sent():
     model, vocab = make("nanogpt", layers=4)
-    program = _program(model, pp=2, virtual_stages=2, microbatches=2)
+    program = _compile_on_random_ids(model, pp=2, virtual_stages=2, microbatches=2)
     first, last = program.split.chunks[0], program.split.chunks[-1]
     assert "vocab_parallel_embedding" not in first.gm.code  # tp=1: a plain embedding
     assert "embedding" in first.gm.code and "cross_entropy" in last.gm.code
@@ -68,7 +68,7 @@ class Skip(nn.Module):
 
 
 def test_value_needed_later_is_relayed():
-    program = _program(Skip(), vocab=64, pp=4, microbatches=4)
+    program = _compile_on_random_ids(Skip(), vocab=64, pp=4, microbatches=4)
     names = [[b.name for b in c.inputs] for c in program.split.chunks]
     skip = names[1][0]
     assert all(skip in n for n in names[1:])  # relayed through chunks 1, 2 and into 3
@@ -87,7 +87,7 @@ def test_schedule_is_shown_and_validated(monkeypatch):
 
     monkeypatch.setattr(compile_module, "validate", spy)
     model, _ = make("nanogpt", layers=4)
-    program = _program(model, pp=2, virtual_stages=2, microbatches=4)
+    program = _compile_on_random_ids(model, pp=2, virtual_stages=2, microbatches=4)
     # each schedule validated once, and what was validated is what the program runs: the training
     # schedule and its forward-only form, lowered, with their sends and receives
     assert len(checked) == 2 and checked[0] is program.schedule and checked[1] is program.eval_schedule
@@ -109,37 +109,37 @@ def test_schedule_is_shown_and_validated(monkeypatch):
 
     monkeypatch.setattr(compile_module, "lower", backward_first)
     with pytest.raises(ScheduleError, match=r"(?s)B0\.0.*F0\.0"):
-        _program(model, pp=2, virtual_stages=2, microbatches=4)
+        _compile_on_random_ids(model, pp=2, virtual_stages=2, microbatches=4)
     assert len(checked) == 3 and str(checked[2].actions[0][0]) == "B0.0"
 
 
 def test_fewer_layers_than_chunks():
     model, _ = make("nanogpt", layers=2)
     with pytest.raises(PipelineError, match=r"2 layers .* pp \* virtual_stages = 4 chunks.*<= 2"):
-        _program(model, pp=2, virtual_stages=2, microbatches=2)
+        _compile_on_random_ids(model, pp=2, virtual_stages=2, microbatches=2)
 
 
 def test_interleaved_needs_m_multiple_of_p():
     model, _ = make("nanogpt", layers=8)
     with pytest.raises(ValueError, match=r"microbatches to be a multiple of pp.*microbatches=6, pp=4.*Use microbatches=4 or microbatches=8"):
-        _program(model, pp=4, virtual_stages=2, microbatches=6)
+        _compile_on_random_ids(model, pp=4, virtual_stages=2, microbatches=6)
 
 
 def test_fewer_microbatches_than_stages():
     """1F1B and GPipe run m < p (the pipeline never fills); the interleaved and zero-bubble
     schedules, whose step patterns assume a full pipeline, refuse it up front."""
     model, _ = make("nanogpt", layers=8)
-    program = _program(model, pp=4, microbatches=2)
+    program = _compile_on_random_ids(model, pp=4, microbatches=2)
     assert program.schedule.name == "1f1b" and program.schedule.m == 2
     assert [program.schedule.in_flight_bound(s) for s in range(4)] == [2, 2, 2, 1]
     with pytest.raises(ValueError, match=r"microbatches=2 < pp=4. Use microbatches >= 4 .* or '1f1b' or 'gpipe'"):
-        _program(model, pp=4, virtual_stages=2, microbatches=2, schedule="interleaved")
+        _compile_on_random_ids(model, pp=4, virtual_stages=2, microbatches=2, schedule="interleaved")
 
 
 def test_world_size_must_match_the_mesh():
     model, _ = make("nanogpt", layers=4)
     with pytest.raises(ValueError, match=r"tp=2 x pp=2 x dp=3 needs 12 ranks, the world has 8\. Fix: dp=2"):
-        _program(model, tp=2, pp=2, dp=3, microbatches=2, world_size=8)
+        _compile_on_random_ids(model, tp=2, pp=2, dp=3, microbatches=2, world_size=8)
 
 
 def test_a_model_without_repeated_layers_cannot_be_pipelined_and_says_what_to_do():

@@ -13,13 +13,6 @@ from autopar.planning.cost.models import ModelSpec, get_model
 from autopar.planning.search.planner import SearchSpace, candidate_layouts, search, why_differs
 
 
-def _show(request: pytest.FixtureRequest, text: str) -> None:
-    """Print ``text`` only when output capture is off (``pytest -s``): the numbers behind an
-    assertion, for a reader, without cluttering a normal run."""
-    if request.config.getoption("capture") == "no":
-        print(text)
-
-
 def test_candidates_respect_divisibility():
     # 12 heads (t=8 impossible), 30 layers, batch 96 on 64 GPUs
     spec = ModelSpec(layers=30, hidden=1536, heads=12, seq_len=1024)
@@ -110,14 +103,14 @@ MODEL_PREFERS_OTHER_LAYOUT = {
      if r.model in MODEL_PREFERS_OTHER_LAYOUT else r for r in PAPER_RUNS],
     ids=lambda r: r.model,
 )
-def test_full_search_best_is_paper_or_within_3_percent(run, request):
+def test_full_search_best_is_paper_or_within_3_percent(run, show):
     """The issue's criterion, over the whole space (layer recomputation, as in every paper run);
     ``pytest -s`` prints each row's comparison (docs/performance-model.md, section 8)."""
     space = SearchSpace.megatron_2021(dp_overlap=run.dp_overlap)
     plan = search(run.spec, run.cluster(), space)
     gain = plan.reference.t_iter / plan.best.t_iter - 1
     gib = 2**30
-    _show(request, f"\n{run.model}: best {plan.best.layout.short} {plan.best.tflops_per_gpu:.1f} TFLOP/s "
+    show(f"\n{run.model}: best {plan.best.layout.short} {plan.best.tflops_per_gpu:.1f} TFLOP/s "
           f"{plan.best.memory.total / gib:.1f} GiB, paper {plan.reference.layout.short} "
           f"{plan.reference.tflops_per_gpu:.1f} TFLOP/s {plan.reference.memory.total / gib:.1f} GiB, "
           f"gain {gain:+.1%}")

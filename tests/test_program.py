@@ -18,7 +18,7 @@ from autopar.reference.models import build
 LAYERS, TP, PP = 4, 2, 2
 
 
-def _compile(recompute: str = "none"):
+def _compile_gpt(recompute: str = "none"):
     torch.manual_seed(0)
     model = build("gpt", n_layer=LAYERS)
     x = torch.randint(0, 256, (2, 32))
@@ -28,7 +28,7 @@ def _compile(recompute: str = "none"):
 
 
 def test_the_program_is_frozen():
-    program = _compile()
+    program = _compile_gpt()
     with pytest.raises(dataclasses.FrozenInstanceError):
         program.schedule = None
     # every field was given at construction: none is left empty for a later step to fill in
@@ -40,7 +40,7 @@ def test_the_program_is_frozen():
 
 
 def test_local_shapes_have_their_own_metadata_key():
-    program = _compile()
+    program = _compile_gpt()
     traced = {n.name: n for n in program.traced.gm.graph.nodes}
     sharded = 0
     for node in program.rank_module.graph.nodes:
@@ -67,7 +67,7 @@ def test_local_shapes_have_their_own_metadata_key():
 
 @pytest.mark.parametrize("recompute, regions", [("none", 0), ("layer", LAYERS), ("chunk", PP)])
 def test_recomputation_is_applied_at_compile_time_and_shown(recompute, regions):
-    program = _compile(recompute)
+    program = _compile_gpt(recompute)
     found = [m for c in program.split.chunks for m in c.module.modules() if isinstance(m, Checkpointed)]
     assert len(found) == regions
     shown = sum(program.code(rank=r).count("# checkpointed (") for r in range(0, TP * PP, TP))

@@ -105,7 +105,7 @@ BLOCKS = {c.__name__: c for c in (BaddbmmContracting, BaddbmmColumns, EinsumSumW
                                   EinsumMultiQuery, InplaceOnAView)}
 
 
-class LM(nn.Module):
+class EdgeLM(nn.Module):
     def __init__(self, block):
         super().__init__()
         self.wte, self.ln, self.head = nn.Embedding(V, E), nn.LayerNorm(E), nn.Linear(E, V, bias=False)
@@ -118,19 +118,19 @@ class LM(nn.Module):
         return self.head(self.ln(x))
 
 
-def _model(block):
-    return seeded(LM, block)
+def _lm_with_block(block):
+    return seeded(EdgeLM, block)
 
 
-def _data():
+def _block_batches():
     return token_batches(V, steps=1, rows=B, seed=1, seq=S)
 
 
-def _worker():
+def _train_one_step_per_block():
     out = {}
     for block in BLOCKS:
-        (x,), (y,) = _data()[0]
-        program = autopar.parallelize(_model(block), tp=2, example_inputs=(x,), example_targets=y)
+        (x,), (y,) = _block_batches()[0]
+        program = autopar.parallelize(_lm_with_block(block), tp=2, example_inputs=(x,), example_targets=y)
         engine = program.materialize()
         said = [f[1] for f in program.fallbacks()] + [r.reason for r in program.plan.rejected]
         out[block] = (engine.train_step(x, y), engine.full_grads(), said)
@@ -138,17 +138,17 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn_ranks(_worker, 2, timeout_s=600)
+def block_runs():
+    return spawn_ranks(_train_one_step_per_block, 2, timeout_s=600)
 
 
 @pytest.mark.parametrize("block", list(BLOCKS))
-def test_matches_one_process(results, block):
-    per_rank = [([res[block][0]], [res[block][1]]) for res in results]  # one step: (losses, gradients)
-    assert_ranks_match(reference_run(_model(block), _data()), per_rank, label=block)
+def test_matches_one_process(block_runs, block):
+    per_rank = [([res[block][0]], [res[block][1]]) for res in block_runs]  # one step: (losses, gradients)
+    assert_ranks_match(reference_run(_lm_with_block(block), _block_batches()), per_rank, label=block)
 
 
 @pytest.mark.parametrize("block", ["BaddbmmContracting", "BaddbmmColumns"])
-def test_baddbmm_split_off_its_batch_dim_is_not_split_there_and_says_so(results, block):
-    said = results[0][block][2]  # a fallback (gathered operands) or a linear left whole, with the reason
+def test_baddbmm_split_off_its_batch_dim_is_not_split_there_and_says_so(block_runs, block):
+    said = block_runs[0][block][2]  # a fallback (gathered operands) or a linear left whole, with the reason
     assert any("baddbmm with its product split on rows, columns or the contraction" in why for why in said), said

@@ -37,7 +37,7 @@ def _(x):
     return torch.empty_like(x)
 
 
-class Block(nn.Module):
+class RegistryBlock(nn.Module):
     """An MLP whose hidden value also feeds a custom op, summed over the hidden dim."""
 
     def __init__(self):
@@ -49,11 +49,11 @@ class Block(nn.Module):
         return x + self.proj(h) + softsign(h).sum(-1, keepdim=True)
 
 
-class LM(nn.Module):
+class RegistryLM(nn.Module):
     def __init__(self):
         super().__init__()
         self.wte, self.ln, self.head = nn.Embedding(V, E), nn.LayerNorm(E), nn.Linear(E, V, bias=False)
-        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.layers = nn.ModuleList(RegistryBlock() for _ in range(2))
 
     def forward(self, ids):
         x = self.wte(ids)
@@ -62,11 +62,11 @@ class LM(nn.Module):
         return self.head(self.ln(x))
 
 
-def _program():
+def _compile_lm_tp2():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g)
-    return autopar.parallelize(LM(), tp=2, example_inputs=(x,), example_targets=y, sequence_parallel=False)
+    return autopar.parallelize(RegistryLM(), tp=2, example_inputs=(x,), example_targets=y, sequence_parallel=False)
 
 
 def _custom_nodes(program) -> list[str]:
@@ -74,7 +74,7 @@ def _custom_nodes(program) -> list[str]:
 
 
 def test_a_rule_registered_from_outside_replaces_the_fallback():
-    before = _program()
+    before = _compile_lm_tp2()
     nodes = _custom_nodes(before)
     assert len(nodes) == 2
     reasons = {name: reason for name, reason, _ in before.fallbacks()}
@@ -90,7 +90,7 @@ def test_a_rule_registered_from_outside_replaces_the_fallback():
 
     try:
         assert RULES.lookup(torch.ops.autopar_test.softsign.default).rule is softsign_rule
-        after = _program()
+        after = _compile_lm_tp2()
     finally:
         unregister_rule(torch.ops.autopar_test.softsign.default)
     assert RULES.lookup(torch.ops.autopar_test.softsign.default) is None

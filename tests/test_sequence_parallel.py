@@ -52,7 +52,7 @@ class EncoderLM(nn.Module):
         return self.head(self.enc(self.emb(x) + self.pos, mask=self.mask, is_causal=True))
 
 
-def _model(name: str):
+def _sp_model(name: str):
     if name == "encoder":
         return seeded(EncoderLM), 320
     if name == "hf-gptj":
@@ -71,14 +71,14 @@ CASES = [("nanogpt", 4, 1, 1, "none"), ("llama-4", 2, 2, 2, "layer"), ("hf-gpt2"
          ("hf-llama", 2, 1, 1, "none"), ("hf-gptj", 2, 1, 1, "layer"), ("encoder", 2, 1, 1, "none")]
 
 
-def _data(vocab):
+def _sp_batches(vocab):
     return token_batches(vocab, steps=2, rows=ROWS, seed=5)
 
 
-def _run(case):
+def _train_sp_case(case):
     name, tp, pp, v, recompute = case
-    model, vocab = _model(name)
-    data = _data(vocab)
+    model, vocab = _sp_model(name)
+    data = _sp_batches(vocab)
     dp, m = 4 // (tp * pp), 2
     program = parallelize_on(model, data, ROWS // (dp * m), tp=tp, pp=pp, virtual_stages=v, microbatches=m,
                              recompute=recompute, sequence_parallel=True)
@@ -88,8 +88,8 @@ def _run(case):
 
 def _kept_bytes():
     """Bytes autograd keeps for one microbatch (the engine's count), without and with sequence parallelism."""
-    model, vocab = _model("nanogpt")
-    data = _data(vocab)
+    model, vocab = _sp_model("nanogpt")
+    data = _sp_batches(vocab)
     out = {}
     for sp in (False, True):
         engine = parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=sp).materialize()
@@ -98,28 +98,28 @@ def _kept_bytes():
     return out
 
 
-def _worker():
-    return {case: _run(case) for case in CASES}, _kept_bytes()
+def _train_sp_cases():
+    return {case: _train_sp_case(case) for case in CASES}, _kept_bytes()
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return spawn_ranks(_worker, 4)
+def sp_runs():
+    return spawn_ranks(_train_sp_cases, 4)
 
 
 @pytest.mark.multiprocess
-def test_sequence_parallel_matches_one_device(ranks):
+def test_sequence_parallel_matches_one_device(sp_runs):
     for case in CASES:
-        model, vocab = _model(case[0])
-        ref = reference_run(model, _data(vocab), lr=LR)
-        assert_ranks_match(ref, [r[0][case][:2] for r in ranks], label=f"sequence parallel {case}")
-        assert all(r[0][case][2] > 0 for r in ranks), f"{case}: nothing ran split on the tokens"
+        model, vocab = _sp_model(case[0])
+        ref = reference_run(model, _sp_batches(vocab), lr=LR)
+        assert_ranks_match(ref, [r[0][case][:2] for r in sp_runs], label=f"sequence parallel {case}")
+        assert all(r[0][case][2] > 0 for r in sp_runs), f"{case}: nothing ran split on the tokens"
 
 
 @pytest.mark.multiprocess
-def test_kept_activations_fall_as_the_graph_predicts(ranks):
-    model, vocab = _model("nanogpt")
-    data = _data(vocab)
+def test_kept_activations_fall_as_the_graph_predicts(sp_runs):
+    model, vocab = _sp_model("nanogpt")
+    data = _sp_batches(vocab)
     whole = parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=False)
     split = parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=True)
     saved_whole, saved_split = _saved_by_node(whole), _saved_by_node(split)
@@ -130,7 +130,7 @@ def test_kept_activations_fall_as_the_graph_predicts(ranks):
     assert at_one_tp_th & set(saved_whole)
     for node, nbytes in saved_whole.items():
         assert saved_split.get(node, 0) == (nbytes // 2 if node in at_one_tp_th else nbytes), node
-    for kept in (r[1] for r in ranks):  # the engine counts what the graph says
+    for kept in (r[1] for r in sp_runs):  # the engine counts what the graph says
         assert kept[False] == sum(saved_whole.values())
         assert kept[True] == sum(saved_split.values())
 
@@ -169,9 +169,9 @@ def _record_saved(program, on_save) -> None:
     run = torch.fx.Interpreter(chunk.gm)
     current = [None]
 
-    def run_node(n, _run=run.run_node):
+    def run_node(n, _train_sp_case=run.run_node):
         current[0] = n
-        return _run(n)
+        return _train_sp_case(n)
 
     def pack(t):
         if t.untyped_storage().data_ptr() not in ptrs:
@@ -220,12 +220,12 @@ def test_each_layer_keeps_one_tp_th_of_its_activations():
     with sequence parallelism at tp=2 and tp=4 (the linears keep their input's local slice)."""
     s, b, h, a = SEQ, 2, 64, 4
     per_layer = 4 * (16 * s * b * h + 4 * s * b + a * s * b)
-    one = _kept_by_layer(_program(1, sp=False))
+    one = _kept_by_layer(_compile_sp(1, sp=False))
     assert one[0] == one[1] == per_layer
     for tp in (2, 4):
-        kept = _kept_by_layer(_program(tp))
+        kept = _kept_by_layer(_compile_sp(tp))
         assert kept[0] == kept[1] == per_layer // tp, tp
-        tp_only = _kept_by_layer(_program(tp, sp=False))
+        tp_only = _kept_by_layer(_compile_sp(tp, sp=False))
         assert tp_only[0] > kept[0] * 1.2  # tensor parallelism alone keeps the replicated region whole
 
 
@@ -235,7 +235,7 @@ def test_flattened_tokens_of_several_sequences_stay_split_through_the_views():
     keeps 1/t of what it keeps at tp=1, but for the attention mask (per sequence pair of tokens,
     computed from positions: whole on every rank)."""
     model, vocab = make("hf-gpt2")
-    data = _data(vocab)
+    data = _sp_batches(vocab)
     one = _kept_by_layer(parallelize_on(model, data, 2, tp=1, dp=1))
     for tp in (2, 4):
         program = parallelize_on(model, data, 2, tp=tp, dp=1, sequence_parallel=True)
@@ -256,9 +256,9 @@ def _attention_mask_bytes(program) -> int:
     return 0
 
 
-def _program(tp, pp=1, sp=True, layers=2, **kw):
+def _compile_sp(tp, pp=1, sp=True, layers=2, **kw):
     model, vocab = make("nanogpt", layers=layers)
-    data = _data(vocab)
+    data = _sp_batches(vocab)
     return parallelize_on(model, data, 2, tp=tp, pp=pp, microbatches=pp, dp=1, sequence_parallel=sp, **kw)
 
 
@@ -274,7 +274,7 @@ def _wire_bytes(program, names) -> float:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_of_the_same_bytes(tp):
-    whole, split = _program(tp, sp=False), _program(tp)
+    whole, split = _compile_sp(tp, sp=False), _compile_sp(tp)
     before, after = whole.collectives(by_layer=True), split.collectives(by_layer=True)
     for layer in range(2):
         assert before[(layer, "reduce_from_tp")] == 2 and after[(layer, "reduce_from_tp")] == 0
@@ -296,7 +296,7 @@ def test_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_of_the_same_
 
 
 def test_a_boundary_inside_the_split_region_sends_one_tp_th():
-    whole, split = _program(2, pp=2, sp=False), _program(2, pp=2)
+    whole, split = _compile_sp(2, pp=2, sp=False), _compile_sp(2, pp=2)
     (b_whole,), (b_split,) = whole.split.chunks[1].inputs, split.split.chunks[1].inputs
     assert b_whole.replicated and not b_split.replicated and whole.sent_sliced(b_whole)
     assert b_split.nbytes * 2 == b_whole.nbytes
@@ -305,7 +305,7 @@ def test_a_boundary_inside_the_split_region_sends_one_tp_th():
 
 
 def test_summary_lists_what_runs_split_and_the_gathers():
-    text = _program(2).summary()
+    text = _compile_sp(2).summary()
     assert "Sequence parallelism" in text and "layer_norm" in text and "reduce_scatter_to_sp" in text
     # GPT-2 with 2 sequences of 6 tokens at tp=4: 6 does not split 4 ways, so the 12 flattened
     # tokens are split in 4 blocks of 3 and viewing them back as (2, 6, C) needs the gather
@@ -318,7 +318,7 @@ def test_summary_lists_what_runs_split_and_the_gathers():
 
 def test_bad_input_is_refused_before_any_work():
     with pytest.raises(ValueError, match=r"sequence_parallel=True .* tp=1 .* Fix: tp >= 2"):
-        _program(1)
+        _compile_sp(1)
     model, vocab = make("nanogpt")
     x = torch.randint(0, vocab, (1, 15))
     with pytest.raises(autopar.api.SequenceParallelError, match=r"token dim 1 of size 15 .* Fix: .*multiple of 2"):

@@ -28,7 +28,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32: only the order of the sums into .gra
 BF16_TOL = {"rtol": 1e-2, "atol": 1e-3}  # bf16 autocast: a bf16 sum order differs (2^-8 relative per rounding)
 
 
-def _program(family: str, **config):
+def _compile_split_pipeline(family: str, **config):
     model, vocab = make(family, layers=4)
     x = torch.randint(0, vocab, (ROWS * M, SEQ), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, vocab, (ROWS * M, SEQ), generator=torch.Generator().manual_seed(2))
@@ -96,7 +96,7 @@ class _nothing:
         return False
 
 
-def _reference(program, model, micro, autocast=False):
+def _unsplit_pipeline_grads(program, model, micro, autocast=False):
     pipe = _Pipeline(program, model, micro)
     for i in range(M):
         pipe.backward_inputs(pipe.forward(i, split=False, autocast=autocast), split=False)
@@ -138,8 +138,8 @@ def _assert_same(got, want, tol, label):
     ("llama", {"recompute": "layer"}, True),
 ])
 def test_split_backward_matches_unsplit(family, config, autocast):
-    program, model, micro = _program(family, **config)
-    want = _reference(program, model, micro, autocast)
+    program, model, micro = _compile_split_pipeline(family, **config)
+    want = _unsplit_pipeline_grads(program, model, micro, autocast)
     tol = BF16_TOL if autocast else TOL
     for order in ("BBWW", "BWBW"):
         _assert_same(_split(program, model, micro, order, autocast), want, tol, f"{family} {config} {order}")
@@ -150,7 +150,7 @@ def test_split_backward_matches_unsplit(family, config, autocast):
 def test_input_gradients_after_b_and_nothing_in_grad_before_w():
     """B alone gives the previous chunk exactly the unsplit input gradients; no weight has a
     gradient until W runs; W with no B first, or twice, is refused."""
-    program, model, micro = _program("nanogpt")
+    program, model, micro = _compile_split_pipeline("nanogpt")
     ref = _Pipeline(program, model, micro)
     ref_kept = ref.forward(0, split=False)
     ref.backward_inputs(ref_kept, split=False)
@@ -175,7 +175,7 @@ def test_split_counts_and_bytes_held_for_w():
     (each storage once: q, k and v read one norm output), less than what F kept for B; W also
     keeps the gradients flowing into those GEMMs and the norms' weight gradients computed in B.
     """
-    program, model, micro = _program("nanogpt")
+    program, model, micro = _compile_split_pipeline("nanogpt")
     chunk = program.split.chunks[1]
     pipe = _Pipeline(program, model, micro)
     kept = pipe.forward(0, split=True)

@@ -21,7 +21,7 @@ M, ROWS = 2, 2
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def _engine(tp: int = 1, **config):
+def _split_backward_engine(tp: int = 1, **config):
     model, vocab = make("nanogpt")
     x = torch.randint(0, vocab, (ROWS * M, SEQ), generator=torch.Generator().manual_seed(3))
     program = autopar.parallelize(model, tp=tp, microbatches=M, example_inputs=(x[:ROWS],),
@@ -60,7 +60,7 @@ class _Null:
 
 
 def test_engine_split_backward_matches_train_step():
-    engine, batch = _engine()
+    engine, batch = _split_backward_engine()
     engine.train_step(*batch)
     want = {n: p.grad.clone() for n, p in engine.named_local_parameters()}
     for interleave in (False, True):
@@ -72,7 +72,7 @@ def test_engine_split_backward_matches_train_step():
 
 
 def test_weight_backward_without_b_names_the_action():
-    engine, batch = _engine()
+    engine, batch = _split_backward_engine()
     engine.split_backward = True
     st = engine._new_step(batch, engine.schedule, training=True)
     with pytest.raises(RuntimeError, match=r"W 0\.1: no split backward pending"):
@@ -104,7 +104,7 @@ class _CountCollectives:
 def _tp2_rank():
     torch.set_num_threads(1)
     # tensor parallelism alone: sequence parallelism sums its partial norm gradients after the last W
-    engine, batch = _engine(tp=2, sequence_parallel=False)
+    engine, batch = _split_backward_engine(tp=2, sequence_parallel=False)
     engine.train_step(*batch)
     want = engine.full_grads()
     engine.zero_grad(set_to_none=True)
@@ -119,7 +119,7 @@ def _tp2_rank():
 def _tp2_sequence_parallel_grads() -> dict:
     """With sequence parallelism (the linears keep their input's local slice in the saved-tensor
     store and gather it again when B or W reads it): (split, train_step) gradients per parameter."""
-    engine, batch = _engine(tp=2, sequence_parallel=True)
+    engine, batch = _split_backward_engine(tp=2, sequence_parallel=True)
     engine.train_step(*batch)
     want = engine.full_grads()
     engine.zero_grad(set_to_none=True)

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.multiprocess
 LR = 1e-3
 
 
-def _make(fam):
+def _tp_model(fam):
     return make(fam) if fam != "fallback" else make_fallback_model()
 
 
-def _train(model, vocab, tp):
+def _train_tp(model, vocab, tp):
     data = batches(vocab)
     program = autopar.parallelize(model, tp=tp, example_inputs=data[0][0], example_targets=data[0][1])
     engine = program.materialize()
@@ -32,16 +32,16 @@ def _train(model, vocab, tp):
     return losses, grads, {k: tuple(v.shape) for k, v in state.items()}, program.fallbacks()
 
 
-def _worker(families, tp):
-    return {fam: _train(*_make(fam), tp) for fam in families}
+def _train_tp_families(families, tp):
+    return {fam: _train_tp(*_tp_model(fam), tp) for fam in families}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parity_all_families(tp, reference):
     families = list(FAMILIES) + (["fallback"] if tp == 2 else [])
-    results = spawn_ranks(_worker, tp, families, tp, timeout_s=600)
+    results = spawn_ranks(_train_tp_families, tp, families, tp, timeout_s=600)
     for fam in families:
-        model, vocab = _make(fam)
+        model, vocab = _tp_model(fam)
         ref = reference((fam, 2, BATCH), lambda: model, lambda: batches(vocab), lr=LR)  # 2 layers, BATCH rows
         assert_ranks_match(ref, [res[fam][:2] for res in results], label=f"{fam} tp={tp}")
         full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}

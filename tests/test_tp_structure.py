@@ -11,7 +11,7 @@ import autopar
 from autopar.core.tensor_placement import Shard
 
 
-def _program(fam, tp):
+def _compile_tp(fam, tp):
     model, vocab = make(fam)
     return parallelize_on(model, batches(vocab, steps=1), BATCH, tp=tp, sequence_parallel=False), vocab  # the all-reduces of tensor parallelism alone
 
@@ -19,7 +19,7 @@ def _program(fam, tp):
 @pytest.mark.parametrize("fam", list(FAMILIES))
 @pytest.mark.parametrize("tp", [2, 4])
 def test_two_all_reduces_forward_two_backward_per_layer(fam, tp):
-    program, _ = _program(fam, tp)
+    program, _ = _compile_tp(fam, tp)
     per_layer = program.collectives(by_layer=True)
     for layer in range(program.layers.count):
         # g after the attention output and the MLP down projection (forward all-reduces);
@@ -34,7 +34,7 @@ def test_two_all_reduces_forward_two_backward_per_layer(fam, tp):
 @pytest.mark.parametrize("fam", list(FAMILIES))
 @pytest.mark.parametrize("tp", [2, 4])
 def test_no_value_has_the_full_vocabulary(fam, tp):
-    program, vocab = _program(fam, tp)
+    program, vocab = _compile_tp(fam, tp)
     padded = -(-vocab // tp) * tp
     shapes = program.local_shapes(rank=tp - 1)
     full = {name: s for name, s in shapes.items() if vocab in s or padded in s}
@@ -45,7 +45,7 @@ def test_no_value_has_the_full_vocabulary(fam, tp):
 @pytest.mark.parametrize("fam", list(FAMILIES))
 @pytest.mark.parametrize("tp", [2, 4])
 def test_layer_parameters_per_rank_are_one_over_t(fam, tp):
-    program, _ = _program(fam, tp)
+    program, _ = _compile_tp(fam, tp)
     for layer in range(program.layers.count):
         names = [n for n in program.param_names if program.layer_params(n) == layer]
         matrices = [n for n in names if len(program.full_shape(n)) == 2]
@@ -56,7 +56,7 @@ def test_layer_parameters_per_rank_are_one_over_t(fam, tp):
 
 
 def test_fused_qkv_shards_each_of_q_k_v_not_thirds():
-    program, _ = _program("gpt2-fused", 2)
+    program, _ = _compile_tp("gpt2-fused", 2)
     spec = program.param_spec("h.0.attn.c_attn.weight")
     assert spec == Shard(0, (64, 64, 64))
     text = program.code(rank=1)
@@ -64,13 +64,13 @@ def test_fused_qkv_shards_each_of_q_k_v_not_thirds():
 
 
 def test_gqa_splits_key_value_heads():
-    program, _ = _program("llama", 4)  # 8 query heads, 4 key/value heads
+    program, _ = _compile_tp("llama", 4)  # 8 query heads, 4 key/value heads
     assert program.local_shape("layers.0.attention.wk.weight") == (8, 64)  # 1 kv head of 8 dims
     assert program.local_shape("layers.0.attention.wq.weight") == (16, 64)
 
 
 def test_vocabulary_padding_for_a_prime_vocabulary():
-    program, vocab = _program("hf-gpt2", 2)
+    program, vocab = _compile_tp("hf-gpt2", 2)
     assert vocab == 257
     spec = program.param_spec("transformer.wte.weight")
     assert spec == Shard(0, (258,))
@@ -79,7 +79,7 @@ def test_vocabulary_padding_for_a_prime_vocabulary():
 
 
 def test_tied_embedding_and_head_share_one_shard():
-    program, _ = _program("nanogpt", 2)
+    program, _ = _compile_tp("nanogpt", 2)
     kinds = {d.kind for n, d in program.plan.decisions.items()}
     assert {"vocab_embedding", "vocab_cross_entropy", "column", "row"} <= kinds
     assert program.traced.aliases["wte.weight"] == ["wte.weight", "lm_head.weight"]

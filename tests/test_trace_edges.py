@@ -116,7 +116,7 @@ class ActivationMLP(MLP):
         return self.proj(ACTIVATIONS[self.activation](self.fc(x)))
 
 
-def _gpt(activation: str) -> nn.Module:
+def _gpt_with_activation(activation: str) -> nn.Module:
     """A 2-layer GPT whose MLPs use ``activation``; the same weights for every activation."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, d_model=32)
@@ -128,12 +128,12 @@ def _gpt(activation: str) -> nn.Module:
     return model
 
 
-def _data():
+def _trace_batches():
     return token_batches(VOCAB, steps=2, rows=ROWS, seed=1)
 
 
-def _ids():
-    return _data()[0][0][0][:2]
+def _trace_ids():
+    return _trace_batches()[0][0][0][:2]
 
 
 def _line_of(obj, text: str) -> int:
@@ -142,8 +142,8 @@ def _line_of(obj, text: str) -> int:
     return first + next(i for i, line in enumerate(lines) if text in line)
 
 
-def _compile(model: nn.Module, **config):
-    inputs, targets = _data()[0]
+def _compile_tp2_pp2_traced(model: nn.Module, **config):
+    inputs, targets = _trace_batches()[0]
     return autopar.parallelize(model, example_inputs=tuple(x[: ROWS // M] for x in inputs),
                                example_targets=tuple(y[: ROWS // M] for y in targets), tp=2, pp=2,
                                microbatches=M, **config)
@@ -161,18 +161,19 @@ def _function_keys(traced) -> list[str]:
 
 def test_plain_autograd_of_a_straight_through_forward_is_not_its_gradient():
     """Why a Function's backward must be kept: the inlined forward's gradient is another one."""
-    ste, plain = (reference_run(_gpt(a), _data()[:1])[1][0] for a in ("function-ste", "plain-round"))
+    ste, plain = (reference_run(_gpt_with_activation(a), _trace_batches()[:1])[1][0]
+                  for a in ("function-ste", "plain-round"))
     name = "h.0.mlp.fc.weight"
     gap = float((ste[name] - plain[name]).norm() / ste[name].norm())
     assert gap == 1.0, gap  # round's autograd gradient is zero: all of the Function's gradient is lost
 
 
 def test_a_function_with_a_gradient_of_its_own_is_one_op_and_one_computing_its_forwards_stays_ops():
-    ste = trace(_gpt("function-ste"), (_ids(),), (_ids(),), lm_cross_entropy)
+    ste = trace(_gpt_with_activation("function-ste"), (_trace_ids(),), (_trace_ids(),), lm_cross_entropy)
     keys = _function_keys(ste)
     assert len(keys) == 2 and all(k.startswith(f"{__name__}.RoundSTE#") for k in keys), keys  # one per layer
     assert "aten.round.default" not in _targets(ste), _targets(ste)
-    gelu = trace(_gpt("function-gelu"), (_ids(),), (_ids(),), lm_cross_entropy)
+    gelu = trace(_gpt_with_activation("function-gelu"), (_trace_ids(),), (_trace_ids(),), lm_cross_entropy)
     assert _function_keys(gelu) == [] and "aten.tanh.default" in _targets(gelu), _targets(gelu)
 
 
@@ -182,7 +183,7 @@ def test_a_function_called_from_the_loss_with_setup_context_is_one_op():
     def loss_fn(logits, targets):
         return lm_cross_entropy(ScaledSignSTE.apply(logits, 0.5), targets)
 
-    traced = trace(_gpt("detach-ste"), (_ids(),), (_ids(),), loss_fn)
+    traced = trace(_gpt_with_activation("detach-ste"), (_trace_ids(),), (_trace_ids(),), loss_fn)
     keys = _function_keys(traced)
     assert len(keys) == 1 and keys[0].startswith(f"{__name__}.ScaledSignSTE#"), keys
     assert "aten.sign.default" not in _targets(traced), _targets(traced)
@@ -190,7 +191,7 @@ def test_a_function_called_from_the_loss_with_setup_context_is_one_op():
 
 def test_a_function_that_cannot_be_one_op_is_refused_by_name():
     with pytest.raises(autopar.TraceError) as err:
-        _compile(_gpt("pair-ste"))
+        _compile_tp2_pp2_traced(_gpt_with_activation("pair-ste"))
     msg = str(err.value)
     # the class, where it is defined, the line that called it, why, the fix
     assert msg.startswith(f"cannot trace the custom torch.autograd.Function {__name__}.PairSTE "
@@ -207,11 +208,11 @@ class ReentrantCheckpointMLP(MLP):
 
 def test_a_function_reading_a_parameter_it_is_not_given_is_refused():
     """Reentrant checkpointing: a Function whose forward reads the block's weights from its closure."""
-    model = _gpt("detach-ste")
+    model = _gpt_with_activation("detach-ste")
     for block in model.h:
         block.mlp.__class__ = ReentrantCheckpointMLP
     with pytest.raises(autopar.TraceError) as err:
-        trace(model, (_ids(),), (_ids(),), lm_cross_entropy)
+        trace(model, (_trace_ids(),), (_trace_ids(),), lm_cross_entropy)
     msg = str(err.value)
     assert msg.startswith("cannot trace the custom torch.autograd.Function "
                           "torch.utils.checkpoint.CheckpointFunction"), msg
@@ -235,14 +236,16 @@ PARITY = {"function-gelu": {}, "function-ste": {}, "function-ste-zb-recompute": 
 
 
 def _parity_model(name: str) -> nn.Module:
-    return _xlm() if name == "xlm" else _hf(name) if name == "phimoe" else _gpt(name.removesuffix("-zb-recompute"))
+    if name in ("xlm", "phimoe"):
+        return _xlm() if name == "xlm" else _hf_traced(name)
+    return _gpt_with_activation(name.removesuffix("-zb-recompute"))
 
 
 def _parity_worker():
     out = {}
     for name, config in PARITY.items():
-        program = parallelize_on(_parity_model(name), _data(), ROWS // M, tp=2, pp=2, microbatches=M, **config)
-        out[name] = (*train_steps(program.materialize(), _data(), LR), program.fallbacks(),
+        program = parallelize_on(_parity_model(name), _trace_batches(), ROWS // M, tp=2, pp=2, microbatches=M, **config)
+        out[name] = (*train_steps(program.materialize(), _trace_batches(), LR), program.fallbacks(),
                      sorted(r.module for r in program.plan.rejected))
     return out
 
@@ -262,7 +265,7 @@ def test_functions_xlm_and_phimoe_train_with_one_devices_gradients_at_tp2_pp2():
     results = spawn_ranks(_parity_worker, 4)
     references = {name: _parity_model("function-ste" if name == "detach-ste" else name) for name in PARITY}
     for name, model in references.items():
-        assert_ranks_match(reference_run(model, _data(), lr=LR), [res[name][:2] for res in results], name)
+        assert_ranks_match(reference_run(model, _trace_batches(), lr=LR), [res[name][:2] for res in results], name)
     mlps = [f"h.{i}.mlp.{p}" for i in range(2) for p in ("fc", "proj")]
     for res in results:
         assert all(res[name][2] == [] for name in references), {n: res[n][2] for n in references}
@@ -328,7 +331,7 @@ class ItemAsValue(_Base):
 ], ids=lambda v: v.__name__ if isinstance(v, type) else None)
 def test_data_dependent_shapes_are_refused_with_the_op_and_the_line(cls, op, text):
     with pytest.raises(autopar.TraceError) as err:
-        _compile(cls())
+        _compile_tp2_pp2_traced(cls())
     msg = str(err.value)
     assert msg.startswith(f"cannot trace {cls.__name__}: {op}"), msg
     assert "whose size depends on tensor values" in msg, msg
@@ -343,7 +346,7 @@ def test_a_value_read_only_by_an_assertion_is_dropped_with_it():
             assert lengths.max().item() <= ids.shape[1]
             return self.head(self.fc(self.emb(ids)))
 
-    ids = _data()[0][0][0][:2]
+    ids = _trace_batches()[0][0][0][:2]
     traced = trace(Checked(), (ids,), (ids,), lm_cross_entropy)
     targets = {str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function"}
     assert not any("item" in t or "assert_scalar" in t or t == "aten.max.default" for t in targets), targets
@@ -352,7 +355,7 @@ def test_a_value_read_only_by_an_assertion_is_dropped_with_it():
 # ---------------------------------------------------------------- HuggingFace families
 
 
-def _hf(name: str) -> nn.Module:
+def _hf_traced(name: str) -> nn.Module:
     import transformers as T
 
     torch.manual_seed(0)
@@ -379,7 +382,7 @@ def test_jetmoe_routing_is_refused_with_the_op_and_the_line():
     from transformers.models.jetmoe import modeling_jetmoe
 
     with pytest.raises(autopar.TraceError) as err:
-        _compile(_hf("jetmoe"))
+        _compile_tp2_pp2_traced(_hf_traced("jetmoe"))
     msg = str(err.value)
     assert msg.startswith("cannot trace JetMoeForCausalLM: aten.item"), msg
     found = re.search(r"\n  at modeling_jetmoe\.py:(\d+) (.*?) \(in (\S+)\)\n", msg)

@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 LAYOUT = ["--tp", "1", "--pp", "2", "--dp", "1", "--steps", "4", "--save-every", "2", "--eval-every", "2"]
 
 
-def _run(*extra: str) -> str:
+def _run_example(*extra: str) -> str:
     out = subprocess.run([sys.executable, str(SCRIPT), *LAYOUT, *extra], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -31,16 +31,16 @@ def _final(text: str) -> str:
 
 
 def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
-    whole = _run("--ckpt-dir", str(tmp_path / "whole"))
+    whole = _run_example("--ckpt-dir", str(tmp_path / "whole"))
     assert "parity: step 0's loss" in whole
     bar = re.findall(r"step 4/4 .* loss (\d+\.\d+) ", whole)
     assert bar and bar[-1] == _final(whole)  # the last line says what the progress bar showed
     # and the same throughput: global tokens/s over the median step of the same steps
     speed = re.findall(r"step 4/4 .* ([\d,]+) tokens/s", whole)
     assert speed and speed[-1] == re.search(r"^final loss .* ms, ([\d,]+) tokens/s$", whole, re.M).group(1)
-    first = _run("--ckpt-dir", str(tmp_path / "cut"), "--stop-at", "2")
+    first = _run_example("--ckpt-dir", str(tmp_path / "cut"), "--stop-at", "2")
     assert "final loss" in first and (tmp_path / "cut" / "latest").read_text().strip() == "step-00000002"
-    resumed = _run("--ckpt-dir", str(tmp_path / "cut"), "--resume")
+    resumed = _run_example("--ckpt-dir", str(tmp_path / "cut"), "--resume")
     assert "resumed from" in resumed and "at step 2" in resumed
     assert _final(resumed) == _final(whole)
     held_out = re.compile(r"(\d+\.\d+) \(step 4\)")

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.multiprocess
 LR, M, LAYERS = 1e-3, 4, 4
 
 
-def _run(fam, recompute, precision, trace_path=None):
+def _train_feature_run(fam, recompute, precision, trace_path=None):
     model, vocab = make(fam, layers=LAYERS)
     data = batches(vocab, rows=BATCH * M)
     program = parallelize_on(model, data, BATCH, tp=2, pp=2, microbatches=M, recompute=recompute, precision=precision)
@@ -45,8 +45,8 @@ RUNS = [("nanogpt", r, "fp32") for r in ("none", "layer", "chunk")] + [("llama",
                                                                      ("nanogpt", "none", "bf16")]
 
 
-def _worker(trace_path):
-    return {run: _run(*run, trace_path=trace_path if i == 0 else None) for i, run in enumerate(RUNS)}
+def _train_every_feature_run(trace_path):
+    return {run: _train_feature_run(*run, trace_path=trace_path if i == 0 else None) for i, run in enumerate(RUNS)}
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +55,11 @@ def trace_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def results(trace_file):
-    return spawn_ranks(_worker, 4, trace_file)
+def feature_runs(trace_file):
+    return spawn_ranks(_train_every_feature_run, 4, trace_file)
 
 
-def test_measured_timeline_is_a_chrome_trace_of_every_action(results, trace_file):
+def test_measured_timeline_is_a_chrome_trace_of_every_action(feature_runs, trace_file):
     import json
 
     events = json.load(open(trace_file))["traceEvents"]
@@ -74,9 +74,9 @@ def test_measured_timeline_is_a_chrome_trace_of_every_action(results, trace_file
         assert starts == sorted(starts) and all(e["dur"] >= 0 for e in mine)
 
 
-def test_recompute_same_losses_and_less_activation_memory(results):
+def test_recompute_same_losses_and_less_activation_memory(feature_runs):
     for fam, modes in (("nanogpt", ("layer", "chunk")), ("llama", ("layer",))):
-        for rank, res in enumerate(results):
+        for rank, res in enumerate(feature_runs):
             base_losses, base_grads, base_peak = res[(fam, "none", "fp32")]
             for mode in modes:
                 losses, grads, peak = res[(fam, mode, "fp32")]
@@ -86,10 +86,10 @@ def test_recompute_same_losses_and_less_activation_memory(results):
                 assert peak < 0.6 * base_peak, (fam, mode, rank, peak, base_peak)
 
 
-def test_bf16_autocast_matches_single_device_bf16(results):
+def test_bf16_autocast_matches_single_device_bf16(feature_runs):
     model, vocab = make("nanogpt", layers=LAYERS)
     ref_losses, ref_grads = reference_run(model, batches(vocab, rows=BATCH * M), lr=LR, precision="bf16")
-    for rank, res in enumerate(results):
+    for rank, res in enumerate(feature_runs):
         losses, grads, _ = res[("nanogpt", "none", "bf16")]
         assert_parity(ref_losses[:1], ref_grads[0], losses[:1], grads[0], rtol=2e-2, atol=1e-3,
                       rel_norm=5e-2, label=f"bf16 rank {rank}")

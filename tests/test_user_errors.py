@@ -40,12 +40,12 @@ def _hf_llama(intermediate: int = 512) -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _ids(rows: int = 2) -> torch.Tensor:
+def _seeded_ids(rows: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def _compile(model: nn.Module, **config) -> autopar.ParallelProgram:
-    x = _ids()
+def _compile_on_ids(model: nn.Module, **config) -> autopar.ParallelProgram:
+    x = _seeded_ids()
     return autopar.parallelize(model, example_inputs=(x,), example_targets=x, **config)
 
 
@@ -55,7 +55,7 @@ def _compile(model: nn.Module, **config) -> autopar.ParallelProgram:
 def test_a_tp_that_does_not_divide_the_heads_names_them_and_the_tps_that_work():
     model = _hf_llama()
     with pytest.raises(autopar.ShardingError) as err:
-        _compile(model, tp=3)
+        _compile_on_ids(model, tp=3)
     msg = str(err.value)
     # the cause: the heads, read from the graph's (heads, head_dim) views, and the MLP width
     assert "tp=3 cannot split LlamaForCausalLM" in msg
@@ -70,7 +70,7 @@ def test_a_tp_that_does_not_divide_the_heads_names_them_and_the_tps_that_work():
     works = [int(t) for t in re.search(r"tp values that split the whole model: ([\d, ]+)", msg).group(1).split(", ")]
     assert works == [1, 2, 4]  # the divisors of gcd(8 heads, 4 key/value heads, 512)
     for tp in works:  # each suggestion compiles, every linear split
-        program = _compile(model, tp=tp)
+        program = _compile_on_ids(model, tp=tp)
         assert program.plan.rejected == [] and program.fallbacks() == []
 
 
@@ -78,7 +78,7 @@ def test_the_tps_the_old_message_suggested_fail_on_the_key_value_heads():
     model = _hf_llama()
     for tp in (8, 16):
         with pytest.raises(autopar.ShardingError) as err:
-            _compile(model, tp=tp)
+            _compile_on_ids(model, tp=tp)
         msg = str(err.value)
         assert "the 4 key/value heads" in msg and "tp=4" in msg
         assert ("the 8 attention heads" in msg) == (tp == 16)
@@ -87,7 +87,7 @@ def test_the_tps_the_old_message_suggested_fail_on_the_key_value_heads():
 def test_an_mlp_width_alone_is_named_as_output_features():
     model = build("llama", ModelConfig(n_head=8, n_kv_head=8, d_model=64, d_ff=100, vocab_size=VOCAB))
     with pytest.raises(autopar.ShardingError) as err:
-        _compile(model, tp=8)  # 8 divides the heads, not the 100-wide MLP
+        _compile_on_ids(model, tp=8)  # 8 divides the heads, not the 100-wide MLP
     msg = str(err.value)
     assert "the 100 output features of layers.0.feed_forward.w1, layers.0.feed_forward.w3" in msg
     assert "heads of" not in msg  # only what fails is listed
@@ -98,7 +98,7 @@ def test_an_mlp_width_alone_is_named_as_output_features():
 # ---------------------------------------------------------------- the loss and the forward
 
 
-def _gpt() -> nn.Module:
+def _default_gpt() -> nn.Module:
     torch.manual_seed(0)
     return build("gpt", ModelConfig(vocab_size=VOCAB, seq_len=SEQ))
 
@@ -108,7 +108,7 @@ def test_a_loss_that_wants_more_targets_says_the_signature_and_the_fix():
         return F.cross_entropy(out.flatten(0, 1), a.flatten()) + b.float().mean()
 
     with pytest.raises(autopar.TraceError) as err:
-        _compile(_gpt(), loss_fn=loss)
+        _compile_on_ids(_default_gpt(), loss_fn=loss)
     msg = str(err.value)
     assert "loss_fn must have the signature loss_fn(output, *targets) -> scalar tensor" in msg
     assert "autopar calls it as loss_fn(output, target)" in msg and "the 1 tensor of example_targets" in msg
@@ -119,7 +119,7 @@ def test_a_loss_that_wants_more_targets_says_the_signature_and_the_fix():
 
 def test_no_targets_for_the_default_loss_says_to_pass_them():
     with pytest.raises(autopar.TraceError) as err:
-        autopar.parallelize(_gpt(), example_inputs=(_ids(),))
+        autopar.parallelize(_default_gpt(), example_inputs=(_seeded_ids(),))
     msg = str(err.value)
     assert "no target, as example_targets was not given" in msg
     assert "lm_cross_entropy(logits, targets) (the default loss" in msg
@@ -130,22 +130,22 @@ def test_a_loss_that_takes_no_target_says_so():
     with pytest.raises(autopar.TraceError, match=r"<lambda>\(out\) .*too many positional arguments.*Fix: pass a "
                                                  r"loss_fn that takes the output and 1 target \(loss_fn\(output, "
                                                  r"target\)\), or no example_targets"):
-        _compile(_gpt(), loss_fn=lambda out: out.mean())
+        _compile_on_ids(_default_gpt(), loss_fn=lambda out: out.mean())
 
 
 def test_a_forward_that_cannot_take_the_example_inputs_says_so():
-    x = _ids()
+    x = _seeded_ids()
     with pytest.raises(autopar.TraceError, match=r"GPT\.forward\(idx\) cannot be called with the 2 example "
                                                  r"input\(s\).*too many positional arguments.*Fix: pass "
                                                  r"example_inputs as a tuple with one tensor per positional"):
-        autopar.parallelize(_gpt(), example_inputs=(x, x), example_targets=x)
+        autopar.parallelize(_default_gpt(), example_inputs=(x, x), example_targets=x)
 
 
 # ---------------------------------------------------------------- names of the batch tensors
 
 
 def test_batch_tensors_carry_the_model_and_loss_argument_names():
-    x = _ids()
+    x = _seeded_ids()
     mask = torch.ones_like(x)
     program = autopar.parallelize(_hf_llama(intermediate=128), tp=2, example_inputs=(x, mask), example_targets=x)
     assert program.traced.input_names == ["input_ids", "attention_mask"]  # LlamaForCausalLM.forward's
@@ -161,20 +161,21 @@ def test_batch_tensors_carry_the_model_and_loss_argument_names():
 
 
 def test_targets_are_named_by_the_loss_parameters():
-    x = _ids()
+    x = _seeded_ids()
 
     def two(out, labels, weights):
         return (F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="none") * weights.flatten()).mean()
 
-    program = autopar.parallelize(_gpt(), example_inputs=(x,), example_targets=(x, torch.ones(x.shape)), loss_fn=two)
+    program = autopar.parallelize(_default_gpt(), example_inputs=(x,), example_targets=(x, torch.ones(x.shape)),
+                                  loss_fn=two)
     assert (program.traced.input_names, program.traced.target_names) == (["idx"], ["labels", "weights"])
-    program = autopar.parallelize(_gpt(), example_inputs=(x,), example_targets=(x, x),
+    program = autopar.parallelize(_default_gpt(), example_inputs=(x,), example_targets=(x, x),
                                   loss_fn=lambda out, *ys: F.cross_entropy(out.flatten(0, 1), ys[0].flatten()))
     assert program.traced.target_names == ["ys_0", "ys_1"]
 
 
 def test_the_engine_names_the_batch_tensor_with_the_wrong_shape():
-    engine = _compile(_gpt()).materialize()
+    engine = _compile_on_ids(_default_gpt()).materialize()
     wrong = torch.zeros(4, SEQ, dtype=torch.long)
     with pytest.raises(ValueError, match=r"batch tensor 'idx' has shape \(4, 16\)"):
         engine.train_step(wrong, wrong)
@@ -185,7 +186,7 @@ def test_the_engine_names_the_batch_tensor_with_the_wrong_shape():
 
 def test_a_layout_that_does_not_fill_the_world_says_how_many_ranks_it_needs():
     with pytest.raises(ValueError) as err:
-        _compile(_gpt(), tp=2, pp=2, microbatches=2, world_size=2)
+        _compile_on_ids(_default_gpt(), tp=2, pp=2, microbatches=2, world_size=2)
     msg = str(err.value)
     assert msg.startswith("tp=2 x pp=2 needs a multiple of 4 ranks, the world has 2")
     assert "dp(0)" not in msg

@@ -57,17 +57,17 @@ def _meta(factory, *args, **kwargs) -> nn.Module:
         return factory(*args, **kwargs)
 
 
-def _gpt(n_layer=4):
+def _init_gpt(n_layer=4):
     return build("gpt", vocab_size=320, seq_len=SEQ, n_layer=n_layer, n_head=4, d_model=64)
 
 
-MODELS = {"hf-llama": lambda: _hf_llama(320), "hf-gpt2": lambda: _hf_gpt2(257), "gpt": _gpt}
+MODELS = {"hf-llama": lambda: _hf_llama(320), "hf-gpt2": lambda: _hf_gpt2(257), "gpt": _init_gpt}
 LAYOUTS = {"tp2_pp2": dict(tp=2, pp=2), "pp2_dp2": dict(pp=2, dp=2),
            "pp2_dp2_v2": dict(pp=2, dp=2, virtual_stages=2, microbatches=2)}
 CASES = [("hf-llama", "tp2_pp2"), ("hf-gpt2", "tp2_pp2"), ("gpt", "pp2_dp2_v2")]
 
 
-def _program(model: nn.Module, layout: str, vocab: int = 320) -> autopar.ParallelProgram:
+def _compile_layout(model: nn.Module, layout: str, vocab: int = 320) -> autopar.ParallelProgram:
     cfg = LAYOUTS[layout]
     rows = BATCH * 2 // (cfg.get("dp", 1) * cfg.get("microbatches", cfg.get("pp", 1)))
     x = X[:rows] % vocab
@@ -128,17 +128,17 @@ class ForgetfulNorm(nn.Module):
 
 
 def _forgetful() -> nn.Module:
-    model = _gpt(n_layer=2)
+    model = _init_gpt(n_layer=2)
     model.ln_f = ForgetfulNorm(64)
     return model
 
 
-def _worker():
+def _initialise_every_case():
     rank = torch.distributed.get_rank()
     out = {"memory": _memory_case()}
     programs = {}
     for name, layout in CASES:
-        programs[name] = _program(_meta(MODELS[name]), layout, 257 if name == "hf-gpt2" else 320)
+        programs[name] = _compile_layout(_meta(MODELS[name]), layout, 257 if name == "hf-gpt2" else 320)
         engine = programs[name].materialize(seed=SEED)
         out[(name, layout)] = engine.full_state_dict()
         if name == "hf-llama":
@@ -146,7 +146,7 @@ def _worker():
     torch.manual_seed(100 + rank)  # each rank its own seed: the base seed is rank 0's
     out["rank0_seed"] = programs["hf-llama"].materialize().full_state_dict()
     try:
-        _program(_meta(_forgetful), "pp2_dp2").materialize(seed=SEED)
+        _compile_layout(_meta(_forgetful), "pp2_dp2").materialize(seed=SEED)
         out["forgetful"] = None
     except Exception as e:  # noqa: BLE001 - the test checks every rank's error
         out["forgetful"] = f"{type(e).__name__}: {e}"
@@ -154,8 +154,8 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn_ranks(_worker, 4, timeout_s=600)
+def init_runs():
+    return spawn_ranks(_initialise_every_case, 4, timeout_s=600)
 
 
 def _full(name: str, seed: int = SEED) -> dict[str, torch.Tensor]:
@@ -165,13 +165,13 @@ def _full(name: str, seed: int = SEED) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.multiprocess
-def test_each_rank_holds_its_shards_and_one_module_at_most(results):
+def test_each_rank_holds_its_shards_and_one_module_at_most(init_runs):
     model = _meta(build, "gpt", **MEM_CFG)
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(_own_bytes(m) for m in model.modules())
     budget = 4 * (full // 4 + largest + OVERHEAD)  # four ranks' fair share, one module each, the overhead
     assert 4 * full > budget  # the full weights on every rank would not fit
-    for rank, r in enumerate(results):
+    for rank, r in enumerate(init_runs):
         m = r["memory"]
         bound = m["shards"] + largest + OVERHEAD
         print(f"rank {rank}: peak {m['peak'] / 2**20:.1f} MiB during materialize; shards {m['shards'] / 2**20:.1f}"
@@ -182,9 +182,9 @@ def test_each_rank_holds_its_shards_and_one_module_at_most(results):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name,layout", CASES)
-def test_every_layout_makes_the_one_device_weights(results, name, layout):
+def test_every_layout_makes_the_one_device_weights(init_runs, name, layout):
     want = _full(name)
-    for rank, r in enumerate(results):
+    for rank, r in enumerate(init_runs):
         got = r[(name, layout)]
         assert got.keys() == want.keys(), (rank, sorted(set(got) ^ set(want)))
         for key, value in want.items():
@@ -192,22 +192,22 @@ def test_every_layout_makes_the_one_device_weights(results, name, layout):
 
 
 @pytest.mark.multiprocess
-def test_a_meta_initialised_engine_trains_like_one_device(results):
+def test_a_meta_initialised_engine_trains_like_one_device(init_runs):
     model = autopar.init_weights(_meta(MODELS["hf-llama"]), SEED)
     reference = reference_run(model, batches(320, steps=1, rows=BATCH * 2), lr=1e-3)
-    assert_ranks_match(reference, [r["train"] for r in results], label="meta-initialised hf-llama tp2 pp2")
+    assert_ranks_match(reference, [r["train"] for r in init_runs], label="meta-initialised hf-llama tp2 pp2")
 
 
 @pytest.mark.multiprocess
-def test_the_base_seed_is_rank_zeros(results):
+def test_the_base_seed_is_rank_zeros(init_runs):
     want = _full("hf-llama", seed=100)
-    for r in results:
+    for r in init_runs:
         assert all(torch.equal(r["rank0_seed"][k], v) for k, v in want.items())
 
 
 @pytest.mark.multiprocess
-def test_a_rank_that_cannot_make_a_weight_stops_every_rank(results):
-    errors = [r["forgetful"] for r in results]
+def test_a_rank_that_cannot_make_a_weight_stops_every_rank(init_runs):
+    errors = [r["forgetful"] for r in init_runs]
     # ln_f lives on the last stage: ranks 2 and 3 find its shift unset, ranks 0 and 1 stop too
     for rank in (2, 3):
         assert errors[rank].startswith("InitError") and "['ln_f.shift'] unset" in errors[rank] \

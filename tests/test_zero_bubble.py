@@ -171,7 +171,7 @@ def test_lowering_zero_bubble_schedules() -> None:
 # --------------------------------------------------------------------------- broken schedules
 
 
-def _refused(schedule: Schedule, match: str) -> str:
+def _refused_by_validate(schedule: Schedule, match: str) -> str:
     with pytest.raises(ScheduleError, match=match) as info:
         validate(schedule)
     message = str(info.value)
@@ -184,22 +184,23 @@ def test_broken_zero_bubble_schedules_are_refused() -> None:
     good = _zb("zb-h1", 2, 2)  # stage 0: F0.0 F0.1 B0.0 W0.0 B0.1 W0.1
     acts = good.actions[0]
     w_first = [acts[0], acts[3], *acts[1:3], *acts[4:]]  # W0.0 before its B0.0
-    message = _refused(dataclasses.replace(good, actions={**good.actions, 0: w_first}),
+    message = _refused_by_validate(dataclasses.replace(good, actions={**good.actions, 0: w_first}),
                        r"W0\.0 on stage 0 runs before B0\.0, which it needs")
     assert "(marked: stage 0 step 1, stage 0 step 3)" in message
     missing = [a for a in acts if str(a) != "W0.1"]
-    _refused(dataclasses.replace(good, actions={**good.actions, 0: missing}),
+    _refused_by_validate(dataclasses.replace(good, actions={**good.actions, 0: missing}),
              r"missing W0\.1 \(on stage 0\) : a schedule with W actions splits every backward")
     custom = parse_grid("mine p=1 v=1 m=2\nstage 0: F0.0 F0.1 B0.0 W0.0 B0.1")
-    _refused(custom, r"missing W0\.1")
+    _refused_by_validate(custom, r"missing W0\.1")
     split_1f1b = parse_grid("1f1b p=1 v=1 m=1\nstage 0: F0.0 B0.0 W0.0")
-    _refused(split_1f1b, r"W0\.0 on stage 0: 1f1b does not split its backwards")
+    _refused_by_validate(split_1f1b, r"W0\.0 on stage 0: 1f1b does not split its backwards")
     unsplit_zb = parse_grid("zb-h1 p=1 v=1 m=1\nstage 0: F0.0 B0.0")
-    _refused(unsplit_zb, r"missing W0\.0")
+    _refused_by_validate(unsplit_zb, r"missing W0\.0")
     eval_w = parse_grid("zb-h1 p=1 v=1 m=1 forward-only\nstage 0: F0.0 W0.0")
-    _refused(eval_w, r"W0\.0 on stage 0: a forward-only schedule runs no backward")
+    _refused_by_validate(eval_w, r"W0\.0 on stage 0: a forward-only schedule runs no backward")
     wrong_stage = parse_grid("zbv p=2 v=2 m=1 placement=v\nstage 0: F0.0 F2.0\nstage 1: F1.0 F3.0")
-    _refused(dataclasses.replace(wrong_stage, forward_only=True), r"F2\.0 is on stage 0, but chunk 2 lives on stage 1")
+    _refused_by_validate(dataclasses.replace(wrong_stage, forward_only=True),
+                         r"F2\.0 is on stage 0, but chunk 2 lives on stage 1")
 
 
 def test_in_flight_bound_of_zb_h1_is_enforced() -> None:
@@ -207,7 +208,7 @@ def test_in_flight_bound_of_zb_h1_is_enforced() -> None:
     good = _zb("zb-h1", 2, 3)  # stage 0: F0.0 F0.1 B0.0 W0.0 F0.2 B0.1 W0.1 B0.2 W0.2
     acts = good.actions[0]
     late = [a for a in acts if str(a) != "W0.0"] + [Action.parse("W0.0")]
-    _refused(dataclasses.replace(good, actions={**good.actions, 0: late}),
+    _refused_by_validate(dataclasses.replace(good, actions={**good.actions, 0: late}),
              r"stage 0 holds 3 activations after F0\.2, above the zb-h1 bound of 2")
 
 

@@ -58,7 +58,7 @@ def _case_data(case):
     return model, batches(vocab, steps=STEPS, rows=BATCH * m * dp), m
 
 
-def _run(case) -> dict:
+def _train_zero_bubble_case(case) -> dict:
     family, layers, m, config = case
     model, data, m = _case_data(case)
     program = parallelize_on(model, data, BATCH, microbatches=m, **config)
@@ -78,18 +78,18 @@ def _run(case) -> dict:
             "tied": dict(program.tied_params)}
 
 
-def _worker(cases):
-    return {name: _run(case) for name, case in cases.items()}
+def _train_zero_bubble_cases(cases):
+    return {name: _train_zero_bubble_case(case) for name, case in cases.items()}
 
 
 @pytest.fixture(scope="module")
 def two():
-    return spawn_ranks(_worker, 2, CASES_2)
+    return spawn_ranks(_train_zero_bubble_cases, 2, CASES_2)
 
 
 @pytest.fixture(scope="module")
 def four():
-    return spawn_ranks(_worker, 4, CASES_4)
+    return spawn_ranks(_train_zero_bubble_cases, 4, CASES_4)
 
 
 def _assert_parity(results, cases, name):

@@ -2,7 +2,13 @@
 
 ``spawn(fn, nprocs, args)`` runs ``fn(*args)`` on every rank with the default
 process group initialised on 127.0.0.1 and returns the ranks' results in rank
-order. A rank that raises makes ``spawn`` raise ``RankError`` with that rank's
+order. On the CPU (gloo) the ranks are forked from a server process that
+imported torch, autopar's compiler and runtime and transformers once
+(``RANK_PRELOAD``), so a rank starts in a fraction of a second instead of
+importing them again; NCCL ranks start fresh (``spawn``), so no rank inherits
+anything of CUDA. Either way a rank sees this process's environment, working
+directory, ``sys.path``, stdout and stderr as they are at the call.
+A rank that raises makes ``spawn`` raise ``RankError`` with that rank's
 traceback after stopping the others; a rank that hangs is stopped after
 ``timeout_s``. Ranks that fail because another did report that rank's failure
 (``ActionError.root_rank``): ``spawn`` reports the root one. Ctrl-C (SIGINT) or
@@ -38,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import forkserver, reduction
 
 from autopar.core.errors import AutoparError
 
@@ -50,6 +57,11 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 class RankError(AutoparError, RuntimeError):
     """A rank failed; the message holds its rank and traceback."""
 
+
+RANK_PRELOAD = ("torch", "torch.distributed", "autopar.api", "autopar.runtime.engine", "autopar.reference.models",
+                "transformers")
+"""What the server that forks CPU ranks imports once, before any rank starts (what every rank would
+import itself). None of it initialises CUDA; a module that is not installed is skipped."""
 
 ROOT_WAIT_S = 5.0
 """How long ``spawn`` waits for the report of the rank whose failure another rank reported."""
@@ -146,7 +158,16 @@ def _leave() -> None:
 
 
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeout_s: float,
-            fn: Callable, args: tuple, results) -> None:
+            fn: Callable, args: tuple, results, environ: dict[str, str],
+            streams: tuple[int | None, int | None] | None) -> None:
+    if streams is not None:  # forked by the server: write where the parent writes now, draw fresh random numbers
+        for fd, target in zip(streams, (1, 2)):
+            if fd is not None and fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+        torch.seed()
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the ranks
@@ -184,11 +205,13 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
                 dist.destroy_process_group()
         return [out]
     backend = backend or default_backend(nprocs)
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context(backend)
+    streams = tuple(_ParentFd.of(fd) for fd in (1, 2)) if ctx.get_start_method() == "forkserver" else None
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, nprocs, port, backend, threads_per_rank, timeout_s, fn, args, results),
+        ctx.Process(target=_worker, args=(r, nprocs, port, backend, threads_per_rank, timeout_s, fn, args, results,
+                                          dict(os.environ), streams),
                     daemon=True)
         for r in range(nprocs)
     ]
@@ -218,6 +241,56 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
         rank, text = failure
         raise RankError(f"rank {rank} of {nprocs} failed: {text}")
     return [out[r] for r in range(nprocs)]
+
+
+def _rank_context(backend: str):
+    """How ranks start: forked from the preloading server for gloo where the platform has one; a fresh
+    interpreter each (``spawn``) for NCCL, so that nothing of CUDA is inherited."""
+    if backend == "nccl" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    _start_forkserver()
+    return ctx
+
+
+def _start_forkserver() -> None:
+    """Start the fork server if it is not running, importing from this process's ``sys.path``: it starts as
+    a fresh interpreter, which would otherwise preload the installed autopar instead of the one in use here
+    (ranks get this process's ``sys.path`` only after the preload)."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+class _ParentFd:
+    """A file descriptor of the spawning process, sent to a forked rank (which would otherwise write
+    to the fork server's stdout and stderr, those of the moment the server started)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    @classmethod
+    def of(cls, fd: int) -> _ParentFd | None:
+        """``fd`` to send, or None where this process has it closed (the rank keeps the server's)."""
+        try:
+            os.fstat(fd)
+        except OSError:
+            return None
+        return cls(fd)
+
+    def __reduce__(self):
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(dup) -> int:
+    return dup.detach()
 
 
 def _collect(procs, results, out: dict, reported: dict, nprocs: int, deadline: float, timeout_s: float,
