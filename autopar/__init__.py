@@ -63,7 +63,7 @@ _WHERE = {
     "CheckpointError": "autopar.runtime.checkpoint.errors",
     "BatchError": "autopar.runtime.engine.batch_checks",
     "ActionError": "autopar.runtime.engine.errors",
-    "EngineFailedError": "autopar.runtime.engine.failures",
+    "EngineFailedError": "autopar.runtime.engine.failure_board",
     "AutoparError": "autopar.core.errors",
     "ConfigError": "autopar.core.errors",
     "MeshError": "autopar.core.mesh",
@@ -95,7 +95,7 @@ if TYPE_CHECKING:
     from autopar.runtime.checkpoint.errors import CheckpointError, CheckpointNotFoundError
     from autopar.runtime.engine.batch_checks import BatchError
     from autopar.runtime.engine.errors import ActionError, EngineRuntimeError, EngineUsageError
-    from autopar.runtime.engine.failures import EngineFailedError
+    from autopar.runtime.engine.failure_board import EngineFailedError
     from autopar.runtime.hf.errors import ExportError
     from autopar.runtime.launch import RankError, spawn
     from autopar.runtime.optim.errors import OptimizerError

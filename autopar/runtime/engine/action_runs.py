@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from autopar.runtime.engine.failing import StepFailures
+from autopar.runtime.engine.step_failures import StepFailures
 from autopar.runtime.engine.step_state import CommBatch, StepState
 from autopar.runtime.engine.timeline import Event
 from autopar.schedules import Action, Kind

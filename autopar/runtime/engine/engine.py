@@ -12,7 +12,7 @@ same way: a new ``StepState`` (``step_state.py``), then each action through its
 handler (one table for both steps: F, B, W in ``compute.py``; SF, RF, SB, RB in
 ``p2p.py``, a run of consecutive ones posted as one batch), then the loss
 reduced over the stages and replicas. A failure becomes one ``ActionError`` on
-every rank (``failing.py``).
+every rank (``step_failures.py``).
 
 Every tensor the engine makes lives on its device (``self.device``: the device
 of its parameters; the current GPU when the process group is NCCL), so no
@@ -43,8 +43,8 @@ from autopar.runtime.engine.action_runs import Handlers, run_actions
 from autopar.runtime.engine.compute import ChunkCompute
 from autopar.runtime.engine.errors import EngineUsageError
 from autopar.runtime.engine.eval_outputs import LogitsOutput, askers, gather_logits
-from autopar.runtime.engine.failing import StepFailures
-from autopar.runtime.engine.failures import FailureBoard, failure_timeout
+from autopar.runtime.engine.failure_board import FailureBoard, failure_timeout
+from autopar.runtime.engine.step_failures import StepFailures
 from autopar.runtime.engine.holdings import Holdings, nccl, rank_device, shard_key
 from autopar.runtime.engine.micro_batches import MicroBatches
 from autopar.runtime.engine.p2p import PointToPoint, wait_sends
@@ -108,7 +108,7 @@ class RankEngine(nn.Module):
         self.random_stream = RandomStream(stream_seed(seed, mesh), self.device)
         """This rank's random stream (dropout): equal on the t ranks of a stage."""
         self.failures = StepFailures(FailureBoard(f"autopar/failure/{token:x}", mesh.shape.world), mesh)
-        """Whether a step failed, and the board its failure is published on (``failing.py``)."""
+        """Whether a step failed, and the board its failure is published on (``step_failures.py``)."""
         self.failure_timeout_s = failure_timeout()
         """Seconds an action may make no progress (waiting for a peer) before this rank fails the step
         with a ``TimeoutError`` its peers raise too: ``AUTOPAR_FAILURE_TIMEOUT``, default 300."""
@@ -256,7 +256,7 @@ class RankEngine(nn.Module):
         return float(loss)
 
     def _refuse_if_failed(self, what: str, read_board: bool = False) -> None:
-        """``EngineFailedError`` when a step of this engine failed (``failing.py``)."""
+        """``EngineFailedError`` when a step of this engine failed (``step_failures.py``)."""
         self.failures.refuse_if_failed(what, self._steps, read_board)
 
     # -------------------------------------------------------------- gradients

@@ -4,7 +4,7 @@
 its coordinates and the schedule grid around the action; ``EngineUsageError``
 and ``EngineRuntimeError`` are the engine's own refusals (a bad argument or
 setup, a call out of its order). The batch's refusals are ``BatchError``
-(``batch_checks.py``), a failed engine's ``EngineFailedError`` (``failures.py``).
+(``batch_checks.py``), a failed engine's ``EngineFailedError`` (``failure_board.py``).
 """
 
 from __future__ import annotations

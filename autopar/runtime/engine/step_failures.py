@@ -3,7 +3,7 @@
 An action that raises is re-raised as ``ActionError`` naming the rank, its
 (pp, dp, tp) coordinates and the action, with the schedule grid around it (the
 action marked ``[..]``). With peers, the failure is published on the engine's
-failure board (``failures.py``), this rank's communication is stopped, and
+failure board (``failure_board.py``), this rank's communication is stopped, and
 every rank raises the same root cause; a failed engine refuses further steps
 (``EngineFailedError``). ``StepFailures`` keeps the board and whether the engine
 failed; the engine calls it around each step's communicating part.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from autopar.core.mesh import Mesh
 from autopar.runtime.engine.errors import ActionError
-from autopar.runtime.engine.failures import EngineFailedError, Failure, FailureBoard
+from autopar.runtime.engine.failure_board import EngineFailedError, Failure, FailureBoard
 
 if TYPE_CHECKING:
     from autopar.runtime.engine.step_state import StepState
