@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.reference.models import build
+from gpt_flags import add_gpt_flags
 
 MODES = ("none", "sync", "async")
 WORLD = 4
@@ -129,11 +130,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="steps per loop")
     p.add_argument("--every", type=int, default=2, help="save every this many steps")
     p.add_argument("--rounds", type=int, default=1, help="repeat the three loops; times are pooled")
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=64)
+    add_gpt_flags(p, d_model=768, layers=8, heads=12, seq=64, vocab=8192)
     p.add_argument("--mb", type=int, default=1, help="rows per microbatch (2 microbatches per step)")
     p.add_argument("--dir", default=None, help="where the checkpoints go (a fresh temporary directory inside)")
     a = p.parse_args()

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.reference.models import build
+from gpt_flags import add_gpt_flags
 
 WORLD = 2
 MiB = 2**20
@@ -219,11 +220,7 @@ def _report_sp(results: list[dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (after 2 warm-up steps)")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=64)
+    add_gpt_flags(p, d_model=256, layers=4, heads=4, seq=64, vocab=8192)
     p.add_argument("--mb", type=int, default=4, help="rows per replica per step")
     a = p.parse_args()
     print(f"memory features on {WORLD} CPU ranks: {len(RUNS)} runs of section 1, then section 2", flush=True)

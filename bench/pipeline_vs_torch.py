@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import autopar  # noqa: E402
 from autopar.reference.models import ModelConfig, build  # noqa: E402
 from tp_vs_dtensor import _nullctx, make_batches, stats  # noqa: E402 - sibling bench's helpers
+from gpt_flags import add_gpt_flags  # noqa: E402
 
 PP = 2
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}  # schedule -> virtual stages per rank
@@ -326,11 +327,7 @@ def main():
                    help=f"comma-separated subset of {list(SCHEDULES)}")
     p.add_argument("--microbatches", "-m", type=int, default=4, help="microbatches per step")
     p.add_argument("--mb", type=int, default=2, help="sequences per microbatch (global batch = mb * m)")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=4096)
+    add_gpt_flags(p, d_model=256, layers=4, heads=4, seq=64, vocab=4096)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--profile", action="store_true",
                    help="after timing (round 1), torch.profiler 3 steps on rank 0 of every configuration, with the "

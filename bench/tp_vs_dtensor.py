@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.reference.models import ModelConfig, build
+from gpt_flags import add_gpt_flags
 
 TP = 2
 
@@ -226,12 +227,8 @@ def main():
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per round")
     p.add_argument("--rounds", type=int, default=2,
                    help="repeat all configurations this many times, interleaved; times are pooled")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
+    add_gpt_flags(p, d_model=256, layers=4, heads=4, seq=128, vocab=8192)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--no-vocab-parallel-dtensor", action="store_true",
                    help="skip the DTensor run with vocab-parallel embedding/LM head + loss_parallel")

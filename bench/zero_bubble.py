@@ -39,6 +39,7 @@ import autopar  # noqa: E402
 from pipeline_vs_torch import (PP, FirstChunk, LastChunk, MiddleChunk, example_microbatch, make_model,  # noqa: E402
                                timed_steps)
 from tp_vs_dtensor import make_batches  # noqa: E402
+from gpt_flags import add_gpt_flags  # noqa: E402
 
 AUTOPAR = {"1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2}  # schedule -> virtual stages
 TORCH = {"torch-interleaved": "interleaved", "torch-zbv": "zbv"}  # torch schedule -> the autopar split it uses
@@ -207,11 +208,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2, help="spawns per m; times pooled")
     p.add_argument("-m", "--microbatches", default="4,8", help="comma-separated microbatch counts (>= 2p = 4)")
     p.add_argument("--mb", type=int, default=2, help="sequences per microbatch")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=4096)
+    add_gpt_flags(p, d_model=256, layers=8, heads=4, seq=64, vocab=4096)
     p.add_argument("--lr", type=float, default=1e-3)
     a = p.parse_args()
     ms = [int(m) for m in a.microbatches.split(",")]
