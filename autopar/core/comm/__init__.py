@@ -25,34 +25,13 @@ from autopar.core.comm.kept_slices import keeping_gathered_slices, release_regat
 from autopar.core.comm.random_streams import seed_forked, tp_rng_call
 from autopar.core.comm.sp_mappings import gather_from_sp, reduce_scatter_to_sp
 from autopar.core.comm.tp_mappings import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+import autopar.core.comm.vocab_parallel as vocab_parallel
 from autopar.core.comm.vocab_parallel import (vocab_parallel_cross_entropy, vocab_parallel_embedding,
                                               vocab_parallel_embedding_sp, vocab_parallel_gather,
                                               vocab_parallel_log_softmax, vocab_parallel_logsumexp,
                                               vocab_parallel_nll_loss, vocab_parallel_soft_cross_entropy,
                                               vocab_parallel_softmax)
 
-__all__ = [
-    "TPGroup",
-    "all_gather",
-    "local_slice",
-    "whole_from_shards",
-    "copy_to_tp",
-    "reduce_from_tp",
-    "gather_from_tp",
-    "scatter_to_tp",
-    "reduce_scatter_to_sp",
-    "gather_from_sp",
-    "keeping_gathered_slices",
-    "release_regathered",
-    "vocab_parallel_embedding",
-    "vocab_parallel_embedding_sp",
-    "vocab_parallel_cross_entropy",
-    "vocab_parallel_logsumexp",
-    "vocab_parallel_softmax",
-    "vocab_parallel_log_softmax",
-    "vocab_parallel_gather",
-    "vocab_parallel_nll_loss",
-    "vocab_parallel_soft_cross_entropy",
-    "seed_forked",
-    "tp_rng_call",
-]
+__all__ = ["TPGroup", "all_gather", "local_slice", "whole_from_shards", "copy_to_tp", "reduce_from_tp",
+           "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_sp", "gather_from_sp", "keeping_gathered_slices",
+           "release_regathered", *vocab_parallel.__all__, "seed_forked", "tp_rng_call"]

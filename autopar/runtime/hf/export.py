@@ -44,15 +44,8 @@ from autopar.core.tensor_placement import Shard
 from autopar.runtime.checkpoint.errors import CheckpointError
 from autopar.runtime.hf.conversion import Lazy, Leaf, Reads, Region, region_slices
 from autopar.runtime.hf.errors import ExportError
-from autopar.runtime.hf.layout import (
-    FILE_METADATA,
-    HFFile,
-    check_output_dir,
-    remove_stale_weight_files,
-    saved_tensors,
-    weight_file_name,
-    write_directory_files,
-)
+from autopar.runtime.hf.layout import (FILE_METADATA, HFFile, check_output_dir, remove_stale_weight_files,
+                                       saved_tensors, weight_file_name, write_directory_files)
 from autopar.runtime.hf.safetensors_stream import SafetensorsStream, TensorEntry
 
 if TYPE_CHECKING:

@@ -35,23 +35,11 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from autopar.runtime.checkpoint.description import (
-    DESCRIPTION,
-    CheckpointError,
-    ModelDescription,
-    read_model_description,
-    resolve,
-)
+from autopar.runtime.checkpoint.description import (DESCRIPTION, CheckpointError, ModelDescription,
+                                                    read_model_description, resolve)
 from autopar.runtime.hf.conversion import Lazy, Leaf, Reads, Region, region_slices
-from autopar.runtime.hf.layout import (
-    FILE_METADATA,
-    HFFile,
-    check_output_dir,
-    remove_stale_weight_files,
-    saved_tensors,
-    weight_file_name,
-    write_directory_files,
-)
+from autopar.runtime.hf.layout import (FILE_METADATA, HFFile, check_output_dir, remove_stale_weight_files,
+                                       saved_tensors, weight_file_name, write_directory_files)
 from autopar.runtime.hf.safetensors_stream import SafetensorsStream, TensorEntry
 
 __all__ = ["export_checkpoint"]
