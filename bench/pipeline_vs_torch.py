@@ -63,6 +63,7 @@ import autopar  # noqa: E402
 from autopar.reference.models import ModelConfig, build  # noqa: E402
 from tp_vs_dtensor import _nullctx, make_batches, stats  # noqa: E402 - sibling bench's helpers
 from gpt_flags import add_gpt_flags  # noqa: E402
+from pooling import pool_round  # noqa: E402
 
 PP = 2
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}  # schedule -> virtual stages per rank
@@ -379,15 +380,7 @@ def main():
     for rnd in range(a.rounds):
         res = autopar.spawn(worker, nprocs=PP, args=(a, rnd, splits))
         for key in res[0]:
-            per_rank = [r[key] for r in res]
-            if key not in runs:
-                runs[key] = per_rank
-            else:
-                for acc, r in zip(runs[key], per_rank):
-                    acc["times"] += r["times"]
-                    acc["cpu"] += r["cpu"]
-                    acc["setup_s"] = max(acc["setup_s"], r["setup_s"])
-                    acc["first_s"] = max(acc["first_s"], r["first_s"])
+            pool_round(runs, key, [r[key] for r in res], summed=("times", "cpu"), peaks=("setup_s", "first_s"))
     total_s = time.perf_counter() - t_all
 
     med, medcpu = {}, {}

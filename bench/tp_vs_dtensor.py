@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.reference.models import ModelConfig, build
 from gpt_flags import add_gpt_flags
+from pooling import pool_round
 
 TP = 2
 
@@ -267,14 +268,7 @@ def main():
     for rnd in range(a.rounds):
         ra = argparse.Namespace(**{**vars(a), "profile": a.profile and rnd == 0})
         for label, fn in configs:
-            res = fn(ra)
-            if label not in runs:
-                runs[label] = res
-            else:
-                for acc, r in zip(runs[label], res):
-                    acc["times"] += r["times"]
-                    acc["cpu"] += r["cpu"]
-                    acc["setup_s"] = max(acc["setup_s"], r["setup_s"])
+            pool_round(runs, label, fn(ra), summed=("times", "cpu"), peaks=("setup_s",))
     total_s = time.perf_counter() - t_all
 
     med, medcpu = {}, {}

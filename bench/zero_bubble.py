@@ -40,6 +40,7 @@ from pipeline_vs_torch import (PP, FirstChunk, LastChunk, MiddleChunk, example_m
                                timed_steps)
 from tp_vs_dtensor import make_batches  # noqa: E402
 from gpt_flags import add_gpt_flags  # noqa: E402
+from pooling import pool_round  # noqa: E402
 
 AUTOPAR = {"1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2}  # schedule -> virtual stages
 TORCH = {"torch-interleaved": "interleaved", "torch-zbv": "zbv"}  # torch schedule -> the autopar split it uses
@@ -179,13 +180,7 @@ def run(a, con) -> None:
     for rnd in range(a.rounds):
         for rank_res in [autopar.spawn(worker, nprocs=PP, args=(a, rnd, splits))]:
             for name in rank_res[0]:
-                per_rank = [r[name] for r in rank_res]
-                if name not in pooled:
-                    pooled[name] = per_rank
-                else:
-                    for acc, r in zip(pooled[name], per_rank):
-                        acc["times"] += r["times"]
-                        acc["kept"] = max(acc["kept"], r["kept"])
+                pool_round(pooled, name, [r[name] for r in rank_res], peaks=("kept",))
     base = statistics.median(pooled[BASELINE][0]["times"])
     tab = Table(title=f"pp={PP}, m={a.microbatches}: step time (rank 0 / rank 1 medians) and peak activation "
                       f"memory per stage (saved bytes held for pending backwards)")
