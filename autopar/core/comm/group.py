@@ -10,6 +10,7 @@ shapes: its collectives return the right sizes without communicating.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from autopar.core.collectives import CollectiveError
 
-__all__ = ["TPGroup", "PAIRWISE_MAX_BYTES", "all_reduce", "all_gather", "reduce_scatter_dim", "all_gather_dim",
+__all__ = ["TPGroup", "conjugate_pair", "PAIRWISE_MAX_BYTES", "all_reduce", "all_gather", "reduce_scatter_dim", "all_gather_dim",
            "local_slice", "whole_from_shards"]
 
 
@@ -180,3 +181,21 @@ def all_gather_dim(x: torch.Tensor, group: TPGroup, dim: int,
         out = torch.empty((front.shape[0] * group.size, *front.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_single(out, front, group=group.pg)
     return _segment_major(out, group.size, segments).movedim(0, dim).contiguous()
+
+
+DimCollective = Callable[[torch.Tensor, TPGroup, int, "tuple[int, ...] | None"], torch.Tensor]
+
+
+def conjugate_pair(name: str, forward: DimCollective, backward: DimCollective) -> type[torch.autograd.Function]:
+    """An autograd Function that runs ``forward(x, group, dim, segments)`` and, in the backward,
+    ``backward(grad, group, dim, segments)``: a collective and its conjugate (a reduce-scatter and
+    an all-gather, a gather and a slice)."""
+
+    def fwd(ctx, x, group, dim, segments):
+        ctx.args = (group, dim, segments)
+        return forward(x, group, dim, segments)
+
+    def bwd(ctx, grad):
+        return backward(grad, *ctx.args), None, None, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})

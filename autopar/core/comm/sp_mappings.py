@@ -16,32 +16,14 @@ from __future__ import annotations
 import torch
 
 from autopar.core.collectives import ALL_GATHER, REDUCE_SCATTER, collective, input_bytes, output_bytes, twice
-from autopar.core.comm.group import TPGroup, all_gather_dim, reduce_scatter_dim
+from autopar.core.comm.group import TPGroup, all_gather_dim, conjugate_pair, reduce_scatter_dim
 from autopar.core.comm.kept_slices import remember_gathered
 
 __all__ = ["reduce_scatter_to_sp", "gather_from_sp"]
 
 
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim, segments):
-        ctx.args = (group, dim, segments)
-        return reduce_scatter_dim(x, group, dim, segments)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim(grad, *ctx.args), None, None, None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim, segments):
-        ctx.args = (group, dim, segments)
-        return all_gather_dim(x, group, dim, segments)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_dim(grad, *ctx.args), None, None, None
+_ReduceScatterToSP = conjugate_pair("_ReduceScatterToSP", reduce_scatter_dim, all_gather_dim)
+_GatherFromSP = conjugate_pair("_GatherFromSP", all_gather_dim, reduce_scatter_dim)
 
 
 @collective("g (reduce_scatter_to_sp)", "fwd reduce-scatter; bwd all-gather", (REDUCE_SCATTER, ALL_GATHER),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, collective, output_bytes
-from autopar.core.comm.group import TPGroup, all_gather, all_reduce, local_slice
+from autopar.core.comm.group import TPGroup, all_gather, all_reduce, conjugate_pair, local_slice
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp"]
 
@@ -42,16 +42,11 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim, segments):
-        ctx.args = (group, dim, segments)
-        return all_gather(x, group, dim, segments)
+def _own_slice(grad: torch.Tensor, group: TPGroup, dim: int, segments: tuple[int, ...] | None) -> torch.Tensor:
+    return local_slice(grad, group.rank, group.size, dim, segments).contiguous()
 
-    @staticmethod
-    def backward(ctx, grad):
-        group, dim, segments = ctx.args
-        return local_slice(grad, group.rank, group.size, dim, segments).contiguous(), None, None, None
+
+_GatherFromTP = conjugate_pair("_GatherFromTP", all_gather, _own_slice)
 
 
 class _ScatterToTP(torch.autograd.Function):
