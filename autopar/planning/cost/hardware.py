@@ -92,6 +92,9 @@ class Hardware:
         return replace(self, eff=replace(self.eff, **kw))
 
 
+_DGX_H100 = Hardware(name="dgx-h100", gpu="H100-SXM5-80GB", gpus_per_node=8, peak_flops=989e12, hbm_bytes=80 * GiB,
+                     hbm_bw=3350 * GB, sm_count=132, nvlink_bw=450 * GB, ib_bw=400e9 / 8)
+
 PROFILES: dict[str, Hardware] = {
     # The paper's Selene nodes: 8x A100-SXM4-80GB, NVSwitch (600 GB/s per GPU,
     # bidirectional), 8x 200 Gb/s HDR InfiniBand per node (one NIC per GPU).
@@ -108,29 +111,9 @@ PROFILES: dict[str, Hardware] = {
     ),
     # DGX H100: 8x H100-SXM5-80GB, NVLink 4 (900 GB/s bidirectional),
     # 8x 400 Gb/s NDR. Efficiencies reuse the A100 calibration (unvalidated).
-    "dgx-h100": Hardware(
-        name="dgx-h100",
-        gpu="H100-SXM5-80GB",
-        gpus_per_node=8,
-        peak_flops=989e12,
-        hbm_bytes=80 * GiB,
-        hbm_bw=3350 * GB,
-        sm_count=132,
-        nvlink_bw=450 * GB,
-        ib_bw=400e9 / 8,
-    ),
+    "dgx-h100": _DGX_H100,
     # DGX H200: H100 compute with 141 GB HBM3e at 4.8 TB/s.
-    "dgx-h200": Hardware(
-        name="dgx-h200",
-        gpu="H200-SXM-141GB",
-        gpus_per_node=8,
-        peak_flops=989e12,
-        hbm_bytes=141 * GB,
-        hbm_bw=4800 * GB,
-        sm_count=132,
-        nvlink_bw=450 * GB,
-        ib_bw=400e9 / 8,
-    ),
+    "dgx-h200": replace(_DGX_H100, name="dgx-h200", gpu="H200-SXM-141GB", hbm_bytes=141 * GB, hbm_bw=4800 * GB),
 }
 
 
