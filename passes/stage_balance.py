@@ -16,7 +16,7 @@ from the right), keeping every interval a stage can leave. Interleaved
 placements keep ``balance``'s min-max chunk cut: their stages run the chunks
 in lock-step rounds, one chunk's work per round, so the largest chunk is what
 a round waits for. Tested against every cut of small sequences
-(``tests/test_stage_balance.py``).
+(``tests/passes/test_stage_balance.py``).
 """
 
 from __future__ import annotations

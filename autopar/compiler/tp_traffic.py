@@ -15,7 +15,7 @@ those count:
   chunk before it.
 
 Bytes count each buffer once, as the collective registry does. A real run
-moves exactly these (``tests/test_user_errors.py`` counts them on 4 ranks).
+moves exactly these (``tests/compiler/test_user_errors.py`` counts them on 4 ranks).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.multiprocess
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _snippet() -> str:

@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.multiprocess
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 LAYOUT = ["--tp", "1", "--pp", "2", "--dp", "1", "--steps", "4", "--save-every", "2", "--eval-every", "2"]
 
 

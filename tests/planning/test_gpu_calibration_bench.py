@@ -6,7 +6,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "gpu_calibration.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_calibration.py"
 
 
 def test_gpu_calibration_smoke(capsys):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from autopar.core.log import LIBRARY_LOGGER, current_rank, get_logger
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(code: str, rank: str | None) -> subprocess.CompletedProcess:

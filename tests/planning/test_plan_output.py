@@ -204,7 +204,7 @@ def test_program_summary_fits_and_keeps_every_number(width):
 # ---------------------------------------------------------- the main job's throughput
 
 def _train_script():
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
     spec = importlib.util.spec_from_file_location("train_gpt_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
