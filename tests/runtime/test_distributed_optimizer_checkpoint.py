@@ -1,6 +1,6 @@
 """The distributed optimizer's state through checkpoints: exact resume, resharding, either optimizer.
 
-Two spawns of 4 gloo ranks, run once for the module (the ``saved_and_resumed`` fixture), on
+Two spawns of 4 gloo ranks, run once for the module (the ``sharded_runs`` fixture), on
 a GPT-2 with fused QKV (three segments per tp shard) and a vocabulary of 51
 (padded to 52 at tp=2), buckets of 4 KiB so the replicas' ranges start and end
 mid-row and mid-segment:
@@ -79,7 +79,7 @@ def _train_clipped(engine, optimizer, scheduler, batches) -> list[float]:
     return losses
 
 
-def _train_and_save(root: str, layout: dict, distributed: bool, dtype=torch.float32, go_on: bool = False) -> dict:
+def _train_and_save_state(root: str, layout: dict, distributed: bool, dtype=torch.float32, go_on: bool = False) -> dict:
     """SAVE_AT steps, saved; with ``go_on`` the same engine goes on to STEPS steps (a save changes nothing
     a step reads), the uninterrupted run the resumed ones are compared with."""
     engine, optimizer, scheduler, data = _fused_gpt_engine(layout, distributed, dtype)
@@ -93,9 +93,9 @@ def _train_and_save(root: str, layout: dict, distributed: bool, dtype=torch.floa
 
 
 def _save_every_layout(root: str) -> dict:
-    out = {name: _train_and_save(f"{root}/{name}", layout, distributed, go_on=name == "dp2")
+    out = {name: _train_and_save_state(f"{root}/{name}", layout, distributed, go_on=name == "dp2")
            for name, (layout, distributed) in SAVES.items()}
-    out["bf16"] = _train_and_save(f"{root}/bf16", DP2, True, torch.bfloat16, go_on=True)
+    out["bf16"] = _train_and_save_state(f"{root}/bf16", DP2, True, torch.bfloat16, go_on=True)
     return out
 
 
@@ -115,7 +115,7 @@ def _resume_every_case(root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def saved_and_resumed(tmp_path_factory):
+def sharded_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distopt")
     saved = spawn_ranks(_save_every_layout, 4, str(root), timeout_s=600)[0]
     loaded = spawn_ranks(_resume_every_case, 4, str(root), timeout_s=600)
@@ -136,24 +136,24 @@ def _tensors(step_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tenso
 
 # ------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_resume_at_the_same_layout_is_exact(saved_and_resumed, precision):
+def test_resume_at_the_same_layout_is_exact(sharded_runs, precision):
     """3 steps, save, new processes, load, 3 steps == 6 steps: losses and weights bitwise."""
     source, case = ("dp2", "same") if precision == "fp32" else ("bf16", "bf16")
-    saved = saved_and_resumed["saved"][source]
-    for rank, result in enumerate(r[case] for r in saved_and_resumed["loaded"]):
+    saved = sharded_runs["saved"][source]
+    for rank, result in enumerate(r[case] for r in sharded_runs["loaded"]):
         assert result["losses"] == saved["losses"][SAVE_AT:], (precision, rank)
-    assert_bitwise_equal(saved_and_resumed["loaded"][0][case]["loaded"], saved["saved"], f"{precision} loaded")
-    assert_bitwise_equal(saved_and_resumed["loaded"][0][case]["weights"], saved["weights"], f"{precision} after resume")
+    assert_bitwise_equal(sharded_runs["loaded"][0][case]["loaded"], saved["saved"], f"{precision} loaded")
+    assert_bitwise_equal(sharded_runs["loaded"][0][case]["weights"], saved["weights"], f"{precision} after resume")
 
 
 @pytest.mark.parametrize("case", sorted(LOADS))
-def test_reshard_keeps_weights_and_optimizer_state(saved_and_resumed, case):
+def test_reshard_keeps_weights_and_optimizer_state(sharded_runs, case):
     """The weights after the load and the optimizer state saved again right after it equal the loaded
     checkpoint's bit for bit, at another d, tp, pp, or optimizer."""
     source = LOADS[case][0]
-    assert_bitwise_equal(saved_and_resumed["loaded"][0][case]["loaded"], saved_and_resumed["saved"][source]["saved"],
+    assert_bitwise_equal(sharded_runs["loaded"][0][case]["loaded"], sharded_runs["saved"][source]["saved"],
                     f"{case} loaded")
-    root = saved_and_resumed["root"]
+    root = sharded_runs["root"]
     before = _tensors(resolve(root / source), ("optim.", "model."))
     after = _tensors(resolve(root / "resaved" / case), ("optim.", "model."))
     assert sum(k.endswith(".exp_avg_sq") for k in before) == sum(k.startswith("model.") for k in before)
@@ -161,7 +161,7 @@ def test_reshard_keeps_weights_and_optimizer_state(saved_and_resumed, case):
 
 
 @pytest.mark.parametrize("case", sorted(LOADS))
-def test_resharded_run_continues_within_fp32_rounding(saved_and_resumed, case):
+def test_resharded_run_continues_within_fp32_rounding(sharded_runs, case):
     """Later losses against the uninterrupted dp=2 x pp=2 run.
 
     Tolerance: the layouts (and the plain optimizer's all-reduce against the
@@ -170,17 +170,17 @@ def test_resharded_run_continues_within_fp32_rounding(saved_and_resumed, case):
     leaves room for AdamW amplifying it where a gradient is near zero, far
     below what one misplaced range of a moment changes.
     """
-    reference = saved_and_resumed["saved"]["dp2"]["losses"][SAVE_AT:]
-    for rank, result in enumerate(r[case] for r in saved_and_resumed["loaded"]):
+    reference = sharded_runs["saved"]["dp2"]["losses"][SAVE_AT:]
+    for rank, result in enumerate(r[case] for r in sharded_runs["loaded"]):
         torch.testing.assert_close(result["losses"], reference, rtol=1e-5, atol=0,
                                    msg=lambda m, rank=rank: f"{case} rank {rank}: {m}")
 
 
-def test_ranges_are_written_once_without_overlap(saved_and_resumed):
+def test_ranges_are_written_once_without_overlap(sharded_runs):
     """dp=4's checkpoint: a moment of each parameter as chunks of its full shape that never overlap and
     together cover it exactly once; the bf16 one keeps fp32 masters, the fp32 ones none."""
     for name in ("dp4", "dp2"):
-        metadata = dcp.FileSystemReader(resolve(saved_and_resumed["root"] / name)).read_metadata().state_dict_metadata
+        metadata = dcp.FileSystemReader(resolve(sharded_runs["root"] / name)).read_metadata().state_dict_metadata
         for key, md in metadata.items():
             if key.endswith(".exp_avg"):
                 covered = torch.zeros(md.size, dtype=torch.int32)
@@ -189,7 +189,7 @@ def test_ranges_are_written_once_without_overlap(saved_and_resumed):
                 assert bool((covered == 1).all()), (name, key, covered.unique())
         assert not any(k.startswith("master.") for k in metadata), name
         assert max(len(md.chunks) for k, md in metadata.items() if k.endswith(".exp_avg")) > 1  # ranges cut rows
-    bf16 = dcp.FileSystemReader(resolve(saved_and_resumed["root"] / "bf16")).read_metadata().state_dict_metadata
+    bf16 = dcp.FileSystemReader(resolve(sharded_runs["root"] / "bf16")).read_metadata().state_dict_metadata
     masters = [k for k in bf16 if k.startswith("master.")]
     assert len(masters) == sum(k.startswith("model.") for k in bf16)
     assert {bf16[k].properties.dtype for k in masters} == {torch.float32}

@@ -86,7 +86,7 @@ def _batches(family: str, vocab: int):
     return token_batches(vocab, steps=2, rows=LAYOUTS[family]["dp"] * MICROBATCHES, seed=1)
 
 
-def _train_and_save(family: str, out_dir: str) -> dict:
+def _train_and_export(family: str, out_dir: str) -> dict:
     """On one rank: one AdamW step in the family's layout, ``save_pretrained``, the full state dict
     and the engine's loss on the evaluation batch (a forward and backward, no optimizer step)."""
     model, vocab = _export_model(family)
@@ -128,7 +128,7 @@ def _save_pretrained_failures(engine, out_dir: str) -> list[str]:
 
 
 def _train_and_save_every_family(root: str) -> dict:
-    return {family: _train_and_save(family, os.path.join(root, family)) for family in LAYOUTS}
+    return {family: _train_and_export(family, os.path.join(root, family)) for family in LAYOUTS}
 
 
 @pytest.fixture(scope="module")
