@@ -189,6 +189,10 @@ def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeou
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - peers may be gone already
                 pass
+        if streams is not None:
+            # a forked process ends in os._exit, which skips the exit handlers a fresh interpreter runs
+            # (the store's host waiting until every rank has read a failure it holds): run them here
+            atexit._run_exitfuncs()
 
 
 def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None,
