@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 import autopar
 from autopar.core.errors import AutoparError
 from autopar.core.tensor_placement import Shard
-import autopar.runtime.hf.weights_in as hf_weights
+import autopar.runtime.hf.weights_in as weights_in
 
 MODELS = {"llama": (lambda: _hf_llama(320), 320), "gpt2": (lambda: _hf_gpt2(257), 257)}
 
@@ -97,12 +97,12 @@ class _Counting:
 
 def _load_counting(program, path: Path) -> tuple:
     log: list = []
-    original = hf_weights.safe_open
-    hf_weights.safe_open = lambda file, **kwargs: _Counting(original(file, **kwargs), log)
+    original = weights_in.safe_open
+    weights_in.safe_open = lambda file, **kwargs: _Counting(original(file, **kwargs), log)
     try:
         engine = program.materialize(checkpoint=path)
     finally:
-        hf_weights.safe_open = original
+        weights_in.safe_open = original
     return engine, log
 
 

@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 
 import autopar
 from autopar.core.tensor_placement import Shard
-import autopar.runtime.hf.weights_in as hf_weights
+import autopar.runtime.hf.weights_in as weights_in
 from autopar.runtime.checkpoint.errors import CheckpointError
 from autopar.runtime.hf.conversion import Leaf, Reads
 from autopar.runtime.hf.weights_in import HFCheckpoint
@@ -265,7 +265,7 @@ def test_stacked_experts_read_as_slices_of_each_expert(tmp_path, monkeypatch):
     with torch.device("meta"):
         meta = _mixtral()
     log = []
-    original = hf_weights.safe_open
+    original = weights_in.safe_open
 
     class Logged:
         def __init__(self, handle):
@@ -290,7 +290,7 @@ def test_stacked_experts_read_as_slices_of_each_expert(tmp_path, monkeypatch):
     ckpt = HFCheckpoint.open(tmp_path)
     view = ckpt.view(meta)
     assert any("gate_up_proj" in c for c in ckpt.conversions)
-    monkeypatch.setattr(hf_weights, "safe_open", lambda file, **kw: Logged(original(file, **kw)))
+    monkeypatch.setattr(weights_in, "safe_open", lambda file, **kw: Logged(original(file, **kw)))
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
         source = view[name]
         assert source.sliceable and len(source.leaves()) == 4 * (2 if "gate_up" in name else 1)

@@ -5,7 +5,7 @@ call ``Checkpointer.save`` and ``Checkpointer.load``. Collective: every rank
 calls them. What is stored (``docs/training.md``, "Checkpoints"):
 
 - every parameter in its full, unpadded shape as in the user's model, each rank
-  writing its shard's pieces at their global offsets (``checkpoint_state``),
+  writing its shard's pieces at their global offsets (``model_state``),
   so a program of any layout (tp, pp, v, dp) reads the pieces that overlap its
   own shards: DCP reshards on load;
 - the optimizer's state by parameter name, resharded with the parameters, and
@@ -16,10 +16,10 @@ calls them. What is stored (``docs/training.md``, "Checkpoints"):
   the same layout), the persistent buffers, the step and a user dict ``extra``.
 
 A save writes into ``step-N.partial/`` and becomes ``step-N/`` and ``latest``
-only once every rank finished (``checkpoint_files``); an asynchronous save
+only once every rank finished (``description``); an asynchronous save
 copies the state to host memory and returns while DCP writes in a thread.
 A load checks the checkpoint against the program before reading anything, and
-every rank fails together on a problem any rank finds (``checkpoint_checks``).
+every rank fails together on a problem any rank finds (``checks``).
 
 The checkpoint's collectives run over a process group of their own (gloo: DCP
 exchanges Python objects, and an asynchronous save's thread must not interleave
