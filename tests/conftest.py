@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import helpers
 from helpers import reference_run, tiny_gpt_program
 
 import autopar
@@ -47,3 +48,10 @@ def show(request: pytest.FixtureRequest) -> Callable[[str], None]:
 def tiny_program() -> autopar.ParallelProgram:
     """A 2-layer GPT compiled for one device (``helpers.tiny_gpt_program``), fresh for each test."""
     return tiny_gpt_program()
+
+
+@pytest.fixture(autouse=True)
+def _forget_compiled_programs():
+    """Each test compiles its own programs: ``parallelize_on``'s cache lives for one test."""
+    yield
+    helpers._COMPILED.clear()

@@ -28,7 +28,7 @@ import autopar
 from autopar.reference.models import build
 from autopar.reference.parity import single_device_run
 
-__all__ = ["seeded", "token_batches", "parallelize_on", "tiny_gpt_program", "reference_run", "spawn_ranks",
+__all__ = ["seeded", "token_batches", "parallelize_on", "compiled", "tiny_gpt_program", "reference_run", "spawn_ranks",
            "assert_ranks_match", "assert_same_grads", "assert_bitwise_equal", "meta_model_from",
            "write_contract_checkpoint"]
 
@@ -46,12 +46,55 @@ def token_batches(vocab: int, steps: int, rows: int, seed: int, seq: int = SEQ) 
     return batches(vocab, steps, seed, rows, seq)
 
 
+_COMPILED: dict[tuple, tuple[autopar.ParallelProgram, torch.Tensor]] = {}
+"""What ``parallelize_on`` compiled in this process during the current test (``conftest`` empties it after
+each): by ``_compile_key``, the program and the random state right after its compile."""
+
+
 def parallelize_on(model, data: Batches, rows: int, **config) -> autopar.ParallelProgram:
-    """``autopar.parallelize(model, **config)`` with the first ``rows`` sequences of ``data``'s first batch as
-    the example microbatch (``rows`` = global rows / (dp * microbatches))."""
+    """``compiled(model, **config)`` with the first ``rows`` sequences of ``data``'s first batch as the example
+    microbatch (``rows`` = global rows / (dp * microbatches))."""
     inputs, targets = data[0]
-    return autopar.parallelize(model, example_inputs=tuple(x[:rows] for x in inputs),
-                               example_targets=tuple(y[:rows] for y in targets), **config)
+    return compiled(model, example_inputs=tuple(x[:rows] for x in inputs),
+                    example_targets=tuple(y[:rows] for y in targets), **config)
+
+
+def compiled(model: nn.Module, **config) -> autopar.ParallelProgram:
+    """``autopar.parallelize(model, **config)``, compiled once per test and process.
+
+    A second call with the same model (class, structure and every weight's
+    bytes) and the same config (example tensors by content, the rest by repr)
+    returns the same program and leaves torch's random state as the compile
+    left it. Ranks forked by ``spawn_ranks`` inherit the programs the test
+    compiled before the spawn: a test that compiles its layouts first
+    ("compile once here") spares every rank the compile.
+    """
+    key = _compile_key(model, config)
+    if key in _COMPILED:
+        program, rng = _COMPILED[key]
+        torch.set_rng_state(rng)
+        return program
+    program = autopar.parallelize(model, **config)
+    _COMPILED[key] = program, torch.get_rng_state()
+    return program
+
+
+def _compile_key(model: nn.Module, config: dict) -> tuple:
+    """What determines a compiled program: the model's structure (its repr names every module and its
+    hyperparameters) and the bytes of each parameter and buffer, and the config, tensors in it by content."""
+    def content(value):
+        if isinstance(value, torch.Tensor):
+            t = value.detach()
+            data = b"" if t.is_meta else t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            return "tensor", tuple(t.shape), str(t.dtype), str(t.device), hash(data)
+        if isinstance(value, (tuple, list)):
+            return type(value).__name__, tuple(content(v) for v in value)
+        if isinstance(value, dict):
+            return "dict", tuple((k, content(v)) for k, v in sorted(value.items()))
+        return repr(value)
+
+    state = tuple((n, content(t)) for n, t in model.state_dict(keep_vars=True).items())
+    return type(model).__qualname__, repr(model), state, content(config)
 
 
 def tiny_gpt_program(vocab: int = 64, **layout) -> autopar.ParallelProgram:
@@ -75,8 +118,9 @@ def reference_run(model, data: Batches, lr: float | None = None, loss_fn: Callab
 
 
 def spawn_ranks(worker: Callable, world: int, *args, timeout_s: float = 900) -> list:
-    """``worker(*args)`` on ``world`` gloo ranks in one spawn; the ranks' results in rank order."""
-    results = autopar.spawn(worker, world, args, timeout_s=timeout_s)
+    """``worker(*args)`` on ``world`` gloo ranks in one spawn, forked from this process (so they inherit
+    the programs ``parallelize_on`` compiled here); the ranks' results in rank order."""
+    results = autopar.spawn(worker, world, args, timeout_s=timeout_s, inherit=True)
     assert len(results) == world, f"{len(results)} results from {world} ranks"
     return results
 

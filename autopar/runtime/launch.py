@@ -48,7 +48,7 @@ from multiprocessing import forkserver, reduction
 
 from autopar.core.errors import AutoparError
 
-__all__ = ["spawn", "RankError", "init_from_env", "join_from_env", "launched_world", "free_port"]
+__all__ = ["spawn", "RankError", "LaunchError", "init_from_env", "join_from_env", "launched_world", "free_port"]
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What ``autopar run`` and torchrun set for every rank they start."""
@@ -56,6 +56,10 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 class RankError(AutoparError, RuntimeError):
     """A rank failed; the message holds its rank and traceback."""
+
+
+class LaunchError(AutoparError, ValueError):
+    """Ranks asked for in a way they cannot start (the message says how they can)."""
 
 
 RANK_PRELOAD = ("torch", "torch.distributed", "autopar.api", "autopar.runtime.engine", "autopar.reference.models",
@@ -158,14 +162,16 @@ def _leave() -> None:
 
 
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeout_s: float,
-            fn: Callable, args: tuple, results, environ: dict[str, str],
+            fn: Callable, args: tuple, results, environ: dict[str, str], forked: bool,
             streams: tuple[int | None, int | None] | None) -> None:
-    if streams is not None:  # forked by the server: write where the parent writes now, draw fresh random numbers
+    if streams is not None:  # forked by the server: write where the parent writes now
         for fd, target in zip(streams, (1, 2)):
             if fd is not None and fd != target:
                 os.dup2(fd, target)
                 os.close(fd)
+    if forked:  # fresh random numbers, and only this rank's own exit handlers (see the end)
         torch.seed()
+        atexit._clear()
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -189,15 +195,22 @@ def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeou
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - peers may be gone already
                 pass
-        if streams is not None:
+        if forked:
             # a forked process ends in os._exit, which skips the exit handlers a fresh interpreter runs
             # (the store's host waiting until every rank has read a failure it holds): run them here
             atexit._run_exitfuncs()
 
 
 def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = None,
-          timeout_s: float = 600.0, threads_per_rank: int = 1) -> list[Any]:
-    """Run ``fn(*args)`` on ``nprocs`` local ranks; return their results in rank order."""
+          timeout_s: float = 600.0, threads_per_rank: int = 1, inherit: bool = False) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks; return their results in rank order.
+
+    ``inherit`` (gloo only): fork the ranks from this process itself, so they
+    inherit what it holds, such as a program compiled here once for all of
+    them (``fn`` and ``args`` are not pickled). Fork only from a process
+    whose other threads hold no locks (no data loader or checkpoint writer
+    running): a forked rank has this thread alone.
+    """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
         init_from_env(backend, timeout_s)
         torch.set_num_threads(threads_per_rank)
@@ -209,13 +222,17 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
                 dist.destroy_process_group()
         return [out]
     backend = backend or default_backend(nprocs)
-    ctx = _rank_context(backend)
-    streams = tuple(_ParentFd.of(fd) for fd in (1, 2)) if ctx.get_start_method() == "forkserver" else None
+    if inherit and backend != "gloo":
+        raise LaunchError(f"spawn(inherit=True) forks CPU ranks; {backend} ranks start fresh (no CUDA state "
+                          "inherited): compile the program in each rank, or use backend='gloo'")
+    ctx = mp.get_context("fork") if inherit else _rank_context(backend)
+    start = ctx.get_start_method()
+    streams = tuple(_ParentFd.of(fd) for fd in (1, 2)) if start == "forkserver" else None
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, nprocs, port, backend, threads_per_rank, timeout_s, fn, args, results,
-                                          dict(os.environ), streams),
+                                          dict(os.environ), start != "spawn", streams),
                     daemon=True)
         for r in range(nprocs)
     ]

@@ -68,13 +68,18 @@ def _expected_buckets(program, engine) -> int:
     return buckets
 
 
+def _program(layout):
+    tp, pp, dp = layout
+    v, m, mb = _shape(*layout)
+    return parallelize_on(_parity_gpt(), _parity_batches(), mb, tp=tp, pp=pp, dp=dp, virtual_stages=v,
+                          microbatches=m)
+
+
 def _train_3d_layout(layout):
     import torch.distributed as dist
 
-    tp, pp, dp = layout
-    v, m, mb = _shape(*layout)
     data = _parity_batches()
-    program = parallelize_on(_parity_gpt(), data, mb, tp=tp, pp=pp, dp=dp, virtual_stages=v, microbatches=m)
+    program = _program(layout)
     engine = program.materialize()
     engine.grads.bucket_bytes = BUCKET
     losses, grads = train_steps(engine, data, LR, clip=CLIP)
@@ -88,6 +93,8 @@ def _train_every_layout():
 
 
 def test_every_8_rank_layout_matches_single_device():
+    for layout in LAYOUTS:  # compile once here: the ranks inherit the programs
+        _program(layout)
     results = spawn_ranks(_train_every_layout, 8, timeout_s=1200)
     ref = reference_run(_parity_gpt(), _parity_batches(), lr=LR, clip_grad_norm=CLIP)
     for layout in LAYOUTS:
