@@ -31,13 +31,19 @@ def _m(layout) -> int:
     return layout[6] if len(layout) > 6 else M
 
 
-def _train_pipeline_layout(layout):
+def _program(layout):
+    """The layout's program and its batches (the first microbatch as the example)."""
     fam, tp, pp, v, sched, sg = layout[:6]
     model, vocab = make(fam, layers=LAYERS)
     data = batches(vocab, rows=BATCH * _m(layout))
     program = parallelize_on(model, data, BATCH, tp=tp, pp=pp, virtual_stages=v, microbatches=_m(layout),
                              schedule=sched, scatter_gather=sg,
                              sequence_parallel=False)  # boundaries replicated: what scatter/gather halves
+    return program, data
+
+
+def _train_pipeline_layout(layout):
+    program, data = _program(layout)  # compiled in the test process before the spawn: inherited
     engine = program.materialize()
     losses, grads = train_steps(engine, data, LR)
     stats = {"bytes_sent": dict(engine.stats["bytes_sent"]), "peak_in_flight": engine.stats["peak_in_flight"],
@@ -47,6 +53,13 @@ def _train_pipeline_layout(layout):
 
 def _train_pipeline_layouts(layouts):
     return {layout: _train_pipeline_layout(layout) for layout in layouts}
+
+
+def _spawn_layouts(world, layouts):
+    """Every layout trained on ``world`` ranks in one spawn, each compiled here first (once, not per rank)."""
+    for layout in layouts:
+        _program(layout)
+    return spawn_ranks(_train_pipeline_layouts, world, layouts)
 
 
 def _check(results, layouts, reference):
@@ -86,11 +99,11 @@ def _assert_in_flight(results, layout):
 
 @pytest.fixture(scope="module")
 def world_4():
-    return spawn_ranks(_train_pipeline_layouts, 4, WORLD_4)
+    return _spawn_layouts(4, WORLD_4)
 
 
 def test_pp2_gpipe_1f1b_interleaved_parity_and_in_flight(reference):
-    results = spawn_ranks(_train_pipeline_layouts, 2, WORLD_2)
+    results = _spawn_layouts(2, WORLD_2)
     _check(results, WORLD_2, reference)
     for layout in WORLD_2:
         _, _, _, layers = results[0][layout]
