@@ -93,12 +93,26 @@ def _family_batches():
     return token_batches(VOCAB, steps=2, rows=ROWS, seed=1)
 
 
-def _train_hf_families(names, make=_hf_family):
+SPLIT_FULLY = ["qwen2", "phi3", "opt"]
+MORE = ["gpt-neox", "gpt-j", "gemma2", "falcon", "qwen3", "bloom", "bigcode", "mixtral", "olmoe", "qwen2-moe",
+        "gpt-oss"]
+
+
+def _model(name):
+    return (_hf_family if name in SPLIT_FULLY else _make_more)(name)
+
+
+def _program(name):
+    # f and g of tensor parallelism alone are counted per layer
+    return parallelize_on(_model(name), _family_batches(), ROWS // M, tp=2, pp=2, microbatches=M,
+                          sequence_parallel=False)
+
+
+def _train_hf_families(names):
     out = {}
     for name in names:
         data = _family_batches()
-        # f and g of tensor parallelism alone are counted per layer
-        program = parallelize_on(make(name), data, ROWS // M, tp=2, pp=2, microbatches=M, sequence_parallel=False)
+        program = _program(name)  # compiled in the test process before the spawn: inherited
         losses, grads = train_steps(program.materialize(), data, LR)
         per_layer = program.collectives(by_layer=True)
         out[name] = (losses, grads, program.fallbacks(), [r.reason for r in program.plan.rejected],
@@ -107,29 +121,31 @@ def _train_hf_families(names, make=_hf_family):
     return out
 
 
-def test_more_hf_families_split_fully_and_match_one_process():
-    names = ["qwen2", "phi3", "opt"]
-    results = spawn_ranks(_train_hf_families, 4, names)
+@pytest.fixture(scope="module")
+def family_runs():
+    """Every family of both tests trained on the same 4 ranks, each compiled here first (once, not per rank)."""
+    names = SPLIT_FULLY + MORE
     for name in names:
+        _program(name)
+    return spawn_ranks(_train_hf_families, 4, names)
+
+
+def test_more_hf_families_split_fully_and_match_one_process(family_runs):
+    for name in SPLIT_FULLY:
         assert_ranks_match(reference_run(_hf_family(name), _family_batches(), lr=LR),
-                           [res[name][:2] for res in results], name)
-        for rank, res in enumerate(results):
+                           [res[name][:2] for res in family_runs], name)
+        for rank, res in enumerate(family_runs):
             _, _, fallbacks, rejected, per_layer, _, _ = res[name]
             assert fallbacks == [] and rejected == [], (name, rank, fallbacks, rejected)
             # f and g twice per layer, on each of the 4 layers
             assert per_layer == {(i, k): 2 for i in range(4) for k in ("copy_to_tp", "reduce_from_tp")}, per_layer
 
 
-MORE = ["gpt-neox", "gpt-j", "gemma2", "falcon", "qwen3", "bloom", "bigcode", "mixtral", "olmoe", "qwen2-moe",
-        "gpt-oss"]
-
-
-def test_families_written_differently_match_one_process():
-    results = spawn_ranks(_train_hf_families, 4, MORE, _make_more)
+def test_families_written_differently_match_one_process(family_runs):
     for name in MORE:
         assert_ranks_match(reference_run(_make_more(name), _family_batches(), lr=LR),
-                           [res[name][:2] for res in results], name)
-        for rank, res in enumerate(results):
+                           [res[name][:2] for res in family_runs], name)
+        for rank, res in enumerate(family_runs):
             _, _, fallbacks, rejected, per_layer, whole, where = res[name]
             assert fallbacks == [], (name, fallbacks)
             assert whole == [], (name, whole)  # every matrix is split or explained by a rejected linear
