@@ -21,7 +21,7 @@ import pytest
 import torch.nn as nn
 import torch.nn.functional as F
 from families import FF, TB, RMSNorm, precompute_freqs_cis, train_steps
-from helpers import assert_ranks_match, parallelize_on, reference_run, seeded, spawn_ranks, token_batches
+from helpers import assert_ranks_match, parallelize_on, seeded, spawn_ranks, token_batches
 
 import autopar
 from autopar.core.activation_recompute import Checkpointed
@@ -389,23 +389,29 @@ def _seeded_form(form):
     return seeded({"flat": Flat, "reused": ReusedLlama, **{k: v[0] for k, v in {**FORMS, **HETERO}.items()}}[form])
 
 
+def _form_program(form, layout):
+    cfg = LAYOUTS[layout]
+    return parallelize_on(_seeded_form(form), form_batches(), 8 // cfg.get("microbatches", 1), **cfg)
+
+
 def _train_every_form():
     out = {}
     for form, layout in RUNS:
-        d = form_batches()
-        cfg = LAYOUTS[layout]
-        program = parallelize_on(_seeded_form(form), d, 8 // cfg.get("microbatches", 1), **cfg)
-        out[(form, layout)] = train_steps(program.materialize(), d, 1e-3)
+        program = _form_program(form, layout)  # compiled in the test process before the spawn: inherited
+        out[(form, layout)] = train_steps(program.materialize(), form_batches(), 1e-3)
     return out
 
 
 @pytest.fixture(scope="module")
 def form_runs():
+    for form, layout in RUNS:  # compile once here, not once per rank
+        _form_program(form, layout)
     return spawn_ranks(_train_every_form, 2, timeout_s=900)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("form,layout", RUNS)
-def test_matches_one_device(form_runs, form, layout):
-    assert_ranks_match(reference_run(_seeded_form(form), form_batches(), lr=1e-3),
-                       [r[(form, layout)] for r in form_runs], label=f"{form} {layout}")
+def test_matches_one_device(form_runs, reference, form, layout):
+    # one single-device run per form, whatever the layouts compared with it
+    ref = reference(("layer discovery", form), lambda: _seeded_form(form), form_batches, lr=1e-3)
+    assert_ranks_match(ref, [r[(form, layout)] for r in form_runs], label=f"{form} {layout}")
