@@ -93,15 +93,18 @@ def variant_batches():
     return token_batches(V, steps=2, rows=8, seed=1, seq=S)
 
 
+def _program(name):
+    # f and g of tensor parallelism alone are counted per layer
+    return parallelize_on(make(name), variant_batches(), 4, tp=2, pp=2, microbatches=2, sequence_parallel=False)
+
+
 def _split_and_train_every_variant():
     out = {}
     for name in VARIANTS:
-        d = variant_batches()
-        # f and g of tensor parallelism alone are counted per layer
-        program = parallelize_on(make(name), d, 4, tp=2, pp=2, microbatches=2, sequence_parallel=False)
+        program = _program(name)  # compiled in the test process before the spawn: inherited
         per_layer = {k: v for k, v in program.collectives(by_layer=True).items() if k[0] is not None}
         out[name] = (
-            train_steps(program.materialize(), d, 1e-3),
+            train_steps(program.materialize(), variant_batches(), 1e-3),
             program.fallbacks(),
             program.plan.rejected,
             program.replicated_weights(),
@@ -112,6 +115,8 @@ def _split_and_train_every_variant():
 
 @pytest.fixture(scope="module")
 def variant_runs():
+    for name in VARIANTS:  # compile once here, not once per rank
+        _program(name)
     return spawn_ranks(_split_and_train_every_variant, 4, timeout_s=600)
 
 
