@@ -47,8 +47,8 @@ def token_batches(vocab: int, steps: int, rows: int, seed: int, seq: int = SEQ) 
 
 
 _COMPILED: dict[tuple, tuple[autopar.ParallelProgram, torch.Tensor]] = {}
-"""What ``parallelize_on`` compiled in this process during the current test (``conftest`` empties it after
-each): by ``_compile_key``, the program and the random state right after its compile."""
+"""What ``compiled`` compiled in this process during the current test (``conftest`` empties it after each):
+by ``_compile_key``, the program and the random state right after its compile."""
 
 
 def parallelize_on(model, data: Batches, rows: int, **config) -> autopar.ParallelProgram:
@@ -60,17 +60,20 @@ def parallelize_on(model, data: Batches, rows: int, **config) -> autopar.Paralle
 
 
 def compiled(model: nn.Module, **config) -> autopar.ParallelProgram:
-    """``autopar.parallelize(model, **config)``, compiled once per test and process.
+    """``autopar.parallelize(model, **config)``, compiled once per test for all its ranks.
 
-    A second call with the same model (class, structure and every weight's
-    bytes) and the same config (example tensors by content, the rest by repr)
-    returns the same program and leaves torch's random state as the compile
-    left it. Ranks forked by ``spawn_ranks`` inherit the programs the test
-    compiled before the spawn: a test that compiles its layouts first
-    ("compile once here") spares every rank the compile.
+    Every compile is kept for the rest of the test. In a rank (a process
+    group is up), a call with the same model (class, structure and every
+    weight's bytes) and the same config (example tensors by content, the rest
+    by repr) as one kept returns that program and leaves torch's random state
+    as its compile left it. Ranks forked by ``spawn_ranks`` inherit what the
+    test compiled before the spawn: a test that compiles its layouts first
+    ("compile once here") spares every rank the compile. The test process
+    itself compiles afresh on every call (a test may change the compiler
+    between two calls).
     """
     key = _compile_key(model, config)
-    if key in _COMPILED:
+    if dist.is_initialized() and key in _COMPILED:
         program, rng = _COMPILED[key]
         torch.set_rng_state(rng)
         return program
