@@ -83,8 +83,8 @@ def compiled(model: nn.Module, **config) -> autopar.ParallelProgram:
 
 
 def _compile_key(model: nn.Module, config: dict) -> tuple:
-    """What determines a compiled program: the model's structure (its repr names every module and its
-    hyperparameters) and the bytes of each parameter and buffer, and the config, tensors in it by content."""
+    """What determines a compiled program: the model's structure (its repr, and every module's class and
+    public attributes), the bytes of each parameter and buffer, and the config, tensors in it by content."""
     def content(value):
         if isinstance(value, torch.Tensor):
             t = value.detach()
@@ -97,7 +97,11 @@ def _compile_key(model: nn.Module, config: dict) -> tuple:
         return repr(value)
 
     state = tuple((n, content(t)) for n, t in model.state_dict(keep_vars=True).items())
-    return type(model).__qualname__, repr(model), state, content(config)
+    # each module's own plain attributes (an activation function, a flag, a config): what its repr may omit
+    attributes = tuple((name, type(m).__qualname__, sorted((k, repr(v)) for k, v in vars(m).items()
+                                                           if not k.startswith("_")))
+                       for name, m in model.named_modules())
+    return repr(model), attributes, state, content(config)
 
 
 def tiny_gpt_program(vocab: int = 64, **layout) -> autopar.ParallelProgram:
