@@ -32,6 +32,21 @@ def reference() -> Callable:
     return run
 
 
+@pytest.fixture(scope="module")
+def shared() -> Callable:
+    """``shared(key, make)``: ``make()`` once per test module for each ``key``, for what several tests of the
+    module only read (a compiled program whose structure they inspect). A test that changes what it gets
+    (materialises and trains it, patches it) makes its own instead."""
+    made: dict = {}
+
+    def get(key, make: Callable):
+        if key not in made:
+            made[key] = make()
+        return made[key]
+
+    return get
+
+
 @pytest.fixture
 def show(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """``show(text)``: print ``text`` only when output capture is off (``pytest -s``): the numbers behind an

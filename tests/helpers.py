@@ -47,8 +47,8 @@ def token_batches(vocab: int, steps: int, rows: int, seed: int, seq: int = SEQ) 
 
 
 _COMPILED: dict[tuple, tuple[autopar.ParallelProgram, torch.Tensor]] = {}
-"""What ``parallelize_on`` compiled in this process during the current test (``conftest`` empties it after
-each): by ``_compile_key``, the program and the random state right after its compile."""
+"""What ``compiled`` compiled in this process during the current test (``conftest`` empties it after each):
+by ``_compile_key``, the program and the random state right after its compile."""
 
 
 def parallelize_on(model, data: Batches, rows: int, **config) -> autopar.ParallelProgram:
@@ -60,17 +60,20 @@ def parallelize_on(model, data: Batches, rows: int, **config) -> autopar.Paralle
 
 
 def compiled(model: nn.Module, **config) -> autopar.ParallelProgram:
-    """``autopar.parallelize(model, **config)``, compiled once per test and process.
+    """``autopar.parallelize(model, **config)``, compiled once per test for all its ranks.
 
-    A second call with the same model (class, structure and every weight's
-    bytes) and the same config (example tensors by content, the rest by repr)
-    returns the same program and leaves torch's random state as the compile
-    left it. Ranks forked by ``spawn_ranks`` inherit the programs the test
-    compiled before the spawn: a test that compiles its layouts first
-    ("compile once here") spares every rank the compile.
+    Every compile is kept for the rest of the test. In a rank (a process
+    group is up), a call with the same model (class, structure and every
+    weight's bytes) and the same config (example tensors by content, the rest
+    by repr) as one kept returns that program and leaves torch's random state
+    as its compile left it. Ranks forked by ``spawn_ranks`` inherit what the
+    test compiled before the spawn: a test that compiles its layouts first
+    ("compile once here") spares every rank the compile. The test process
+    itself compiles afresh on every call (a test may change the compiler
+    between two calls).
     """
     key = _compile_key(model, config)
-    if key in _COMPILED:
+    if dist.is_initialized() and key in _COMPILED:
         program, rng = _COMPILED[key]
         torch.set_rng_state(rng)
         return program
@@ -80,8 +83,8 @@ def compiled(model: nn.Module, **config) -> autopar.ParallelProgram:
 
 
 def _compile_key(model: nn.Module, config: dict) -> tuple:
-    """What determines a compiled program: the model's structure (its repr names every module and its
-    hyperparameters) and the bytes of each parameter and buffer, and the config, tensors in it by content."""
+    """What determines a compiled program: the model's structure (its repr, and every module's class and
+    public attributes), the bytes of each parameter and buffer, and the config, tensors in it by content."""
     def content(value):
         if isinstance(value, torch.Tensor):
             t = value.detach()
@@ -94,7 +97,11 @@ def _compile_key(model: nn.Module, config: dict) -> tuple:
         return repr(value)
 
     state = tuple((n, content(t)) for n, t in model.state_dict(keep_vars=True).items())
-    return type(model).__qualname__, repr(model), state, content(config)
+    # each module's own plain attributes (an activation function, a flag, a config): what its repr may omit
+    attributes = tuple((name, type(m).__qualname__, sorted((k, repr(v)) for k, v in vars(m).items()
+                                                           if not k.startswith("_")))
+                       for name, m in model.named_modules())
+    return repr(model), attributes, state, content(config)
 
 
 def tiny_gpt_program(vocab: int = 64, **layout) -> autopar.ParallelProgram:

@@ -11,15 +11,22 @@ import autopar
 from autopar.core.tensor_placement import Shard
 
 
-def _compile_tp(fam, tp):
+def _compile(fam, tp):
     model, vocab = make(fam)
     return parallelize_on(model, batches(vocab, steps=1), BATCH, tp=tp, sequence_parallel=False), vocab  # the all-reduces of tensor parallelism alone
 
 
+@pytest.fixture(scope="module")
+def compile_tp(shared):
+    """``compile_tp(fam, tp)``: (the family's program at ``tp``, its vocabulary), compiled once for the module;
+    the tests only read it."""
+    return lambda fam, tp: shared((fam, tp), lambda: _compile(fam, tp))
+
+
 @pytest.mark.parametrize("fam", list(FAMILIES))
 @pytest.mark.parametrize("tp", [2, 4])
-def test_two_all_reduces_forward_two_backward_per_layer(fam, tp):
-    program, _ = _compile_tp(fam, tp)
+def test_two_all_reduces_forward_two_backward_per_layer(fam, tp, compile_tp):
+    program, _ = compile_tp(fam, tp)
     per_layer = program.collectives(by_layer=True)
     for layer in range(program.layers.count):
         # g after the attention output and the MLP down projection (forward all-reduces);
@@ -33,8 +40,8 @@ def test_two_all_reduces_forward_two_backward_per_layer(fam, tp):
 
 @pytest.mark.parametrize("fam", list(FAMILIES))
 @pytest.mark.parametrize("tp", [2, 4])
-def test_no_value_has_the_full_vocabulary(fam, tp):
-    program, vocab = _compile_tp(fam, tp)
+def test_no_value_has_the_full_vocabulary(fam, tp, compile_tp):
+    program, vocab = compile_tp(fam, tp)
     padded = -(-vocab // tp) * tp
     shapes = program.local_shapes(rank=tp - 1)
     full = {name: s for name, s in shapes.items() if vocab in s or padded in s}
@@ -44,8 +51,8 @@ def test_no_value_has_the_full_vocabulary(fam, tp):
 
 @pytest.mark.parametrize("fam", list(FAMILIES))
 @pytest.mark.parametrize("tp", [2, 4])
-def test_layer_parameters_per_rank_are_one_over_t(fam, tp):
-    program, _ = _compile_tp(fam, tp)
+def test_layer_parameters_per_rank_are_one_over_t(fam, tp, compile_tp):
+    program, _ = compile_tp(fam, tp)
     for layer in range(program.layers.count):
         names = [n for n in program.param_names if program.layer_params(n) == layer]
         matrices = [n for n in names if len(program.full_shape(n)) == 2]
@@ -55,22 +62,22 @@ def test_layer_parameters_per_rank_are_one_over_t(fam, tp):
         assert local * tp == full
 
 
-def test_fused_qkv_shards_each_of_q_k_v_not_thirds():
-    program, _ = _compile_tp("gpt2-fused", 2)
+def test_fused_qkv_shards_each_of_q_k_v_not_thirds(compile_tp):
+    program, _ = compile_tp("gpt2-fused", 2)
     spec = program.param_spec("h.0.attn.c_attn.weight")
     assert spec == Shard(0, (64, 64, 64))
     text = program.code(rank=1)
     assert "[32:64) + [96:128) + [160:192)" in text  # rank 1 holds the second half of q, k and v
 
 
-def test_gqa_splits_key_value_heads():
-    program, _ = _compile_tp("llama", 4)  # 8 query heads, 4 key/value heads
+def test_gqa_splits_key_value_heads(compile_tp):
+    program, _ = compile_tp("llama", 4)  # 8 query heads, 4 key/value heads
     assert program.local_shape("layers.0.attention.wk.weight") == (8, 64)  # 1 kv head of 8 dims
     assert program.local_shape("layers.0.attention.wq.weight") == (16, 64)
 
 
-def test_vocabulary_padding_for_a_prime_vocabulary():
-    program, vocab = _compile_tp("hf-gpt2", 2)
+def test_vocabulary_padding_for_a_prime_vocabulary(compile_tp):
+    program, vocab = compile_tp("hf-gpt2", 2)
     assert vocab == 257
     spec = program.param_spec("transformer.wte.weight")
     assert spec == Shard(0, (258,))
@@ -78,8 +85,8 @@ def test_vocabulary_padding_for_a_prime_vocabulary():
     assert "257 -> 258" in program.summary()
 
 
-def test_tied_embedding_and_head_share_one_shard():
-    program, _ = _compile_tp("nanogpt", 2)
+def test_tied_embedding_and_head_share_one_shard(compile_tp):
+    program, _ = compile_tp("nanogpt", 2)
     kinds = {d.kind for n, d in program.plan.decisions.items()}
     assert {"vocab_embedding", "vocab_cross_entropy", "column", "row"} <= kinds
     assert program.traced.aliases["wte.weight"] == ["wte.weight", "lm_head.weight"]
