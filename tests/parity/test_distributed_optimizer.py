@@ -42,10 +42,15 @@ def _state_bytes(optimizer) -> int:
                if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
-def _train_layout(layout: dict, distributed: bool) -> dict:
+def _layout_program(layout: dict):
     model, vocab = make("nanogpt")
     data = batches(vocab, steps=STEPS, rows=BATCH * M * layout["dp"])
-    engine = parallelize_on(model, data, BATCH, microbatches=M, **layout).materialize()
+    return parallelize_on(model, data, BATCH, microbatches=M, **layout), data
+
+
+def _train_layout(layout: dict, distributed: bool) -> dict:
+    program, data = _layout_program(layout)
+    engine = program.materialize()
     engine.grads.bucket_bytes = SMALL_BUCKETS
     if distributed:
         opt = engine.distributed_optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1)
@@ -72,10 +77,15 @@ def _train_layout(layout: dict, distributed: bool) -> dict:
     return out
 
 
-def _refusals() -> dict:
+def _refusals_program():
     model, vocab = make("nanogpt")
     data = batches(vocab, steps=1, rows=BATCH * 4)
-    engine = parallelize_on(model, data, BATCH, dp=4).materialize()
+    return parallelize_on(model, data, BATCH, dp=4), data
+
+
+def _refusals() -> dict:
+    program, data = _refusals_program()
+    engine = program.materialize()
 
     class Scaled(torch.optim.SGD):
         pass
@@ -102,12 +112,17 @@ def _refusals() -> dict:
     return messages
 
 
+def _overlap_program():
+    model, vocab = make("nanogpt", layers=4)
+    data = batches(vocab, steps=STEPS, rows=BATCH * M * 2)
+    return parallelize_on(model, data, BATCH, microbatches=M, **OVERLAP_LAYOUT), data
+
+
 def _overlap(overlap: bool) -> dict:
     """3 steps at pp=2 (interleaved, 2 chunks per stage) x dp=2; the parameter all-gathers of step 1
     overlapped with step 2's forwards or not. The waits step 2 met, and where each chunk's first F is."""
-    model, vocab = make("nanogpt", layers=4)
-    data = batches(vocab, steps=STEPS, rows=BATCH * M * 2)
-    engine = parallelize_on(model, data, BATCH, microbatches=M, **OVERLAP_LAYOUT).materialize()
+    program, data = _overlap_program()
+    engine = program.materialize()
     engine.grads.bucket_bytes = SMALL_BUCKETS
     opt = engine.distributed_optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1, overlap_param_gather=overlap)
     losses, waits = [], None
@@ -137,15 +152,20 @@ def _overlap(overlap: bool) -> dict:
             "load_in_flight": in_flight, "loaded_kept": loaded_kept}
 
 
-def _bf16(distributed: bool) -> dict:
-    """3 steps of the model in bf16 at tp=2 x dp=2, the two replicas on the same rows: the distributed
-    optimizer (fp32 masters inside), or AdamW over fp32 master copies of the parameters (the gradients
-    copied in, the updates rounded out)."""
+def _bf16_program():
     model, vocab = make("nanogpt")
     rows = BATCH * M  # both replicas get the same rows: their bf16 gradients sum exactly (see the test)
     data = [((x[:rows].repeat(2, 1),), (y[:rows].repeat(2, 1),))
             for (x,), (y,) in batches(vocab, steps=STEPS, rows=rows)]
-    engine = parallelize_on(model.to(torch.bfloat16), data, BATCH, microbatches=M, tp=2, dp=2).materialize()
+    return parallelize_on(model.to(torch.bfloat16), data, BATCH, microbatches=M, tp=2, dp=2), data
+
+
+def _bf16(distributed: bool) -> dict:
+    """3 steps of the model in bf16 at tp=2 x dp=2, the two replicas on the same rows: the distributed
+    optimizer (fp32 masters inside), or AdamW over fp32 master copies of the parameters (the gradients
+    copied in, the updates rounded out)."""
+    program, data = _bf16_program()
+    engine = program.materialize()
     engine.grads.bucket_bytes = SMALL_BUCKETS
     if distributed:
         opt = engine.distributed_optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1)
@@ -181,6 +201,11 @@ def _train_sharded_and_not():
 
 @pytest.fixture(scope="module")
 def optimizer_runs():
+    # compile every program here, once: the ranks inherit them
+    for layout in LAYOUTS.values():
+        _layout_program(layout)
+    for program in (_refusals_program, _overlap_program, _bf16_program):
+        program()
     return spawn_ranks(_train_sharded_and_not, 4)
 
 

@@ -58,10 +58,13 @@ def _case_data(case):
     return model, batches(vocab, steps=STEPS, rows=BATCH * m * dp), m
 
 
-def _train_zero_bubble_case(case) -> dict:
-    family, layers, m, config = case
+def _program(case):
     model, data, m = _case_data(case)
-    program = parallelize_on(model, data, BATCH, microbatches=m, **config)
+    return parallelize_on(model, data, BATCH, microbatches=m, **case[3]), data
+
+
+def _train_zero_bubble_case(case) -> dict:
+    program, data = _program(case)  # compiled in the test process before the spawn: inherited
     engine = program.materialize()
     opt = torch.optim.AdamW(engine.parameters(), lr=LR)
     losses, grads, in_flight, kept = [], [], 0, 0
@@ -82,14 +85,21 @@ def _train_zero_bubble_cases(cases):
     return {name: _train_zero_bubble_case(case) for name, case in cases.items()}
 
 
+def _spawn_cases(world, cases):
+    """Every case trained on ``world`` ranks in one spawn, each compiled here first (once, not per rank)."""
+    for case in cases.values():
+        _program(case)
+    return spawn_ranks(_train_zero_bubble_cases, world, cases)
+
+
 @pytest.fixture(scope="module")
 def two():
-    return spawn_ranks(_train_zero_bubble_cases, 2, CASES_2)
+    return _spawn_cases(2, CASES_2)
 
 
 @pytest.fixture(scope="module")
 def four():
-    return spawn_ranks(_train_zero_bubble_cases, 4, CASES_4)
+    return _spawn_cases(4, CASES_4)
 
 
 def _assert_parity(results, cases, name):
