@@ -265,10 +265,16 @@ def _compile_form(model, **config):
     return parallelize_on(model, form_batches(), 8 // config.get("microbatches", 1), **config)
 
 
+def _tp2_pp2(shared, factory):
+    """The seeded model compiled at tp=2 x pp=2 (2 microbatches, 4 ranks), once per module: the tests only read it."""
+    return shared(("tp2 pp2", factory),
+                  lambda: _compile_form(seeded(factory), tp=2, pp=2, microbatches=2, world_size=4))
+
+
 @pytest.mark.parametrize("form", list(FORMS))
-def test_layers_found_with_their_nodes_and_parameters(form):
+def test_layers_found_with_their_nodes_and_parameters(shared, form):
     factory, paths = FORMS[form]
-    program = _compile_form(seeded(factory), tp=2, pp=2, microbatches=2, world_size=4)
+    program = _tp2_pp2(shared, factory)
     layers = program.layers
     assert layers.count == L and list(layers.paths) == paths and not layers.by_calls
     assert [layers.label(i) for i in range(L)] == paths
@@ -294,11 +300,10 @@ def test_layers_found_with_their_nodes_and_parameters(form):
 
 
 @pytest.mark.parametrize("form", ["runtime_list", "plain_dict"])
-def test_blocks_chosen_at_run_time_are_counted_like_a_module_dict(form):
+def test_blocks_chosen_at_run_time_are_counted_like_a_module_dict(shared, form):
     """Blocks reached through a list or dict built outside any module container: the same layer count,
     nodes per layer and parameters per layer as the ModuleDict form."""
-    want = _compile_form(seeded(DictLlama), tp=2, pp=2, microbatches=2, world_size=4)
-    program = _compile_form(seeded(FORMS[form][0]), tp=2, pp=2, microbatches=2, world_size=4)
+    want, program = _tp2_pp2(shared, DictLlama), _tp2_pp2(shared, FORMS[form][0])
     nodes = Counter(want.layers.node_layer.values())
     assert program.layers.count == want.layers.count == L
     assert Counter(program.layers.node_layer.values()) == nodes and len(set(nodes.values())) == 1 and nodes[0] > 0
@@ -307,9 +312,8 @@ def test_blocks_chosen_at_run_time_are_counted_like_a_module_dict(form):
     assert len(program.param_names) == L * BLOCK_PARAMS + 3
 
 
-def test_one_block_called_four_times_is_four_layers():
-    want = _compile_form(seeded(DictLlama), tp=2, pp=2, microbatches=2, world_size=4)
-    program = _compile_form(seeded(ReusedLlama), tp=2, pp=2, microbatches=2, world_size=4)
+def test_one_block_called_four_times_is_four_layers(shared):
+    want, program = _tp2_pp2(shared, DictLlama), _tp2_pp2(shared, ReusedLlama)
     layers = program.layers
     assert layers.count == L and layers.by_calls and list(layers.paths) == ["block"] * L
     assert Counter(layers.node_layer.values()) == Counter(want.layers.node_layer.values())
@@ -337,11 +341,11 @@ HETERO = {  # model, layer paths, kinds (each layer's first layer of its structu
 
 
 @pytest.mark.parametrize("form", list(HETERO))
-def test_blocks_of_two_kinds_are_layers_each_shown_once(form):
+def test_blocks_of_two_kinds_are_layers_each_shown_once(shared, form):
     """Blocks of another structure in the same container are layers too, of their own kind: the
     pipeline cut and the per-layer counts see them, the summary shows each kind's first layer."""
     factory, paths, kinds, mlp = HETERO[form]
-    program = _compile_form(seeded(factory), tp=2, pp=2, microbatches=2, world_size=4)
+    program = _tp2_pp2(shared, factory)
     layers = program.layers
     assert layers.count == L and list(layers.paths) == paths and layers.kinds == kinds
     sizes = Counter(layers.node_layer.values())

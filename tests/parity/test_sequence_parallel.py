@@ -75,24 +75,37 @@ def _sp_batches(vocab):
     return token_batches(vocab, steps=2, rows=ROWS, seed=5)
 
 
-def _train_sp_case(case):
+def _sp_program(case):
+    """The case's program and its batches."""
     name, tp, pp, v, recompute = case
     model, vocab = _sp_model(name)
     data = _sp_batches(vocab)
     dp, m = 4 // (tp * pp), 2
+    # world_size given: the test process, where it is compiled first, has no group of 4 to infer dp from
     program = parallelize_on(model, data, ROWS // (dp * m), tp=tp, pp=pp, virtual_stages=v, microbatches=m,
-                             recompute=recompute, sequence_parallel=True)
+                             recompute=recompute, sequence_parallel=True, world_size=4)
+    return program, data
+
+
+def _train_sp_case(case):
+    program, data = _sp_program(case)  # compiled in the test process before the spawn: inherited
     losses, grads = train_steps(program.materialize(), data, LR)
     return losses, grads, len(program.sequence.seeds)
 
 
-def _kept_bytes():
-    """Bytes autograd keeps for one microbatch (the engine's count), without and with sequence parallelism."""
+def _kept_programs():
+    """The nanogpt at tp=2 x dp=2 without and with sequence parallelism (by ``sequence_parallel``), and its batches."""
     model, vocab = _sp_model("nanogpt")
     data = _sp_batches(vocab)
+    return {sp: parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=sp) for sp in (False, True)}, data
+
+
+def _kept_bytes():
+    """Bytes autograd keeps for one microbatch (the engine's count), without and with sequence parallelism."""
+    programs, data = _kept_programs()
     out = {}
-    for sp in (False, True):
-        engine = parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=sp).materialize()
+    for sp, program in programs.items():
+        engine = program.materialize()
         engine.train_step(*data[0][0], *data[0][1])
         out[sp] = engine.stats["peak_activation_bytes"]
     return out
@@ -103,7 +116,15 @@ def _train_sp_cases():
 
 
 @pytest.fixture(scope="module")
-def sp_runs():
+def kept_programs():
+    """``_kept_programs()``'s programs, compiled once for the ranks and the graph's count alike."""
+    return _kept_programs()[0]
+
+
+@pytest.fixture(scope="module")
+def sp_runs(kept_programs):
+    for case in CASES:  # compile once here, not once per rank
+        _sp_program(case)
     return spawn_ranks(_train_sp_cases, 4)
 
 
@@ -117,11 +138,8 @@ def test_sequence_parallel_matches_one_device(sp_runs):
 
 
 @pytest.mark.multiprocess
-def test_kept_activations_fall_as_the_graph_predicts(sp_runs):
-    model, vocab = _sp_model("nanogpt")
-    data = _sp_batches(vocab)
-    whole = parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=False)
-    split = parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=True)
+def test_kept_activations_fall_as_the_graph_predicts(sp_runs, kept_programs):
+    whole, split = kept_programs[False], kept_programs[True]
     saved_whole, saved_split = _saved_by_node(whole), _saved_by_node(split)
     # the ops split on the tokens and the readers of each all-gathered value (the column-parallel
     # linears, keeping the local slice) save 1/t of what they saved whole; every other op the same
@@ -211,7 +229,7 @@ def _kept_by_layer(program) -> dict[int | None, int]:
     return kept
 
 
-def test_each_layer_keeps_one_tp_th_of_its_activations():
+def test_each_layer_keeps_one_tp_th_of_its_activations(shared):
     """Korthikanti et al.: with sequence parallelism a layer keeps s b h (34 + 5 a s / h) / t bytes
     in 16-bit, the whole replicated region at 1/t. The fp32 analogue for the reference GPT (fused
     attention: no s^2 terms, dropout 0: no masks), counted from its graph: 4 (16 s b h + 4 s b + a s b)
@@ -220,12 +238,12 @@ def test_each_layer_keeps_one_tp_th_of_its_activations():
     with sequence parallelism at tp=2 and tp=4 (the linears keep their input's local slice)."""
     s, b, h, a = SEQ, 2, 64, 4
     per_layer = 4 * (16 * s * b * h + 4 * s * b + a * s * b)
-    one = _kept_by_layer(_compile_sp(1, sp=False))
+    one = _kept_by_layer(_shared_sp(shared, 1, sp=False))
     assert one[0] == one[1] == per_layer
     for tp in (2, 4):
-        kept = _kept_by_layer(_compile_sp(tp))
+        kept = _kept_by_layer(_shared_sp(shared, tp))
         assert kept[0] == kept[1] == per_layer // tp, tp
-        tp_only = _kept_by_layer(_compile_sp(tp, sp=False))
+        tp_only = _kept_by_layer(_shared_sp(shared, tp, sp=False))
         assert tp_only[0] > kept[0] * 1.2  # tensor parallelism alone keeps the replicated region whole
 
 
@@ -262,6 +280,11 @@ def _compile_sp(tp, pp=1, sp=True, layers=2, **kw):
     return parallelize_on(model, data, 2, tp=tp, pp=pp, microbatches=pp, dp=1, sequence_parallel=sp, **kw)
 
 
+def _shared_sp(shared, *args, **kw):
+    """``_compile_sp(*args, **kw)`` once per module: the tests that call this only read the program."""
+    return shared(("sp", args, tuple(sorted(kw.items()))), lambda: _compile_sp(*args, **kw))
+
+
 def _wire_bytes(program, names) -> float:
     """Bytes one rank sends per microbatch in the named collectives (ring wire factors)."""
     total = 0.0
@@ -273,8 +296,8 @@ def _wire_bytes(program, names) -> float:
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_of_the_same_bytes(tp):
-    whole, split = _compile_sp(tp, sp=False), _compile_sp(tp)
+def test_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_of_the_same_bytes(shared, tp):
+    whole, split = _shared_sp(shared, tp, sp=False), _shared_sp(shared, tp)
     before, after = whole.collectives(by_layer=True), split.collectives(by_layer=True)
     for layer in range(2):
         assert before[(layer, "reduce_from_tp")] == 2 and after[(layer, "reduce_from_tp")] == 0
@@ -295,8 +318,8 @@ def test_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_of_the_same_
     assert "reduce_scatter_to_sp" in split.code(0) and "gather_from_sp" in split.code(0)
 
 
-def test_a_boundary_inside_the_split_region_sends_one_tp_th():
-    whole, split = _compile_sp(2, pp=2, sp=False), _compile_sp(2, pp=2)
+def test_a_boundary_inside_the_split_region_sends_one_tp_th(shared):
+    whole, split = _shared_sp(shared, 2, pp=2, sp=False), _shared_sp(shared, 2, pp=2)
     (b_whole,), (b_split,) = whole.split.chunks[1].inputs, split.split.chunks[1].inputs
     assert b_whole.replicated and not b_split.replicated and whole.sent_sliced(b_whole)
     assert b_split.nbytes * 2 == b_whole.nbytes
@@ -304,8 +327,8 @@ def test_a_boundary_inside_the_split_region_sends_one_tp_th():
     assert not any(k[0] == "boundary" for k in split.tp_communication(1))  # no all-gather on arrival
 
 
-def test_summary_lists_what_runs_split_and_the_gathers():
-    text = _compile_sp(2).summary()
+def test_summary_lists_what_runs_split_and_the_gathers(shared):
+    text = _shared_sp(shared, 2).summary()
     assert "Sequence parallelism" in text and "layer_norm" in text and "reduce_scatter_to_sp" in text
     # GPT-2 with 2 sequences of 6 tokens at tp=4: 6 does not split 4 ways, so the 12 flattened
     # tokens are split in 4 blocks of 3 and viewing them back as (2, 6, C) needs the gather
