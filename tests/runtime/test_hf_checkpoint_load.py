@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import BATCH, SEQ, _hf_gpt2, _hf_llama, batches, train_steps
-from helpers import assert_ranks_match, meta_model_from, reference_run, spawn_ranks
+from helpers import assert_ranks_match, compiled, meta_model_from, reference_run, spawn_ranks
 from safetensors.torch import load_file, save_file
 
 import autopar
@@ -106,12 +106,18 @@ def _load_counting(program, path: Path) -> tuple:
     return engine, log
 
 
+def _program(paths: dict[str, Path], name: str):
+    """The model of ``paths[name]``'s config on the meta device, compiled at tp=2 x pp=2 (once per test and
+    process); its one-step batches."""
+    data = _one_step_batches(MODELS[name][1])
+    x = data[0][0][0][:BATCH]
+    return compiled(meta_model_from(paths[name]), tp=2, pp=2, example_inputs=(x,), example_targets=x), data
+
+
 def _load_and_train_every_model(paths: dict[str, Path]):
     out = {}
-    for name, (_, vocab) in MODELS.items():
-        data = _one_step_batches(vocab)
-        x = data[0][0][0][:BATCH]
-        program = autopar.parallelize(meta_model_from(paths[name]), tp=2, pp=2, example_inputs=(x,), example_targets=x)
+    for name in MODELS:
+        program, data = _program(paths, name)
         engine, log = _load_counting(program, paths[name])
         local = {n: p.numel() * p.element_size() for n, p in engine.named_local_parameters()}
         full = {n: program.full_shape(n) for n in program.param_names}
@@ -130,6 +136,8 @@ def _load_and_train_every_model(paths: dict[str, Path]):
 
 @pytest.fixture(scope="module")
 def loaded_runs(pretrained_dirs):
+    for name in MODELS:  # compile once here: the ranks inherit the programs
+        _program(pretrained_dirs, name)
     return spawn_ranks(_load_and_train_every_model, 4, pretrained_dirs, timeout_s=600)
 
 
