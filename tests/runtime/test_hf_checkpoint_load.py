@@ -114,10 +114,12 @@ def _program(paths: dict[str, Path], name: str):
     return compiled(meta_model_from(paths[name]), tp=2, pp=2, example_inputs=(x,), example_targets=x), data
 
 
-def _load_and_train_every_model(paths: dict[str, Path]):
+def _load_and_train_every_model(paths: dict[str, Path], programs: dict):
+    """On each rank: ``programs`` (compiled in the test process, inherited by the fork) loaded from
+    their checkpoints and trained; every read logged."""
     out = {}
     for name in MODELS:
-        program, data = _program(paths, name)
+        program, data = programs[name]
         engine, log = _load_counting(program, paths[name])
         local = {n: p.numel() * p.element_size() for n, p in engine.named_local_parameters()}
         full = {n: program.full_shape(n) for n in program.param_names}
@@ -136,9 +138,8 @@ def _load_and_train_every_model(paths: dict[str, Path]):
 
 @pytest.fixture(scope="module")
 def loaded_runs(pretrained_dirs):
-    for name in MODELS:  # compile once here: the ranks inherit the programs
-        _program(pretrained_dirs, name)
-    return spawn_ranks(_load_and_train_every_model, 4, pretrained_dirs, timeout_s=600)
+    programs = {name: _program(pretrained_dirs, name) for name in MODELS}  # compiled once, here
+    return spawn_ranks(_load_and_train_every_model, 4, pretrained_dirs, programs, timeout_s=600)
 
 
 @pytest.mark.multiprocess
