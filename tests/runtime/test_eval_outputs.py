@@ -225,10 +225,16 @@ def test_training_graphs_unchanged(monkeypatch):
     assert returns[-1].count(",") == 1 and returns[-1].endswith(",)"), returns
 
 
-def test_one_device_logits():
+@pytest.fixture(scope="module")
+def one_device() -> tuple:
+    """The tied GPT compiled for one device, and its batch: one compile for the tests that run it."""
+    return _program_and_batch(_dropout_gpt(True), tp=1, pp=1)
+
+
+def test_one_device_logits(one_device):
     """One rank, no process group: the logits of both microbatches equal ``model.eval()``'s."""
-    model = _dropout_gpt(True)
-    program, x, y = _program_and_batch(model, tp=1, pp=1)
+    model = _dropout_gpt(True)  # the weights the program was compiled from
+    program, x, y = one_device
     loss, logits = program.materialize().eval_step(x, y, outputs=True)
     with torch.no_grad():
         want = model.eval()(x)
@@ -236,7 +242,7 @@ def test_one_device_logits():
     torch.testing.assert_close(loss, float(F.cross_entropy(want.flatten(0, 1), y.flatten())), **LOSS_TOLERANCE)
 
 
-def test_what_cannot_be_returned_fails_first():
+def test_what_cannot_be_returned_fails_first(one_device):
     """``output_fn`` returning no tensor, or ``to`` naming no rank of the world: a ValueError that
     says what and how to fix it, raised before the step runs."""
     model = _dropout_gpt(True)
@@ -249,7 +255,7 @@ def test_what_cannot_be_returned_fails_first():
         engine.eval_step(x, y, outputs=True)
     assert engine.events == []  # nothing ran
     assert isinstance(engine.eval_step(x, y), float)  # the loss alone still works
-    good = _program_and_batch(_dropout_gpt(True), tp=1, pp=1)[0].materialize()
+    good = one_device[0].materialize()
     for to, match in ((3, r"rank\(s\) \[3\] outside the world of 1"), ("first", "expected 'all', 'last'")):
         with pytest.raises(ValueError, match=match):
             good.eval_step(x, y, outputs=True, to=to)

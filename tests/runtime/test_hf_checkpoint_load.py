@@ -189,12 +189,19 @@ def test_a_broken_checkpoint_fails_every_rank_before_any_work(loaded_runs):
             and "the model's is (64, 192)" in errors["reshaped"], (rank, errors["reshaped"])
 
 
-def test_a_base_model_checkpoint_loads_into_the_model_with_a_head(tmp_path):
+@pytest.fixture(scope="module")
+def meta_gpt2_program() -> autopar.ParallelProgram:
+    """GPT-2 (vocabulary 257) on the meta device compiled for one device: one compile for the tests that
+    load into it."""
+    x = torch.randint(0, 257, (BATCH, SEQ))
+    return autopar.parallelize(_meta_from_model(), example_inputs=(x,), example_targets=x)
+
+
+def test_a_base_model_checkpoint_loads_into_the_model_with_a_head(tmp_path, meta_gpt2_program):
     torch.manual_seed(7)
     full = _hf_gpt2(257)
     full.transformer.save_pretrained(tmp_path)  # GPT2Model: 'wte.weight', no 'transformer.' prefix, no head
-    x = torch.randint(0, 257, (BATCH, SEQ))
-    program = autopar.parallelize(_meta_from_model(), example_inputs=(x,), example_targets=x)
+    program = meta_gpt2_program
     got = program.materialize(checkpoint=tmp_path).full_state_dict()
     for key, value in full.named_parameters(remove_duplicate=False):
         assert torch.equal(got[key], value), key
@@ -205,9 +212,8 @@ def _meta_from_model():
         return _hf_gpt2(257)
 
 
-def test_bad_checkpoint_arguments_are_refused(tmp_path):
-    x = torch.randint(0, 257, (BATCH, SEQ))
-    program = autopar.parallelize(_meta_from_model(), example_inputs=(x,), example_targets=x)
+def test_bad_checkpoint_arguments_are_refused(tmp_path, meta_gpt2_program):
+    program = meta_gpt2_program
     with pytest.raises(FileNotFoundError, match="holds neither model.safetensors.index.json nor model.safetensors") \
             as missing:
         program.materialize(checkpoint=tmp_path)
