@@ -69,7 +69,7 @@ def _compile_every_program() -> None:
     compiled without a process group is the one a rank would compile."""
     layouts = [(layout, torch.float32) for layout, _ in SAVES.values()]
     layouts += [(layout, torch.float32) for _, layout, _ in LOADS.values()] + [(DP2, torch.bfloat16)]
-    for layout, dtype in layouts:
+    for layout, dtype in {repr(each): each for each in layouts}.values():  # each program once
         _fused_gpt_program(layout, dtype)
 
 
