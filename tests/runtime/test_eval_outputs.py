@@ -189,14 +189,10 @@ def test_logits_on_the_ranks_that_ask(name):
 
 
 # ---------------------------------------------------------------- without a process group
-def _program_and_batch(model, fresh: bool = False, **layout):
-    """``model`` compiled for ``layout`` on one batch of M microbatches, and that batch. ``fresh``: compiled
-    anew rather than taken from this test's earlier compile of an equal model and config (a tracer
-    patched in between changes the program, not the key)."""
+def _program_and_batch(model, **layout):
+    """``model`` compiled for ``layout`` on one batch of M microbatches, and that batch."""
     (x,), (y,) = token_batches(VOCAB, steps=1, rows=M * MB, seed=5, seq=SEQ)[0]
     config = dict(microbatches=M, world_size=layout["tp"] * layout["pp"], **layout)
-    if fresh:
-        return autopar.parallelize(model, example_inputs=(x[:MB],), example_targets=(y[:MB],), **config), x, y
     return parallelize_on(model, [((x,), (y,))], MB, **config), x, y
 
 
@@ -205,7 +201,7 @@ def test_training_graphs_unchanged(monkeypatch):
     training graph (and its balanced cost) is the same as when tracing marks nothing."""
     marked, _, _ = _program_and_batch(_dropout_gpt(False), tp=2, pp=2)
     monkeypatch.setattr(trace_module, "_logits_marker", lambda t: t)
-    unmarked, _, _ = _program_and_batch(_dropout_gpt(False), fresh=True, tp=2, pp=2)
+    unmarked, _, _ = _program_and_batch(_dropout_gpt(False), tp=2, pp=2)
     assert unmarked.traced.logits is None and marked.traced.logits is not None
     for a, b in zip(marked.split.chunks, unmarked.split.chunks, strict=True):
         assert a.gm.code == b.gm.code, a.index
