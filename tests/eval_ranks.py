@@ -100,11 +100,16 @@ def _batch_errors(engine, x, y, rows: int) -> dict[str, str]:
     return errors
 
 
+def _program(name: str):
+    """The GPT compiled for the layout (once per test and process), and the layout's batch."""
+    x, y = batch(LAYOUTS[name]["dp"])
+    return parallelize_on(model(), [((x,), (y,))], MB, **LAYOUTS[name]), x, y
+
+
 def _worker() -> dict:
     out = {}
     for name, layout in LAYOUTS.items():
-        x, y = batch(layout["dp"])
-        program = parallelize_on(model(), [((x,), (y,))], MB, **layout)
+        program, x, y = _program(name)
         out[name] = _eval_then_train(program, x, y)
         if layout["dp"] > 1:
             out["replica"] = _replica_batches(program, x, y)
@@ -114,4 +119,6 @@ def _worker() -> dict:
 @functools.cache
 def results() -> list[dict]:
     """Every rank's results, in rank order; spawned once per test process."""
+    for name in LAYOUTS:  # compile once here: the ranks inherit the programs
+        _program(name)
     return spawn_ranks(_worker, 4, timeout_s=600)

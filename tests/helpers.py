@@ -65,16 +65,18 @@ def compiled(model: nn.Module, **config) -> autopar.ParallelProgram:
     Every compile is kept for the rest of the test. In a rank (a process
     group is up), a call with the same model (class, structure and every
     weight's bytes) and the same config (example tensors by content, the rest
-    by repr) as one kept returns that program and leaves torch's random state
-    as its compile left it. Ranks forked by ``spawn_ranks`` inherit what the
+    by repr) as one kept, for this world size, returns that program and
+    leaves torch's random state as its compile left it. Ranks forked by ``spawn_ranks`` inherit what the
     test compiled before the spawn: a test that compiles its layouts first
     ("compile once here") spares every rank the compile. The test process
     itself compiles afresh on every call (a test may change the compiler
     between two calls).
     """
     key = _compile_key(model, config)
-    if dist.is_initialized() and key in _COMPILED:
-        program, rng = _COMPILED[key]
+    kept = _COMPILED.get(key) if dist.is_initialized() else None
+    # a config that leaves dp to the world compiles for one rank outside the ranks: not theirs
+    if kept is not None and kept[0].config.mesh.world == dist.get_world_size():
+        program, rng = kept
         torch.set_rng_state(rng)
         return program
     program = autopar.parallelize(model, **config)
@@ -98,8 +100,8 @@ def _compile_key(model: nn.Module, config: dict) -> tuple:
 
     state = tuple((n, content(t)) for n, t in model.state_dict(keep_vars=True).items())
     # each module's own plain attributes (an activation function, a flag, a config): what its repr may omit
-    attributes = tuple((name, type(m).__qualname__, sorted((k, repr(v)) for k, v in vars(m).items()
-                                                           if not k.startswith("_")))
+    attributes = tuple((name, type(m).__qualname__, tuple(sorted((k, repr(v)) for k, v in vars(m).items()
+                                                                 if not k.startswith("_"))))
                        for name, m in model.named_modules())
     return repr(model), attributes, state, content(config)
 

@@ -6,7 +6,9 @@ order. On the CPU (gloo) the ranks are forked from a server process that
 imported torch, autopar's compiler and runtime and transformers once
 (``RANK_PRELOAD``), so a rank starts in a fraction of a second instead of
 importing them again; NCCL ranks start fresh (``spawn``), so no rank inherits
-anything of CUDA. Either way a rank sees this process's environment, working
+anything of CUDA. ``spawn(..., inherit=True)`` forks CPU ranks from the calling
+process itself, so a program compiled there once runs on every rank (a
+program cannot be pickled). Either way a rank sees this process's environment, working
 directory, ``sys.path``, stdout and stderr as they are at the call.
 A rank that raises makes ``spawn`` raise ``RankError`` with that rank's
 traceback after stopping the others; a rank that hangs is stopped after

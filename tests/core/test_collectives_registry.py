@@ -1,8 +1,9 @@
 """The collective registry is complete whenever it is read, with nothing imported first.
 
 Each collective registers itself where ``autopar.core.comm`` defines it; the registry
-imports that package on its first lookup. A fresh interpreter that reads the registry
-without importing ``comm`` must still see every collective.
+imports that package on its first lookup. A process that reads the registry
+without importing ``comm`` first (forked from one that imported torch alone) must still see every
+collective.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,39 +26,60 @@ EVERY_COLLECTIVE = {
 }
 
 _READ_FIRST = """
-import json, sys
-from autopar.core import collectives
-before = "autopar.core.comm" in sys.modules
-reading = sys.argv[1]
-if reading == "registered":
-    names = sorted(c.name for c in collectives.registered())
-elif reading == "collective_named":
-    names = [collectives.collective_named("copy_to_tp").name]
-else:
-    collectives.collective_of(print)  # no collective; the lookup still completes the registry
-    names = sorted(c.name for c in collectives.registered())
-print(json.dumps({"comm_imported_before": before, "names": names}))
+import json, os, sys
+import torch  # what the registry's modules import from outside autopar, loaded once before the forks
+
+
+def read(reading):
+    from autopar.core import collectives
+    before = "autopar.core.comm" in sys.modules
+    if reading == "registered":
+        names = sorted(c.name for c in collectives.registered())
+    elif reading == "collective_named":
+        names = [collectives.collective_named("copy_to_tp").name]
+    else:
+        collectives.collective_of(print)  # no collective; the lookup still completes the registry
+        names = sorted(c.name for c in collectives.registered())
+    return {"comm_imported_before": before, "names": names}
+
+
+seen = {}
+for reading in sys.argv[1:]:  # each in a child that has imported nothing of autopar
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.write(w, json.dumps(read(reading)).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as pipe:
+        seen[reading] = json.loads(pipe.read())
+    os.wait()
+print(json.dumps(seen))
 """
 
+READINGS = ("registered", "collective_named", "collective_of")
 
-def _read_in_fresh_interpreter(reading: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _READ_FIRST, reading], cwd=ROOT, capture_output=True, text=True,
+
+@pytest.fixture(scope="module")
+def first_reads() -> dict[str, dict]:
+    """Per way of reading the registry first: whether ``comm`` was imported before, and the names read.
+    Each read in a process forked from one that imported torch alone (one interpreter for the three)."""
+    out = subprocess.run([sys.executable, "-c", _READ_FIRST, *READINGS], cwd=ROOT, capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_registered_lists_every_collective_without_importing_comm_first():
-    seen = _read_in_fresh_interpreter("registered")
+def test_registered_lists_every_collective_without_importing_comm_first(first_reads):
+    seen = first_reads["registered"]
     assert not seen["comm_imported_before"]
     assert set(seen["names"]) == EVERY_COLLECTIVE
 
 
-def test_lookup_by_name_completes_the_registry():
-    assert _read_in_fresh_interpreter("collective_named")["names"] == ["copy_to_tp"]
+def test_lookup_by_name_completes_the_registry(first_reads):
+    assert first_reads["collective_named"]["names"] == ["copy_to_tp"]
 
 
-def test_lookup_by_function_completes_the_registry():
-    assert set(_read_in_fresh_interpreter("collective_of")["names"]) == EVERY_COLLECTIVE
+def test_lookup_by_function_completes_the_registry(first_reads):
+    assert set(first_reads["collective_of"]["names"]) == EVERY_COLLECTIVE
 
 
 def test_the_registry_matches_the_comm_package():

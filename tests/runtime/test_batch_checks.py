@@ -197,11 +197,17 @@ def _grads_and_loss(engine, x, y):
     return loss, engine.full_grads()
 
 
-def _tp2_worker(family: str):
+def _tp2_program(family: str):
+    """The family at tp=2 (once per test and process), its vocabulary and the padded batch."""
     model, vocab = make(family)
     data = padded_batch(vocab)
+    return parallelize_on(model, data, ROWS, tp=2, microbatches=4), vocab, data
+
+
+def _tp2_worker(family: str):
+    program, vocab, data = _tp2_program(family)
     (x,), (y,) = data[0]
-    engine = parallelize_on(model, data, ROWS, tp=2, microbatches=4).materialize()
+    engine = program.materialize()
     out = {"vocab_parallel": engine.program.collectives()["vocab_parallel_cross_entropy"] > 0,
            "tokens": _grads_and_loss(engine, x, y), "eval": engine.eval_step(x, y)}
     bad = x.clone()
@@ -221,6 +227,7 @@ def test_tp2_vocab_parallel_loss_and_id_checks():
     model, vocab = make(family)
     data = padded_batch(vocab)
     ref_losses, ref_grads = reference_run(model, data)
+    _tp2_program(family)  # compile once here: the ranks inherit the program
     for rank, r in enumerate(spawn_ranks(_tp2_worker, 2, family)):
         assert r["vocab_parallel"], "the loss must run vocabulary-parallel for this test to mean anything"
         loss, grads = r["tokens"]
@@ -232,17 +239,30 @@ def test_tp2_vocab_parallel_loss_and_id_checks():
         assert r["after"] == loss
 
 
-def _pp2_dp2_worker():
+PP2_DP2 = dict(pp=2, microbatches=2, world_size=4)
+"""pp=2 on 4 ranks: dp=2 from the world size, given so that a program compiled outside the ranks has it too."""
+
+
+def _pp2_dp2_programs() -> dict:
+    """The three programs of the pp=2 x dp=2 ranks (once per test and process): 1F1B, ZB-H1, and
+    1F1B averaging the microbatch means."""
     model, vocab = make("nanogpt")
     data = padded_batch(vocab)
-    (x,), (y,) = data[0]
-    layout = dict(pp=2, microbatches=2)
-    engine = parallelize_on(model, data, ROWS, **layout).materialize()
+    return {"1f1b": parallelize_on(model, data, ROWS, **PP2_DP2),
+            "zb-h1": parallelize_on(model, data, ROWS, schedule="zb-h1", **PP2_DP2),
+            "microbatch": parallelize_on(model, data, ROWS, loss_reduction="microbatch", **PP2_DP2)}
+
+
+def _pp2_dp2_worker():
+    programs = _pp2_dp2_programs()
+    vocab = make("nanogpt")[1]
+    (x,), (y,) = padded_batch(vocab)[0]
+    engine = programs["1f1b"].materialize()
     rank = engine.dp_rank
     mine = slice(rank * 2 * ROWS, (rank + 1) * 2 * ROWS)  # this replica's own rows
     out = {"global": _grads_and_loss(engine, x, y)}
 
-    zb = parallelize_on(model, data, ROWS, schedule="zb-h1", **layout).materialize()
+    zb = programs["zb-h1"].materialize()
     opt = zb.distributed_optimizer(torch.optim.SGD, lr=0.0)
     zb.zero_grad()
     loss = zb.train_step(x[mine], y[mine])
@@ -251,7 +271,7 @@ def _pp2_dp2_worker():
     zb.zero_grad()
     out["zb_again"] = zb.train_step(x[mine], y[mine])
 
-    old = parallelize_on(model, data, ROWS, loss_reduction="microbatch", **layout).materialize()
+    old = programs["microbatch"].materialize()
     (x9,), (y9,) = padded_batch(vocab, counts=EVEN_LESS)[0]  # no empty microbatch: its mean would be NaN
     out["microbatch"] = old.train_step(x9, y9)
 
@@ -286,6 +306,7 @@ def test_pp2_dp2_padded_targets_match_one_device():
     (x,), (y,) = data[0]
     F.cross_entropy(one(x).flatten(0, -2), y.flatten()).backward()
     ref_norm = float(torch.nn.utils.clip_grad_norm_(one.parameters(), 1e9))
+    _pp2_dp2_programs()  # compile once here: the ranks inherit the programs
     for rank, r in enumerate(spawn_ranks(_pp2_dp2_worker, 4)):
         loss, grads = r["global"]
         assert_parity(ref_losses, ref_grads[0], [loss], grads, label=f"1f1b rank {rank}", **FP32_TOLERANCE)

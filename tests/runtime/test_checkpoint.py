@@ -77,13 +77,30 @@ def _checkpoint_batches(vocab: int, rows: int = ROWS):
     return token_batches(vocab, steps=STEPS, rows=rows, seed=7, seq=SEQ)
 
 
-def _scheduled_engine(model, vocab: int, layout: dict, rows: int = ROWS, **config):
-    """A freshly compiled program for ``layout``, its engine, AdamW and an LR schedule, and the data."""
+def _program(model, vocab: int, layout: dict, rows: int = ROWS, **config):
+    """The program of ``model`` for ``layout`` (compiled once per test and process) and the data."""
     data = _checkpoint_batches(vocab, rows)
     program = parallelize_on(model, data, rows // (layout.get("dp", 1) * layout.get("microbatches", 1)),
                              **layout, **config)
+    return program, data
+
+
+def _scheduled_engine(model, vocab: int, layout: dict, rows: int = ROWS, **config):
+    """A fresh engine of the program for ``layout``, AdamW and an LR schedule, and the data."""
+    program, data = _program(model, vocab, layout, rows, **config)
     engine = program.materialize()
     return (engine, *_optimizer(engine), data)
+
+
+def _compile_every_program() -> None:
+    """Every program the three spawns build, compiled here: the ranks inherit them instead of each
+    compiling its own. Each layout without dp fills its world (tp * pp ranks), so the program
+    compiled without a process group is the one a rank would compile."""
+    for config in ({}, {"precision": "bf16"}):
+        _program(_checkpoint_gpt(), VOCAB, EXACT, **config)
+    for layout in (RESHARD_FROM, PAD_FROM, *RESHARD_TO.values()):
+        _program(_fused(), FUSED_VOCAB, layout)
+    _program(_fused(), FUSED_VOCAB, KILL, rows=2)
 
 
 def _optimizer(engine):
@@ -194,6 +211,7 @@ def _truncated_copy(root: Path) -> str:
 @pytest.fixture(scope="module")
 def saved_and_resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
+    _compile_every_program()
     saved = spawn_ranks(_save_fp32_and_bf16, 8, str(root), timeout_s=600)[0]
     with pytest.raises(autopar.RankError) as killed:
         spawn_ranks(_kill_worker, 2, str(root / "kill"), timeout_s=300)

@@ -55,11 +55,27 @@ LOADS = {"same": ("dp2", DP2, True), "dp2-to-dp4": ("dp2", dict(dp=4), True),
 """Case -> (checkpoint, layout loaded at, distributed optimizer)."""
 
 
-def _fused_gpt_engine(layout: dict, distributed: bool, dtype=torch.float32):
+def _fused_gpt_program(layout: dict, dtype=torch.float32):
+    """The GPT-2's program for ``layout`` (compiled once per test and process) and the data."""
     model = seeded(build, "gpt2-fused", vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, d_model=32).to(dtype)
     data = token_batches(VOCAB, steps=STEPS, rows=ROWS, seed=7, seq=SEQ)
     rows = ROWS // (layout.get("dp", 1) * layout.get("microbatches", 1))
-    engine = parallelize_on(model, data, rows, **layout).materialize()
+    return parallelize_on(model, data, rows, **layout), data
+
+
+def _compile_every_program() -> None:
+    """Every program both spawns build, compiled here: the ranks inherit them instead of each
+    compiling its own. The one layout without dp fills the 4 ranks (tp=2 x pp=2), so the program
+    compiled without a process group is the one a rank would compile."""
+    layouts = [(layout, torch.float32) for layout, _ in SAVES.values()]
+    layouts += [(layout, torch.float32) for _, layout, _ in LOADS.values()] + [(DP2, torch.bfloat16)]
+    for layout, dtype in {repr(each): each for each in layouts}.values():  # each program once
+        _fused_gpt_program(layout, dtype)
+
+
+def _fused_gpt_engine(layout: dict, distributed: bool, dtype=torch.float32):
+    program, data = _fused_gpt_program(layout, dtype)
+    engine = program.materialize()
     engine.grads.bucket_bytes = SMALL_BUCKETS
     if distributed:
         optimizer = engine.distributed_optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1)
@@ -117,6 +133,7 @@ def _resume_every_case(root: str) -> dict:
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distopt")
+    _compile_every_program()
     saved = spawn_ranks(_save_every_layout, 4, str(root), timeout_s=600)[0]
     loaded = spawn_ranks(_resume_every_case, 4, str(root), timeout_s=600)
     return {"root": root, "saved": saved, "loaded": loaded}

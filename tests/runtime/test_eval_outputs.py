@@ -88,14 +88,21 @@ def _loss_fn(vocab: int | None):
     return F.mse_loss if vocab is None else autopar.lm_cross_entropy
 
 
+def _program(name: str) -> autopar.ParallelProgram:
+    """The layout's model and loss compiled for it (once per test and process), its batch's first
+    microbatch as the example."""
+    factory, vocab, layout = LAYOUTS[name]
+    x, y = _eval_batch(vocab, layout["dp"])
+    return parallelize_on(factory(), [((x,), (y,))], MB, microbatches=M, loss_fn=_loss_fn(vocab), **layout)
+
+
 def _evaluate_every_layout() -> dict:
     """Per layout: the logits asked for everywhere, on rank 0 only, and (with dp) on the last stage
     with this replica's own rows; the losses of each."""
     out = {}
-    for name, (factory, vocab, layout) in LAYOUTS.items():
+    for name, (_, vocab, layout) in LAYOUTS.items():
         x, y = _eval_batch(vocab, layout["dp"])
-        engine = parallelize_on(factory(), [((x,), (y,))], MB, microbatches=M, loss_fn=_loss_fn(vocab),
-                                **layout).materialize()
+        engine = _program(name).materialize()
         loss, logits = engine.eval_step(x, y, outputs=True)
         r = {"loss": loss, "logits": logits, "plain": engine.eval_step(x, y), "stage": engine.stage,
              "dp": engine.dp_rank, "split_dims": [s.dim for s in LogitsOutput.of(engine.program).splits]}
@@ -110,6 +117,8 @@ def _evaluate_every_layout() -> dict:
 
 @functools.cache
 def _results() -> list[dict]:
+    for name in LAYOUTS:  # compile once here: the ranks inherit the programs
+        _program(name)
     return spawn_ranks(_evaluate_every_layout, 4, timeout_s=600)
 
 
@@ -181,9 +190,10 @@ def test_logits_on_the_ranks_that_ask(name):
 
 # ---------------------------------------------------------------- without a process group
 def _program_and_batch(model, **layout):
+    """``model`` compiled for ``layout`` on one batch of M microbatches, and that batch."""
     (x,), (y,) = token_batches(VOCAB, steps=1, rows=M * MB, seed=5, seq=SEQ)[0]
-    return parallelize_on(model, [((x,), (y,))], MB, microbatches=M, world_size=layout["tp"] * layout["pp"],
-                          **layout), x, y
+    config = dict(microbatches=M, world_size=layout["tp"] * layout["pp"], **layout)
+    return parallelize_on(model, [((x,), (y,))], MB, **config), x, y
 
 
 def test_training_graphs_unchanged(monkeypatch):
@@ -211,10 +221,16 @@ def test_training_graphs_unchanged(monkeypatch):
     assert returns[-1].count(",") == 1 and returns[-1].endswith(",)"), returns
 
 
-def test_one_device_logits():
+@pytest.fixture(scope="module")
+def one_device() -> tuple:
+    """The tied GPT compiled for one device, and its batch: one compile for the tests that run it."""
+    return _program_and_batch(_dropout_gpt(True), tp=1, pp=1)
+
+
+def test_one_device_logits(one_device):
     """One rank, no process group: the logits of both microbatches equal ``model.eval()``'s."""
-    model = _dropout_gpt(True)
-    program, x, y = _program_and_batch(model, tp=1, pp=1)
+    model = _dropout_gpt(True)  # the weights the program was compiled from
+    program, x, y = one_device
     loss, logits = program.materialize().eval_step(x, y, outputs=True)
     with torch.no_grad():
         want = model.eval()(x)
@@ -222,7 +238,7 @@ def test_one_device_logits():
     torch.testing.assert_close(loss, float(F.cross_entropy(want.flatten(0, 1), y.flatten())), **LOSS_TOLERANCE)
 
 
-def test_what_cannot_be_returned_fails_first():
+def test_what_cannot_be_returned_fails_first(one_device):
     """``output_fn`` returning no tensor, or ``to`` naming no rank of the world: a ValueError that
     says what and how to fix it, raised before the step runs."""
     model = _dropout_gpt(True)
@@ -235,7 +251,7 @@ def test_what_cannot_be_returned_fails_first():
         engine.eval_step(x, y, outputs=True)
     assert engine.events == []  # nothing ran
     assert isinstance(engine.eval_step(x, y), float)  # the loss alone still works
-    good = _program_and_batch(_dropout_gpt(True), tp=1, pp=1)[0].materialize()
+    good = one_device[0].materialize()
     for to, match in ((3, r"rank\(s\) \[3\] outside the world of 1"), ("first", "expected 'all', 'last'")):
         with pytest.raises(ValueError, match=match):
             good.eval_step(x, y, outputs=True, to=to)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import BATCH, SEQ, _hf_gpt2, _hf_llama, batches, train_steps
-from helpers import assert_ranks_match, meta_model_from, reference_run, spawn_ranks
+from helpers import assert_ranks_match, compiled, meta_model_from, reference_run, spawn_ranks
 from safetensors.torch import load_file, save_file
 
 import autopar
@@ -106,12 +106,20 @@ def _load_counting(program, path: Path) -> tuple:
     return engine, log
 
 
-def _load_and_train_every_model(paths: dict[str, Path]):
+def _program(paths: dict[str, Path], name: str):
+    """The model of ``paths[name]``'s config on the meta device, compiled at tp=2 x pp=2 (once per test and
+    process); its one-step batches."""
+    data = _one_step_batches(MODELS[name][1])
+    x = data[0][0][0][:BATCH]
+    return compiled(meta_model_from(paths[name]), tp=2, pp=2, example_inputs=(x,), example_targets=x), data
+
+
+def _load_and_train_every_model(paths: dict[str, Path], programs: dict):
+    """On each rank: ``programs`` (compiled in the test process, inherited by the fork) loaded from
+    their checkpoints and trained; every read logged."""
     out = {}
-    for name, (_, vocab) in MODELS.items():
-        data = _one_step_batches(vocab)
-        x = data[0][0][0][:BATCH]
-        program = autopar.parallelize(meta_model_from(paths[name]), tp=2, pp=2, example_inputs=(x,), example_targets=x)
+    for name in MODELS:
+        program, data = programs[name]
         engine, log = _load_counting(program, paths[name])
         local = {n: p.numel() * p.element_size() for n, p in engine.named_local_parameters()}
         full = {n: program.full_shape(n) for n in program.param_names}
@@ -130,7 +138,8 @@ def _load_and_train_every_model(paths: dict[str, Path]):
 
 @pytest.fixture(scope="module")
 def loaded_runs(pretrained_dirs):
-    return spawn_ranks(_load_and_train_every_model, 4, pretrained_dirs, timeout_s=600)
+    programs = {name: _program(pretrained_dirs, name) for name in MODELS}  # compiled once, here
+    return spawn_ranks(_load_and_train_every_model, 4, pretrained_dirs, programs, timeout_s=600)
 
 
 @pytest.mark.multiprocess
@@ -180,12 +189,19 @@ def test_a_broken_checkpoint_fails_every_rank_before_any_work(loaded_runs):
             and "the model's is (64, 192)" in errors["reshaped"], (rank, errors["reshaped"])
 
 
-def test_a_base_model_checkpoint_loads_into_the_model_with_a_head(tmp_path):
+@pytest.fixture(scope="module")
+def meta_gpt2_program() -> autopar.ParallelProgram:
+    """GPT-2 (vocabulary 257) on the meta device compiled for one device: one compile for the tests that
+    load into it."""
+    x = torch.randint(0, 257, (BATCH, SEQ))
+    return autopar.parallelize(_meta_from_model(), example_inputs=(x,), example_targets=x)
+
+
+def test_a_base_model_checkpoint_loads_into_the_model_with_a_head(tmp_path, meta_gpt2_program):
     torch.manual_seed(7)
     full = _hf_gpt2(257)
     full.transformer.save_pretrained(tmp_path)  # GPT2Model: 'wte.weight', no 'transformer.' prefix, no head
-    x = torch.randint(0, 257, (BATCH, SEQ))
-    program = autopar.parallelize(_meta_from_model(), example_inputs=(x,), example_targets=x)
+    program = meta_gpt2_program
     got = program.materialize(checkpoint=tmp_path).full_state_dict()
     for key, value in full.named_parameters(remove_duplicate=False):
         assert torch.equal(got[key], value), key
@@ -196,9 +212,8 @@ def _meta_from_model():
         return _hf_gpt2(257)
 
 
-def test_bad_checkpoint_arguments_are_refused(tmp_path):
-    x = torch.randint(0, 257, (BATCH, SEQ))
-    program = autopar.parallelize(_meta_from_model(), example_inputs=(x,), example_targets=x)
+def test_bad_checkpoint_arguments_are_refused(tmp_path, meta_gpt2_program):
+    program = meta_gpt2_program
     with pytest.raises(FileNotFoundError, match="holds neither model.safetensors.index.json nor model.safetensors") \
             as missing:
         program.materialize(checkpoint=tmp_path)

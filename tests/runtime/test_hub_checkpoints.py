@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import BATCH, SEQ, _hf_llama, batches
-from helpers import meta_model_from, spawn_ranks, write_contract_checkpoint
+from helpers import compiled, meta_model_from, spawn_ranks, write_contract_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -113,12 +113,20 @@ def hub_dirs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _load_evaluate_and_export(paths: dict[str, Path], out_root: Path) -> dict:
+def _program(paths: dict[str, Path], name: str) -> autopar.ParallelProgram:
+    """The model of ``paths[name]``'s config on the meta device, compiled at tp=2 x pp=2 (once per test and
+    process)."""
+    (x,), (y,) = _hub_batch()
+    return compiled(meta_model_from(paths[name]), tp=2, pp=2, example_inputs=(x[:BATCH],), example_targets=y[:BATCH])
+
+
+def _load_evaluate_and_export(paths: dict[str, Path], out_root: Path, programs: dict) -> dict:
+    """On each rank: ``programs`` (compiled in the test process, inherited by the fork) loaded from
+    their checkpoints, evaluated and exported; the damaged copies loaded into GPT-NeoX's."""
     (x,), (y,) = _hub_batch()
     out = {}
     for name in MODELS:
-        program = autopar.parallelize(meta_model_from(paths[name]), tp=2, pp=2, example_inputs=(x[:BATCH],),
-                                      example_targets=y[:BATCH])
+        program = programs[name]
         engine = program.materialize(checkpoint=paths[name])
         out[name] = engine.eval_step(x, y)
         engine.save_pretrained(str(out_root / name))
@@ -135,7 +143,8 @@ def _load_evaluate_and_export(paths: dict[str, Path], out_root: Path) -> dict:
 @pytest.fixture(scope="module")
 def hub_runs(hub_dirs, tmp_path_factory) -> tuple[Path, list[dict]]:
     root = tmp_path_factory.mktemp("exported")
-    return root, spawn_ranks(_load_evaluate_and_export, 4, hub_dirs, root, timeout_s=600)
+    programs = {name: _program(hub_dirs, name) for name in MODELS}  # compiled once, here
+    return root, spawn_ranks(_load_evaluate_and_export, 4, hub_dirs, root, programs, timeout_s=600)
 
 
 def _stored(path: Path) -> dict[str, tuple[int, ...]]:

@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -122,3 +123,36 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path, launcher):
     assert "Traceback" not in out.stdout + out.stderr
     assert len(lines) == 1 and lines[0].endswith("interrupted: stopped 2 ranks"), lines
     assert not any(_alive(pid) for pid in pids)
+
+
+def _train_inherited(program, seen_in_parent):
+    """One step of ``program`` (compiled in the test process), and whether this rank holds the very
+    objects the parent held (inherited by the fork, not pickled copies)."""
+    import torch.distributed as dist
+
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss = program.materialize().train_step(x, x.clone())
+    return dist.get_rank(), loss, id(program) == seen_in_parent
+
+
+def test_inherited_ranks_run_a_program_compiled_in_the_caller():
+    """``spawn(..., inherit=True)`` forks the ranks from the caller: a program compiled there (which
+    cannot be pickled) runs on every rank as the same object, and both ranks agree on the loss."""
+    import autopar
+    from autopar.reference.models import build
+
+    torch.manual_seed(0)
+    model = build("gpt", vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
+    x = torch.randint(0, 64, (2, 8))
+    program = autopar.parallelize(model, tp=2, example_inputs=(x,), example_targets=x.clone())
+    results = autopar.spawn(_train_inherited, 2, (program, id(program)), inherit=True)
+    assert [r[0] for r in results] == [0, 1]
+    assert all(r[2] for r in results), "a rank got a copy of the program, not the caller's"
+    assert results[0][1] == results[1][1]
+
+
+def test_inheriting_nccl_ranks_is_refused_before_any_start():
+    from autopar.runtime.launch import LaunchError, spawn
+
+    with pytest.raises(LaunchError, match=r"inherit=True\) forks CPU ranks; nccl ranks start fresh"):
+        spawn(print, 2, inherit=True, backend="nccl")

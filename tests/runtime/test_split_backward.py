@@ -137,8 +137,8 @@ def _assert_same(got, want, tol, label):
     ("nanogpt", {"recompute": "layer"}, False),
     ("llama", {"recompute": "layer"}, True),
 ])
-def test_split_backward_matches_unsplit(family, config, autocast):
-    program, model, micro = _compile_split_pipeline(family, **config)
+def test_split_backward_matches_unsplit(family, config, autocast, shared):
+    program, model, micro = shared((family, str(config)), lambda: _compile_split_pipeline(family, **config))
     want = _unsplit_pipeline_grads(program, model, micro, autocast)
     tol = BF16_TOL if autocast else TOL
     for order in ("BBWW", "BWBW"):
@@ -147,10 +147,10 @@ def test_split_backward_matches_unsplit(family, config, autocast):
     _assert_same(_split(program, model, micro, "BBWW", autocast, defer="all"), want, tol, f"{family} all")
 
 
-def test_input_gradients_after_b_and_nothing_in_grad_before_w():
+def test_input_gradients_after_b_and_nothing_in_grad_before_w(shared):
     """B alone gives the previous chunk exactly the unsplit input gradients; no weight has a
     gradient until W runs; W with no B first, or twice, is refused."""
-    program, model, micro = _compile_split_pipeline("nanogpt")
+    program, model, micro = shared(("nanogpt", "{}"), lambda: _compile_split_pipeline("nanogpt"))
     ref = _Pipeline(program, model, micro)
     ref_kept = ref.forward(0, split=False)
     ref.backward_inputs(ref_kept, split=False)
@@ -168,14 +168,14 @@ def test_input_gradients_after_b_and_nothing_in_grad_before_w():
         kept[0][2].weight_grads()
 
 
-def test_split_counts_and_bytes_held_for_w():
+def test_split_counts_and_bytes_held_for_w(shared):
     """The split as numbers, and what W keeps, on chunk 1 of the reference GPT (one layer).
 
     Between B and W the chunk's saved activations are exactly the inputs of its weight GEMMs
     (each storage once: q, k and v read one norm output), less than what F kept for B; W also
     keeps the gradients flowing into those GEMMs and the norms' weight gradients computed in B.
     """
-    program, model, micro = _compile_split_pipeline("nanogpt")
+    program, model, micro = shared(("nanogpt", "{}"), lambda: _compile_split_pipeline("nanogpt"))
     chunk = program.split.chunks[1]
     pipe = _Pipeline(program, model, micro)
     kept = pipe.forward(0, split=True)

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from families import BATCH, SEQ, _hf_gpt2, _hf_llama, batches, train_steps
-from helpers import assert_ranks_match, reference_run, spawn_ranks
+from helpers import assert_ranks_match, compiled, reference_run, spawn_ranks
 
 import autopar
 from autopar.core.comm import local_slice
@@ -71,7 +71,7 @@ def _compile_layout(model: nn.Module, layout: str, vocab: int = 320) -> autopar.
     cfg = LAYOUTS[layout]
     rows = BATCH * 2 // (cfg.get("dp", 1) * cfg.get("microbatches", cfg.get("pp", 1)))
     x = X[:rows] % vocab
-    return autopar.parallelize(model, example_inputs=(x,), example_targets=x, **cfg)
+    return compiled(model, example_inputs=(x,), example_targets=x, **cfg)
 
 
 # ------------------------------------------------------------------ memory
@@ -97,10 +97,13 @@ def _peak_during(fn):
         return out, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 
 
-def _memory_case() -> dict:
-    model = _meta(build, "gpt", **MEM_CFG)
+def _memory_program() -> autopar.ParallelProgram:
     x = torch.zeros(1, SEQ, dtype=torch.long)
-    program = autopar.parallelize(model, tp=2, pp=2, example_inputs=(x,), example_targets=x)
+    return compiled(_meta(build, "gpt", **MEM_CFG), tp=2, pp=2, example_inputs=(x,), example_targets=x)
+
+
+def _memory_case() -> dict:
+    program = _memory_program()
     engine, peak = _peak_during(lambda: program.materialize(seed=SEED))
     shards = sum(p.numel() * p.element_size() for _, p in engine.named_local_parameters())
     return {"peak": peak, "shards": shards}
@@ -133,12 +136,20 @@ def _forgetful() -> nn.Module:
     return model
 
 
+def _case_program(name: str, layout: str) -> autopar.ParallelProgram:
+    return _compile_layout(_meta(MODELS[name]), layout, 257 if name == "hf-gpt2" else 320)
+
+
+def _forgetful_program() -> autopar.ParallelProgram:
+    return _compile_layout(_meta(_forgetful), "pp2_dp2")
+
+
 def _initialise_every_case():
     rank = torch.distributed.get_rank()
     out = {"memory": _memory_case()}
     programs = {}
     for name, layout in CASES:
-        programs[name] = _compile_layout(_meta(MODELS[name]), layout, 257 if name == "hf-gpt2" else 320)
+        programs[name] = _case_program(name, layout)
         engine = programs[name].materialize(seed=SEED)
         out[(name, layout)] = engine.full_state_dict()
         if name == "hf-llama":
@@ -146,7 +157,7 @@ def _initialise_every_case():
     torch.manual_seed(100 + rank)  # each rank its own seed: the base seed is rank 0's
     out["rank0_seed"] = programs["hf-llama"].materialize().full_state_dict()
     try:
-        _compile_layout(_meta(_forgetful), "pp2_dp2").materialize(seed=SEED)
+        _forgetful_program().materialize(seed=SEED)
         out["forgetful"] = None
     except Exception as e:  # noqa: BLE001 - the test checks every rank's error
         out["forgetful"] = f"{type(e).__name__}: {e}"
@@ -155,6 +166,10 @@ def _initialise_every_case():
 
 @pytest.fixture(scope="module")
 def init_runs():
+    _memory_program()  # compile once here: the ranks inherit the programs (materialize is what they measure)
+    for name, layout in CASES:
+        _case_program(name, layout)
+    _forgetful_program()  # compiles; its materialize fails, in the ranks
     return spawn_ranks(_initialise_every_case, 4, timeout_s=600)
 
 
@@ -284,7 +299,7 @@ class Tiny(nn.Module):
 
 def _tiny_program(**kwargs) -> autopar.ParallelProgram:
     x = X % 64
-    return autopar.parallelize(_meta(Tiny, **kwargs), example_inputs=(x,), example_targets=x)
+    return compiled(_meta(Tiny, **kwargs), example_inputs=(x,), example_targets=x)
 
 
 def test_a_parameter_free_module_is_rebuilt_from_its_arguments():
