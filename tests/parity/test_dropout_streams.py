@@ -80,8 +80,8 @@ def _program(recompute):
     model.train()
     # the residual stream replicated on the tp ranks (sequence parallelism would split it, each rank
     # drawing for its own tokens)
-    return parallelize_on(model, [_batch()], MB, tp=2, pp=2, dp=DP, microbatches=M, recompute=recompute,
-                          sequence_parallel=False)
+    return parallelize_on(model, [_batch()], MB, tp=2, pp=2, dp=DP, world_size=8, microbatches=M,
+                          recompute=recompute, sequence_parallel=False)
 
 
 def _step(recompute):

@@ -126,7 +126,7 @@ def _block_batches():
 
 def _block_program(block):
     (x,), (y,) = _block_batches()[0]
-    return compiled(_lm_with_block(block), tp=2, example_inputs=(x,), example_targets=y)
+    return compiled(_lm_with_block(block), tp=2, world_size=2, example_inputs=(x,), example_targets=y)
 
 
 def _train_one_step_per_block():

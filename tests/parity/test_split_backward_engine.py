@@ -29,7 +29,9 @@ def _split_backward_batch():
 def _split_backward_program(tp: int = 1, **config):
     model, _ = make("nanogpt")
     x, _ = _split_backward_batch()
-    return compiled(model, tp=tp, microbatches=M, example_inputs=(x[:ROWS],), example_targets=x[:ROWS], **config)
+    world = {"world_size": tp} if tp > 1 else {}  # the ranks' world; one process: none
+    return compiled(model, tp=tp, microbatches=M, example_inputs=(x[:ROWS],), example_targets=x[:ROWS], **world,
+                    **config)
 
 
 def _split_backward_engine(tp: int = 1, **config):

@@ -25,7 +25,7 @@ def _tp_program(fam, tp):
     """The family compiled for tp ranks (once per process), and its data."""
     model, vocab = _tp_model(fam)
     data = batches(vocab)
-    return compiled(model, tp=tp, example_inputs=data[0][0], example_targets=data[0][1]), data
+    return compiled(model, tp=tp, world_size=tp, example_inputs=data[0][0], example_targets=data[0][1]), data
 
 
 def _train_tp(fam, tp):
