@@ -172,8 +172,9 @@ def _predict(index: int, stage: int) -> Memory:
 
 @pytest.fixture(scope="module")
 def measured() -> list[list[dict]]:
-    for index in range(len(LAYOUTS)):  # compile once here: the ranks inherit the programs
+    for index in range(len(LAYOUTS)):  # compile once here (the planner's view reads it too): the ranks inherit it
         _layout(index)
+        _program(index)
     return spawn_ranks(_all_layouts, WORLD)
 
 
