@@ -174,7 +174,6 @@ def _predict(index: int, stage: int) -> Memory:
 def measured() -> list[list[dict]]:
     for index in range(len(LAYOUTS)):  # compile once here (the planner's view reads it too): the ranks inherit it
         _layout(index)
-        _program(index)
     return spawn_ranks(_all_layouts, WORLD)
 
 
