@@ -112,6 +112,9 @@ class ActivationMLP(MLP):
         super().__init__(cfg)
         self.activation = activation
 
+    def extra_repr(self) -> str:  # the activation in the repr: the models differ only by it, not by a weight
+        return f"activation={self.activation!r}"
+
     def forward(self, x):
         return self.proj(ACTIVATIONS[self.activation](self.fc(x)))
 
@@ -241,10 +244,15 @@ def _parity_model(name: str) -> nn.Module:
     return _gpt_with_activation(name.removesuffix("-zb-recompute"))
 
 
+def _parity_program(name: str):
+    return parallelize_on(_parity_model(name), _trace_batches(), ROWS // M, tp=2, pp=2, microbatches=M, world_size=4,
+                          **PARITY[name])
+
+
 def _parity_worker():
     out = {}
-    for name, config in PARITY.items():
-        program = parallelize_on(_parity_model(name), _trace_batches(), ROWS // M, tp=2, pp=2, microbatches=M, **config)
+    for name in PARITY:
+        program = _parity_program(name)  # inherited from the test process
         out[name] = (*train_steps(program.materialize(), _trace_batches(), LR), program.fallbacks(),
                      sorted(r.module for r in program.plan.rejected))
     return out
@@ -262,6 +270,8 @@ def test_functions_xlm_and_phimoe_train_with_one_devices_gradients_at_tp2_pp2():
     - PhiMoE, its router's Function one op (the routers whole); ``router_jitter_noise=0`` makes its
       sampled routing deterministic, so one device draws the same experts.
     Tolerances: ``assert_ranks_match`` (fp32, the parallel run reorders sums only)."""
+    for name in PARITY:  # compile once here: the ranks inherit the programs
+        _parity_program(name)
     results = spawn_ranks(_parity_worker, 4)
     references = {name: _parity_model("function-ste" if name == "detach-ste" else name) for name in PARITY}
     for name, model in references.items():

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from families import SEQ, batches
-from helpers import spawn_ranks
+from helpers import compiled, spawn_ranks
 
 import autopar
 from autopar.reference.models import ModelConfig, build
@@ -249,19 +249,27 @@ class _TPBytes:
             setattr(self.dist, name, fn)
 
 
+RECOMPUTE = ("none", "layer", "chunk")
+
+
+def _tp_bytes_program(recompute: str) -> autopar.ParallelProgram:
+    """A 2-layer Llama compiled for tp=2 x pp=2 on 4 ranks (once per process)."""
+    torch.manual_seed(0)
+    model = build("llama", ModelConfig(n_head=8, n_kv_head=4, d_model=64, vocab_size=VOCAB, n_layer=2, seq_len=SEQ))
+    (x,), (y,) = batches(VOCAB, steps=1, seed=1, rows=4)[0]
+    return compiled(model, tp=2, pp=2, microbatches=2, world_size=4, recompute=recompute, sequence_parallel=False,
+                    example_inputs=(x[:2],), example_targets=y[:2])
+
+
 def _measure_tp_bytes():
     """On each rank, for each recompute mode: the bytes its tp collectives moved in one step, the
     program's figure for its stage (by row) and the summary's line of totals."""
     import torch.distributed as dist
 
     out = {}
-    for recompute in ("none", "layer", "chunk"):
-        torch.manual_seed(0)
-        model = build("llama", ModelConfig(n_head=8, n_kv_head=4, d_model=64, vocab_size=VOCAB, n_layer=2,
-                                           seq_len=SEQ))
+    for recompute in RECOMPUTE:
         (x,), (y,) = batches(VOCAB, steps=1, seed=1, rows=4)[0]
-        program = autopar.parallelize(model, tp=2, pp=2, microbatches=2, recompute=recompute, sequence_parallel=False,
-                                      example_inputs=(x[:2],), example_targets=y[:2])
+        program = _tp_bytes_program(recompute)  # inherited from the test process
         engine = program.materialize()
         with _TPBytes(engine.tp.pg) as counter:
             engine.train_step(x, y)
@@ -277,6 +285,8 @@ ACTIVATION = 2 * 2 * SEQ * 64 * 4
 
 @pytest.mark.multiprocess
 def test_the_summary_counts_the_collective_bytes_a_rank_really_moves():
+    for recompute in RECOMPUTE:  # compile once here: the ranks inherit the programs
+        _tp_bytes_program(recompute)
     results = spawn_ranks(_measure_tp_bytes, 4)
     for rank, result in enumerate(results):
         stage = rank // 2  # tp=2 x pp=2: ranks 0, 1 on stage 0

@@ -71,16 +71,24 @@ class _Masks(TorchDispatchMode):
                     m.inner.register_forward_hook(lambda *_: setattr(self, "layer", None))
 
 
+def _batch():
+    return token_batches(VOCAB, steps=1, rows=M * MB * DP, seed=5, seq=SEQ)[0]
+
+
+def _program(recompute):
+    model = seeded(build, "gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=LAYERS, n_head=4, d_model=64, dropout=0.5)
+    model.train()
+    # the residual stream replicated on the tp ranks (sequence parallelism would split it, each rank
+    # drawing for its own tokens)
+    return parallelize_on(model, [_batch()], MB, tp=2, pp=2, dp=DP, world_size=8, microbatches=M,
+                          recompute=recompute, sequence_parallel=False)
+
+
 def _step(recompute):
     import torch.distributed as dist
 
-    model = seeded(build, "gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=LAYERS, n_head=4, d_model=64, dropout=0.5)
-    model.train()
-    (x,), (y,) = token_batches(VOCAB, steps=1, rows=M * MB * DP, seed=5, seq=SEQ)[0]
-    # the residual stream replicated on the tp ranks (sequence parallelism would split it, each rank
-    # drawing for its own tokens)
-    program = parallelize_on(model, [((x,), (y,))], MB, tp=2, pp=2, dp=DP, microbatches=M, recompute=recompute,
-                             sequence_parallel=False)
+    (x,), (y,) = _batch()
+    program = _program(recompute)  # inherited from the test process
     engine = program.materialize()
     before = torch.get_rng_state()
     rec = _Masks()
@@ -94,12 +102,17 @@ def _step(recompute):
             "layers": {c: len(ch.layers) for c, ch in engine.chunks.items()}}
 
 
+RECOMPUTE = ("none", "layer")
+
+
 def _dropout_step_per_recompute():
-    return {rc: _step(rc) for rc in ("none", "layer")}
+    return {rc: _step(rc) for rc in RECOMPUTE}
 
 
 @pytest.fixture(scope="module")
 def dropout_steps():
+    for rc in RECOMPUTE:  # compile once here: the ranks inherit the programs
+        _program(rc)
     return spawn_ranks(_dropout_step_per_recompute, 8, timeout_s=600)
 
 

@@ -32,9 +32,8 @@ Tolerances as in test_tp_parity (fp32; the split only reorders sums).
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_ranks_match, reference_run, seeded, spawn_ranks, token_batches
+from helpers import assert_ranks_match, compiled, reference_run, seeded, spawn_ranks, token_batches
 
-import autopar
 from autopar.reference.models import build
 
 pytestmark = pytest.mark.multiprocess
@@ -88,12 +87,18 @@ def _loss_batches(vocab):
     return token_batches(vocab, steps=1, rows=ROWS, seed=2, seq=SEQ)
 
 
+def _loss_program(name):
+    loss_fn, vocab = LOSSES[name]
+    data = _loss_batches(vocab)
+    return compiled(_loss_gpt(vocab), tp=2, loss_fn=loss_fn, example_inputs=data[0][0], example_targets=data[0][1],
+                    world_size=2)
+
+
 def _train_one_step_per_loss():
     out = {}
     for name, (loss_fn, vocab) in LOSSES.items():
         data = _loss_batches(vocab)
-        program = autopar.parallelize(_loss_gpt(vocab), tp=2, loss_fn=loss_fn, example_inputs=data[0][0],
-                                      example_targets=data[0][1])
+        program = _loss_program(name)  # inherited from the test process
         engine = program.materialize()
         loss = engine.train_step(*data[0][0], *data[0][1])
         kinds = {d.kind for d in program.plan.decisions.values()}
@@ -103,6 +108,8 @@ def _train_one_step_per_loss():
 
 @pytest.fixture(scope="module")
 def loss_runs():
+    for name in LOSSES:  # compile once here: the ranks inherit the programs
+        _loss_program(name)
     return spawn_ranks(_train_one_step_per_loss, 2, timeout_s=600)
 
 

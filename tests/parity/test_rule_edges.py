@@ -22,9 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import assert_ranks_match, reference_run, seeded, spawn_ranks, token_batches
-
-import autopar
+from helpers import assert_ranks_match, compiled, reference_run, seeded, spawn_ranks, token_batches
 
 pytestmark = pytest.mark.multiprocess
 V, E, S, B, H = 96, 64, 8, 2, 4
@@ -126,11 +124,16 @@ def _block_batches():
     return token_batches(V, steps=1, rows=B, seed=1, seq=S)
 
 
+def _block_program(block):
+    (x,), (y,) = _block_batches()[0]
+    return compiled(_lm_with_block(block), tp=2, world_size=2, example_inputs=(x,), example_targets=y)
+
+
 def _train_one_step_per_block():
     out = {}
     for block in BLOCKS:
         (x,), (y,) = _block_batches()[0]
-        program = autopar.parallelize(_lm_with_block(block), tp=2, example_inputs=(x,), example_targets=y)
+        program = _block_program(block)  # inherited from the test process
         engine = program.materialize()
         said = [f[1] for f in program.fallbacks()] + [r.reason for r in program.plan.rejected]
         out[block] = (engine.train_step(x, y), engine.full_grads(), said)
@@ -139,6 +142,8 @@ def _train_one_step_per_block():
 
 @pytest.fixture(scope="module")
 def block_runs():
+    for block in BLOCKS:  # compile once here: the ranks inherit the programs
+        _block_program(block)
     return spawn_ranks(_train_one_step_per_block, 2, timeout_s=600)
 
 

@@ -12,21 +12,30 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from families import SEQ, make
+from families import FAMILIES, SEQ, make
+from helpers import compiled, spawn_ranks
 
-import autopar
 from autopar.schedules import Action, Kind
 
 M, ROWS = 2, 2
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
+def _split_backward_batch():
+    x = torch.randint(0, FAMILIES["nanogpt"][1], (ROWS * M, SEQ), generator=torch.Generator().manual_seed(3))
+    return x, x.roll(1, dims=1)
+
+
+def _split_backward_program(tp: int = 1, **config):
+    model, _ = make("nanogpt")
+    x, _ = _split_backward_batch()
+    world = {"world_size": tp} if tp > 1 else {}  # the ranks' world; one process: none
+    return compiled(model, tp=tp, microbatches=M, example_inputs=(x[:ROWS],), example_targets=x[:ROWS], **world,
+                    **config)
+
+
 def _split_backward_engine(tp: int = 1, **config):
-    model, vocab = make("nanogpt")
-    x = torch.randint(0, vocab, (ROWS * M, SEQ), generator=torch.Generator().manual_seed(3))
-    program = autopar.parallelize(model, tp=tp, microbatches=M, example_inputs=(x[:ROWS],),
-                                  example_targets=x[:ROWS], **config)
-    return program.materialize(), (x, x.roll(1, dims=1))
+    return _split_backward_program(tp, **config).materialize(), _split_backward_batch()
 
 
 def _split_step(engine, batch, interleave: bool, during_w=None) -> None:
@@ -132,7 +141,9 @@ def _tp2_sequence_parallel_grads() -> dict:
 def test_tp2_weight_backward_runs_no_collective():
     """At tp=2 (f and g in every layer, vocabulary-parallel embedding and loss) W posts no
     collective, and the gradients equal ``train_step``'s."""
-    for in_w, in_step, grads, sp_grads in autopar.spawn(_tp2_rank, 2, timeout_s=600):
+    for sequence_parallel in (False, True):  # compile once here: the ranks inherit the programs
+        _split_backward_program(tp=2, sequence_parallel=sequence_parallel)
+    for in_w, in_step, grads, sp_grads in spawn_ranks(_tp2_rank, 2, timeout_s=600):
         assert in_w == 0 and in_step > 0
         for name, (got, want) in [*grads.items(), *sp_grads.items()]:
             torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")

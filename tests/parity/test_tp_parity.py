@@ -11,9 +11,7 @@ rounding into a +-lr step, so steps 1-2 compare each gradient as a tensor:
 
 import pytest
 from families import BATCH, FAMILIES, batches, make, make_fallback_model, train_steps
-from helpers import assert_ranks_match, spawn_ranks
-
-import autopar
+from helpers import assert_ranks_match, compiled, spawn_ranks
 
 pytestmark = pytest.mark.multiprocess
 LR = 1e-3
@@ -23,9 +21,15 @@ def _tp_model(fam):
     return make(fam) if fam != "fallback" else make_fallback_model()
 
 
-def _train_tp(model, vocab, tp):
+def _tp_program(fam, tp):
+    """The family compiled for tp ranks (once per process), and its data."""
+    model, vocab = _tp_model(fam)
     data = batches(vocab)
-    program = autopar.parallelize(model, tp=tp, example_inputs=data[0][0], example_targets=data[0][1])
+    return compiled(model, tp=tp, world_size=tp, example_inputs=data[0][0], example_targets=data[0][1]), data
+
+
+def _train_tp(fam, tp):
+    program, data = _tp_program(fam, tp)  # inherited from the test process
     engine = program.materialize()
     losses, grads = train_steps(engine, data, LR)
     state = engine.full_state_dict()
@@ -33,12 +37,14 @@ def _train_tp(model, vocab, tp):
 
 
 def _train_tp_families(families, tp):
-    return {fam: _train_tp(*_tp_model(fam), tp) for fam in families}
+    return {fam: _train_tp(fam, tp) for fam in families}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parity_all_families(tp, reference):
     families = list(FAMILIES) + (["fallback"] if tp == 2 else [])
+    for fam in families:  # compile once here: the ranks inherit the programs
+        _tp_program(fam, tp)
     results = spawn_ranks(_train_tp_families, tp, families, tp, timeout_s=600)
     for fam in families:
         model, vocab = _tp_model(fam)

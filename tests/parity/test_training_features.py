@@ -11,7 +11,7 @@
 
 import pytest
 import torch
-from families import BATCH, batches, make
+from families import BATCH, FAMILIES, batches, make
 from helpers import parallelize_on, reference_run, spawn_ranks
 
 from autopar.reference.parity import FP32_TOLERANCE, assert_parity
@@ -20,10 +20,19 @@ pytestmark = pytest.mark.multiprocess
 LR, M, LAYERS = 1e-3, 4, 4
 
 
+def _feature_data(fam):
+    return batches(FAMILIES[fam][1], rows=BATCH * M)
+
+
+def _feature_program(fam, recompute, precision):
+    model, _ = make(fam, layers=LAYERS)
+    return parallelize_on(model, _feature_data(fam), BATCH, tp=2, pp=2, microbatches=M, world_size=4,
+                          recompute=recompute, precision=precision)
+
+
 def _train_feature_run(fam, recompute, precision, trace_path=None):
-    model, vocab = make(fam, layers=LAYERS)
-    data = batches(vocab, rows=BATCH * M)
-    program = parallelize_on(model, data, BATCH, tp=2, pp=2, microbatches=M, recompute=recompute, precision=precision)
+    program = _feature_program(fam, recompute, precision)  # inherited from the test process
+    data = _feature_data(fam)
     engine = program.materialize()
     opt = torch.optim.AdamW(engine.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
@@ -56,6 +65,8 @@ def trace_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def feature_runs(trace_file):
+    for run in RUNS:  # compile once here: the ranks inherit the programs
+        _feature_program(*run)
     return spawn_ranks(_train_every_feature_run, 4, trace_file)
 
 

@@ -240,24 +240,34 @@ def _table_steps(out: str) -> list[int]:
 
 STEPS, M = 6, 8
 CASES = (1, 2)  # virtual stages: 1F1B, interleaved 1F1B
+RUNS = tuple((f"v{v}", None, v) for v in CASES)  # (name, schedule (None: the default for v), virtual stages)
+TRACE_MODEL = dict(vocab=256, d_model=96, n_head=4, seq=32)
 
 
-def _train_and_trace(directory: str, runs=tuple((f"v{v}", None, v) for v in CASES),
-                     m: int = M, steps: int = STEPS, vocab: int = 256, d_model: int = 96, n_head: int = 4,
-                     seq: int = 32) -> list[str]:
-    """Train a 4-layer GPT on pp=2 for each (name, schedule (None: the default for v), virtual
-    stages) of ``runs`` and write its last ``steps`` steps as ``{directory}/{name}.json``."""
-    import autopar
+def _traced_program(schedule, v, m, vocab, d_model, n_head, seq):
+    """The 4-layer GPT compiled for pp=2 (once per process: the ranks inherit the test process's), and its
+    batch of ``2 * m`` sequences (inputs, targets)."""
+    from helpers import compiled
+
     from autopar.reference.models import build
 
+    torch.manual_seed(0)
+    model = build("gpt", vocab_size=vocab, seq_len=seq, n_layer=4, n_head=n_head, d_model=d_model)
+    tokens = torch.randint(0, vocab, (2 * m, seq + 1), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    program = compiled(model, pp=2, virtual_stages=v, microbatches=m, schedule=schedule, world_size=2,
+                       example_inputs=(x[:2],), example_targets=y[:2])
+    return program, (x, y)
+
+
+def _train_and_trace(directory: str, runs=RUNS, m: int = M, steps: int = STEPS,
+                     model: dict = TRACE_MODEL) -> list[str]:
+    """Train a 4-layer GPT (``model``: its vocabulary, width, heads and sequence length) on pp=2 for each
+    (name, schedule (None: the default for v), virtual stages) of ``runs`` and write its last ``steps`` steps
+    as ``{directory}/{name}.json``."""
     paths = []
     for name, schedule, v in runs:
-        torch.manual_seed(0)
-        model = build("gpt", vocab_size=vocab, seq_len=seq, n_layer=4, n_head=n_head, d_model=d_model)
-        tokens = torch.randint(0, vocab, (2 * m, seq + 1), generator=torch.Generator().manual_seed(0))
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        program = autopar.parallelize(model, pp=2, virtual_stages=v, microbatches=m, schedule=schedule,
-                                      example_inputs=(x[:2],), example_targets=y[:2])
+        program, (x, y) = _traced_program(schedule, v, m, **model)  # inherited from the test process
         engine = program.materialize()
         for _ in range(steps):
             engine.train_step(x, y)
@@ -267,10 +277,20 @@ def _train_and_trace(directory: str, runs=tuple((f"v{v}", None, v) for v in CASE
 
 
 @pytest.fixture(scope="module")
-def traces(tmp_path_factory):
+def every_trace(tmp_path_factory):
+    """Both spawns' traces from one spawn of the 2 ranks: (1F1B and interleaved, zero-bubble)."""
     from helpers import spawn_ranks
 
-    return spawn_ranks(_train_and_trace, 2, str(tmp_path_factory.mktemp("measured")))[0]
+    for _, schedule, v in RUNS:  # compile once here: the ranks inherit the programs
+        _traced_program(schedule, v, M, **TRACE_MODEL)
+    for name, v in ZB_CASES:
+        _traced_program(name, v, ZB_M, **ZB_MODEL)
+    return spawn_ranks(_train_every_trace, 2, str(tmp_path_factory.mktemp("measured")))[0]
+
+
+@pytest.fixture(scope="module")
+def traces(every_trace):
+    return every_trace[0]
 
 
 @pytest.mark.multiprocess
@@ -307,20 +327,23 @@ def test_simulator_fed_the_runs_costs_predicts_the_measured_step(traces):
 
 ZB_CASES = (("zbv", 2), ("zb-h1", 1))
 ZB_STEPS, ZB_M = 3, 4
+ZB_MODEL = dict(vocab=128, d_model=32, n_head=2, seq=16)
 
 
 def _train_zero_bubble_and_trace(directory: str) -> list[str]:
     return _train_and_trace(directory, tuple((name, name, v) for name, v in ZB_CASES), m=ZB_M, steps=ZB_STEPS,
-                            vocab=128, d_model=32, n_head=2, seq=16)
+                            model=ZB_MODEL)
+
+
+def _train_every_trace(directory: str) -> tuple[list[str], list[str]]:
+    return _train_and_trace(directory), _train_zero_bubble_and_trace(directory)
 
 
 @pytest.mark.multiprocess
-def test_zero_bubble_traces_are_written_and_simulated(tmp_path_factory, capsys):
-    from helpers import spawn_ranks
-
+def test_zero_bubble_traces_are_written_and_simulated(every_trace, tmp_path_factory, capsys):
     from autopar.cli import main
 
-    paths = spawn_ranks(_train_zero_bubble_and_trace, 2, str(tmp_path_factory.mktemp("zero-bubble")))[0]
+    paths = every_trace[1]
     for (name, v), path in zip(ZB_CASES, paths):
         run = read_trace(path)
         stages = run.schedule.chunk_stages

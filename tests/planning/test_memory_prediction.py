@@ -28,7 +28,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import spawn_ranks
+from helpers import compiled, spawn_ranks
 
 import autopar
 from autopar.core.comm import keeping_gathered_slices
@@ -104,13 +104,25 @@ def _count_kept_by_storage(engine) -> None:
     engine.compute.run_chunk = run_chunk
 
 
-def _measure(name: str, b: int, config: dict, distributed: bool) -> dict:
-    model = _gpt_of_shape(name)
-    vocab, seq = SHAPES[name]["vocab_size"], SHAPES[name]["seq_len"]
+def _example(name: str, b: int) -> tuple[torch.Generator, torch.Tensor]:
+    """The generator the measurement draws from and its first draw: ``b`` sequences (inputs and shifted targets)."""
     gen = torch.Generator().manual_seed(1)
-    example = torch.randint(0, vocab, (b, seq + 1), generator=gen)
-    program = autopar.parallelize(model, example_inputs=(example[:, :-1],), example_targets=example[:, 1:],
-                                  **config)
+    return gen, torch.randint(0, SHAPES[name]["vocab_size"], (b, SHAPES[name]["seq_len"] + 1), generator=gen)
+
+
+def _program(index: int) -> autopar.ParallelProgram:
+    """``LAYOUTS[index]`` compiled for the 4 ranks (once per process: the ranks inherit the test process's)."""
+    name, b, config, _ = LAYOUTS[index]
+    _, example = _example(name, b)
+    return compiled(_gpt_of_shape(name), example_inputs=(example[:, :-1],), example_targets=example[:, 1:],
+                    world_size=WORLD, **config)
+
+
+def _measure(index: int) -> dict:
+    name, b, config, distributed = LAYOUTS[index]
+    vocab, seq = SHAPES[name]["vocab_size"], SHAPES[name]["seq_len"]
+    gen, _ = _example(name, b)
+    program = _program(index)
     engine = program.materialize()
     _count_kept_by_storage(engine)
     if distributed:
@@ -134,7 +146,7 @@ def _measure(name: str, b: int, config: dict, distributed: bool) -> dict:
 
 
 def _all_layouts() -> list[dict]:
-    return [_measure(*layout) for layout in LAYOUTS]
+    return [_measure(index) for index in range(len(LAYOUTS))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,8 +157,7 @@ def _layout(index: int) -> tuple[ModelSpec, Layout, int]:
     model = _gpt_of_shape(name)
     example = torch.zeros(b, SHAPES[name]["seq_len"], dtype=torch.long)
     spec = spec_from_model(model, (example,), name=name)
-    program = autopar.parallelize(model, example_inputs=(example,), example_targets=example, world_size=WORLD,
-                                  **config)
+    program = _program(index)  # the program the ranks measure
     cfg = program.config
     lay = Layout.from_config(cfg, b, precision=runtime_precision(cfg.precision))
     # sequence parallelism as the compiler decided it (on by default where it fits)
@@ -161,6 +172,8 @@ def _predict(index: int, stage: int) -> Memory:
 
 @pytest.fixture(scope="module")
 def measured() -> list[list[dict]]:
+    for index in range(len(LAYOUTS)):  # compile once here (the planner's view reads it too): the ranks inherit it
+        _layout(index)
     return spawn_ranks(_all_layouts, WORLD)
 
 
