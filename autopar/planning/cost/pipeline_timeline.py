@@ -19,8 +19,12 @@ W actions), and picks the schedule and the behaviour of its sends:
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
-from autopar.schedules import Action, Schedule, Sends, SimResult, generate, lower, simulate
+from autopar.schedules import Action, Schedule, Sends, SimResult, generate, lower
+from autopar.schedules.actions import Key, Loc
+from autopar.schedules.dependencies import index
+from autopar.schedules.simulator import simulate_checked
 
 __all__ = ["runtime_schedule", "chunk_costs", "weight_costs", "eager_timeline", "lowered_timeline"]
 
@@ -29,6 +33,15 @@ def runtime_schedule(name: str, p: int, v: int, m: int) -> Schedule:
     """The schedule autopar's runtime interprets: ``lower(generate(name, p, v, m))``
     (lowered with its default, equal F and B costs, as ``autopar.parallelize`` does)."""
     return lower(generate(name, p, v, m))
+
+
+@lru_cache(maxsize=512)
+def _checked(name: str, p: int, v: int, m: int, lowered: bool) -> tuple[Schedule, dict[Key, Loc]]:
+    """The schedule (``generate``d, or its ``runtime_schedule``), which generation and lowering
+    validate, and its action index: made and checked once for every layout the planner prices
+    with it, each timeline then only simulated."""
+    schedule = runtime_schedule(name, p, v, m) if lowered else generate(name, p, v, m)
+    return schedule, index(schedule)
 
 
 def chunk_costs(p: int, v: int, t_f: float, t_b: float, first_extra: tuple[float, float] = (0.0, 0.0),
@@ -67,7 +80,7 @@ def eager_timeline(name: str, p: int, v: int, m: int, t_f: float, t_b: float, co
     each backward in a zero-bubble schedule (``weight_costs``)."""
     cf, cb = chunk_costs(p, v, t_f, t_b, first_extra, last_extra)
     cw = weight_costs(p, v, t_w, last_extra_w)
-    return simulate(generate(name, p, v, m), cf, cb, comm, sends=Sends.EAGER, cost_w=cw)
+    return simulate_checked(*_checked(name, p, v, m, False), cf, cb, comm, Sends.EAGER, cw)
 
 
 def lowered_timeline(name: str, p: int, v: int, m: int, t_f: float, t_b: float, comm: float,
@@ -78,4 +91,4 @@ def lowered_timeline(name: str, p: int, v: int, m: int, t_f: float, t_b: float, 
     (the lowered schedule autopar's runtime executes) with posted sends."""
     cf, cb = chunk_costs(p, v, t_f, t_b, first_extra, last_extra)
     cw = weight_costs(p, v, t_w, last_extra_w)
-    return simulate(runtime_schedule(name, p, v, m), cf, cb, comm, sends=Sends.POSTED, cost_w=cw)
+    return simulate_checked(*_checked(name, p, v, m, True), cf, cb, comm, Sends.POSTED, cw)

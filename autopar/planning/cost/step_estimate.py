@@ -200,7 +200,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     owned = P_max / lay.d if lay.distopt else P_max  # the distributed optimizer steps 1/d of them
     t_opt = owned * OPTIMIZER_STEP_TRAFFIC_PER_PARAM / (hw.hbm_bw * hw.eff.hbm)
     breakdown = _breakdown(chunk, lay, m, c, t_pipe, t_dp_exposed + t_emb, t_opt)
-    inflight = [sim.peak_in_flight[r] for r in range(lay.p)] if sim is not None else None
+    peaks = sim.peak_in_flight if sim is not None else None  # a property that walks every stage's list
+    inflight = [peaks[r] for r in range(lay.p)] if peaks is not None else None
     return Estimate(
         spec=spec, cluster=cluster, layout=lay, m=m, chunk_layers=chunk.layers,
         t_chunk_f=chunk.t_F, t_chunk_b=chunk.t_B, t_chunk_w=chunk.t_W, t_head_w=chunk.head_w,
