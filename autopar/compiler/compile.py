@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from autopar.compiler.local_shapes import annotate_local_shapes, param_local_shape
 from autopar.compiler.program import Program
-from autopar.compiler.trace import trace
+from autopar.compiler.trace_reuse import traced as trace_once
 from autopar.core.chunks import PipelineSplit
 from autopar.core.config import ParallelConfig
 from autopar.core.tensor_placement import Replicate
@@ -56,7 +56,7 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
                     loss_fn: Callable, output_fn: Callable | None = None,
                     program_type: type[Program] = Program) -> Program:
     """Run every pass over ``model`` with ``loss_fn`` for ``config``; the result is frozen."""
-    traced = trace(model, example_inputs, example_targets, loss_fn, output_fn)
+    traced = trace_once(model, example_inputs, example_targets, loss_fn, output_fn)
     normalize(traced.gm, set(traced.param_of))
     layers = find_layers(traced.gm)
     plan = analyze_sharding(traced, config.tp)

@@ -85,3 +85,40 @@ def test_the_shipped_corpus_is_found():
     x, y = CorpusBatches(2, 16).next()
     assert x.shape == y.shape == (2, 16)
     assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_an_equal_model_reuses_the_trace_and_a_changed_one_traces_again(monkeypatch):
+    """A second compile of an equal model (built apart, same config) on the same examples reuses the
+    kept trace and gives the same code; a changed attribute, tying, example or loss traces again."""
+    import autopar.compiler.trace_reuse as reuse
+    from autopar.compiler.trace import lm_cross_entropy
+
+    calls = []
+    real = reuse.trace
+    monkeypatch.setattr(reuse, "trace", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(reuse, "_KEPT", type(reuse._KEPT)())
+
+    def gpt():
+        torch.manual_seed(0)
+        return build("gpt", vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
+
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    first = autopar.parallelize(gpt(), tp=2, pp=2, microbatches=2, example_inputs=(x,), example_targets=x)
+    again = autopar.parallelize(gpt(), tp=2, pp=2, microbatches=2, example_inputs=(x,), example_targets=x)
+    other_layout = autopar.parallelize(gpt(), tp=1, pp=2, microbatches=2, example_inputs=(x,), example_targets=x)
+    assert len(calls) == 1
+    assert [again.code(r) for r in range(4)] == [first.code(r) for r in range(4)]
+    assert other_layout.traced.gm is not first.traced.gm  # each compile rewrites its own copy
+
+    untied = gpt()
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    autopar.parallelize(untied, example_inputs=(x,), example_targets=x)
+    assert len(calls) == 2
+    evaluating = gpt().eval()
+    autopar.parallelize(evaluating, example_inputs=(x,), example_targets=x)
+    assert len(calls) == 3
+    autopar.parallelize(gpt(), example_inputs=(x[:1],), example_targets=x[:1])
+    assert len(calls) == 4
+    autopar.parallelize(gpt(), example_inputs=(x,), example_targets=x,
+                        loss_fn=lambda logits, y: lm_cross_entropy(logits, y))
+    assert len(calls) == 5

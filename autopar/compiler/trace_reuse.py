@@ -1,0 +1,109 @@
+"""Traces kept: compiling an equal model on the same examples for another layout traces it once.
+
+``parallelize`` for several layouts of one model (a sweep over layouts, the
+planner's candidates, one program per pipeline depth) would run torch.export
+each time, most of a compile. The trace depends only on the model, the
+examples, the loss and the output function, so it is kept under a key made of
+exactly those: each module's class, mode, parameters and buffers (which share
+a tensor, and each one's shape, dtype, device and grad flag; a trace never
+reads their values) and public attributes, the examples (values too, which
+its checks read), and the two functions. A change to any of them traces
+again; two equal models built apart (the same config) share a trace. Each
+compile gets its own copy (the passes rewrite the graph in place); the
+``KEEP`` most recently used traces are kept.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar.compiler.trace import trace
+from autopar.core.graph import TracedModel
+
+__all__ = ["traced", "KEEP"]
+
+KEEP = 16
+"""How many traces are kept (the most recently used)."""
+_KEPT: OrderedDict[tuple, TracedModel] = OrderedDict()
+_SIMPLE = (int, float, bool, str, bytes, type(None))
+
+
+def traced(model: nn.Module, example_inputs: Any, example_targets: Any, loss_fn: Callable,
+           output_fn: Callable | None = None) -> TracedModel:
+    """``trace(...)``, or a copy of the trace kept from an earlier call with an equal model,
+    examples and functions."""
+    key = _key(model, example_inputs, example_targets, loss_fn, output_fn)
+    if key is not None and key in _KEPT:
+        _KEPT.move_to_end(key)
+        return copy.deepcopy(_KEPT[key])
+    result = trace(model, example_inputs, example_targets, loss_fn, output_fn)
+    if key is not None:
+        _KEPT[key] = copy.deepcopy(result)
+        while len(_KEPT) > KEEP:
+            _KEPT.popitem(last=False)
+    return result
+
+
+def _key(model: nn.Module, example_inputs: Any, example_targets: Any, loss_fn: Callable,
+         output_fn: Callable | None) -> tuple | None:
+    """What the trace depends on, or None when part of it cannot be keyed (nothing is kept then)."""
+    try:
+        key = (_module_state(model), _signature(example_inputs), _signature(example_targets), loss_fn, output_fn)
+        hash(key)
+    except TypeError:  # an unhashable loss or attribute: trace every time
+        return None
+    return key
+
+
+def _module_state(model: nn.Module) -> tuple:
+    """Each module's name, class, mode, parameters and buffers (which names share one tensor, and
+    each one's shape, dtype, device and grad flag; not the values, which the trace never reads)
+    and public attributes."""
+    first_name: dict[int, str] = {}
+
+    def tensors(m: nn.Module, prefix: str, own: dict[str, torch.Tensor | None]) -> tuple:
+        out = []
+        for k, t in own.items():
+            if t is None:
+                out.append((k, None))
+                continue
+            shared_with = first_name.setdefault(id(t), f"{prefix}{k}")
+            out.append((k, shared_with, tuple(t.shape), t.dtype, t.device, t.requires_grad))
+        return tuple(out)
+
+    return tuple((name, type(m), m.training, tensors(m, f"{name}.", m._parameters),
+                  tensors(m, f"{name}.", m._buffers),
+                  tuple(sorted((k, _token(v)) for k, v in vars(m).items() if not k.startswith("_"))))
+                 for name, m in model.named_modules(remove_duplicate=False))
+
+
+def _token(value: Any) -> Any:
+    """A module attribute as a key: plain values as they are, tensors (which a trace keeps as
+    constants) by content, functions by identity, anything else by its repr (a config object)."""
+    if isinstance(value, _SIMPLE):
+        return value
+    if isinstance(value, torch.Tensor):
+        return _signature(value)
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(_token(v) for v in value)
+    if callable(value):
+        return id(value)
+    return type(value), repr(value)
+
+
+def _signature(examples: Any) -> Any:
+    """The examples as the trace sees them: each tensor's shape, dtype, device, grad flag and values."""
+    if isinstance(examples, torch.Tensor):  # and the values, which the trace's checks read (token ids)
+        values = None if examples.is_meta else hash(examples.detach().cpu().contiguous().numpy(force=True).tobytes())
+        return "tensor", tuple(examples.shape), examples.dtype, examples.device, examples.requires_grad, values
+    if isinstance(examples, (tuple, list)):
+        return type(examples), tuple(_signature(e) for e in examples)
+    if isinstance(examples, dict):
+        return "dict", tuple((k, _signature(v)) for k, v in sorted(examples.items()))
+    return _token(examples)
