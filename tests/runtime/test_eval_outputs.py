@@ -28,6 +28,7 @@ from helpers import parallelize_on, seeded, spawn_ranks, token_batches
 
 import autopar
 import autopar.compiler.trace as trace_module
+import autopar.compiler.trace_reuse as trace_reuse
 from autopar.compiler.trace import default_logits
 from autopar.reference.models import build
 from autopar.runtime.engine.eval_outputs import LogitsOutput
@@ -201,6 +202,7 @@ def test_training_graphs_unchanged(monkeypatch):
     training graph (and its balanced cost) is the same as when tracing marks nothing."""
     marked, _, _ = _program_and_batch(_dropout_gpt(False), tp=2, pp=2)
     monkeypatch.setattr(trace_module, "_logits_marker", lambda t: t)
+    monkeypatch.setattr(trace_reuse, "_KEPT", type(trace_reuse._KEPT)())  # the patched tracer traces again
     unmarked, _, _ = _program_and_batch(_dropout_gpt(False), tp=2, pp=2)
     assert unmarked.traced.logits is None and marked.traced.logits is not None
     for a, b in zip(marked.split.chunks, unmarked.split.chunks, strict=True):
