@@ -10,7 +10,9 @@ reads their values) and public attributes, the examples (values too, which
 its checks read), and the two functions. A change to any of them traces
 again; two equal models built apart (the same config) share a trace. Each
 compile gets its own copy (the passes rewrite the graph in place); the
-``KEEP`` most recently used traces are kept.
+``KEEP`` most recently used traces are kept. What a forward reads from outside
+its modules (a global flag) is not in the key: after changing such state,
+clear ``_KEPT`` (or change the model) to trace again.
 """
 
 from __future__ import annotations
