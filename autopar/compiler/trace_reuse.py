@@ -12,7 +12,7 @@ again; two equal models built apart (the same config) share a trace. Each
 compile gets its own copy (the passes rewrite the graph in place); the
 ``KEEP`` most recently used traces are kept. What a forward reads from outside
 its modules (a global flag) is not in the key: after changing such state,
-clear ``_KEPT`` (or change the model) to trace again.
+call ``forget()`` to trace again.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn as nn
 from autopar.compiler.trace import trace
 from autopar.core.graph import TracedModel
 
-__all__ = ["traced", "KEEP"]
+__all__ = ["traced", "forget", "KEEP"]
 
 KEEP = 16
 """How many traces are kept (the most recently used)."""
@@ -50,6 +50,11 @@ def traced(model: nn.Module, example_inputs: Any, example_targets: Any, loss_fn:
         while len(_KEPT) > KEEP:
             _KEPT.popitem(last=False)
     return result
+
+
+def forget() -> None:
+    """Drop every kept trace: the next compile of any model traces it again."""
+    _KEPT.clear()
 
 
 def _key(model: nn.Module, example_inputs: Any, example_targets: Any, loss_fn: Callable,
