@@ -14,6 +14,7 @@ pp from the first stage holding it, under every name the model gives it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,10 @@ from autopar.runtime.engine.errors import EngineUsageError
 from autopar.runtime.hf.export import RankHoldings
 from autopar.runtime.optim.gradient_sync import GradientSync
 from autopar.runtime.optim.param_gathers import ParamGathers
+
+GATHER_BUCKET_BYTES = 64 * 2**20
+"""The most bytes one broadcast of ``gather`` carries over pp (a whole model gathered in buckets,
+never in one extra copy of itself)."""
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
@@ -133,29 +138,47 @@ class Holdings:
         """``get(shard)`` of every parameter, whole, on every rank, on the device: all-gathered over tp
         (sharded ones), then broadcast over pp from the first stage holding it; under every alias."""
         program = self.program
-        dtypes = self.param_dtypes()
-        out = {}
+        whole: dict[str, torch.Tensor | None] = {}
         for name in program.param_names:
             value = get(self.shard(name)) if self.holds(name) else None
             spec = program.param_spec(name)
             if value is not None and isinstance(spec, Shard):
                 value = whole_from_shards(value, self.tp, spec.dim, spec.segments, program.full_shape(name)[spec.dim])
-            if self.mesh.shape.pp > 1:
-                value = self._from_owner(name, value, dtypes[name])
-            for alias in program.traced.aliases.get(name, [name]):
-                out[alias] = value.clone()
-        return out
+            whole[name] = value
+        if self.mesh.shape.pp > 1:
+            whole = self._from_owners(whole)
+        return {alias: whole[name].clone() for name in program.param_names
+                for alias in program.traced.aliases.get(name, [name])}
 
-    def _from_owner(self, name: str, value: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Parameter ``name`` (full shape, ``dtype``) broadcast over pp from the first stage holding
-        it; ``value`` is this rank's copy on that stage, ignored elsewhere."""
-        owner = self.program.param_stages[name][0]
-        if self.stage == owner:
-            buf = value.to(dtype).contiguous()
-        else:
-            buf = torch.empty(self.program.full_shape(name), dtype=dtype, device=self.device)
-        dist.broadcast(buf, src=self.mesh.peer(owner), group=self.mesh.groups["pp"])
-        return buf
+    def _from_owners(self, whole: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Every parameter (full shape, traced dtype) broadcast over pp from the first stage holding it
+        (``whole`` holds this rank's copies, None where its stage holds none): the parameters of one
+        owner and dtype flattened into buckets of at most ``GATHER_BUCKET_BYTES``, one broadcast each,
+        in the program's order on every rank."""
+        program, dtypes = self.program, self.param_dtypes()
+        buckets: dict[tuple[int, torch.dtype], list[list[str]]] = {}
+        filled: dict[tuple[int, torch.dtype], int] = {}  # bytes in the last bucket of each
+        for name in program.param_names:
+            key = (program.param_stages[name][0], dtypes[name])
+            size = math.prod(program.full_shape(name)) * key[1].itemsize
+            per_owner = buckets.setdefault(key, [[]])
+            if per_owner[-1] and filled[key] + size > GATHER_BUCKET_BYTES:
+                per_owner.append([])
+                filled[key] = 0
+            per_owner[-1].append(name)
+            filled[key] = filled.get(key, 0) + size
+        out = {}
+        for (owner, dtype), names_per_bucket in buckets.items():
+            for names in names_per_bucket:
+                sizes = [math.prod(program.full_shape(n)) for n in names]
+                if self.stage == owner:
+                    buf = torch.cat([whole[n].to(dtype).reshape(-1) for n in names])
+                else:
+                    buf = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+                dist.broadcast(buf, src=self.mesh.peer(owner), group=self.mesh.groups["pp"])
+                for n, piece in zip(names, buf.split(sizes)):
+                    out[n] = piece.view(program.full_shape(n))
+        return out
 
     def param_dtypes(self) -> dict[str, torch.dtype]:
         """Parameter name -> its dtype as traced (the same on every stage, held or not)."""
