@@ -100,7 +100,7 @@ def _batch_errors(engine, x, y, rows: int) -> dict[str, str]:
     return errors
 
 
-def _program(name: str):
+def _eval_program(name: str):
     """The GPT compiled for the layout (once per test and process), and the layout's batch."""
     x, y = batch(LAYOUTS[name]["dp"])
     return parallelize_on(model(), [((x,), (y,))], MB, **LAYOUTS[name]), x, y
@@ -109,7 +109,7 @@ def _program(name: str):
 def _worker() -> dict:
     out = {}
     for name, layout in LAYOUTS.items():
-        program, x, y = _program(name)
+        program, x, y = _eval_program(name)
         out[name] = _eval_then_train(program, x, y)
         if layout["dp"] > 1:
             out["replica"] = _replica_batches(program, x, y)
@@ -120,5 +120,5 @@ def _worker() -> dict:
 def results() -> list[dict]:
     """Every rank's results, in rank order; spawned once per test process."""
     for name in LAYOUTS:  # compile once here: the ranks inherit the programs
-        _program(name)
+        _eval_program(name)
     return spawn_ranks(_worker, 4, timeout_s=600)

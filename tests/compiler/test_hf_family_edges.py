@@ -123,7 +123,7 @@ def _forget_tp2_pp2_programs():
     _TP2_PP2.clear()
 
 
-def _tp2_pp2(name, recompute="none"):
+def _edge_tp2_pp2(name, recompute="none"):
     """``_compile_tp2_pp2(name)`` with ``recompute``, compiled once in this module; a later call returns it and
     leaves the random state as the compile left it (the model is seeded, so that state is the compile's own).
     Ranks forked after the test process compiled it inherit it."""
@@ -142,7 +142,7 @@ def _regions(gm):
 
 
 def test_each_chunk_holds_the_sub_modules_of_the_regions_it_runs():
-    program = _tp2_pp2("regions")
+    program = _edge_tp2_pp2("regions")
     traced = _regions(program.traced.gm)
     layer = program.layers.node_layer
     assert program.layers.count == 4 and len(traced) == 9  # 2 autocast regions per block, 1 no_grad region
@@ -167,7 +167,7 @@ def test_each_chunk_holds_the_sub_modules_of_the_regions_it_runs():
 def test_no_grad_layers_are_costed_and_carried():
     """HRM-Text: layers run under no_grad (a sub-module holding whole layers) go with the chunk of their
     inputs, their graph's cost counted (a third: no backward), the parameters they share tied across stages."""
-    program = _tp2_pp2("hrm_text")
+    program = _edge_tp2_pp2("hrm_text")
     assert program.layers.count == 4 and program.layers.by_calls
     regions = [_regions(c.gm) for c in program.split.chunks]
     assert sum(len(r) for r in regions) == 2 and all(len(s) == 1 for r in regions for s in r.values())
@@ -177,7 +177,7 @@ def test_no_grad_layers_are_costed_and_carried():
 
 
 def test_hybrid_stack_of_one_class_in_four_structures():
-    program = _tp2_pp2("nemotron_h")
+    program = _edge_tp2_pp2("nemotron_h")
     layers = program.layers
     assert layers.count == 4 and layers.kinds == (0, 1, 2, 3)
     assert list(layers.paths) == [f"model.layers.{i}" for i in range(4)]
@@ -241,7 +241,7 @@ RUNS = [("regions", "none"), ("regions", "layer"), ("cpmant", "none"), ("hrm_tex
 def _train_every_edge_run():
     out = {}
     for name, recompute in RUNS:
-        program = _tp2_pp2(name, recompute)  # inherited from the test process
+        program = _edge_tp2_pp2(name, recompute)  # inherited from the test process
         out[(name, recompute)] = train_steps(program.materialize(), _edge_batches(), LR)
     return out
 
@@ -252,7 +252,7 @@ def test_families_with_regions_and_hybrid_stacks_match_one_device():
     BLT with its patches given (its layers: the local encoder's and decoder's; the global transformer
     between them stays outside the layers)."""
     for name, recompute in RUNS:  # compile once here: the ranks inherit the programs
-        _tp2_pp2(name, recompute)
+        _edge_tp2_pp2(name, recompute)
     results = spawn_ranks(_train_every_edge_run, 4)
     for name, recompute in RUNS:
         assert_ranks_match(reference_run(_edge_model(name), _edge_batches(), lr=LR),

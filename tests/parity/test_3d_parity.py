@@ -68,7 +68,7 @@ def _expected_buckets(program, engine) -> int:
     return buckets
 
 
-def _program(layout):
+def _3d_program(layout):
     tp, pp, dp = layout
     v, m, mb = _shape(*layout)
     return parallelize_on(_parity_gpt(), _parity_batches(), mb, tp=tp, pp=pp, dp=dp, virtual_stages=v,
@@ -79,7 +79,7 @@ def _train_3d_layout(layout):
     import torch.distributed as dist
 
     data = _parity_batches()
-    program = _program(layout)
+    program = _3d_program(layout)
     engine = program.materialize()
     engine.grads.bucket_bytes = BUCKET
     losses, grads = train_steps(engine, data, LR, clip=CLIP)
@@ -94,7 +94,7 @@ def _train_every_layout():
 
 def test_every_8_rank_layout_matches_single_device():
     for layout in LAYOUTS:  # compile once here: the ranks inherit the programs
-        _program(layout)
+        _3d_program(layout)
     results = spawn_ranks(_train_every_layout, 8, timeout_s=1200)
     ref = reference_run(_parity_gpt(), _parity_batches(), lr=LR, clip_grad_norm=CLIP)
     for layout in LAYOUTS:

@@ -75,7 +75,7 @@ def _batch():
     return token_batches(VOCAB, steps=1, rows=M * MB * DP, seed=5, seq=SEQ)[0]
 
 
-def _program(recompute):
+def _dropout_program(recompute):
     model = seeded(build, "gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=LAYERS, n_head=4, d_model=64, dropout=0.5)
     model.train()
     # the residual stream replicated on the tp ranks (sequence parallelism would split it, each rank
@@ -88,7 +88,7 @@ def _step(recompute):
     import torch.distributed as dist
 
     (x,), (y,) = _batch()
-    program = _program(recompute)  # inherited from the test process
+    program = _dropout_program(recompute)  # inherited from the test process
     engine = program.materialize()
     before = torch.get_rng_state()
     rec = _Masks()
@@ -112,7 +112,7 @@ def _dropout_step_per_recompute():
 @pytest.fixture(scope="module")
 def dropout_steps():
     for rc in RECOMPUTE:  # compile once here: the ranks inherit the programs
-        _program(rc)
+        _dropout_program(rc)
     return spawn_ranks(_dropout_step_per_recompute, 8, timeout_s=600)
 
 

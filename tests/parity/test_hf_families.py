@@ -102,7 +102,7 @@ def _model(name):
     return (_hf_family if name in SPLIT_FULLY else _make_more)(name)
 
 
-def _program(name):
+def _family_program(name):
     # f and g of tensor parallelism alone are counted per layer
     return parallelize_on(_model(name), _family_batches(), ROWS // M, tp=2, pp=2, microbatches=M,
                           sequence_parallel=False)
@@ -112,7 +112,7 @@ def _train_hf_families(names):
     out = {}
     for name in names:
         data = _family_batches()
-        program = _program(name)  # compiled in the test process before the spawn: inherited
+        program = _family_program(name)  # compiled in the test process before the spawn: inherited
         losses, grads = train_steps(program.materialize(), data, LR)
         per_layer = program.collectives(by_layer=True)
         out[name] = (losses, grads, program.fallbacks(), [r.reason for r in program.plan.rejected],
@@ -126,7 +126,7 @@ def family_runs():
     """Every family of both tests trained on the same 4 ranks, each compiled here first (once, not per rank)."""
     names = SPLIT_FULLY + MORE
     for name in names:
-        _program(name)
+        _family_program(name)
     return spawn_ranks(_train_hf_families, 4, names)
 
 

@@ -93,7 +93,7 @@ def variant_batches():
     return token_batches(V, steps=2, rows=8, seed=1, seq=S)
 
 
-def _program(name):
+def _variant_program(name):
     # f and g of tensor parallelism alone are counted per layer
     return parallelize_on(make(name), variant_batches(), 4, tp=2, pp=2, microbatches=2, sequence_parallel=False)
 
@@ -101,7 +101,7 @@ def _program(name):
 def _split_and_train_every_variant():
     out = {}
     for name in VARIANTS:
-        program = _program(name)  # compiled in the test process before the spawn: inherited
+        program = _variant_program(name)  # compiled in the test process before the spawn: inherited
         per_layer = {k: v for k, v in program.collectives(by_layer=True).items() if k[0] is not None}
         out[name] = (
             train_steps(program.materialize(), variant_batches(), 1e-3),
@@ -116,7 +116,7 @@ def _split_and_train_every_variant():
 @pytest.fixture(scope="module")
 def variant_runs():
     for name in VARIANTS:  # compile once here, not once per rank
-        _program(name)
+        _variant_program(name)
     return spawn_ranks(_split_and_train_every_variant, 4, timeout_s=600)
 
 

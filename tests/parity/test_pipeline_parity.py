@@ -31,7 +31,7 @@ def _m(layout) -> int:
     return layout[6] if len(layout) > 6 else M
 
 
-def _program(layout):
+def _pipeline_program(layout):
     """The layout's program and its batches (the first microbatch as the example)."""
     fam, tp, pp, v, sched, sg = layout[:6]
     model, vocab = make(fam, layers=LAYERS)
@@ -43,7 +43,7 @@ def _program(layout):
 
 
 def _train_pipeline_layout(layout):
-    program, data = _program(layout)  # compiled in the test process before the spawn: inherited
+    program, data = _pipeline_program(layout)  # compiled in the test process before the spawn: inherited
     engine = program.materialize()
     losses, grads = train_steps(engine, data, LR)
     stats = {"bytes_sent": dict(engine.stats["bytes_sent"]), "peak_in_flight": engine.stats["peak_in_flight"],
@@ -58,7 +58,7 @@ def _train_pipeline_layouts(layouts):
 def _spawn_layouts(world, layouts):
     """Every layout trained on ``world`` ranks in one spawn, each compiled here first (once, not per rank)."""
     for layout in layouts:
-        _program(layout)
+        _pipeline_program(layout)
     return spawn_ranks(_train_pipeline_layouts, world, layouts)
 
 

@@ -58,13 +58,13 @@ def _case_data(case):
     return model, batches(vocab, steps=STEPS, rows=BATCH * m * dp), m
 
 
-def _program(case):
+def _zero_bubble_program(case):
     model, data, m = _case_data(case)
     return parallelize_on(model, data, BATCH, microbatches=m, **case[3]), data
 
 
 def _train_zero_bubble_case(case) -> dict:
-    program, data = _program(case)  # compiled in the test process before the spawn: inherited
+    program, data = _zero_bubble_program(case)  # compiled in the test process before the spawn: inherited
     engine = program.materialize()
     opt = torch.optim.AdamW(engine.parameters(), lr=LR)
     losses, grads, in_flight, kept = [], [], 0, 0
@@ -88,7 +88,7 @@ def _train_zero_bubble_cases(cases):
 def _spawn_cases(world, cases):
     """Every case trained on ``world`` ranks in one spawn, each compiled here first (once, not per rank)."""
     for case in cases.values():
-        _program(case)
+        _zero_bubble_program(case)
     return spawn_ranks(_train_zero_bubble_cases, world, cases)
 
 

@@ -110,7 +110,7 @@ def _example(name: str, b: int) -> tuple[torch.Generator, torch.Tensor]:
     return gen, torch.randint(0, SHAPES[name]["vocab_size"], (b, SHAPES[name]["seq_len"] + 1), generator=gen)
 
 
-def _program(index: int) -> autopar.ParallelProgram:
+def _predicted_program(index: int) -> autopar.ParallelProgram:
     """``LAYOUTS[index]`` compiled for the 4 ranks (once per process: the ranks inherit the test process's)."""
     name, b, config, _ = LAYOUTS[index]
     _, example = _example(name, b)
@@ -122,7 +122,7 @@ def _measure(index: int) -> dict:
     name, b, config, distributed = LAYOUTS[index]
     vocab, seq = SHAPES[name]["vocab_size"], SHAPES[name]["seq_len"]
     gen, _ = _example(name, b)
-    program = _program(index)
+    program = _predicted_program(index)
     engine = program.materialize()
     _count_kept_by_storage(engine)
     if distributed:
@@ -157,7 +157,7 @@ def _layout(index: int) -> tuple[ModelSpec, Layout, int]:
     model = _gpt_of_shape(name)
     example = torch.zeros(b, SHAPES[name]["seq_len"], dtype=torch.long)
     spec = spec_from_model(model, (example,), name=name)
-    program = _program(index)  # the program the ranks measure
+    program = _predicted_program(index)  # the program the ranks measure
     cfg = program.config
     lay = Layout.from_config(cfg, b, precision=runtime_precision(cfg.precision))
     # sequence parallelism as the compiler decided it (on by default where it fits)

@@ -77,7 +77,7 @@ def _checkpoint_batches(vocab: int, rows: int = ROWS):
     return token_batches(vocab, steps=STEPS, rows=rows, seed=7, seq=SEQ)
 
 
-def _program(model, vocab: int, layout: dict, rows: int = ROWS, **config):
+def _checkpoint_program(model, vocab: int, layout: dict, rows: int = ROWS, **config):
     """The program of ``model`` for ``layout`` (compiled once per test and process) and the data."""
     data = _checkpoint_batches(vocab, rows)
     program = parallelize_on(model, data, rows // (layout.get("dp", 1) * layout.get("microbatches", 1)),
@@ -87,7 +87,7 @@ def _program(model, vocab: int, layout: dict, rows: int = ROWS, **config):
 
 def _scheduled_engine(model, vocab: int, layout: dict, rows: int = ROWS, **config):
     """A fresh engine of the program for ``layout``, AdamW and an LR schedule, and the data."""
-    program, data = _program(model, vocab, layout, rows, **config)
+    program, data = _checkpoint_program(model, vocab, layout, rows, **config)
     engine = program.materialize()
     return (engine, *_optimizer(engine), data)
 
@@ -97,10 +97,10 @@ def _compile_every_program() -> None:
     compiling its own. Each layout without dp fills its world (tp * pp ranks), so the program
     compiled without a process group is the one a rank would compile."""
     for config in ({}, {"precision": "bf16"}):
-        _program(_checkpoint_gpt(), VOCAB, EXACT, **config)
+        _checkpoint_program(_checkpoint_gpt(), VOCAB, EXACT, **config)
     for layout in (RESHARD_FROM, PAD_FROM, *RESHARD_TO.values()):
-        _program(_fused(), FUSED_VOCAB, layout)
-    _program(_fused(), FUSED_VOCAB, KILL, rows=2)
+        _checkpoint_program(_fused(), FUSED_VOCAB, layout)
+    _checkpoint_program(_fused(), FUSED_VOCAB, KILL, rows=2)
 
 
 def _optimizer(engine):

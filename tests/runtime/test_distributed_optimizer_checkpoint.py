@@ -63,7 +63,7 @@ def _fused_gpt_program(layout: dict, dtype=torch.float32):
     return parallelize_on(model, data, rows, **layout), data
 
 
-def _compile_every_program() -> None:
+def _compile_optimizer_programs() -> None:
     """Every program both spawns build, compiled here: the ranks inherit them instead of each
     compiling its own. The one layout without dp fills the 4 ranks (tp=2 x pp=2), so the program
     compiled without a process group is the one a rank would compile."""
@@ -133,7 +133,7 @@ def _resume_every_case(root: str) -> dict:
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distopt")
-    _compile_every_program()
+    _compile_optimizer_programs()
     saved = spawn_ranks(_save_every_layout, 4, str(root), timeout_s=600)[0]
     loaded = spawn_ranks(_resume_every_case, 4, str(root), timeout_s=600)
     return {"root": root, "saved": saved, "loaded": loaded}

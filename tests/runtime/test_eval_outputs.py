@@ -89,7 +89,7 @@ def _loss_fn(vocab: int | None):
     return F.mse_loss if vocab is None else autopar.lm_cross_entropy
 
 
-def _program(name: str) -> autopar.ParallelProgram:
+def _eval_output_program(name: str) -> autopar.ParallelProgram:
     """The layout's model and loss compiled for it (once per test and process), its batch's first
     microbatch as the example."""
     factory, vocab, layout = LAYOUTS[name]
@@ -103,7 +103,7 @@ def _evaluate_every_layout() -> dict:
     out = {}
     for name, (_, vocab, layout) in LAYOUTS.items():
         x, y = _eval_batch(vocab, layout["dp"])
-        engine = _program(name).materialize()
+        engine = _eval_output_program(name).materialize()
         loss, logits = engine.eval_step(x, y, outputs=True)
         r = {"loss": loss, "logits": logits, "plain": engine.eval_step(x, y), "stage": engine.stage,
              "dp": engine.dp_rank, "split_dims": [s.dim for s in LogitsOutput.of(engine.program).splits]}
@@ -119,7 +119,7 @@ def _evaluate_every_layout() -> dict:
 @functools.cache
 def _results() -> list[dict]:
     for name in LAYOUTS:  # compile once here: the ranks inherit the programs
-        _program(name)
+        _eval_output_program(name)
     return spawn_ranks(_evaluate_every_layout, 4, timeout_s=600)
 
 

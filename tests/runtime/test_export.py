@@ -86,7 +86,7 @@ def _batches(family: str, vocab: int):
     return token_batches(vocab, steps=2, rows=LAYOUTS[family]["dp"] * MICROBATCHES, seed=1)
 
 
-def _program(family: str):
+def _export_program(family: str):
     """The family's program for its layout (compiled once per test and process) and its batches."""
     model, vocab = _export_model(family)
     data = _batches(family, vocab)
@@ -96,7 +96,7 @@ def _program(family: str):
 def _train_and_export(family: str, out_dir: str) -> dict:
     """On one rank: one AdamW step in the family's layout, ``save_pretrained``, the full state dict
     and the engine's loss on the evaluation batch (a forward and backward, no optimizer step)."""
-    program, data = _program(family)
+    program, data = _export_program(family)
     engine = program.materialize()
     optimizer = torch.optim.AdamW(engine.parameters(), lr=LR)
     engine.train_step(*data[0][0], *data[0][1])
@@ -141,7 +141,7 @@ def trained_and_saved(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Every spawned family trained and saved on one set of 4 ranks: (root, each rank's results)."""
     root = tmp_path_factory.mktemp("export")
     for family in LAYOUTS:  # compile once here: the ranks inherit the programs
-        _program(family)
+        _export_program(family)
     return root, spawn_ranks(_train_and_save_every_family, 4, str(root), timeout_s=600)
 
 

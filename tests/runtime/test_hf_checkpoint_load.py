@@ -106,7 +106,7 @@ def _load_counting(program, path: Path) -> tuple:
     return engine, log
 
 
-def _program(paths: dict[str, Path], name: str):
+def _hf_load_program(paths: dict[str, Path], name: str):
     """The model of ``paths[name]``'s config on the meta device, compiled at tp=2 x pp=2 (once per test and
     process); its one-step batches."""
     data = _one_step_batches(MODELS[name][1])
@@ -138,7 +138,7 @@ def _load_and_train_every_model(paths: dict[str, Path], programs: dict):
 
 @pytest.fixture(scope="module")
 def loaded_runs(pretrained_dirs):
-    programs = {name: _program(pretrained_dirs, name) for name in MODELS}  # compiled once, here
+    programs = {name: _hf_load_program(pretrained_dirs, name) for name in MODELS}  # compiled once, here
     return spawn_ranks(_load_and_train_every_model, 4, pretrained_dirs, programs, timeout_s=600)
 
 

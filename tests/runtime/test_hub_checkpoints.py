@@ -113,7 +113,7 @@ def hub_dirs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _program(paths: dict[str, Path], name: str) -> autopar.ParallelProgram:
+def _hub_program(paths: dict[str, Path], name: str) -> autopar.ParallelProgram:
     """The model of ``paths[name]``'s config on the meta device, compiled at tp=2 x pp=2 (once per test and
     process)."""
     (x,), (y,) = _hub_batch()
@@ -143,7 +143,7 @@ def _load_evaluate_and_export(paths: dict[str, Path], out_root: Path, programs: 
 @pytest.fixture(scope="module")
 def hub_runs(hub_dirs, tmp_path_factory) -> tuple[Path, list[dict]]:
     root = tmp_path_factory.mktemp("exported")
-    programs = {name: _program(hub_dirs, name) for name in MODELS}  # compiled once, here
+    programs = {name: _hub_program(hub_dirs, name) for name in MODELS}  # compiled once, here
     return root, spawn_ranks(_load_evaluate_and_export, 4, hub_dirs, root, programs, timeout_s=600)
 
 
