@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import pickle
 import signal
@@ -166,6 +167,8 @@ def _leave() -> None:
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeout_s: float,
             fn: Callable, args: tuple, results, environ: dict[str, str], forked: bool,
             streams: tuple[int | None, int | None] | None) -> None:
+    if forked:  # what the rank inherited out of the collector's reach: a full collection would walk
+        gc.freeze()  # (and so copy, page by page) the parent's whole heap, seconds in a process of a few GB
     if streams is not None:  # forked by the server: write where the parent writes now
         for fd, target in zip(streams, (1, 2)):
             if fd is not None and fd != target:
