@@ -19,7 +19,7 @@ import torch.distributed as dist
 from autopar.core.collectives import CollectiveError
 
 __all__ = ["TPGroup", "conjugate_pair", "PAIRWISE_MAX_BYTES", "all_reduce", "all_gather", "reduce_scatter_dim", "all_gather_dim",
-           "local_slice", "whole_from_shards"]
+           "local_slice", "whole_from_shards", "wholes_from_shards"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,40 @@ def whole_from_shards(local: torch.Tensor, group: TPGroup, dim: int, segments: t
     if group.size > 1:
         local = all_gather(local, group, dim, segments)
     return local.narrow(dim, 0, size)
+
+
+def wholes_from_shards(pieces: list[tuple[torch.Tensor, int, tuple[int, ...] | None, int]], group: TPGroup,
+                       bucket_bytes: int) -> list[torch.Tensor]:
+    """``whole_from_shards`` of many tensors at once: ``pieces`` holds (local shard, dim, segments,
+    full size) each; the shards of one dtype are flattened into buckets of at most ``bucket_bytes``
+    (gathered) and each bucket is one all-gather over ``group``, in the order of ``pieces`` on every
+    rank. Returns the whole tensors in the order of ``pieces``."""
+    if group.size <= 1 or group.pg is None:
+        return [whole_from_shards(x, group, dim, segs, size) for x, dim, segs, size in pieces]
+    t = group.size
+    fronts = [x.movedim(dim, 0).contiguous() for x, dim, _, _ in pieces]
+    buckets: dict[torch.dtype, list[list[int]]] = {}
+    filled: dict[torch.dtype, int] = {}
+    for i, front in enumerate(fronts):
+        size = front.numel() * front.element_size() * t
+        per_dtype = buckets.setdefault(front.dtype, [[]])
+        if per_dtype[-1] and filled[front.dtype] + size > bucket_bytes:
+            per_dtype.append([])
+            filled[front.dtype] = 0
+        per_dtype[-1].append(i)
+        filled[front.dtype] = filled.get(front.dtype, 0) + size
+    out: list[torch.Tensor | None] = [None] * len(pieces)
+    for indices in (b for per_dtype in buckets.values() for b in per_dtype):
+        flat = torch.cat([fronts[i].reshape(-1) for i in indices])
+        gathered = torch.empty(t * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_single(gathered, flat, group=group.pg)
+        by_rank, start = gathered.view(t, -1), 0
+        for i in indices:
+            front, (_, dim, segs, size) = fronts[i], pieces[i]
+            blocks = by_rank[:, start:start + front.numel()].reshape(t * front.shape[0], *front.shape[1:])
+            out[i] = _segment_major(blocks, t, segs).movedim(0, dim).narrow(dim, 0, size)
+            start += front.numel()
+    return out
 
 
 def _rank_major(front: torch.Tensor, t: int, segments: tuple[int, ...] | None) -> torch.Tensor:

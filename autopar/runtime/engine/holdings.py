@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.compiler.state_keys import state_sources, untraced_value
-from autopar.core.comm import TPGroup, whole_from_shards
+from autopar.core.comm import TPGroup, wholes_from_shards
 from autopar.core.mesh import Mesh
 from autopar.core.tensor_placement import Shard
 from autopar.runtime.engine.errors import EngineUsageError
@@ -32,8 +32,8 @@ from autopar.runtime.optim.gradient_sync import GradientSync
 from autopar.runtime.optim.param_gathers import ParamGathers
 
 GATHER_BUCKET_BYTES = 64 * 2**20
-"""The most bytes one broadcast of ``gather`` carries over pp (a whole model gathered in buckets,
-never in one extra copy of itself)."""
+"""The most bytes one all-gather over tp or one broadcast over pp of ``gather`` carries (a whole
+model gathered in buckets, never in one extra copy of itself)."""
 
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
@@ -136,15 +136,15 @@ class Holdings:
 
     def gather(self, get: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
         """``get(shard)`` of every parameter, whole, on every rank, on the device: all-gathered over tp
-        (sharded ones), then broadcast over pp from the first stage holding it; under every alias."""
+        (sharded ones, in buckets of ``GATHER_BUCKET_BYTES``), then broadcast over pp from the first stage
+        holding it; under every alias."""
         program = self.program
-        whole: dict[str, torch.Tensor | None] = {}
-        for name in program.param_names:
-            value = get(self.shard(name)) if self.holds(name) else None
-            spec = program.param_spec(name)
-            if value is not None and isinstance(spec, Shard):
-                value = whole_from_shards(value, self.tp, spec.dim, spec.segments, program.full_shape(name)[spec.dim])
-            whole[name] = value
+        whole = {name: get(self.shard(name)) if self.holds(name) else None for name in program.param_names}
+        sharded = [(name, program.param_spec(name)) for name, value in whole.items()
+                   if value is not None and isinstance(program.param_spec(name), Shard)]
+        wholes = wholes_from_shards([(whole[n], s.dim, s.segments, program.full_shape(n)[s.dim]) for n, s in sharded],
+                                    self.tp, GATHER_BUCKET_BYTES)
+        whole.update({name: value for (name, _), value in zip(sharded, wholes)})
         if self.mesh.shape.pp > 1:
             whole = self._from_owners(whole)
         return {alias: whole[name].clone() for name in program.param_names
