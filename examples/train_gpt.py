@@ -8,7 +8,9 @@
     autopar run --nproc 8 examples/train_gpt.py  # or torchrun --nproc-per-node 8 examples/train_gpt.py
 
 The model is compiled first (bad layouts fail here, before any process
-starts) and its plan printed. Each data-parallel replica reads its own batches
+starts) and its plan printed; the local CPU ranks are forked from this
+process and run that same program (GPU ranks start fresh and compile their
+own). Each data-parallel replica reads its own batches
 of the training text (a DistributedSampler set up from engine.dp_rank and
 engine.dp_size); every --eval-every steps the model is evaluated on held-out
 text; every --save-every steps a checkpoint is saved asynchronously (training
@@ -42,6 +44,7 @@ from autopar.core.config import SCHEDULE_NAMES
 from autopar.reference.data import CorpusWindows
 from autopar.reference.models import ModelConfig, build
 from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
+from autopar.runtime.launch import default_backend
 
 CFG = ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128, dropout=0.0)
 EVAL_BATCHES = 2
@@ -127,10 +130,11 @@ def _bar(main: bool):
     return Progress(*columns, disable=not main, transient=False)
 
 
-def train(args):
+def train(args, program: autopar.ParallelProgram | None = None):
+    """One rank's run: ``program`` is the one compiled before the ranks started (None: compile it here)."""
     import torch.distributed as dist
 
-    engine = compile_program(args).materialize()
+    engine = (program or compile_program(args)).materialize()
     if args.distributed_optimizer:  # AdamW's state sharded over the data-parallel replicas
         opt = engine.distributed_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.01)
     else:
@@ -231,7 +235,10 @@ def main() -> None:
         tokens = step_tokens(args)
         print(f"\ntraining on {world} {'ranks' if launched else 'local CPU ranks (gloo)'}: "
               f"{args.steps} steps of {tokens} tokens; checkpoints in {args.ckpt_dir}")
-    out = autopar.spawn(train, world, (args,))[0]
+    # The ranks run the program compiled above: forked from this process (CPU ranks), or this process
+    # itself under a launcher. Fresh GPU ranks compile their own (a compiled program is not picklable).
+    shared = launched or default_backend(world) == "gloo"
+    out = autopar.spawn(train, world, (args, program if shared else None), inherit=shared and not launched)[0]
     if not is_main:
         return
     if out["start"]:
