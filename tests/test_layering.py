@@ -215,7 +215,7 @@ def third_party_imports() -> list[str]:
 
 
 _IMPORT_EACH_FIRST = """
-import importlib, os, sys, traceback
+import gc, importlib, os, sys, traceback
 ours, third_party = sys.argv[1].split(","), sys.argv[2].split(",")
 for entry in third_party:  # loaded once, for every child; none of our modules is loaded before the forks
     module, _, name = entry.partition(":")
@@ -223,6 +223,7 @@ for entry in third_party:  # loaded once, for every child; none of our modules i
         getattr(importlib.import_module(module), name) if name else importlib.import_module(module)
     except Exception:  # an optional dependency that is missing: the child that needs it says so
         pass
+gc.freeze()  # the children's collections leave the libraries' objects alone (no walk, no copy-on-write)
 failed, running = [], {}
 for module in ours:
     while len(running) >= (os.cpu_count() or 1):

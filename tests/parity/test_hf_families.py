@@ -1,4 +1,4 @@
-"""More HuggingFace families, unmodified, on tp=2 x pp=2 gloo ranks.
+"""More HuggingFace families, unmodified, on tp=2 x pp=2 gloo ranks (two layers: one per stage).
 
 Qwen2 (biases on q/k/v, grouped-query attention), Phi-3 (fused QKV taken
 apart with slices, fused gate/up chunked), OPT (learned positions with an
@@ -28,21 +28,21 @@ from families import train_steps
 from helpers import assert_ranks_match, parallelize_on, reference_run, spawn_ranks, token_batches
 
 pytestmark = pytest.mark.multiprocess
-VOCAB, ROWS, M, LR = 250, 8, 2, 1e-3
+VOCAB, ROWS, M, LR, LAYERS = 250, 8, 2, 1e-3, 2  # a layer on each of the 2 stages
 
 
 def _hf_family(name):
     import transformers as T
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                   num_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
                   pad_token_id=None)
     if name == "qwen2":
         return T.Qwen2ForCausalLM(T.Qwen2Config(num_key_value_heads=2, **common))
     if name == "phi3":
         return T.Phi3ForCausalLM(T.Phi3Config(num_key_value_heads=2, **common))
-    return T.OPTForCausalLM(T.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=4,
+    return T.OPTForCausalLM(T.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=LAYERS,
                                         num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64,
                                         dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
                                         pad_token_id=1))
@@ -52,10 +52,10 @@ def _make_more(name):
     import transformers as T
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                   num_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
                   pad_token_id=None)
-    gpt = dict(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    gpt = dict(vocab_size=VOCAB, n_embd=64, n_layer=LAYERS, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
     if name == "gpt-neox":
         return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(rotary_pct=0.25, use_parallel_residual=True, **common))
     if name == "gpt-j":
@@ -63,13 +63,13 @@ def _make_more(name):
     if name == "gemma2":
         return T.Gemma2ForCausalLM(T.Gemma2Config(num_key_value_heads=2, head_dim=16, **common))
     if name == "falcon":
-        return T.FalconForCausalLM(T.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4,
+        return T.FalconForCausalLM(T.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS,
                                                   num_attention_heads=4, multi_query=False, parallel_attn=True,
                                                   bias=True, bos_token_id=0, eos_token_id=0))
     if name == "qwen3":
         return T.Qwen3ForCausalLM(T.Qwen3Config(num_key_value_heads=2, head_dim=16, **common))
     if name == "bloom":
-        return T.BloomForCausalLM(T.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=4, n_head=4,
+        return T.BloomForCausalLM(T.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=LAYERS, n_head=4,
                                                 bos_token_id=0, eos_token_id=0))
     if name == "mixtral":
         return T.MixtralForCausalLM(T.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
@@ -79,7 +79,7 @@ def _make_more(name):
                                                 **common))
     if name == "gpt-oss":
         return T.GptOssForCausalLM(T.GptOssConfig(num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                                                  num_experts_per_tok=2, layer_types=["full_attention"] * 4,
+                                                  num_experts_per_tok=2, layer_types=["full_attention"] * LAYERS,
                                                   **common))
     if name == "qwen2-moe":
         return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
@@ -137,8 +137,8 @@ def test_more_hf_families_split_fully_and_match_one_process(family_runs):
         for rank, res in enumerate(family_runs):
             _, _, fallbacks, rejected, per_layer, _, _ = res[name]
             assert fallbacks == [] and rejected == [], (name, rank, fallbacks, rejected)
-            # f and g twice per layer, on each of the 4 layers
-            assert per_layer == {(i, k): 2 for i in range(4) for k in ("copy_to_tp", "reduce_from_tp")}, per_layer
+            # f and g twice per layer, on each layer
+            assert per_layer == {(i, k): 2 for i in range(LAYERS) for k in ("copy_to_tp", "reduce_from_tp")}, per_layer
 
 
 def test_families_written_differently_match_one_process(family_runs):

@@ -45,19 +45,17 @@ def _run_command(cmd, timeout=180):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
-def test_autopar_run_starts_every_rank(script):
-    out = _run_command([sys.executable, "-m", "autopar.cli", "run", "--nproc", "2", script, "-1"])
-    assert out.returncode == 0, out.stderr[-2000:]
-    found = sorted(re.findall(r"rank (\d) of 2 loss (\d+\.\d{6})", out.stdout))  # ranks' lines may interleave
-    assert [r for r, _ in found] == ["0", "1"], out.stdout
-    assert found[0][1] == found[1][1]  # the same loss on both ranks
+# `autopar run` starting a script's ranks that train: tests/integration/test_readme_script.py (4 ranks,
+# the same losses as under torchrun); here it starts ranks that fail.
 
 
 def test_torchrun_starts_every_rank(script):
     out = _run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 script, "-1"])
     assert out.returncode == 0, out.stderr[-2000:]
-    assert sorted(re.findall(r"rank (\d) of 2 loss", out.stdout)) == ["0", "1"], out.stdout
+    found = sorted(re.findall(r"rank (\d) of 2 loss (\d+\.\d{6})", out.stdout))  # ranks' lines may interleave
+    assert [r for r, _ in found] == ["0", "1"], out.stdout
+    assert found[0][1] == found[1][1]  # the same loss on both ranks
 
 
 def test_autopar_run_stops_all_ranks_when_one_fails(script):
