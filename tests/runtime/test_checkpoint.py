@@ -47,7 +47,8 @@ from safetensors.torch import load_file
 import autopar
 from autopar.core.tensor_placement import Replicate, Shard
 from autopar.reference.models import GPT, ModelConfig, build
-from autopar.runtime.checkpoint.description import CheckpointError, PublishingWriter, resolve
+from autopar.runtime.checkpoint.description import CheckpointError, resolve
+from autopar.runtime.checkpoint.publishing import PublishingWriter
 from autopar.runtime.checkpoint.model_state import shard_pieces
 from autopar.runtime.hf.export_checkpoint import export_checkpoint
 

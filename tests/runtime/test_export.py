@@ -352,6 +352,7 @@ def test_cli_export_refuses_bad_input(tmp_path, capsys):
 
 _PEAK_MEMORY = """
 import sys
+import torch.distributed.checkpoint  # the export imports it on first use: code, not the export's data
 from autopar.runtime.hf.export_checkpoint import export_checkpoint
 
 def kib(field):

@@ -43,13 +43,13 @@ from autopar.runtime.checkpoint.checks import agree, param_errors, read_metadata
 from autopar.runtime.checkpoint.dcp import HostStager, PieceLoadPlanner, PieceSavePlanner
 from autopar.runtime.checkpoint.description import (
     CheckpointError,
-    PublishingWriter,
     clear_partial,
     read_description,
     resolve,
     save_errors,
 )
 import autopar.runtime.checkpoint.optimizer_state as optimizer_state
+from autopar.runtime.checkpoint.publishing import PublishingWriter
 import autopar.runtime.checkpoint.sharded_optimizer_state as sharded_optimizer_state
 from autopar.runtime.checkpoint.model_state import (
     buffer_entries,

@@ -1,4 +1,4 @@
-"""The checkpoint directory's life: a save is never visible half-written.
+"""The checkpoint directory and its description: a save is never visible half-written.
 
 ::
 
@@ -8,7 +8,7 @@
       step-00000130.partial/   a save in progress or interrupted: never loaded, never "latest"
 
 Every rank writes its files into ``step-N.partial/``. DCP's coordinator calls
-``PublishingWriter.finish`` only once every rank has reported its writes done
+``PublishingWriter.finish`` (``publishing.py``) only once every rank has reported its writes done
 (also for an asynchronous save, in its write thread); there the metadata is
 written, then ``autopar.json``, then the directory is renamed to ``step-N/``
 and ``latest`` is replaced atomically (a temporary file, ``os.replace``).
@@ -33,12 +33,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemWriter
-
 from autopar.runtime.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["CheckpointError", "FORMAT", "DESCRIPTION", "LATEST", "PARTIAL", "step_dir_name", "resolve",
-           "save_errors", "clear_partial", "PublishingWriter", "read_description", "ModelDescription",
+           "save_errors", "clear_partial", "publish", "read_description", "ModelDescription",
            "read_model_description"]
 
 FORMAT = 1
@@ -148,27 +146,13 @@ def clear_partial(root: Path, step: int) -> Path:
     return partial
 
 
-class PublishingWriter(FileSystemWriter):
-    """DCP's file writer into ``step-N.partial/`` that publishes the checkpoint once complete.
-
-    ``finish`` runs on the coordinator after every rank's writes succeeded: the
-    metadata is written, then ``autopar.json``, the rename to ``step-N/`` and
-    the new ``latest``, each durable (fsync) before the next.
-    """
-
-    def __init__(self, root: Path, step: int, description: dict) -> None:
-        super().__init__(root / (step_dir_name(step) + PARTIAL), overwrite=False)
-        self.root = root
-        self.final = root / step_dir_name(step)
-        self.description = description
-
-    def finish(self, metadata, results) -> None:
-        super().finish(metadata, results)
-        partial = Path(self.path)
-        _write_durably(partial / DESCRIPTION, json.dumps(self.description, indent=1))
-        os.rename(partial, self.final)
-        _sync_dir(self.root)
-        _write_durably(self.root / LATEST, self.final.name + "\n")
+def publish(partial: Path, final: Path, description: dict) -> None:
+    """Make the complete save in ``partial`` the checkpoint ``final``: ``autopar.json`` written,
+    the directory renamed, the new ``latest``, each durable (fsync) before the next."""
+    _write_durably(partial / DESCRIPTION, json.dumps(description, indent=1))
+    os.rename(partial, final)
+    _sync_dir(final.parent)
+    _write_durably(final.parent / LATEST, final.name + "\n")
 
 
 def _write_durably(path: Path, text: str) -> None:

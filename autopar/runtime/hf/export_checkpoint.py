@@ -30,10 +30,10 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.runtime.checkpoint.description import (DESCRIPTION, CheckpointError, ModelDescription,
                                                     read_model_description, resolve)
@@ -41,6 +41,9 @@ from autopar.runtime.hf.conversion import Lazy, Leaf, Reads, Region, region_slic
 from autopar.runtime.hf.layout import (FILE_METADATA, HFFile, check_output_dir, remove_stale_weight_files,
                                        saved_tensors, weight_file_name, write_directory_files)
 from autopar.runtime.hf.safetensors_stream import SafetensorsStream, TensorEntry
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint is imported where a checkpoint is read: it brings in DTensor,
+    import torch.distributed.checkpoint as dcp  # a second of start-up that a training rank does not need
 
 __all__ = ["export_checkpoint"]
 
@@ -52,6 +55,8 @@ def export_checkpoint(checkpoint: str, out: str, max_shard_bytes: int = DEFAULT_
                       progress: Callable[[str], None] = lambda line: None) -> list[str]:
     """Write the HuggingFace directory ``out`` from the checkpoint ``checkpoint``; the files written.
     ``progress`` gets one line per file (and a note when the model cannot be built)."""
+    import torch.distributed.checkpoint as dcp
+
     saved = read_model_description(resolve(checkpoint))
     reader = dcp.FileSystemReader(saved.step_dir)
     sources = _dcp_sources(saved, reader.read_metadata())
@@ -90,6 +95,8 @@ class _Source:
 def _dcp_sources(saved: ModelDescription, metadata) -> dict[str, _Source]:
     """Canonical name -> its DCP tensor, for every parameter and buffer described; every one must
     be in the checkpoint, with the described shape."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     wanted = {name: (f"model.{name}", shape) for name, shape in saved.params.items()}
     wanted.update({name: (f"buffer.{name}", shape) for name, shape in saved.buffers.items()})
     stored = metadata.state_dict_metadata
@@ -158,6 +165,8 @@ class _Reads(Reads):
 
 def _read(reader: dcp.FileSystemReader, source: _Source) -> torch.Tensor:
     """One tensor, whole, read through DCP without a process group."""
+    import torch.distributed.checkpoint as dcp
+
     value = torch.empty(source.shape, dtype=source.dtype)
     with warnings.catch_warnings():  # DCP warns that it runs in one process, which is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
