@@ -9,7 +9,9 @@ importing them again; NCCL ranks start fresh (``spawn``), so no rank inherits
 anything of CUDA. ``spawn(..., inherit=True)`` forks CPU ranks from the calling
 process itself, so a program compiled there once runs on every rank (a
 program cannot be pickled). Either way a rank sees this process's environment, working
-directory, ``sys.path``, stdout and stderr as they are at the call.
+directory, ``sys.path``, stdout and stderr as they are at the call, and a forked rank
+freezes the heap it inherited (``gc.freeze``): its garbage collections never walk, and
+so never copy page by page, the objects of the process it was forked from.
 A rank that raises makes ``spawn`` raise ``RankError`` with that rank's
 traceback after stopping the others; a rank that hangs is stopped after
 ``timeout_s``. Ranks that fail because another did report that rank's failure
