@@ -6,6 +6,13 @@ one rank or an inspection-only program); ``all_reduce``, ``all_gather``,
 ``local_slice``/``whole_from_shards`` cut a global tensor into this rank's piece
 and put the pieces back. An inspection group (no process group) only computes
 shapes: its collectives return the right sizes without communicating.
+
+Traced by torch.compile (dynamo), the collectives are PyTorch's
+functional collectives (``torch.distributed._functional_collectives``), which
+trace into the graph: a chunk with tensor- and sequence-parallel collectives
+in every layer compiles as one graph, forward and backward, with no break.
+Run eagerly they keep their own path (pairwise exchanges for small all-reduces
+on gloo, in-place ``*_single`` collectives).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from autopar.core.collectives import CollectiveError
 
@@ -50,6 +58,9 @@ class TPGroup:
         return TPGroup(dist.get_rank(pg), size, pg, members, pairwise)
 
 
+_FUNCOL_OP = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}
+"""The reductions a traced all-reduce names as a functional collective's ``reduceOp``."""
+
 # Above this size the ring all-reduce's bandwidth wins over recursive doubling (t > 2).
 PAIRWISE_MAX_BYTES = 1 << 20
 
@@ -57,6 +68,8 @@ PAIRWISE_MAX_BYTES = 1 << 20
 def all_reduce(x: torch.Tensor, group: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """``x`` reduced (summed, or ``op``) over the group, in a new tensor; small tensors on a pairwise
     group by recursive doubling."""
+    if group.pg is not None and torch.compiler.is_compiling():  # traced into the graph: a functional collective
+        return funcol.all_reduce(x.contiguous(), _FUNCOL_OP[op], group.pg)
     x = x.contiguous().clone()
     if group.pg is None:  # an inspection group: shapes only, no communication
         return x
@@ -97,6 +110,8 @@ def _segments_local(size_local: int, segments: tuple[int, ...] | None, t: int) -
 
 def all_gather(x: torch.Tensor, group: TPGroup, dim: int, segments: tuple[int, ...] | None) -> torch.Tensor:
     """Concatenate every rank's piece along ``dim``, segment by segment."""
+    if group.pg is not None and torch.compiler.is_compiling():  # the same result, as a traceable collective
+        return all_gather_dim(x, group, dim, segments)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group.size)]
     if group.pg is None:  # inspection group: shapes only
@@ -198,6 +213,8 @@ def reduce_scatter_dim(x: torch.Tensor, group: TPGroup, dim: int,
     if group.pg is None:
         return local_slice(x, group.rank, t, dim, segments).contiguous()
     front = _rank_major(x.movedim(dim, 0), t, segments).contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(front, "sum", 0, group.pg).movedim(0, dim).contiguous()
     out = torch.empty((front.shape[0] // t, *front.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, front, group=group.pg)
     return out.movedim(0, dim).contiguous()
@@ -211,6 +228,8 @@ def all_gather_dim(x: torch.Tensor, group: TPGroup, dim: int,
     front = x.movedim(dim, 0).contiguous()
     if group.pg is None:
         out = torch.cat([front] * group.size, dim=0)
+    elif torch.compiler.is_compiling():
+        out = funcol.all_gather_tensor(front, 0, group.pg)
     else:
         out = torch.empty((front.shape[0] * group.size, *front.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_single(out, front, group=group.pg)

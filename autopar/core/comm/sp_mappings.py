@@ -57,6 +57,7 @@ def gather_from_sp(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, 
     if tp.size == 1:
         return x
     full = _GatherFromSP.apply(x, tp, dim, segments)
-    if torch.is_grad_enabled() and x.requires_grad:
+    # traced by torch.compile: what the backward keeps is the compiled graph's partitioner's choice
+    if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
         remember_gathered(full, x, tp, dim, segments)
     return full
