@@ -20,7 +20,7 @@ collective by name. The passes insert them as ``comm.<name>``, from this package
 
 from __future__ import annotations
 
-from autopar.core.comm.group import TPGroup, all_gather, local_slice, whole_from_shards, wholes_from_shards
+from autopar.core.comm.group import TPGroup, all_gather, in_buckets, local_slice, whole_from_shards, wholes_from_shards
 from autopar.core.comm.kept_slices import keeping_gathered_slices, release_regathered
 from autopar.core.comm.random_streams import seed_forked, tp_rng_call
 from autopar.core.comm.sp_mappings import gather_from_sp, reduce_scatter_to_sp
@@ -32,6 +32,6 @@ from autopar.core.comm.vocab_parallel import (vocab_parallel_cross_entropy, voca
                                               vocab_parallel_nll_loss, vocab_parallel_soft_cross_entropy,
                                               vocab_parallel_softmax)
 
-__all__ = ["TPGroup", "all_gather", "local_slice", "whole_from_shards", "wholes_from_shards", "copy_to_tp", "reduce_from_tp",
-           "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_sp", "gather_from_sp", "keeping_gathered_slices",
+__all__ = ["TPGroup", "all_gather", "local_slice", "whole_from_shards", "wholes_from_shards", "in_buckets",
+           "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_sp", "gather_from_sp", "keeping_gathered_slices",
            "release_regathered", *vocab_parallel.__all__, "seed_forked", "tp_rng_call"]

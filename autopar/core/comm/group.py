@@ -17,7 +17,7 @@ on gloo, in-place ``*_single`` collectives).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +26,8 @@ import torch.distributed._functional_collectives as funcol
 
 from autopar.core.collectives import CollectiveError
 
-__all__ = ["TPGroup", "conjugate_pair", "PAIRWISE_MAX_BYTES", "all_reduce", "all_gather", "reduce_scatter_dim", "all_gather_dim",
-           "local_slice", "whole_from_shards", "wholes_from_shards"]
+__all__ = ["TPGroup", "conjugate_pair", "PAIRWISE_MAX_BYTES", "all_reduce", "all_gather", "reduce_scatter_dim",
+           "all_gather_dim", "local_slice", "whole_from_shards", "wholes_from_shards", "in_buckets"]
 
 
 @dataclass(frozen=True)
@@ -147,28 +147,34 @@ def whole_from_shards(local: torch.Tensor, group: TPGroup, dim: int, segments: t
     return local.narrow(dim, 0, size)
 
 
+def in_buckets(items: list[tuple[Hashable, int]], limit: int) -> list[tuple[Hashable, list[int]]]:
+    """The indices of ``items`` ((key, bytes) each) grouped by key, keys in the order they first
+    appear, each key's items cut in order into buckets of at most ``limit`` bytes (an item larger
+    than ``limit`` alone): every rank that lists the same items gets the same buckets."""
+    buckets: dict[Hashable, list[list[int]]] = {}
+    filled: dict[Hashable, int] = {}  # bytes in each key's last bucket
+    for i, (key, size) in enumerate(items):
+        per_key = buckets.setdefault(key, [[]])
+        if per_key[-1] and filled[key] + size > limit:
+            per_key.append([])
+            filled[key] = 0
+        per_key[-1].append(i)
+        filled[key] = filled.get(key, 0) + size
+    return [(key, bucket) for key, per_key in buckets.items() for bucket in per_key]
+
+
 def wholes_from_shards(pieces: list[tuple[torch.Tensor, int, tuple[int, ...] | None, int]], group: TPGroup,
                        bucket_bytes: int) -> list[torch.Tensor]:
     """``whole_from_shards`` of many tensors at once: ``pieces`` holds (local shard, dim, segments,
     full size) each; the shards of one dtype are flattened into buckets of at most ``bucket_bytes``
-    (gathered) and each bucket is one all-gather over ``group``, in the order of ``pieces`` on every
-    rank. Returns the whole tensors in the order of ``pieces``."""
+    (gathered), each bucket one all-gather over ``group``. Returns the whole tensors in the order
+    of ``pieces``."""
     if group.size <= 1 or group.pg is None:
         return [whole_from_shards(x, group, dim, segs, size) for x, dim, segs, size in pieces]
     t = group.size
     fronts = [x.movedim(dim, 0).contiguous() for x, dim, _, _ in pieces]
-    buckets: dict[torch.dtype, list[list[int]]] = {}
-    filled: dict[torch.dtype, int] = {}
-    for i, front in enumerate(fronts):
-        size = front.numel() * front.element_size() * t
-        per_dtype = buckets.setdefault(front.dtype, [[]])
-        if per_dtype[-1] and filled[front.dtype] + size > bucket_bytes:
-            per_dtype.append([])
-            filled[front.dtype] = 0
-        per_dtype[-1].append(i)
-        filled[front.dtype] = filled.get(front.dtype, 0) + size
     out: list[torch.Tensor | None] = [None] * len(pieces)
-    for indices in (b for per_dtype in buckets.values() for b in per_dtype):
+    for _, indices in in_buckets([(f.dtype, f.numel() * f.element_size() * t) for f in fronts], bucket_bytes):
         flat = torch.cat([fronts[i].reshape(-1) for i in indices])
         gathered = torch.empty(t * flat.numel(), dtype=flat.dtype, device=flat.device)
         dist.all_gather_single(gathered, flat, group=group.pg)

@@ -31,4 +31,3 @@ def __getattr__(name: str) -> Any:
 
         return getattr(checkpointer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-

@@ -8,10 +8,11 @@
       step-00000130.partial/   a save in progress or interrupted: never loaded, never "latest"
 
 Every rank writes its files into ``step-N.partial/``. DCP's coordinator calls
-``PublishingWriter.finish`` (``publishing.py``) only once every rank has reported its writes done
-(also for an asynchronous save, in its write thread); there the metadata is
-written, then ``autopar.json``, then the directory is renamed to ``step-N/``
-and ``latest`` is replaced atomically (a temporary file, ``os.replace``).
+``PublishingWriter.finish`` (``publishing.py``) only once every rank has
+reported its writes done (also for an asynchronous save, in its write thread);
+there the metadata is written, then ``publish`` writes ``autopar.json``,
+renames the directory to ``step-N/`` and replaces ``latest`` atomically (a
+temporary file, ``os.replace``).
 A rank killed mid-save leaves only ``step-N.partial/``, which ``resolve``
 never picks: ``latest`` still names the previous checkpoint.
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.compiler.state_keys import state_sources, untraced_value
-from autopar.core.comm import TPGroup, wholes_from_shards
+from autopar.core.comm import TPGroup, in_buckets, wholes_from_shards
 from autopar.core.mesh import Mesh
 from autopar.core.tensor_placement import Shard
 from autopar.runtime.engine.errors import EngineUsageError
@@ -156,28 +156,20 @@ class Holdings:
         owner and dtype flattened into buckets of at most ``GATHER_BUCKET_BYTES``, one broadcast each,
         in the program's order on every rank."""
         program, dtypes = self.program, self.param_dtypes()
-        buckets: dict[tuple[int, torch.dtype], list[list[str]]] = {}
-        filled: dict[tuple[int, torch.dtype], int] = {}  # bytes in the last bucket of each
-        for name in program.param_names:
-            key = (program.param_stages[name][0], dtypes[name])
-            size = math.prod(program.full_shape(name)) * key[1].itemsize
-            per_owner = buckets.setdefault(key, [[]])
-            if per_owner[-1] and filled[key] + size > GATHER_BUCKET_BYTES:
-                per_owner.append([])
-                filled[key] = 0
-            per_owner[-1].append(name)
-            filled[key] = filled.get(key, 0) + size
+        names = program.param_names
+        keyed = [((program.param_stages[n][0], dtypes[n]), math.prod(program.full_shape(n)) * dtypes[n].itemsize)
+                 for n in names]
         out = {}
-        for (owner, dtype), names_per_bucket in buckets.items():
-            for names in names_per_bucket:
-                sizes = [math.prod(program.full_shape(n)) for n in names]
-                if self.stage == owner:
-                    buf = torch.cat([whole[n].to(dtype).reshape(-1) for n in names])
-                else:
-                    buf = torch.empty(sum(sizes), dtype=dtype, device=self.device)
-                dist.broadcast(buf, src=self.mesh.peer(owner), group=self.mesh.groups["pp"])
-                for n, piece in zip(names, buf.split(sizes)):
-                    out[n] = piece.view(program.full_shape(n))
+        for (owner, dtype), indices in in_buckets(keyed, GATHER_BUCKET_BYTES):
+            bucket = [names[i] for i in indices]
+            sizes = [math.prod(program.full_shape(n)) for n in bucket]
+            if self.stage == owner:
+                buf = torch.cat([whole[n].to(dtype).reshape(-1) for n in bucket])
+            else:
+                buf = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+            dist.broadcast(buf, src=self.mesh.peer(owner), group=self.mesh.groups["pp"])
+            for n, piece in zip(bucket, buf.split(sizes)):
+                out[n] = piece.view(program.full_shape(n))
         return out
 
     def param_dtypes(self) -> dict[str, torch.dtype]:

@@ -29,7 +29,6 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import torch
