@@ -20,7 +20,7 @@ if ! has torch; then
   fi
   installed=1
 fi
-if ! has autopar transformers pytest; then
+if ! has autopar transformers pytest xdist; then
   .venv/bin/pip install -q --no-compile -e '.[test]'
   installed=1
 fi

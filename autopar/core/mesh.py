@@ -10,7 +10,17 @@ pipeline group strides by t*d. With t=2, p=4 on 16 GPUs (d=2): TP groups
 
 ``MeshShape`` is pure arithmetic (no process group); ``Mesh.create`` makes
 every group once (all ranks must call it, in the same order) and keeps this
-rank's. Nothing is global: the mesh is passed to whoever needs it.
+rank's. The mesh is passed to whoever needs it.
+
+Groups over the same ranks are shared by every mesh of the process (until the
+default group is destroyed): a second engine, at the same or another layout,
+reuses the groups the first one made instead of creating more. Each gloo group
+holds its own connections and a network thread that wakes every 10 ms, so a
+process that builds engine after engine (evaluation, resharding, a sweep of
+layouts) would otherwise pile up idle threads that compete with the ranks for
+the CPU; a new group also costs a store rendezvous of every rank. Sharing is
+safe because a rank runs one engine's collectives at a time, in the order every
+rank runs them.
 """
 
 from __future__ import annotations
@@ -22,7 +32,12 @@ import torch.distributed as dist
 
 from autopar.core.errors import AutoparError, ConfigError
 
-__all__ = ["MeshShape", "Mesh", "MeshError"]
+__all__ = ["MeshShape", "Mesh", "MeshError", "group_over", "forget_groups"]
+
+_SHARED: dict[tuple, Any] = {}
+"""(purpose, backend, sorted member ranks) -> the process group over them
+(``GroupMember.NON_GROUP_MEMBER`` on a rank outside it), for the default group ``_SHARED_WORLD``."""
+_SHARED_WORLD: list = [None]
 
 
 class MeshError(AutoparError, RuntimeError):
@@ -114,13 +129,36 @@ class Mesh:
         for axis, groups in (("tp", shape.tp_groups()), ("dp", shape.dp_groups()), ("pp", shape.pp_groups())):
             mesh.groups[axis] = None
             for ranks in groups:
-                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                g = group_over(ranks)
                 if rank in ranks:
                     mesh.groups[axis] = g
         for stages in tied_stage_sets:
             mesh.tied[stages] = None
             for ranks in shape.stage_groups(stages):
-                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                g = group_over(ranks)
                 if rank in ranks:
                     mesh.tied[stages] = g
         return mesh
+
+
+def group_over(ranks, *, backend: str | None = None, purpose: str = ""):
+    """The process group over ``ranks`` (None for one rank), made by the first call for that set of
+    ranks, backend and purpose since the default group started and shared by every later one
+    (collective the first time: every rank calls it with the same arguments, in the same order).
+    A ``purpose`` keeps a group apart from the meshes' (checkpoints talk over their own)."""
+    ranks = sorted(ranks)
+    if len(ranks) < 2:
+        return None
+    if _SHARED_WORLD[0] is not dist.group.WORLD:  # a new default group: the old groups died with the old one
+        _SHARED.clear()
+        _SHARED_WORLD[0] = dist.group.WORLD
+    key = (purpose, backend, tuple(ranks))
+    if key not in _SHARED:
+        _SHARED[key] = dist.new_group(ranks, backend=backend)
+    return _SHARED[key]
+
+
+def forget_groups() -> None:
+    """Make the next ``group_over`` of every set of ranks a new group: the shared ones were stopped
+    (a failed step stops every rank's communication, so every rank forgets them alike)."""
+    _SHARED.clear()

@@ -128,14 +128,22 @@ def _train_inherited(program, seen_in_parent):
     objects the parent held (inherited by the fork, not pickled copies)."""
     import torch.distributed as dist
 
+    from autopar.core.mesh import group_over
+
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    loss = program.materialize().train_step(x, x.clone())
-    return dist.get_rank(), loss, id(program) == seen_in_parent
+    engine = program.materialize()
+    loss = engine.train_step(x, x.clone())
+    # a second engine (another evaluation or resharding engine, say) makes no new groups: it
+    # shares the first one's, and a group over other ranks would be made once, here none
+    tp = engine.mesh.groups["tp"]
+    shared = program.materialize().mesh.groups["tp"] is tp and group_over([1, 0]) is tp
+    return dist.get_rank(), loss, id(program) == seen_in_parent, shared, group_over([dist.get_rank()])
 
 
 def test_inherited_ranks_run_a_program_compiled_in_the_caller():
     """``spawn(..., inherit=True)`` forks the ranks from the caller: a program compiled there (which
-    cannot be pickled) runs on every rank as the same object, and both ranks agree on the loss."""
+    cannot be pickled) runs on every rank as the same object, and both ranks agree on the loss. A
+    second engine of the program shares the first one's process groups instead of making more."""
     import autopar
     from autopar.reference.models import build
 
@@ -147,6 +155,7 @@ def test_inherited_ranks_run_a_program_compiled_in_the_caller():
     assert [r[0] for r in results] == [0, 1]
     assert all(r[2] for r in results), "a rank got a copy of the program, not the caller's"
     assert results[0][1] == results[1][1]
+    assert [r[3:] for r in results] == [(True, None)] * 2, "engines of one process share their process groups"
 
 
 def test_inheriting_nccl_ranks_is_refused_before_any_start():

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from autopar.core.mesh import group_over
 from autopar.runtime.checkpoint.checks import agree, param_errors, read_metadata, target_errors, truncation_errors
 from autopar.runtime.checkpoint.dcp import HostStager, PieceLoadPlanner, PieceSavePlanner
 from autopar.runtime.checkpoint.description import (
@@ -66,6 +67,9 @@ _SINGLE_PROCESS_NOTE = (r"torch\.distributed is (disabled, )?unavailable or unin
                         r"(save|load) in a single process")
 
 __all__ = ["Checkpointer", "SaveHandle", "CheckpointError"]
+
+_WRITING: list = [None]
+"""The process's asynchronous save still writing over the checkpoints' group, whichever engine started it."""
 
 
 class SaveHandle:
@@ -113,8 +117,10 @@ def _completed(run) -> Future:
 class Checkpointer:
     """One engine's checkpoints: their process group and the asynchronous save in flight.
 
-    Made by the ``RankEngine`` at its first save or load (collective: the group is
-    created here) over what it reads and writes of the engine: ``holdings``
+    Made by the ``RankEngine`` at its first save or load over what it reads and writes of
+    the engine. Every engine of the process checkpoints over one gloo group (made by the
+    first, collectively), so a save or load first waits for the asynchronous save in
+    flight, whichever engine started it: two saves never talk over the group at once. ``holdings``
     (``engine.holdings``: the program, mesh, device, shards and feeds) and ``stream``
     (``engine.random_stream``), unannotated because the engine imports this module.
     """
@@ -122,19 +128,25 @@ class Checkpointer:
     def __init__(self, holdings, stream) -> None:
         self.holdings = holdings
         self.stream = stream
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        """All ranks, gloo: only checkpoints talk over it. None in a process without a process group."""
+        self.group = (group_over(range(dist.get_world_size()), backend="gloo", purpose="checkpoints")
+                      if dist.is_initialized() else None)
+        """All ranks, gloo: only checkpoints talk over it (one group for every engine of the process).
+        None in a process without a process group."""
         if self.group is None:  # DCP says it assumes one process; here that is a fact, not news
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE)
         self.pending: SaveHandle | None = None
-        """The asynchronous save still writing, waited for before the next save or load."""
+        """This engine's asynchronous save still writing, waited for before the next save or load."""
 
     def _rank0(self) -> bool:
         return not dist.is_initialized() or dist.get_rank() == 0
 
     def wait(self) -> None:
-        """Wait for the asynchronous save in flight, if any (raises if it failed)."""
+        """Wait for this engine's asynchronous save in flight (raises if it failed), and for
+        another engine's that still writes over the shared group."""
         pending, self.pending = self.pending, None
+        other, _WRITING[0] = _WRITING[0], None
+        if other is not None and other is not pending:
+            other.wait()
         if pending is not None:
             pending.wait()
 
@@ -159,7 +171,7 @@ class Checkpointer:
         if async_save:
             future = dcp.async_save(state, storage_writer=writer, planner=PieceSavePlanner(),
                                     process_group=self.group, async_stager=HostStager())
-            self.pending = SaveHandle(writer.final, future)
+            self.pending = _WRITING[0] = SaveHandle(writer.final, future)
             return self.pending
         handle = SaveHandle(writer.final, _completed(lambda: dcp.save(
             state, storage_writer=writer, planner=PieceSavePlanner(), process_group=self.group)))

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.errors import AutoparError
+from autopar.core.mesh import forget_groups
 from autopar.runtime.engine.errors import EngineUsageError
 
 __all__ = ["Failure", "FailureBoard", "EngineFailedError", "stop_communication", "failure_timeout",
@@ -129,9 +130,11 @@ class EngineFailedError(AutoparError, RuntimeError):
 def stop_communication() -> None:
     """Stop this process's communication so that no peer waits on it, and no wait of its own
     stays blocked: NCCL's communicators aborted (every group), gloo's connections closed (one
-    receive that times out per group). The groups are unusable afterwards."""
+    receive that times out per group). The groups are unusable afterwards: the next engine
+    makes new ones."""
     if not dist.is_initialized():
         return
+    forget_groups()
     c10d = dist.distributed_c10d
     backends = {}
     for pg in list(c10d._world.pg_map):
