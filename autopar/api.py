@@ -84,6 +84,7 @@ def parallelize(
     precision: str = "fp32",
     sequence_parallel: bool | None = False,
     loss_reduction: str = "tokens",
+    compile: str | bool | None = None,
 ) -> ParallelProgram:
     """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
@@ -108,6 +109,12 @@ def parallelize(
     loss is a mean cross-entropy / nll with an ignore_index: each microbatch's mean is weighted by its
     share of the counted targets (padding and masks included); 'microbatch' averages the microbatch
     means (``docs/training.md``).
+
+    ``compile``: each chunk's forward and backward compiled by ``torch.compile`` when the engine first
+    runs it: True or 'inductor' (fused kernels), 'aot_eager' (the same graphs on eager kernels, eager's
+    bits: for tests and debugging); the tensor- and sequence-parallel collectives stay inside the
+    compiled graph. ``engine.compiled()`` reports each chunk's compile time and graphs. Not with the
+    zero-bubble schedules yet (their B/W split is made at run time).
     """
     if example_inputs is None:
         raise ArgumentError("parallelize() needs example_inputs: one microbatch with the real shapes")
@@ -117,7 +124,7 @@ def parallelize(
         tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches or pp,
         schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,
         scatter_gather=scatter_gather, recompute=recompute, precision=precision,
-        sequence_parallel=sequence_parallel, loss_reduction=loss_reduction)
+        sequence_parallel=sequence_parallel, loss_reduction=loss_reduction, compile=compile)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     return compile_program(model, config, example_inputs, example_targets, loss_fn, output_fn,

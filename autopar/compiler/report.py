@@ -147,9 +147,16 @@ def _header(program: Program) -> str:
         f"data-parallel size {mesh.dp}: {cfg.dp_source}\n"
         f"schedule {cfg.schedule}, virtual stages {cfg.virtual_stages}, {cfg.microbatches} microbatches per "
         f"replica; recompute {program.recompute}; precision {program.precision}\n"
+        f"{_compile_line(cfg)}\n"
         f"{_batch_line(program)}\n"
         f"{_loss_line(program)}"
     )
+
+
+def _compile_line(cfg) -> str:
+    if not cfg.compile:
+        return "chunks: run op by op (compile=None)"
+    return f"chunks: compiled with {cfg.compile} at their first run (engine.compiled(): seconds, graphs, breaks)"
 
 
 def _loss_line(program: Program) -> str:

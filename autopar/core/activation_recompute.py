@@ -8,6 +8,10 @@ RNG and autocast state. The bytes kept are reported to the innermost
 ``count_kept_bytes()`` block (a context variable, so engines in one process
 never see each other's counts).
 
+Traced by ``torch.compile`` (compiled chunks) the region is a checkpoint
+inside the compiled graph: its backward recomputes it, and the bytes kept are
+those the compiled function saves, counted like any other saved tensor.
+
 Inside a ``SavedTensorStore`` recording (``core/saved_tensors.py``: a backward
 split into input and weight gradients) the region is the store's instead: the
 same inputs kept, the same replay, but replayed once for both halves.
@@ -58,6 +62,9 @@ class Checkpointed(nn.Module):
         self.label = label
 
     def forward(self, *args):
+        if torch.compiler.is_compiling():  # traced whole: the compiled backward recomputes the region, and
+            # what it keeps is counted where autograd saves it (the engine's saved-tensor hooks)
+            return checkpoint(self.inner, *args, use_reentrant=False)
         kept = _COUNTER.get()
         if kept is not None and torch.is_grad_enabled():
             kept.nbytes += sum(a.numel() * a.element_size() for a in args

@@ -14,7 +14,7 @@ from enum import Enum
 from autopar.core.errors import ConfigError
 from autopar.core.mesh import MeshShape
 
-__all__ = ["ParallelConfig", "Recompute", "RECOMPUTE", "PRECISIONS", "LOSS_REDUCTIONS", "SCHEDULE_NAMES", "SPLIT_BACKWARD_SCHEDULES",
+__all__ = ["ParallelConfig", "Recompute", "RECOMPUTE", "PRECISIONS", "LOSS_REDUCTIONS", "SCHEDULE_NAMES", "SPLIT_BACKWARD_SCHEDULES", "COMPILE_BACKENDS",
            "FEWER_MICROBATCHES_THAN_STAGES", "microbatch_errors", "size_errors", "sequence_parallel_errors",
            "mesh_errors", "optimizer_bytes_per_param"]
 
@@ -124,6 +124,24 @@ def _chunks_per_stage_error(schedule: str, v: int, name: str) -> str:
     return f"{schedule} runs {need} chunks per stage (a V), got {name}={v}; use {name}={need}"
 
 
+COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
+"""``ParallelConfig.compile`` backends: Inductor's kernels; AOTAutograd's joint graph run by eager
+kernels (the same bits as eager, compiled in a fraction of the time: for tests and debugging);
+Dynamo's graphs alone."""
+
+
+def compile_errors(compile, schedule: str) -> list[str]:
+    """What is wrong with ``compile`` for ``schedule``, with the fix ([] when nothing)."""
+    if compile not in (None, False, True) and compile not in COMPILE_BACKENDS:
+        return [f"compile must be True (Inductor), False / None (eager) or one of {list(COMPILE_BACKENDS)}, "
+                f"got {compile!r}"]
+    if compile and schedule in SPLIT_BACKWARD_SCHEDULES:
+        return [f"compile={compile!r} with schedule={schedule!r}: a zero-bubble schedule splits each backward "
+                f"into B and W at run time, and a compiled chunk's backward is one compiled function that "
+                f"cannot be split there. Fix: schedule='1f1b' or 'interleaved' with compile, or compile=None"]
+    return []
+
+
 def sequence_parallel_errors(sequence_parallel, tp: int) -> list[str]:
     """What is wrong with ``sequence_parallel`` for ``tp`` ranks, with the fix ([] when nothing)."""
     if sequence_parallel not in (True, False, None):
@@ -172,6 +190,10 @@ class ParallelConfig:
     Off by default because on CPU gloo ranks, the only ones measured so far, it makes the tp=2 step
     slower (``bench/memory_features.py``, ``docs/sequence-parallel.md``); it cuts the activations
     kept by about (t-1)/t of the replicated region whatever the device."""
+    compile: str | bool | None = None
+    """Compile each chunk's forward and backward with ``torch.compile`` (``runtime/engine/compiled_chunks.py``):
+    True or 'inductor' (Inductor's fused kernels), 'aot_eager' (AOTAutograd's graphs on eager kernels:
+    eager's bits, quick to compile), 'eager'; None / False (the default): the chunks' graphs run op by op."""
     loss_reduction: str = "tokens"
     """How the step's loss is made of its microbatches' (``docs/training.md``). 'tokens': when the traced
     loss is a mean-reduced cross-entropy / nll over targets with an ignore_index, microbatch i's loss
@@ -204,6 +226,10 @@ class ParallelConfig:
         errs = sequence_parallel_errors(self.sequence_parallel, self.tp)
         if errs:
             raise ConfigError("; ".join(errs))
+        errs = compile_errors(self.compile, self.schedule)
+        if errs:
+            raise ConfigError("; ".join(errs))
+        object.__setattr__(self, "compile", "inductor" if self.compile is True else (self.compile or None))
         errs = mesh_errors(self.tp, self.pp, self.dp, self.world_size)
         if errs:
             raise ConfigError("; ".join(errs))

@@ -31,6 +31,7 @@ import torch
 
 from autopar.core.activation_recompute import count_kept_bytes
 from autopar.core.comm import keeping_gathered_slices, release_regathered
+from autopar.runtime.engine.compiled_chunks import compiled
 from autopar.runtime.engine.device_graphs import on_device
 from autopar.runtime.engine.errors import EngineRuntimeError
 from autopar.runtime.engine.holdings import Holdings
@@ -78,10 +79,11 @@ class ChunkCompute:
         self.stream = stream
         self.grads = grads
         device = holdings.device
-        self.runnables = {c: on_device(ch.module, device) for c, ch in chunks.items()}
+        backend = self.program.config.compile
+        self.runnables = {c: compiled(on_device(ch.module, device), backend) for c, ch in chunks.items()}
         """Chunk -> what runs it: its graph, with recomputation applied at compile time, making its
-        tensors on the engine's device."""
-        self.eval_runnables = {c: on_device(ch.eval_gm, device) for c, ch in chunks.items()}
+        tensors on the engine's device (compiled at its first run with ``compile=``)."""
+        self.eval_runnables = {c: compiled(on_device(ch.eval_gm, device), backend) for c, ch in chunks.items()}
         """Chunk -> what an evaluation step runs: its graph in evaluation mode (``passes/eval_mode.py``)."""
         self.ready_after = gradients_ready_after(holdings, schedule, chunks)
         """Chunk -> the parameters whose data-parallel reduction starts after its last backward."""

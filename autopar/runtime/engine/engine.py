@@ -40,6 +40,7 @@ import torch.nn as nn
 from autopar.core.comm import TPGroup
 from autopar.core.mesh import Mesh
 from autopar.runtime.engine.action_runs import Handlers, run_actions
+from autopar.runtime.engine.compiled_chunks import CompiledChunk, CompileReport
 from autopar.runtime.engine.compute import ChunkCompute
 from autopar.runtime.engine.errors import EngineUsageError
 from autopar.runtime.engine.eval_outputs import LogitsOutput, askers, gather_logits
@@ -325,6 +326,18 @@ class RankEngine(nn.Module):
         """``.to()``, ``.float()`` and the like, once the all-gathers in flight are done."""
         self.wait_parameters("_apply")
         return super()._apply(*args, **kwargs)
+
+    def compiled(self) -> dict[tuple[str, int], CompileReport]:
+        """With ``compile=``: ('train' or 'eval', chunk) -> what compiling that chunk graph on this rank
+        cost (seconds of its first run) and made (graphs, and why each break cut it), for the graphs
+        run so far; {} when the chunks run eagerly."""
+        compute = self.compute
+        out = {}
+        for mode, runnables in (("train", compute.runnables), ("eval", compute.eval_runnables)):
+            for chunk, run in runnables.items():
+                if isinstance(run, CompiledChunk) and run.report is not None:
+                    out[(mode, chunk)] = run.report
+        return out
 
     def named_local_parameters(self):
         """(original name, local shard) of every parameter this rank holds (the all-gathers of a

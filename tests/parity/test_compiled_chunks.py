@@ -1,0 +1,121 @@
+"""Compiled chunks (``compile=``) on 2 gloo ranks: one device's loss and gradients, one graph per chunk.
+
+Every chunk's forward and backward is compiled by ``torch.compile`` with the
+``aot_eager`` backend: AOTAutograd's joint graph, partitioned into forward and
+backward as Inductor gets it, run by eager kernels. That is the whole path a
+compiled chunk takes except Inductor's code generation, which costs 25-30 s per
+chunk on these CPUs (``bench/compiled.py`` measures Inductor). The runs:
+
+- the reference GPT at tp=2 with sequence parallelism and recompute='layer'
+  (the checkpointed layers and the sequence-parallel collectives inside the
+  compiled graph), then an evaluation step;
+- HF Llama (4 layers) at pp=2 interleaved (v=2);
+- GPT-2 with fused QKV at dp=2 with the distributed optimizer;
+- HF GPT-2 at tp=2 in bf16, against the same program run eagerly.
+
+The fp32 runs match one device as the eager engine does (``families.assert_steps_match``:
+the first step element-wise within rtol 1e-5 / atol 1e-6, later steps per tensor;
+aot_eager reorders nothing, so the tolerances are the parallel run's own). The bf16
+run equals the eager engine's bit for bit. Each chunk compiles to one graph, with
+no break, in training and evaluation.
+"""
+
+import pytest
+import torch
+from families import assert_steps_match, batches, make
+from helpers import assert_bitwise_equal, parallelize_on, reference_run, spawn_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+LR, STEPS, ROWS = 1e-3, 2, 4
+RUNS = {
+    "nanogpt tp2 sp recompute": ("nanogpt", 2, dict(tp=2, sequence_parallel=True, recompute="layer")),
+    "hf-llama pp2 interleaved": ("hf-llama", 4, dict(pp=2, virtual_stages=2, microbatches=2)),
+    "gpt2-fused dp2 distributed optimizer": ("gpt2-fused", 2, dict(dp=2)),
+}
+BF16 = ("hf-gpt2", 2, dict(tp=2, precision="bf16"))
+
+
+def _rows(layout: dict) -> int:
+    return ROWS // (layout.get("dp", 1) * layout.get("microbatches", 1))
+
+
+def _compiled_program(family: str, layers: int, layout: dict, compile="aot_eager"):
+    model, vocab = make(family, layers=layers)
+    data = batches(vocab, steps=STEPS, rows=ROWS)
+    return parallelize_on(model, data, _rows(layout), compile=compile, **layout), data
+
+
+def _train(program, data, distributed: bool = False):
+    engine = program.materialize()
+    if distributed:
+        opt = engine.distributed_optimizer(torch.optim.AdamW, lr=LR)
+    else:
+        opt = torch.optim.AdamW(engine.parameters(), lr=LR)
+    losses, grads = [], []
+    for inputs, targets in data:
+        losses.append(engine.train_step(*inputs, *targets))
+        grads.append(engine.full_grads())
+        opt.step()
+        opt.zero_grad()
+    return engine, losses, grads
+
+
+def _graphs(engine) -> dict:
+    return {key: (r.graphs, tuple(r.breaks)) for key, r in engine.compiled().items()}
+
+
+def _run_all():
+    out = {}
+    for label, (family, layers, layout) in RUNS.items():
+        program, data = _compiled_program(family, layers, layout)
+        engine, losses, grads = _train(program, data, distributed="dp" in layout)
+        if label.startswith("nanogpt"):
+            (x,), (y,) = data[0]
+            engine.eval_step(x, y)
+        out[label] = (losses, grads, _graphs(engine))
+    runs = [_train(_compiled_program(*BF16, compile=c)[0], _compiled_program(*BF16)[1]) for c in ("aot_eager", None)]
+    out["bf16"] = [(losses, grads) for _, losses, grads in runs]
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled_runs():
+    for family, layers, layout in [*RUNS.values(), BF16]:  # compiled here once, inherited by both ranks
+        _compiled_program(family, layers, layout)
+    _compiled_program(*BF16, compile=None)
+    return spawn_ranks(_run_all, 2, timeout_s=900)
+
+
+@pytest.mark.parametrize("label", list(RUNS))
+def test_compiled_chunks_match_one_device(compiled_runs, label):
+    family, layers, layout = RUNS[label]
+    model, vocab = make(family, layers=layers)
+    ref_losses, ref_grads = reference_run(model, batches(vocab, steps=STEPS, rows=ROWS), lr=LR)
+    for rank, run in enumerate(compiled_runs):
+        losses, grads, graphs = run[label]
+        assert_steps_match(ref_losses, ref_grads, losses, grads, label=f"{label} rank {rank}")
+        modes = {"train", "eval"} if label.startswith("nanogpt") else {"train"}
+        assert {mode for mode, _ in graphs} == modes, graphs
+        assert set(graphs.values()) == {(1, ())}, f"{label} rank {rank}: a chunk did not compile to one graph: {graphs}"
+
+
+def test_bf16_compiled_equals_eager_bitwise(compiled_runs):
+    for rank, run in enumerate(compiled_runs):
+        (c_losses, c_grads), (e_losses, e_grads) = run["bf16"]
+        assert c_losses == e_losses, (rank, c_losses, e_losses)
+        for step, (got, want) in enumerate(zip(c_grads, e_grads)):
+            assert_bitwise_equal(got, want, f"bf16 rank {rank} step {step}")
+
+
+def test_zero_bubble_with_compile_is_refused_before_any_work():
+    import autopar
+    from autopar.core.errors import ConfigError
+
+    model, vocab = make("nanogpt")
+    (x,), (y,) = batches(vocab, steps=1, rows=2)[0]
+    with pytest.raises(ConfigError, match=r"compile='aot_eager' with schedule='zb-h1'.*Fix: schedule='1f1b'"):
+        autopar.parallelize(model, pp=2, schedule="zb-h1", microbatches=2, example_inputs=(x,),
+                            example_targets=(y,), compile="aot_eager")
+    with pytest.raises(ConfigError, match=r"compile must be True \(Inductor\), False / None \(eager\) or one of"):
+        autopar.parallelize(model, example_inputs=(x,), example_targets=(y,), compile="tensorrt")
