@@ -100,7 +100,7 @@ def build_autopar(a, schedule: str, rec: dict):
     return step
 
 
-def _torch_stages(a, model, layer_of_chunk, chunks):
+def _torch_stages(a, model, layer_of_chunk, chunks, compile_stages: bool = False):
     from torch.distributed.pipelining import PipelineStage
 
     n = len(layer_of_chunk)
@@ -116,19 +116,21 @@ def _torch_stages(a, model, layer_of_chunk, chunks):
         else:
             mod, inp = MiddleChunk(model, layer_of_chunk[c]), hidden
         modules.append(mod)
-        stages.append(PipelineStage(mod, c, n, torch.device("cpu"), input_args=(inp,),
+        stages.append(PipelineStage(torch.compile(mod) if compile_stages else mod, c, n, torch.device("cpu"),
+                                    input_args=(inp,),
                                     output_args=(logits if c == n - 1 else hidden,)))
     return stages, modules
 
 
-def build_torch(a, schedule: str, rec: dict, layer_of_chunk):
-    """-> step(x, y) -> float: PyTorch's schedule.step + loss broadcast + AdamW; ``rec['kept']`` as autopar's."""
+def build_torch(a, schedule: str, rec: dict, layer_of_chunk, compile_stages: bool = False):
+    """-> step(x, y) -> float: PyTorch's schedule.step + loss broadcast + AdamW; ``rec['kept']`` as autopar's.
+    ``compile_stages``: each stage's module under ``torch.compile`` (Inductor)."""
     from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
     rank, n = dist.get_rank(), len(layer_of_chunk)
     v_placed = schedule == "torch-zbv"
     chunks = [rank, n - 1 - rank] if v_placed else list(range(rank, n, PP))
-    stages, modules = _torch_stages(a, make_model(a), layer_of_chunk, chunks)
+    stages, modules = _torch_stages(a, make_model(a), layer_of_chunk, chunks, compile_stages)
     cls = ScheduleZBVZeroBubble if v_placed else ScheduleInterleaved1F1B
     sched = cls(stages, n_microbatches=a.microbatches, loss_fn=autopar.lm_cross_entropy)
     params = [p for mod in modules for p in mod.parameters()]

@@ -340,4 +340,9 @@ class Program:
         object.__setattr__(self, "_placeholder_of", {v: k for k, v in self.traced.param_of.items()})
 
     def layer_params(self, name: str) -> int | None:
-        return layer_of_param(name, self.layers)
+        """The layer holding parameter ``name`` (None: outside the layers); looked up once per name, as
+        ``code`` asks it for every parameter of every rank."""
+        found = self.__dict__.setdefault("_layer_of_param", {})
+        if name not in found:
+            found[name] = layer_of_param(name, self.layers)
+        return found[name]
