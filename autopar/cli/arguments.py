@@ -90,6 +90,10 @@ def add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -
                      help="distributed optimizer (optimizer state 12/d bytes per parameter, gradients "
                           "reduce-scattered, parameters all-gathered): 'off' (default, as in the paper), 'on', "
                           "or 'search' both when d > 1")
+    lay.add_argument("--kernels", choices=("fused", "op-by-op"), default="fused",
+                     help="what the chunks run between the GEMMs: 'fused' element-wise kernels (default: "
+                          "Megatron's fused kernels, autopar with compile=True) or 'op-by-op' (autopar's eager "
+                          "chunks: each element-wise op its own pass)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -72,6 +72,7 @@ def search_space(args: argparse.Namespace) -> SearchSpace:
         divisible_layers=not args.uneven_layers,
         sequence_parallel=FEATURE_FLAG[args.sequence_parallel],
         distributed_optimizer=FEATURE_FLAG[args.distributed_optimizer],
+        fused_kernels=getattr(args, "kernels", "fused") == "fused",
     )
 
 
@@ -80,7 +81,7 @@ def fixed_layout(args: argparse.Namespace, space: SearchSpace) -> Layout:
     return Layout(t=args.tp, p=args.pp, d=args.gpus // (args.tp * args.pp), b=args.micro_batch,
                   v=chunks_per_stage(args.schedule, args.vp), schedule=args.schedule or "",
                   recompute=RECOMPUTE_FLAG[args.recompute][0], scatter_gather=not args.no_scatter_gather,
-                  dp_overlap=space.overlap_for(args.pp))
+                  dp_overlap=space.overlap_for(args.pp), fused_kernels=space.fused_kernels)
 
 
 def versus_estimate(args: argparse.Namespace, spec: ModelSpec, cluster: Cluster,

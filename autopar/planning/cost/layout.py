@@ -72,6 +72,10 @@ class Layout:
     """Megatron's distributed optimizer (ZeRO stage 1): the optimizer state sharded over the d
     replicas, gradients reduce-scattered and parameters all-gathered after the step. Off by
     default (the paper's runs); no effect at d = 1."""
+    fused_kernels: bool = True
+    """The element-wise kernels between the GEMMs fused (Megatron's fused kernels, as in the paper's
+    runs; autopar with ``compile=True``), or False: one pass each, as a chunk run eagerly makes them
+    (``transformer.op_by_op``: about 1.6x the memory-bound bytes of a layer)."""
     precision: Precision = field(default=MIXED, compare=True)
     """Byte sizes of weights, gradients, activations and optimizer state (``precision.py``)."""
 

@@ -106,11 +106,12 @@ def phase_time(ops: tuple[Op, ...], hw: Hardware, t: int) -> PhaseTime:
 
 
 @lru_cache(maxsize=8192)
-def layer_times(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False) -> dict[str, PhaseTime]:
+def layer_times(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
+                fused: bool = True) -> dict[str, PhaseTime]:
     """Forward and backward times of one layer (``layer_f``, ``layer_b``), the embedding
     (``emb_f``, ``emb_b``) and the LM head (``head_f``, ``head_b``) for micro-batch b at t,
-    the layer's with or without sequence parallelism."""
-    lay, emb, head = layer_ops(spec, b, t, sequence_parallel), embedding_ops(spec, b, t), head_ops(spec, b, t)
+    the layer's with or without sequence parallelism, its element-wise kernels fused or op by op."""
+    lay, emb, head = layer_ops(spec, b, t, sequence_parallel, fused), embedding_ops(spec, b, t), head_ops(spec, b, t)
     return {
         "layer_f": phase_time(lay.forward, hw, t), "layer_b": phase_time(lay.backward, hw, t),
         "emb_f": phase_time(emb.forward, hw, t), "emb_b": phase_time(emb.backward, hw, t),

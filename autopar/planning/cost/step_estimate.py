@@ -234,7 +234,7 @@ class _Chunk:
     @classmethod
     def of(cls, spec: ModelSpec, hw: Hardware, lay: Layout) -> _Chunk:
         L = math.ceil(spec.layers / (lay.p * lay.v))
-        tm = layer_times(spec, hw, lay.b, lay.t, lay.sp)
+        tm = layer_times(spec, hw, lay.b, lay.t, lay.sp, lay.fused_kernels)
         wt = weight_grad_times(spec, hw, lay.b, lay.t, lay.sp)
         rc = 1.0 if lay.recompute is Recompute.LAYER else 0.0  # each layer's forward again in its backward
         last_stage = stage_of_chunk(placement_of(lay.schedule), lay.p, lay.p * lay.v - 1)

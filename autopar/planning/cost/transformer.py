@@ -32,7 +32,7 @@ from autopar.planning.cost.op_costs import (
     memory_op,
 )
 
-__all__ = ["PhaseOps", "layer_ops", "embedding_ops", "head_ops", "graph_flops", "paper_flops", "iteration_flops"]
+__all__ = ["PhaseOps", "layer_ops", "op_by_op", "embedding_ops", "head_ops", "graph_flops", "paper_flops", "iteration_flops"]
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,56 @@ def tp_reduction(nbytes: float, sp: bool) -> tuple[Op, ...]:
     return (Op("allreduce", "tp_allreduce", 0.0, nbytes),)
 
 
+_UNFUSED: dict[str, tuple[tuple[str, float, float, float, float], ...]] = {
+    # a fused kernel -> the passes it takes op by op: (name, reads, writes, mask, FLOPs) per element
+    "softmax": (("scale", 1, 1, 0, 1), ("mask_fill", 1, 1, 1, 0), ("softmax", 1, 1, 0, 5)),
+    "softmax.bwd": (("softmax.bwd", 2, 1, 0, 4), ("mask_fill.bwd", 1, 1, 1, 0), ("scale.bwd", 1, 1, 0, 1)),
+    "bias_dropout_add1": (("bias_add1", 1, 1, 0, 1), ("dropout1", 1, 1, 1, 1), ("residual_add1", 2, 1, 0, 1)),
+    "bias_dropout_add2": (("bias_add2", 1, 1, 0, 1), ("dropout2", 1, 1, 1, 1), ("residual_add2", 2, 1, 0, 1)),
+    "bias_dropout_add1.bwd": (("dropout1.bwd", 1, 1, 1, 1), ("bias1.bwd", 1, 0, 0, 1)),
+    "bias_dropout_add2.bwd": (("dropout2.bwd", 1, 1, 1, 1), ("bias2.bwd", 1, 0, 0, 1)),
+}
+"""What Megatron's fused element-wise kernels (and a compiled chunk's fusions) are when a chunk runs
+op by op, eagerly. ``bias_act`` is handled apart (its read and write depend on a gated MLP)."""
+
+
+def op_by_op(ops: tuple[Op, ...]) -> tuple[Op, ...]:
+    """``ops`` with each fused element-wise kernel split into the passes eager PyTorch makes: the
+    same FLOPs (about), more bytes through memory (each pass reads its input and writes its output)."""
+    out: list[Op] = []
+    for op in ops:
+        base = op.name
+        pieces = _UNFUSED.get(base)
+        if op.kind == "memory" and base in ("bias_act", "bias_act.bwd"):
+            numel = op.flops / 8  # memory_op's flops_per=8 over the activation's elements
+            act = [("bias_add_fc1", 1, 1, 0, 1), ("act", 1, 1, 0, 8)] if base == "bias_act" else \
+                [("act.bwd", 2, 1, 0, 8), ("bias_fc1.bwd", 1, 0, 0, 1)]
+            out += [memory_op(n, numel, r, w, mask=m, flops_per=f) for n, r, w, m, f in act]
+        elif op.kind == "memory" and pieces:
+            numel = _numel(op)
+            out += [memory_op(n, numel, r, w, mask=m, flops_per=f) for n, r, w, m, f in pieces]
+        else:
+            out.append(op)
+    return tuple(out)
+
+
+def _numel(op: Op) -> float:
+    """The elements a fused memory kernel runs over, from its bytes (``elementwise_bytes`` of its
+    reads, writes and mask as ``_layer_forward`` / ``_layer_backward`` made it)."""
+    reads, writes, mask = _FUSED_IO[op.name]
+    return op.bytes / (FP16 * (reads + writes) + mask)
+
+
+_FUSED_IO: dict[str, tuple[float, float, float]] = {
+    "softmax": (1, 1, 0), "softmax.bwd": (2, 1, 0),
+    "bias_dropout_add1": (2, 1, 1), "bias_dropout_add2": (2, 1, 1),
+    "bias_dropout_add1.bwd": (1, 1, 1), "bias_dropout_add2.bwd": (1, 1, 1),
+}
+"""(reads, writes, mask) each fused kernel is priced with in ``_layer_forward`` / ``_layer_backward``."""
+
+
 @lru_cache(maxsize=4096)
-def layer_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False) -> PhaseOps:
+def layer_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False, fused: bool = True) -> PhaseOps:
     """One transformer layer on one of t tensor-parallel GPUs, micro-batch b.
 
     Forward (Megatron-LM, 2021; T = b s tokens; "_l" = local to one rank):
@@ -122,9 +170,12 @@ def layer_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False) 
     sequence parallelism in the paper). Backward: two GEMMs per GEMM, the
     element-wise backward kernels, and the all-reduces of f (before QKV, fc1).
     With ``sequence_parallel`` the LayerNorm/dropout/residual kernels touch T/t tokens.
+    ``fused=False``: the element-wise kernels as eager PyTorch runs them, one pass each
+    (``op_by_op``): a chunk run eagerly rather than compiled.
     """
     layer = _Layer.of(spec, b, t, sequence_parallel)
-    return PhaseOps(tuple(_layer_forward(layer)), tuple(_layer_backward(layer)))
+    fwd, bwd = tuple(_layer_forward(layer)), tuple(_layer_backward(layer))
+    return PhaseOps(fwd, bwd) if fused else PhaseOps(op_by_op(fwd), op_by_op(bwd))
 
 
 def _layer_forward(x: _Layer) -> list[Op]:

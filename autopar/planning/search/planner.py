@@ -78,6 +78,10 @@ class SearchSpace:
     """Sequence parallelism choices, tried when t > 1 (it changes nothing at t = 1)."""
     distributed_optimizer: tuple[bool, ...] = (False, True)
     """Distributed optimizer choices, tried when d > 1 (it changes nothing at d = 1)."""
+    fused_kernels: bool = True
+    """What every layout's chunks are assumed to run: fused element-wise kernels (Megatron's, autopar
+    compiled with ``compile=True``) or, False, op by op (autopar's eager chunks). Not searched: it is
+    how the program will run, and the plan says which it assumed."""
     include_unrunnable: bool = False
     """Also price layouts that break only the schedule's rules (``layout.runtime_errors``, e.g.
     interleaved with m % p != 0), closed form, marked ``Estimate.runnable`` False; for a layout
@@ -170,12 +174,15 @@ class Plan:
         if not self.ranked:
             return []
         best = self.best
+        kernels = ("kernels: fused between the GEMMs (Megatron's fused kernels; autopar compiled, compile=True)"
+                   if best.layout.fused_kernels else
+                   "kernels: op by op between the GEMMs (autopar's eager chunks: each element-wise op one pass)")
         if best.m >= best.layout.p or not best.runnable:  # an unrunnable row lists its broken rules
-            return []
+            return [kernels]
         others = sorted(rule.split(":")[0] for rule in self.rejected if rule.endswith("m < p"))
         also = (f"; the rejections for m < p are {', '.join(others)}'s rule (m >= p), not {best.layout.schedule}'s"
                 if others else "")
-        return [f"the best runs m={best.m} microbatches on p={best.layout.p} stages: {best.layout.schedule} "
+        return [kernels, f"the best runs m={best.m} microbatches on p={best.layout.p} stages: {best.layout.schedule} "
                 f"accepts m < p (stages idle, bubble {best.bubble:.1%}){also}"]
 
     def too_big_lines(self, limit: int = 1) -> list[str]:
@@ -225,7 +232,8 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
                     for sp, zero in _memory_features(t, d, space):
                         lay = Layout(t=t, p=p, d=d, b=b, v=v, schedule=sched, recompute=rc,
                                      scatter_gather=space.scatter_gather, dp_overlap=space.overlap_for(p),
-                                     sequence_parallel=sp, distributed_optimizer=zero)
+                                     sequence_parallel=sp, distributed_optimizer=zero,
+                                     fused_kernels=space.fused_kernels)
                         errs = layout_errors(spec, cluster, lay, space.divisible_layers,
                                              runnable=not space.include_unrunnable)
                         if errs:
