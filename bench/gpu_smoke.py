@@ -7,7 +7,10 @@ batches, trained with AdamW:
 1. eager PyTorch: ``loss = F.cross_entropy(model(x), y)`` under bf16 autocast,
    ``loss.backward()``, ``optimizer.step()``;
 2. autopar: ``parallelize(model, precision="bf16")``, ``engine.train_step``,
-   ``optimizer.step()`` over the engine's parameters.
+   ``optimizer.step()`` over the engine's parameters;
+3. with ``--compile``: autopar with ``compile=True`` (the chunk's forward and
+   backward compiled by Inductor at the first step, its compile seconds printed)
+   and ``torch.compile`` of the eager model, the two compiled forms side by side.
 
 Printed: the median step time of each (after warm-up steps), their ratio,
 tokens/s, and model FLOP utilisation (6 N T for the weights plus the
@@ -19,6 +22,7 @@ it costs.
 
     .venv/bin/python bench/gpu_smoke.py                # on a machine with a GPU
     .venv/bin/python bench/gpu_smoke.py --tiny --cpu   # the same code path, tiny, on the CPU
+    .venv/bin/python bench/gpu_smoke.py --compile      # and the compiled forms
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer, d_model 64 model (to check the script)")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (fp32 stays bf16 autocast on CPU)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also autopar with compile=True and torch.compile of the eager model (Inductor)")
     return ap.parse_args()
 
 
@@ -99,10 +105,10 @@ def _eager(model, device, batches, warmup):
     return _timed(step, batches, device, warmup)
 
 
-def _autopar(model, device, batches, warmup, batch: int):
+def _autopar(model, device, batches, warmup, batch: int, compile_chunks: bool = False):
     x, y = batches[0]
     program = autopar.parallelize(model, example_inputs=(x,), example_targets=y, microbatches=1,
-                                  precision="bf16")
+                                  precision="bf16", compile=compile_chunks or None)
     engine = program.materialize()
     assert engine.device == device, f"the engine computes on {engine.device}, the model is on {device}"
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-4)
@@ -117,6 +123,8 @@ def _autopar(model, device, batches, warmup, batch: int):
     kinds: dict[str, float] = {}
     for e in engine.events:
         kinds[e.kind] = kinds.get(e.kind, 0.0) + e.end - e.start
+    if compile_chunks:
+        kinds["compile (first step)"] = sum(r.seconds for r in engine.compiled().values())
     return times, losses, kinds
 
 
@@ -138,14 +146,29 @@ def main() -> None:
           f"{sum(p.numel() for p in eager.parameters()) / 1e6:.1f}M parameters, batch {args.batch} x {cfg.seq_len}")
     e_times, e_losses = _eager(eager, device, batches, args.warmup)
     a_times, a_losses, kinds = _autopar(ours, device, batches, args.warmup, args.batch)
+    rows = [("eager", e_times, e_losses), ("autopar", a_times, a_losses)]
+    if args.compile:
+        torch.manual_seed(0)
+        fast = build("gpt", cfg).to(device)
+        fast.load_state_dict(eager.state_dict())
+        rows.append(("compiled", *_eager(torch.compile(fast), device, batches, args.warmup)))
+        torch.manual_seed(0)
+        ours_c = build("gpt", cfg).to(device)
+        ours_c.load_state_dict(eager.state_dict())
+        c_times, c_losses, c_kinds = _autopar(ours_c, device, batches, args.warmup, args.batch, compile_chunks=True)
+        rows.append(("autopar-c", c_times, c_losses))
     flops, peak = _flops_per_step(eager, cfg, args.batch), _peak(device)
     tokens = args.batch * cfg.seq_len
     print(f"{'':10} {'median step':>12} {'tokens/s':>10} {'MFU':>6} {'first loss':>11} {'last loss':>10}")
-    for name, times, losses in (("eager", e_times, e_losses), ("autopar", a_times, a_losses)):
+    for name, times, losses in rows:
         med = statistics.median(times)
         mfu = f"{flops / med / peak:6.1%}" if peak else "   n/a"
         print(f"{name:10} {med * 1e3:10.1f}ms {tokens / med:10.0f} {mfu} {losses[0]:11.4f} {losses[-1]:10.4f}")
     print(f"autopar / eager step time: {statistics.median(a_times) / statistics.median(e_times):.3f}")
+    if args.compile:
+        print(f"autopar compiled / autopar eager: {statistics.median(c_times) / statistics.median(a_times):.3f}; "
+              f"/ torch.compile: {statistics.median(c_times) / statistics.median(rows[2][1]):.3f}; "
+              f"compiled in {c_kinds['compile (first step)']:.1f} s")
     print("autopar's last step by action kind: " + ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in sorted(kinds.items())))
 
 

@@ -31,7 +31,7 @@ import torch
 
 from autopar.core.activation_recompute import count_kept_bytes
 from autopar.core.comm import keeping_gathered_slices, release_regathered
-from autopar.runtime.engine.compiled_chunks import compiled
+from autopar.runtime.engine.compiled_chunks import CompiledChunk, compiled
 from autopar.runtime.engine.device_graphs import on_device
 from autopar.runtime.engine.errors import EngineRuntimeError
 from autopar.runtime.engine.holdings import Holdings
@@ -184,7 +184,8 @@ class ChunkCompute:
             in_grads = [g if b.requires_grad else None for g, b in zip(got, chunk.inputs)]
         else:
             if tensors:
-                torch.autograd.backward(tensors, grads)
+                with self.first_backward(a.chunk):
+                    torch.autograd.backward(tensors, grads)
             in_grads = [x.grad if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
         if last and not tensors:
             in_grads = [torch.zeros_like(x) if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
@@ -195,6 +196,12 @@ class ChunkCompute:
             st.grad_out[(a.chunk - 1, a.microbatch)] = in_grads
         elif a.chunk > 0:
             st.grad_in[key] = in_grads
+
+    def first_backward(self, chunk: int):
+        """Around a backward of ``chunk``: a compiled chunk's first one compiles its backward graph
+        (timed, its code kept: ``CompiledChunk.capturing``); otherwise nothing."""
+        run = self.runnables[chunk]
+        return run.capturing() if isinstance(run, CompiledChunk) else contextlib.nullcontext()
 
     def weight_backward(self, a: Action, st: StepState) -> None:
         """``W c.i``: the weights' gradients of chunk c on microbatch i, after its ``B c.i`` split

@@ -339,6 +339,18 @@ class RankEngine(nn.Module):
                     out[(mode, chunk)] = run.report
         return out
 
+    def compiled_code(self) -> str:
+        """With ``compile=True`` (Inductor): the code Inductor generated for this rank's chunks so far,
+        chunk by chunk, forward then backward: the wrapper that calls each fused kernel, the kernels'
+        source, and above each kernel the graph nodes it fuses (the names ``program.code(rank)``
+        shows). Empty for chunks not run yet, and with another backend."""
+        out = []
+        for (mode, chunk), report in sorted(self.compiled().items()):
+            for i, code in enumerate(report.code):
+                part = "forward" if i == 0 else "backward" if i == 1 else f"graph {i}"
+                out.append(f"# ==== chunk {chunk} ({mode}), {part}: Inductor's code ====\n{code}")
+        return "\n".join(out)
+
     def named_local_parameters(self):
         """(original name, local shard) of every parameter this rank holds (the all-gathers of a
         distributed optimizer's step done)."""
