@@ -113,8 +113,9 @@ def parallelize(
     ``compile``: each chunk's forward and backward compiled by ``torch.compile`` when the engine first
     runs it: True or 'inductor' (fused kernels), 'aot_eager' (the same graphs on eager kernels, eager's
     bits: for tests and debugging); the tensor- and sequence-parallel collectives stay inside the
-    compiled graph. ``engine.compiled()`` reports each chunk's compile time and graphs. Not with the
-    zero-bubble schedules yet (their B/W split is made at run time).
+    compiled graph. With the zero-bubble schedules the backward graph is split into B (input
+    gradients) and W (weight gradients) before it is compiled. ``engine.compiled()`` reports each
+    chunk's compile time and graphs; ``engine.compiled_code()`` Inductor's code.
     """
     if example_inputs is None:
         raise ArgumentError("parallelize() needs example_inputs: one microbatch with the real shapes")

@@ -4,9 +4,9 @@ The same nanoGPT-style ``gpt`` model (same seed, weights, batches, AdamW) on 2
 gloo ranks (1 thread each), every system side by side in one spawn, step by
 step (``pipeline_vs_torch.timed_steps``):
 
-- autopar at tp=2, dp=2, pp=2 1F1B and pp=2 interleaved (v=2), each eager and
-  compiled; the zero-bubble 'zb-h1' and 'zbv' eager (compiled zero-bubble
-  needs the B/W split made in the graph);
+- autopar at tp=2, dp=2, pp=2 1F1B, pp=2 interleaved (v=2) and the
+  zero-bubble 'zb-h1' and 'zbv' (v=2), each eager and compiled (zero-bubble's
+  backward graph split into B and W before compiling);
 - PyTorch's pipelining on the same chunks: ``ScheduleInterleaved1F1B`` with
   eager stages and with ``torch.compile``d stages, ``ScheduleZBVZeroBubble``
   with eager stages (it refuses compiled ones);
@@ -51,7 +51,7 @@ LAYOUTS = {  # name -> parallelize() layout (m filled in from -m)
     "pp2 zb-h1": dict(pp=2, schedule="zb-h1"),
     "pp2 zbv": dict(pp=2, virtual_stages=2, schedule="zbv"),
 }
-COMPILABLE = ("tp2", "dp2", "pp2 1f1b", "pp2 interleaved")
+COMPILABLE = tuple(LAYOUTS)
 BASELINE = "torch interleaved"
 
 

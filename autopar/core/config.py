@@ -130,15 +130,11 @@ kernels (the same bits as eager, compiled in a fraction of the time: for tests a
 Dynamo's graphs alone."""
 
 
-def compile_errors(compile, schedule: str) -> list[str]:
-    """What is wrong with ``compile`` for ``schedule``, with the fix ([] when nothing)."""
+def compile_errors(compile) -> list[str]:
+    """What is wrong with ``compile``, with the fix ([] when nothing)."""
     if compile not in (None, False, True) and compile not in COMPILE_BACKENDS:
         return [f"compile must be True (Inductor), False / None (eager) or one of {list(COMPILE_BACKENDS)}, "
                 f"got {compile!r}"]
-    if compile and schedule in SPLIT_BACKWARD_SCHEDULES:
-        return [f"compile={compile!r} with schedule={schedule!r}: a zero-bubble schedule splits each backward "
-                f"into B and W at run time, and a compiled chunk's backward is one compiled function that "
-                f"cannot be split there. Fix: schedule='1f1b' or 'interleaved' with compile, or compile=None"]
     return []
 
 
@@ -226,7 +222,7 @@ class ParallelConfig:
         errs = sequence_parallel_errors(self.sequence_parallel, self.tp)
         if errs:
             raise ConfigError("; ".join(errs))
-        errs = compile_errors(self.compile, self.schedule)
+        errs = compile_errors(self.compile)
         if errs:
             raise ConfigError("; ".join(errs))
         object.__setattr__(self, "compile", "inductor" if self.compile is True else (self.compile or None))

@@ -11,6 +11,9 @@ chunk on these CPUs (``bench/compiled.py`` measures Inductor). The runs:
   compiled graph), then an evaluation step;
 - HF Llama (4 layers) at pp=2 interleaved (v=2);
 - GPT-2 with fused QKV at dp=2 with the distributed optimizer;
+- the zero-bubble schedules, their backward graphs split into B and W
+  (``runtime/engine/compiled_split.py``): Llama at pp=2 ZB-V, and the reference
+  GPT at pp=2 ZB-H1 with recompute='layer';
 - HF GPT-2 at tp=2 in bf16, against the same program run eagerly.
 
 The fp32 runs match one device as the eager engine does (``families.assert_steps_match``:
@@ -32,6 +35,8 @@ RUNS = {
     "nanogpt tp2 sp recompute": ("nanogpt", 2, dict(tp=2, sequence_parallel=True, recompute="layer")),
     "hf-llama pp2 interleaved": ("hf-llama", 4, dict(pp=2, virtual_stages=2, microbatches=2)),
     "gpt2-fused dp2 distributed optimizer": ("gpt2-fused", 2, dict(dp=2)),
+    "llama pp2 zbv": ("llama", 4, dict(pp=2, virtual_stages=2, schedule="zbv", microbatches=4)),
+    "nanogpt pp2 zb-h1 recompute": ("nanogpt", 2, dict(pp=2, schedule="zb-h1", microbatches=4, recompute="layer")),
 }
 BF16 = ("hf-gpt2", 2, dict(tp=2, precision="bf16"))
 
@@ -70,7 +75,7 @@ def _run_all():
     for label, (family, layers, layout) in RUNS.items():
         program, data = _compiled_program(family, layers, layout)
         engine, losses, grads = _train(program, data, distributed="dp" in layout)
-        if label.startswith("nanogpt"):
+        if label.startswith("nanogpt tp2"):
             (x,), (y,) = data[0]
             engine.eval_step(x, y)
         out[label] = (losses, grads, _graphs(engine))
@@ -95,7 +100,7 @@ def test_compiled_chunks_match_one_device(compiled_runs, label):
     for rank, run in enumerate(compiled_runs):
         losses, grads, graphs = run[label]
         assert_steps_match(ref_losses, ref_grads, losses, grads, label=f"{label} rank {rank}")
-        modes = {"train", "eval"} if label.startswith("nanogpt") else {"train"}
+        modes = {"train", "eval"} if label.startswith("nanogpt tp2") else {"train"}
         assert {mode for mode, _ in graphs} == modes, graphs
         assert set(graphs.values()) == {(1, ())}, f"{label} rank {rank}: a chunk did not compile to one graph: {graphs}"
 
@@ -108,14 +113,39 @@ def test_bf16_compiled_equals_eager_bitwise(compiled_runs):
             assert_bitwise_equal(got, want, f"bf16 rank {rank} step {step}")
 
 
-def test_zero_bubble_with_compile_is_refused_before_any_work():
+def test_an_unknown_backend_is_refused_before_any_work():
     import autopar
     from autopar.core.errors import ConfigError
 
     model, vocab = make("nanogpt")
     (x,), (y,) = batches(vocab, steps=1, rows=2)[0]
-    with pytest.raises(ConfigError, match=r"compile='aot_eager' with schedule='zb-h1'.*Fix: schedule='1f1b'"):
-        autopar.parallelize(model, pp=2, schedule="zb-h1", microbatches=2, example_inputs=(x,),
-                            example_targets=(y,), compile="aot_eager")
     with pytest.raises(ConfigError, match=r"compile must be True \(Inductor\), False / None \(eager\) or one of"):
         autopar.parallelize(model, example_inputs=(x,), example_targets=(y,), compile="tensorrt")
+
+
+def test_a_backward_graph_splits_into_input_and_weight_gradients():
+    """B computes the input's gradient and what W needs of it; W reads only that and the saved
+    tensors it uses, and computes the weights' gradients: together, autograd's."""
+    from autopar.runtime.engine.compiled_split import collecting_weight_grads, split_backend
+
+    def chunk(x, w1, w2):
+        return ((x @ w1).relu() @ w2).tanh()
+
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(5, 8, requires_grad=True), torch.randn(8, 16), torch.randn(16, 4)
+    w1.requires_grad_(), w2.requires_grad_()
+    grad_out = torch.randn(5, 4)
+    want = torch.autograd.grad(chunk(x, w1, w2), (x, w1, w2), grad_out)
+    run = torch.compile(chunk, backend=split_backend("aot_eager", {"w1": "first", "w2": "second"}))
+    out = run(x, w1, w2)
+    with collecting_weight_grads() as w:
+        out.backward(grad_out)
+    assert w1.grad is None and w2.grad is None and w.held_bytes() > 0  # B left the weights to W
+    torch.testing.assert_close(x.grad, want[0], rtol=0, atol=0)
+    got = w.run()
+    assert set(got) == {"first", "second"} and w.held_bytes() == 0
+    torch.testing.assert_close(got["first"], want[1], rtol=0, atol=0)
+    torch.testing.assert_close(got["second"], want[2], rtol=0, atol=0)
+    x.grad = None
+    run(x, w1, w2).backward(grad_out)  # no collector open: W runs inside the backward, as unsplit
+    torch.testing.assert_close(w2.grad, want[2], rtol=0, atol=0)

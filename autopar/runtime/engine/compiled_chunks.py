@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from autopar.runtime.engine.compiled_split import split_backend
+
 __all__ = ["CompiledChunk", "CompileReport", "compiled"]
 
 _CAPTURE: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("autopar_inductor_code", default=None)
@@ -77,10 +79,13 @@ class CompileReport:
 class CompiledChunk:
     """A chunk graph under ``torch.compile(backend)``; its first call is timed and its graphs counted."""
 
-    def __init__(self, module: nn.Module, backend: str) -> None:
+    def __init__(self, module: nn.Module, backend: str, weights: dict[str, str] | None = None) -> None:
         self.module = module
         self.backend = backend
-        self.compiled = torch.compile(module, backend=backend, dynamic=False)
+        self.splits_backward = weights is not None
+        """Whether the backward is compiled as B and W (``compiled_split.py``: a zero-bubble schedule)."""
+        self.compiled = torch.compile(module, backend=split_backend(backend, weights) if weights is not None
+                                      else backend, dynamic=False)
         self.report: CompileReport | None = None
         """Set by the first call."""
         self.backward_seen = False
@@ -125,6 +130,7 @@ class CompiledChunk:
             self.report.seconds += time.perf_counter() - start
 
 
-def compiled(module: nn.Module, backend: str | None):
-    """``module`` compiled with ``backend`` (a ``CompiledChunk``), or ``module`` itself when None."""
-    return CompiledChunk(module, backend) if backend else module
+def compiled(module: nn.Module, backend: str | None, weights: dict[str, str] | None = None):
+    """``module`` compiled with ``backend`` (a ``CompiledChunk``; ``weights``: its weight arguments, to
+    split its backward into B and W), or ``module`` itself when ``backend`` is None."""
+    return CompiledChunk(module, backend, weights) if backend else module

@@ -32,6 +32,7 @@ import torch
 from autopar.core.activation_recompute import count_kept_bytes
 from autopar.core.comm import keeping_gathered_slices, release_regathered
 from autopar.runtime.engine.compiled_chunks import CompiledChunk, compiled
+from autopar.runtime.engine.compiled_split import WeightGrads, collecting_weight_grads
 from autopar.runtime.engine.device_graphs import on_device
 from autopar.runtime.engine.errors import EngineRuntimeError
 from autopar.runtime.engine.holdings import Holdings
@@ -80,7 +81,9 @@ class ChunkCompute:
         self.grads = grads
         device = holdings.device
         backend = self.program.config.compile
-        self.runnables = {c: compiled(on_device(ch.module, device), backend) for c, ch in chunks.items()}
+        self.runnables = {c: compiled(on_device(ch.module, device), backend,
+                                      {p: p for p in ch.params} if schedule.splits_backward else None)
+                          for c, ch in chunks.items()}
         """Chunk -> what runs it: its graph, with recomputation applied at compile time, making its
         tensors on the engine's device (compiled at its first run with ``compile=``)."""
         self.eval_runnables = {c: compiled(on_device(ch.eval_gm, device), backend) for c, ch in chunks.items()}
@@ -151,7 +154,7 @@ class ChunkCompute:
                 saved += t.numel() * t.element_size()
             return t
 
-        if st.split_backward:
+        if st.split_backward and not isinstance(self.runnables[key[0]], CompiledChunk):
             split = st.splits[key] = SplitBackward(st.param_ptrs)
             with split.recording(), keeping_gathered_slices(), self.autocast(), self.stream.active():
                 outs = self.runnables[key[0]](*args)
@@ -177,7 +180,13 @@ class ChunkCompute:
             got = st.take(Kind.RECV_B, key)
             pairs = [(o, g) for o, g, b in zip(outs, got, chunk.outputs) if b.requires_grad and o.requires_grad]
             tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
-        if st.split_backward:
+        if st.split_backward and isinstance(self.runnables[a.chunk], CompiledChunk):
+            # the compiled backward runs B and leaves W here (its graph split in two: compiled_split.py)
+            with self.first_backward(a.chunk), collecting_weight_grads() as st.wctx[key]:
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+            in_grads = [x.grad if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
+        elif st.split_backward:
             split = st.wctx[key] = st.splits.pop(key)
             got = split.input_grads(tensors, grads, inputs)
             release_regathered()  # W gathers again the slices its weight GEMMs read
@@ -212,7 +221,15 @@ class ChunkCompute:
         if split is None:
             raise EngineRuntimeError(f"W {a.chunk}.{a.microbatch}: no split backward pending for chunk {a.chunk} "
                                      f"microbatch {a.microbatch} (its B must run first, with split_backward on)")
-        split.weight_grads()
+        if isinstance(split, WeightGrads):  # a compiled chunk's W: its graph's weight gradients, by argument
+            for name, g in split.run().items():
+                p = self.holdings.shard(self.program.traced.param_of[name])
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g
+        else:
+            split.weight_grads()
         st.w_done[a.chunk] += 1
         if st.w_done[a.chunk] == st.m:
             self.grads.start(self.ready_after.get(a.chunk, []))
