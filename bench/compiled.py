@@ -39,9 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autopar  # noqa: E402
 from gpt_flags import add_gpt_flags  # noqa: E402
-from pipeline_vs_torch import PP, example_microbatch, make_model, timed_steps  # noqa: E402
+from pipeline_vs_torch import make_model, timed_steps  # noqa: E402
 from tp_vs_dtensor import make_batches  # noqa: E402
-from zero_bubble import build_torch  # noqa: E402
+from zero_bubble import build_torch, chunk_splits  # noqa: E402
 
 LAYOUTS = {  # name -> parallelize() layout (m filled in from -m)
     "tp2": dict(tp=2),
@@ -140,13 +140,7 @@ def main():
     con.print(f"gpt d_model={a.d_model} layers={a.layers} heads={a.heads} seq={a.seq} vocab={a.vocab}; global batch "
               f"{a.batch}x{a.seq}, m={a.microbatches} on the pipelines; {a.steps} timed steps; torch "
               f"{torch.__version__}, {os.cpu_count()} CPUs")
-    splits = {}
-    for s in ("interleaved", "zbv"):
-        x, y = example_microbatch(a)
-        program = autopar.parallelize(make_model(a), pp=PP, virtual_stages=2, microbatches=a.microbatches,
-                                      schedule=s, example_inputs=(x,), example_targets=y)
-        splits[s] = [list(c) for c in program.split.layer_of_chunk]
-    ranks = autopar.spawn(worker, nprocs=2, args=(a, splits), timeout_s=3600)
+    ranks = autopar.spawn(worker, nprocs=2, args=(a, chunk_splits(a)), timeout_s=3600)
     base = min(ranks[0][n]["median"] for n in (BASELINE, BASELINE + " compiled"))
     tab = Table(title="step time, median of the timed steps (ms); ratios on rank 0")
     for col in ("system", "rank 0", "rank 1", "/ eager same layout", f"/ {BASELINE} (faster form)",

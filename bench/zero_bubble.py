@@ -167,16 +167,23 @@ def worker(a, rnd: int, splits):
     return out
 
 
-def run(a, con) -> None:
-    from rich.table import Table
-
-    a.batch = a.mb * a.microbatches
+def chunk_splits(a) -> dict[str, list[list[int]]]:
+    """The blocks of each chunk autopar chooses for 'interleaved' and 'zbv' (v=2): PyTorch's
+    stages are cut the same way."""
     splits = {}
     for s in ("interleaved", "zbv"):
         x, y = example_microbatch(a)
         program = autopar.parallelize(make_model(a), pp=PP, virtual_stages=2, microbatches=a.microbatches,
                                       schedule=s, example_inputs=(x,), example_targets=y)
         splits[s] = [list(c) for c in program.split.layer_of_chunk]
+    return splits
+
+
+def run(a, con) -> None:
+    from rich.table import Table
+
+    a.batch = a.mb * a.microbatches
+    splits = chunk_splits(a)
     con.print(f"m={a.microbatches}: blocks per chunk, interleaved {splits['interleaved']}, zbv {splits['zbv']}")
     pooled: dict[str, list[dict]] = {}
     for rnd in range(a.rounds):

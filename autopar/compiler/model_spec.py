@@ -45,6 +45,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.core.errors import AutoparError
+from autopar.core.graph import ancestors
 from autopar.planning.cost.models import ModelSpec
 from autopar.compiler.trace import lm_cross_entropy, trace
 from passes.layers import find_layers
@@ -99,7 +100,7 @@ def spec_from_graph(gm: fx.GraphModule, params: set[str], seq_len: int, name: st
     heads, head_dim = q[-3], q[-1]
 
     linears = [n for n in first if _projection(n, params) is not None]
-    before = [n for n in linears if n in _ancestors(attn)]
+    before = [n for n in linears if n in ancestors(attn.all_input_nodes)]
     after = [n for n in linears if n not in before]
     in_f = lambda n: _projection(n, params)[1]  # noqa: E731
     out_f = lambda n: _projection(n, params)[2]  # noqa: E731
@@ -162,11 +163,3 @@ def _attention(nodes: list[fx.Node], seq_len: int) -> fx.Node | None:
     return None
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, todo = set(), list(node.all_input_nodes)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return seen

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["TracedModel", "module_path", "user_path", "source_line", "local_val", "WRAPPER_PREFIX", "strip_wrapper",
-           "LOGITS_META"]
+           "LOGITS_META", "ancestors"]
 
 WRAPPER_PREFIX = "model."
 """Tracing wraps the model with its loss; module paths start with this prefix in the graph."""
@@ -134,6 +134,19 @@ def _is_library_file(file: str) -> bool:
     """A file of torch itself or of autopar's tracing code: never the line a user wants to see."""
     path = os.path.realpath(file)
     return path.startswith(_TORCH_DIR) or path.endswith(_TRACING_FILES)
+
+
+def ancestors(roots) -> set[fx.Node]:
+    """Every node that ``roots`` (nodes, or other values, which are skipped) read, directly or not,
+    the roots included."""
+    seen: set[fx.Node] = set()
+    todo = [r for r in roots if isinstance(r, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
 
 
 def local_val(node: fx.Node):

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.fx as fx
 
+from autopar.core.graph import ancestors
+
 __all__ = ["split_backward_graph", "split_backend", "collecting_weight_grads", "WeightGrads"]
 
 _COLLECTOR: contextvars.ContextVar[list | None] = contextvars.ContextVar("autopar_weight_grads", default=None)
@@ -70,17 +72,6 @@ def collecting_weight_grads() -> Iterator[WeightGrads]:
         _COLLECTOR.reset(token)
 
 
-def _ancestors(roots) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [r for r in roots if isinstance(r, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
 def split_backward_graph(bw: fx.GraphModule, is_weight: list[bool]):
     """(B, W, the ``bw`` inputs W reads, the B values W reads): ``bw``'s output i is the gradient of
     forward input i, a weight's where ``is_weight[i]``. B takes ``bw``'s inputs and returns the
@@ -92,8 +83,8 @@ def split_backward_graph(bw: fx.GraphModule, is_weight: list[bool]):
         raise RuntimeError(f"the backward graph has {len(outs)} outputs for {len(is_weight)} forward inputs")
     b_roots = [o for o, w in zip(outs, is_weight) if not w]
     w_roots = [o for o, w in zip(outs, is_weight) if w]
-    b_set = _ancestors(b_roots)
-    w_set = {n for n in _ancestors(w_roots) - b_set if n.op != "placeholder"}
+    b_set = ancestors(b_roots)
+    w_set = {n for n in ancestors(w_roots) - b_set if n.op != "placeholder"}
     reads = [n for n in g.nodes if n not in w_set and any(u in w_set for u in n.users)]
     carried = [n for n in reads if n.op != "placeholder"]
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
