@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.graph import ancestors
+from autopar.runtime.engine.errors import EngineRuntimeError
 
 __all__ = ["split_backward_graph", "split_backend", "collecting_weight_grads", "WeightGrads"]
 
@@ -80,7 +81,8 @@ def split_backward_graph(bw: fx.GraphModule, is_weight: list[bool]):
     g = bw.graph
     outs = list(next(n for n in g.nodes if n.op == "output").args[0])
     if len(outs) != len(is_weight):
-        raise RuntimeError(f"the backward graph has {len(outs)} outputs for {len(is_weight)} forward inputs")
+        raise EngineRuntimeError(f"cannot split a compiled chunk's backward into B and W: its graph has {len(outs)} "
+                                 f"gradients for {len(is_weight)} forward inputs (run this schedule with compile=None)")
     b_roots = [o for o, w in zip(outs, is_weight) if not w]
     w_roots = [o for o, w in zip(outs, is_weight) if w]
     b_set = ancestors(b_roots)
