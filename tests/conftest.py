@@ -70,3 +70,11 @@ def _forget_compiled_programs():
     """Each test compiles its own programs: ``parallelize_on``'s cache lives for one test."""
     yield
     helpers._COMPILED.clear()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules that start ranks (marked ``multiprocess``) run first, each module's tests in their
+    order: the two workers (``-n 2 --dist loadscope``) take the long modules while both are free and
+    fill the end with the short ones, instead of ending on one long module while the other idles."""
+    spawning = {item.module.__name__ for item in items if item.get_closest_marker("multiprocess")}
+    items.sort(key=lambda item: item.module.__name__ not in spawning)
