@@ -11,7 +11,8 @@
              when the step splits its backwards (``StepState.split_backward``:
              the schedule's choice, ZB-H1 and ZB-V), the input gradients only,
              the weights' left to ``W`` with their context kept in
-             ``StepState.wctx`` (``runtime/optim/split_backward.py``);
+             ``StepState.wctx`` (``runtime/optim/split_backward.py``; a compiled
+             chunk's backward graph is split instead: ``compiled_split.py``);
 - ``W c.i``  the weights' gradients of that B, into ``.grad``.
 
 After a chunk's last backward (its last W when backwards split) its
