@@ -105,6 +105,8 @@ class Op:
     weight_grad: bool = False
     """A weight's gradient GEMM (``dB`` of a linear): the work a zero-bubble schedule's W runs;
     everything else of a backward is its B (``zero_bubble_costs.py``)."""
+    elements: float = 0.0
+    """Elements an element-wise kernel (``memory_op``) runs over: what ``transformer.op_by_op`` splits."""
 
 
 def gemm_op(name: str, batch: int, m: int, n: int, k: int, accumulate: bool = False) -> Op:
@@ -135,4 +137,5 @@ def memory_op(name: str, numel: float, reads: float, writes: float, mask: float 
               dtype_bytes: int = FP16) -> Op:
     """A bandwidth-bound kernel over ``numel`` elements (see ``elementwise_bytes``), doing
     ``flops_per`` FLOPs per element."""
-    return Op(name, "memory", flops_per * numel, elementwise_bytes(numel, reads, writes, dtype_bytes, mask))
+    return Op(name, "memory", flops_per * numel, elementwise_bytes(numel, reads, writes, dtype_bytes, mask),
+              elements=float(numel))

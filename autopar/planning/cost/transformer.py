@@ -116,44 +116,25 @@ _UNFUSED: dict[str, tuple[tuple[str, float, float, float, float], ...]] = {
     "bias_dropout_add2": (("bias_add2", 1, 1, 0, 1), ("dropout2", 1, 1, 1, 1), ("residual_add2", 2, 1, 0, 1)),
     "bias_dropout_add1.bwd": (("dropout1.bwd", 1, 1, 1, 1), ("bias1.bwd", 1, 0, 0, 1)),
     "bias_dropout_add2.bwd": (("dropout2.bwd", 1, 1, 1, 1), ("bias2.bwd", 1, 0, 0, 1)),
+    "bias_act": (("bias_add_fc1", 1, 1, 0, 1), ("act", 1, 1, 0, 8)),
+    "bias_act.bwd": (("act.bwd", 2, 1, 0, 8), ("bias_fc1.bwd", 1, 0, 0, 1)),
 }
 """What Megatron's fused element-wise kernels (and a compiled chunk's fusions) are when a chunk runs
-op by op, eagerly. ``bias_act`` is handled apart (its read and write depend on a gated MLP)."""
+op by op, eagerly."""
 
 
 def op_by_op(ops: tuple[Op, ...]) -> tuple[Op, ...]:
-    """``ops`` with each fused element-wise kernel split into the passes eager PyTorch makes: the
-    same FLOPs (about), more bytes through memory (each pass reads its input and writes its output)."""
+    """``ops`` with each fused element-wise kernel split into the passes eager PyTorch makes, over the
+    same elements: about the same FLOPs, more bytes through memory (each pass reads its input and
+    writes its output)."""
     out: list[Op] = []
     for op in ops:
-        base = op.name
-        pieces = _UNFUSED.get(base)
-        if op.kind == "memory" and base in ("bias_act", "bias_act.bwd"):
-            numel = op.flops / 8  # memory_op's flops_per=8 over the activation's elements
-            act = [("bias_add_fc1", 1, 1, 0, 1), ("act", 1, 1, 0, 8)] if base == "bias_act" else \
-                [("act.bwd", 2, 1, 0, 8), ("bias_fc1.bwd", 1, 0, 0, 1)]
-            out += [memory_op(n, numel, r, w, mask=m, flops_per=f) for n, r, w, m, f in act]
-        elif op.kind == "memory" and pieces:
-            numel = _numel(op)
-            out += [memory_op(n, numel, r, w, mask=m, flops_per=f) for n, r, w, m, f in pieces]
+        pieces = _UNFUSED.get(op.name) if op.kind == "memory" else None
+        if pieces:
+            out += [memory_op(n, op.elements, r, w, mask=m, flops_per=f) for n, r, w, m, f in pieces]
         else:
             out.append(op)
     return tuple(out)
-
-
-def _numel(op: Op) -> float:
-    """The elements a fused memory kernel runs over, from its bytes (``elementwise_bytes`` of its
-    reads, writes and mask as ``_layer_forward`` / ``_layer_backward`` made it)."""
-    reads, writes, mask = _FUSED_IO[op.name]
-    return op.bytes / (FP16 * (reads + writes) + mask)
-
-
-_FUSED_IO: dict[str, tuple[float, float, float]] = {
-    "softmax": (1, 1, 0), "softmax.bwd": (2, 1, 0),
-    "bias_dropout_add1": (2, 1, 1), "bias_dropout_add2": (2, 1, 1),
-    "bias_dropout_add1.bwd": (1, 1, 1), "bias_dropout_add2.bwd": (1, 1, 1),
-}
-"""(reads, writes, mask) each fused kernel is priced with in ``_layer_forward`` / ``_layer_backward``."""
 
 
 @lru_cache(maxsize=4096)

@@ -15,9 +15,9 @@ break (``CompiledChunk.report``). With Inductor, the code it generated for the
 chunk's forward (at that call) and backward (at the chunk's first backward,
 which runs inside ``CompiledChunk.capturing()``) is kept too: the Python
 wrapper that calls each fused kernel, with the kernels' source and, above each,
-the graph nodes it fuses (``engine.compiled_code()``). A break is not an error (the pieces run
-compiled, the ops between them eagerly), but it cuts the chunk: it is reported,
-never silent. The parameters stay the engine's (the chunk's graph takes them
+the graph nodes it fuses (``engine.compiled_code()``). A break is not an error
+(the pieces run compiled, the ops between them eagerly), but it cuts the chunk:
+it is reported, never silent. The parameters stay the engine's (the chunk's graph takes them
 as arguments), so checkpoints, export and the optimizers see the same tensors.
 """
 
@@ -71,19 +71,15 @@ class CompileReport:
     same graph already (a second engine of the program) and reused it."""
     breaks: list[str] = field(default_factory=list)
     """Why the chunk was cut, one line per graph break (Dynamo's reason's first line)."""
-    code: list[str] = field(default_factory=list)
-    """Inductor's generated modules for the chunk: its forward's, then its backward's (empty with
-    another backend)."""
+    code: dict[str, list[str]] = field(default_factory=lambda: {"forward": [], "backward": []})
+    """Inductor's generated modules for the chunk's forward and for its backward (B's, then W's when
+    the backward is split); empty with another backend."""
 
 
 class CompiledChunk:
     """A chunk graph under ``torch.compile(backend)``; its first call is timed and its graphs counted."""
 
-    def __init__(self, module: nn.Module, backend: str, weights: dict[str, str] | None = None) -> None:
-        self.module = module
-        self.backend = backend
-        self.splits_backward = weights is not None
-        """Whether the backward is compiled as B and W (``compiled_split.py``: a zero-bubble schedule)."""
+    def __init__(self, module: nn.Module, backend: str, weights: frozenset[str] | None = None) -> None:
         self.compiled = torch.compile(module, backend=split_backend(backend, weights) if weights is not None
                                       else backend, dynamic=False)
         self.report: CompileReport | None = None
@@ -100,8 +96,8 @@ class CompiledChunk:
 
         breaks_before = Counter(counters["graph_break"])
         graphs_before = counters["stats"]["unique_graphs"]
-        code: list[str] = []
-        token = _CAPTURE.set(code)
+        code: dict[str, list[str]] = {"forward": [], "backward": []}
+        token = _CAPTURE.set(code["forward"])
         start = time.perf_counter()
         try:
             out = self.compiled(*args)
@@ -121,7 +117,7 @@ class CompiledChunk:
             yield
             return
         self.backward_seen = True
-        token = _CAPTURE.set(self.report.code)
+        token = _CAPTURE.set(self.report.code["backward"])
         start = time.perf_counter()
         try:
             yield
@@ -130,7 +126,7 @@ class CompiledChunk:
             self.report.seconds += time.perf_counter() - start
 
 
-def compiled(module: nn.Module, backend: str | None, weights: dict[str, str] | None = None):
+def compiled(module: nn.Module, backend: str | None, weights: frozenset[str] | None = None):
     """``module`` compiled with ``backend`` (a ``CompiledChunk``; ``weights``: its weight arguments, to
     split its backward into B and W), or ``module`` itself when ``backend`` is None."""
     return CompiledChunk(module, backend, weights) if backend else module

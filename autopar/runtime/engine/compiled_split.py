@@ -109,12 +109,9 @@ def split_backward_graph(bw: fx.GraphModule, is_weight: list[bool]):
 
 
 def _boxed(run):
-    """``run`` (a function of the argument list) in AOTAutograd's boxed calling convention."""
-    def call(args):
-        return run(args)
-
-    call._boxed_call = True
-    return call
+    """``run``, a function of the argument list, marked as AOTAutograd's boxed calling convention."""
+    run._boxed_call = True
+    return run
 
 
 def _inner_compiler(backend: str):
@@ -134,10 +131,10 @@ def _inner_compiler(backend: str):
     return eager
 
 
-def split_backend(backend: str, weight_names: dict[str, str]):
+def split_backend(backend: str, weights: frozenset[str]):
     """A ``torch.compile`` backend: AOTAutograd with ``backend``'s kernels, the backward split into
-    B and W (``split_backward_graph``). ``weight_names``: the chunk graph's argument names that are
-    weights -> the names W's gradients are reported under."""
+    B and W (``split_backward_graph``). ``weights``: the names of the compiled function's arguments
+    that are weights; W reports their gradients under these names."""
     from torch._dynamo.backends.common import aot_autograd
 
     inner = _inner_compiler(backend)
@@ -145,7 +142,7 @@ def split_backend(backend: str, weight_names: dict[str, str]):
     def compile_graph(gm: fx.GraphModule, example_inputs):
         args = [n for n in gm.graph.nodes if n.op == "placeholder"]
         local = [getattr(getattr(n.meta.get("grapharg"), "source", None), "local_name", None) for n in args]
-        is_weight = [name in weight_names for name in local]
+        is_weight = [name in weights for name in local]
 
         def fw_compiler(fw: fx.GraphModule, ex):
             return _boxed(inner(fw, ex))
@@ -154,15 +151,15 @@ def split_backend(backend: str, weight_names: dict[str, str]):
             b_gm, w_gm, from_inputs, carried = split_backward_graph(bw, is_weight)
             b_run = inner(b_gm, ex)
             w_run = inner(w_gm, [ex[i] for i in from_inputs] + [n.meta.get("val") for n in carried])
-            names = [weight_names[nm] for nm, w in zip(local, is_weight) if w]
+            names = [name for name, w in zip(local, is_weight) if w]
             n_b = is_weight.count(False)
 
             def backward(args):
                 res = list(b_run(args))
-                b_grads, carried = res[:n_b], res[n_b:]
-                w_args = [args[i] for i in from_inputs] + carried
-                args.clear()
-                kept = sum(t.numel() * t.element_size() for t in carried if isinstance(t, torch.Tensor))
+                b_grads = res[:n_b]
+                w_args = [args[i] for i in from_inputs] + res[n_b:]
+                args.clear()  # from here W alone holds what it reads
+                kept = sum(t.numel() * t.element_size() for t in w_args if isinstance(t, torch.Tensor))
                 collector = _COLLECTOR.get()
                 if collector is not None:
                     collector.append((lambda: w_run(w_args), names, kept))

@@ -83,7 +83,7 @@ class ChunkCompute:
         device = holdings.device
         backend = self.program.config.compile
         self.runnables = {c: compiled(on_device(ch.module, device), backend,
-                                      {p: p for p in ch.params} if schedule.splits_backward else None)
+                                      frozenset(ch.params) if schedule.splits_backward else None)
                           for c, ch in chunks.items()}
         """Chunk -> what runs it: its graph, with recomputation applied at compile time, making its
         tensors on the engine's device (compiled at its first run with ``compile=``)."""

@@ -329,8 +329,8 @@ class RankEngine(nn.Module):
 
     def compiled(self) -> dict[tuple[str, int], CompileReport]:
         """With ``compile=``: ('train' or 'eval', chunk) -> what compiling that chunk graph on this rank
-        cost (seconds of its first run) and made (graphs, and why each break cut it), for the graphs
-        run so far; {} when the chunks run eagerly."""
+        cost (seconds of its first forward and backward) and made (graphs, why each break cut it,
+        Inductor's code), for the graphs run so far; {} when the chunks run eagerly."""
         compute = self.compute
         out = {}
         for mode, runnables in (("train", compute.runnables), ("eval", compute.eval_runnables)):
@@ -341,14 +341,15 @@ class RankEngine(nn.Module):
 
     def compiled_code(self) -> str:
         """With ``compile=True`` (Inductor): the code Inductor generated for this rank's chunks so far,
-        chunk by chunk, forward then backward: the wrapper that calls each fused kernel, the kernels'
-        source, and above each kernel the graph nodes it fuses (the names ``program.code(rank)``
+        chunk by chunk, forward then backward (B's module, then W's, when the backward is split): the
+        wrapper that calls each fused kernel, the kernels' source, and above each kernel the graph nodes it fuses (the names ``program.code(rank)``
         shows). Empty for chunks not run yet, and with another backend."""
         out = []
         for (mode, chunk), report in sorted(self.compiled().items()):
-            for i, code in enumerate(report.code):
-                part = "forward" if i == 0 else "backward" if i == 1 else f"graph {i}"
-                out.append(f"# ==== chunk {chunk} ({mode}), {part}: Inductor's code ====\n{code}")
+            for part, modules in report.code.items():
+                for i, code in enumerate(modules, 1):
+                    head = f"# ==== chunk {chunk} ({mode}), {part} {i}/{len(modules)}: Inductor's code ===="
+                    out.append(f"{head}\n{code}")
         return "\n".join(out)
 
     def named_local_parameters(self):
