@@ -148,9 +148,16 @@ def _header(program: Program) -> str:
         f"schedule {cfg.schedule}, virtual stages {cfg.virtual_stages}, {cfg.microbatches} microbatches per "
         f"replica; recompute {program.recompute}; precision {program.precision}\n"
         f"{_compile_line(cfg)}\n"
+        f"{_trace_line(program)}"
         f"{_batch_line(program)}\n"
         f"{_loss_line(program)}"
     )
+
+
+def _trace_line(program: Program) -> str:
+    """Whether the graph was stamped from a short trace (a line of its own then, else nothing)."""
+    stamping = program.traced.stamping
+    return f"trace: {stamping.describe()}\n" if stamping is not None else ""
 
 
 def _compile_line(cfg) -> str:

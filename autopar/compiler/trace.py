@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.compiler.custom_functions import FunctionCalls, functions_kept_whole
+from autopar.compiler.layer_stamping import stamped_trace
 from autopar.compiler.signatures import batch_names, call_errors
 from autopar.compiler.static_shapes import check_static_shapes
 from autopar.compiler.trace_error import TraceError, is_tracing_file
@@ -149,8 +150,23 @@ def trace(
     """Trace ``loss_fn(output_fn(model(*example_inputs)), *example_targets)``.
 
     Works with parameters on the ``meta`` device (the example tensors are then
-    moved to meta too), so large models can be compiled without memory.
+    moved to meta too), so large models can be compiled without memory. A deep stack of identical
+    blocks is traced from four of them and the rest stamped (``layer_stamping.py``).
     """
+    def whole(m: nn.Module) -> TracedModel:
+        return _trace_whole(m, example_inputs, example_targets, loss_fn, output_fn)
+
+    stamped = stamped_trace(model, whole)
+    if stamped is None:
+        return whole(model)
+    result, result.stamping = stamped
+    result.aliases = _aliases(model)
+    return result
+
+
+def _trace_whole(model: nn.Module, example_inputs: Any, example_targets: Any, loss_fn: Callable,
+                 output_fn: Callable | None) -> TracedModel:
+    """``trace`` with every block of the model traced."""
     inputs, targets = _example_tensors(model, example_inputs, example_targets)
     errors = call_errors(model, loss_fn, len(inputs), len(targets), default_loss=loss_fn is lm_cross_entropy)
     if errors:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar.compiler.module_state import module_state, signature
 from autopar.compiler.trace import trace
 from autopar.core.graph import TracedModel
 
@@ -33,7 +34,6 @@ __all__ = ["traced", "forget", "KEEP"]
 KEEP = 16
 """How many traces are kept (the most recently used)."""
 _KEPT: OrderedDict[tuple, TracedModel] = OrderedDict()
-_SIMPLE = (int, float, bool, str, bytes, type(None))
 
 
 def traced(model: nn.Module, example_inputs: Any, example_targets: Any, loss_fn: Callable,
@@ -61,56 +61,8 @@ def _key(model: nn.Module, example_inputs: Any, example_targets: Any, loss_fn: C
          output_fn: Callable | None) -> tuple | None:
     """What the trace depends on, or None when part of it cannot be keyed (nothing is kept then)."""
     try:
-        key = (_module_state(model), _signature(example_inputs), _signature(example_targets), loss_fn, output_fn)
+        key = (module_state(model), signature(example_inputs), signature(example_targets), loss_fn, output_fn)
         hash(key)
     except TypeError:  # an unhashable loss or attribute: trace every time
         return None
     return key
-
-
-def _module_state(model: nn.Module) -> tuple:
-    """Each module's name, class, mode, parameters and buffers (which names share one tensor, and
-    each one's shape, dtype, device and grad flag; not the values, which the trace never reads)
-    and public attributes."""
-    first_name: dict[int, str] = {}
-
-    def tensors(m: nn.Module, prefix: str, own: dict[str, torch.Tensor | None]) -> tuple:
-        out = []
-        for k, t in own.items():
-            if t is None:
-                out.append((k, None))
-                continue
-            shared_with = first_name.setdefault(id(t), f"{prefix}{k}")
-            out.append((k, shared_with, tuple(t.shape), t.dtype, t.device, t.requires_grad))
-        return tuple(out)
-
-    return tuple((name, type(m), m.training, tensors(m, f"{name}.", m._parameters),
-                  tensors(m, f"{name}.", m._buffers),
-                  tuple(sorted((k, _token(v)) for k, v in vars(m).items() if not k.startswith("_"))))
-                 for name, m in model.named_modules(remove_duplicate=False))
-
-
-def _token(value: Any) -> Any:
-    """A module attribute as a key: plain values as they are, tensors (which a trace keeps as
-    constants) by content, functions by identity, anything else by its repr (a config object)."""
-    if isinstance(value, _SIMPLE):
-        return value
-    if isinstance(value, torch.Tensor):
-        return _signature(value)
-    if isinstance(value, (tuple, list)):
-        return type(value), tuple(_token(v) for v in value)
-    if callable(value):
-        return id(value)
-    return type(value), repr(value)
-
-
-def _signature(examples: Any) -> Any:
-    """The examples as the trace sees them: each tensor's shape, dtype, device, grad flag and values."""
-    if isinstance(examples, torch.Tensor):  # and the values, which the trace's checks read (token ids)
-        values = None if examples.is_meta else hash(examples.detach().cpu().contiguous().numpy(force=True).tobytes())
-        return "tensor", tuple(examples.shape), examples.dtype, examples.device, examples.requires_grad, values
-    if isinstance(examples, (tuple, list)):
-        return type(examples), tuple(_signature(e) for e in examples)
-    if isinstance(examples, dict):
-        return "dict", tuple((k, _signature(v)) for k, v in sorted(examples.items()))
-    return _token(examples)

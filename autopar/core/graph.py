@@ -12,6 +12,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -51,6 +52,9 @@ class TracedModel:
     logits: str | None = None
     """The traced node of the value ``output_fn`` returned (marked ``meta[LOGITS_META]``); None when it
     returned no tensor."""
+    stamping: Any = None
+    """How the trace was made from a short one (``compiler/layer_stamping.Stamping``), None when every
+    block was traced."""
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
