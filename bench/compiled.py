@@ -69,7 +69,10 @@ def build_autopar(a, layout: dict, compile_mode, rec: dict):
         loss = engine.train_step(x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        rec["compile_s"] = sum(r.seconds for r in engine.compiled().values())
+        reports = engine.compiled().values()
+        rec["compile_s"] = sum(r.seconds for r in reports)
+        rec["cache"] = (sum(r.cache_hits for r in reports), sum(r.cache_misses for r in reports),
+                        sum(r.waited_s for r in reports))
         return loss
 
     return step
@@ -101,16 +104,21 @@ def worker(a, splits):
     for name, layout in LAYOUTS.items():
         for mode in (None, "inductor") if name in COMPILABLE else (None,):
             label = f"autopar {name}" + (" compiled" if mode else "")
+            if a.systems and not any(k in label for k in a.systems):
+                continue
             recs[label] = {}
             steps[label] = build_autopar(a, layout, mode, recs[label])
     for label, sched, comp in (("torch interleaved", "torch-interleaved", False),
                                ("torch interleaved compiled", "torch-interleaved", True),
                                ("torch zbv", "torch-zbv", False)):
+        if a.systems and label != BASELINE and not any(k in label for k in a.systems):
+            continue
         recs[label] = {}
         steps[label] = build_torch(a, sched, recs[label], splits["zbv" if "zbv" in sched else "interleaved"],
                                    compile_stages=comp)
-    recs["torch.compile whole model, 1 rank"] = {}
-    steps["torch.compile whole model, 1 rank"] = build_whole(a, recs["torch.compile whole model, 1 rank"])
+    if not a.systems:
+        recs["torch.compile whole model, 1 rank"] = {}
+        steps["torch.compile whole model, 1 rank"] = build_whole(a, recs["torch.compile whole model, 1 rank"])
     if dist.get_rank() == 0:
         print(f"built {len(steps)} systems; first steps compile (Inductor, tens of seconds per graph)", flush=True)
     res = timed_steps(steps, batches, a.warmup, flip=False)
@@ -119,7 +127,18 @@ def worker(a, splits):
         med = statistics.median(res[name]["times"])
         out[name] = {"median": med, "losses": res[name]["losses"],
                      "compile_s": recs[name].get("compile_s", res[name]["first_s"] - med)}
+        if "cache" in recs[name]:
+            out[name]["cache"] = recs[name]["cache"]
     return out
+
+
+def _cache(rec: dict) -> str:
+    """A compiled system's Inductor cache hits of all its graphs, and the seconds it waited for the
+    rank compiling them first."""
+    if "cache" not in rec:
+        return ""
+    hits, misses, waited = rec["cache"]
+    return f"{hits}/{hits + misses}, {waited:.1f}"
 
 
 def main():
@@ -130,6 +149,8 @@ def main():
     p.add_argument("--mb", type=int, default=2, help="sequences per microbatch")
     add_gpt_flags(p, d_model=256, layers=4, heads=4, seq=64, vocab=4096)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--systems", nargs="*", default=[],
+                   help="run only the systems whose names hold one of these words (and the baseline)")
     a = p.parse_args()
     a.batch = a.mb * a.microbatches
 
@@ -141,16 +162,17 @@ def main():
               f"{a.batch}x{a.seq}, m={a.microbatches} on the pipelines; {a.steps} timed steps; torch "
               f"{torch.__version__}, {os.cpu_count()} CPUs")
     ranks = autopar.spawn(worker, nprocs=2, args=(a, chunk_splits(a)), timeout_s=3600)
-    base = min(ranks[0][n]["median"] for n in (BASELINE, BASELINE + " compiled"))
+    base = min(ranks[0][n]["median"] for n in (BASELINE, BASELINE + " compiled") if n in ranks[0])
     tab = Table(title="step time, median of the timed steps (ms); ratios on rank 0")
     for col in ("system", "rank 0", "rank 1", "/ eager same layout", f"/ {BASELINE} (faster form)",
-                "compile s", "loss first / last"):
+                "compile s r0 / r1", "r1: cache hits, waited s", "loss first / last"):
         tab.add_column(col, justify="left" if col == "system" else "right")
     for name, r0 in ranks[0].items():
         eager = ranks[0].get(name.removesuffix(" compiled"))
         same = f"{r0['median'] / eager['median']:.3f}" if name.endswith("compiled") and eager else ""
         tab.add_row(name, f"{r0['median'] * 1e3:.1f}", f"{ranks[1][name]['median'] * 1e3:.1f}", same,
-                    f"{r0['median'] / base:.3f}", f"{r0['compile_s']:.1f}",
+                    f"{r0['median'] / base:.3f}", f"{r0['compile_s']:.1f} / {ranks[1][name]['compile_s']:.1f}",
+                    _cache(ranks[1][name]),
                     f"{r0['losses'][0]:.4f} / {r0['losses'][-1]:.4f}")
     con.print(tab)
 

@@ -163,7 +163,10 @@ def _trace_line(program: Program) -> str:
 def _compile_line(cfg) -> str:
     if not cfg.compile:
         return "chunks: run op by op (compile=None)"
-    return f"chunks: compiled with {cfg.compile} at their first run (engine.compiled(): seconds, graphs, breaks)"
+    turns = ("; a stage's tp ranks take turns, tp rank 0 compiles and the others load its kernels from "
+             "Inductor's cache" if cfg.compile == "inductor" and cfg.mesh.tp > 1 else "")
+    return (f"chunks: compiled with {cfg.compile} at their first run{turns} (engine.compiled(): seconds, graphs, "
+            "breaks, cache hits)")
 
 
 def _loss_line(program: Program) -> str:

@@ -149,3 +149,67 @@ def test_a_backward_graph_splits_into_input_and_weight_gradients():
     x.grad = None
     run(x, w1, w2).backward(grad_out)  # no collector open: W runs inside the backward, as unsplit
     torch.testing.assert_close(w2.grad, want[2], rtol=0, atol=0)
+
+
+def test_tp_ranks_take_turns_compiling():
+    """The first rank publishes the end of each compile (forward, then the lazy backward) on the store
+    before its run, whose collectives need the others; a follower waits for it, and one whose leader
+    never compiles goes on after its timeout."""
+    from torch.distributed import HashStore
+
+    from autopar.runtime.engine.compiled_chunks import CompiledChunk, CompileTurns
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return (x @ self.w).tanh()
+
+    class Recorded:
+        def __init__(self):
+            self.store, self.seen = HashStore(), []
+
+        def set(self, key, value):
+            self.seen.append(key)
+            self.store.set(key, value)
+
+        def wait(self, keys, timeout):
+            self.store.wait(keys, timeout)
+
+        def get(self, key):
+            return self.store.get(key)
+
+        def check(self, keys):
+            return self.store.check(keys)
+
+    store = Recorded()
+    leader = CompiledChunk(Chunk(), "aot_eager", turns=CompileTurns(store, "job/0/0", True, 5.0), name="train/1")
+    x = torch.randn(4, 8, requires_grad=True)
+    out = leader(x)
+    graph, fw, bw = (f"job/0/0/train/1/{part}" for part in ("graph", "forward", "backward"))
+    # the graph's fingerprint before compiling; the compile's end (Dynamo's callback, before the run);
+    # again after the call
+    assert store.seen == [graph, fw, fw]
+    with leader.capturing():
+        out.sum().backward()
+    assert store.seen == [graph, fw, fw, bw, bw]  # the lazy backward's compile end, then after the backward
+    follower = CompiledChunk(Chunk(), "aot_eager", turns=CompileTurns(store, "job/0/0", False, 5.0), name="train/1")
+    with follower.capturing():  # (not the first call: nothing to capture)
+        pass
+    follower(x).sum().backward()
+    assert follower.same_as_first and follower.report.waited_s < 1.0  # the leader's compile had ended
+
+    class Other(Chunk):
+        def forward(self, x):
+            return (x @ self.w).relu()
+
+    other = CompiledChunk(Other(), "aot_eager", turns=CompileTurns(store, "job/0/0", False, 5.0), name="train/1")
+    other(x)
+    assert other.same_as_first is False  # another graph: compiled at once, no wait for the leader's
+    alone = CompiledChunk(Chunk(), "aot_eager", turns=CompileTurns(HashStore(), "job/0/1", False, 0.2),
+                          name="train/1")
+    alone(x)
+    assert 0.2 <= alone.report.waited_s < 2.0  # no leader: it compiled on its own after the timeout
+    assert "waited" in alone.report.describe()

@@ -9,6 +9,19 @@ functional collectives while traced (``core/comm``), so they stay inside the
 graph; a checkpointed region is a checkpoint inside it, recomputed by the
 compiled backward (``core/activation_recompute.py``).
 
+The tensor-parallel ranks of one stage and replica mostly run the same chunk
+graphs (they differ only in the shards they are given; a vocabulary-parallel
+chunk's graph holds its rank's vocabulary offset), so with Inductor they take
+turns (``CompileTurns``): the stage's tp rank 0 compiles each graph and
+publishes a fingerprint of the graph Dynamo captured; another rank whose graph
+has the same fingerprint waits until that compile ends (not its run, whose
+collectives need it) and loads the result from Inductor's cache on disk (one
+cache directory per host by default; ``TORCHINDUCTOR_CACHE_DIR`` on a shared
+file system for many hosts); a rank whose graph differs compiles at once. The
+first rank's compile end is Dynamo's compile-end callback (the forward's, then
+the lazily compiled backward's), published on the job's store; a rank that
+waits past the engine's failure timeout compiles on its own.
+
 Compiling happens at a chunk's first run, so its cost is measured there: the
 seconds of that first call, the graphs Dynamo made and the reason of each graph
 break (``CompiledChunk.report``). With Inductor, the code it generated for the
@@ -25,16 +38,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from autopar.runtime.engine.compiled_split import split_backend
 
-__all__ = ["CompiledChunk", "CompileReport", "compiled"]
+__all__ = ["CompiledChunk", "CompileReport", "CompileTurns", "compiled"]
 
 _CAPTURE: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("autopar_inductor_code", default=None)
 """Where Inductor's generated code goes while a chunk compiles (None: nowhere)."""
@@ -74,39 +90,138 @@ class CompileReport:
     code: dict[str, list[str]] = field(default_factory=lambda: {"forward": [], "backward": []})
     """Inductor's generated modules for the chunk's forward and for its backward (B's, then W's when
     the backward is split); empty with another backend."""
+    cache_hits: int = 0
+    """Inductor graphs of the chunk loaded from the cache on disk (compiled by another rank or run)."""
+    cache_misses: int = 0
+    """Inductor graphs of the chunk compiled here."""
+    waited_s: float = 0.0
+    """Seconds this rank waited for its stage's tp rank 0 to compile the same graphs (``CompileTurns``)."""
+
+    def describe(self) -> str:
+        cache = (f", Inductor cache {self.cache_hits} hit(s) {self.cache_misses} miss(es)"
+                 if self.cache_hits or self.cache_misses else "")
+        waited = f", waited {self.waited_s:.1f} s for tp rank 0's compile" if self.waited_s else ""
+        broke = f", breaks: {'; '.join(self.breaks)}" if self.breaks else ""
+        return f"{self.seconds:.1f} s, {self.graphs} graph(s){cache}{waited}{broke}"
+
+
+@dataclass(frozen=True)
+class CompileTurns:
+    """How the ranks compiling the same graphs take turns: the first compiles, each other one waits for
+    the end of that compile (``wait``) and loads it from the cache. Keys on ``store``: ``prefix/what``."""
+
+    store: Any
+    """The job's key-value store (``torch.distributed``'s default store)."""
+    prefix: str
+    """Unique per engine, stage and replica."""
+    first: bool
+    """Whether this rank compiles first (tp rank 0 of the stage)."""
+    timeout_s: float
+    """How long a follower waits before compiling on its own."""
+
+    def done(self, what: str, value: str = "1") -> None:
+        self.store.set(f"{self.prefix}/{what}", value.encode())
+
+    def published(self, what: str) -> bool:
+        return self.store.check([f"{self.prefix}/{what}"])
+
+    def wait(self, what: str) -> tuple[float, str | None]:
+        """Wait until the first rank published ``what`` (at most ``timeout_s``): the seconds waited and
+        the value (None when it never came)."""
+        start = time.perf_counter()
+        try:
+            self.store.wait([f"{self.prefix}/{what}"], timedelta(seconds=self.timeout_s))
+            value = self.store.get(f"{self.prefix}/{what}").decode()
+        except Exception:  # noqa: BLE001 - a first rank that never compiled: compile here instead
+            value = None
+        return time.perf_counter() - start, value
+
+
+def _fingerprint(gm: torch.fx.GraphModule, example_inputs) -> str:
+    """What a graph Dynamo captured compiles from: its code and its inputs' shapes and dtypes."""
+    inputs = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs]
+    return hashlib.sha256(f"{gm.code}\n{inputs}".encode()).hexdigest()
+
+
+_SIGNAL: contextvars.ContextVar[tuple[CompileTurns, str] | None] = contextvars.ContextVar(
+    "autopar_compile_turn", default=None)
+"""What the compile running now ends for the ranks waiting on it (set on the first rank only)."""
+
+
+def _on_compile_end(_args) -> None:
+    signal = _SIGNAL.get()
+    if signal is not None:
+        signal[0].done(signal[1])
+
+
+def _signal_compile_ends() -> None:
+    """Have Dynamo's compile-end callback (a frame's compile, a lazy backward's) publish the turn's
+    end; installed again after ``torch._dynamo.reset()``, which drops callbacks."""
+    from torch._dynamo.callback import callback_handler
+
+    if _on_compile_end not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(_on_compile_end)
+
+
+@contextlib.contextmanager
+def _inductor_cache_counts(report: "CompileReport"):
+    """Add the Inductor cache hits and misses of the block to ``report``."""
+    from torch._dynamo.utils import counters
+
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    try:
+        yield
+    finally:
+        report.cache_hits += counters["inductor"]["fxgraph_cache_hit"] - hits
+        report.cache_misses += counters["inductor"]["fxgraph_cache_miss"] - misses
 
 
 class CompiledChunk:
     """A chunk graph under ``torch.compile(backend)``; its first call is timed and its graphs counted."""
 
-    def __init__(self, module: nn.Module, backend: str, weights: frozenset[str] | None = None) -> None:
-        self.compiled = torch.compile(module, backend=split_backend(backend, weights) if weights is not None
-                                      else backend, dynamic=False)
+    def __init__(self, module: nn.Module, backend: str, weights: frozenset[str] | None = None,
+                 turns: CompileTurns | None = None, name: str = "") -> None:
+        inner = split_backend(backend, weights) if weights is not None else backend
+        self.compiled = torch.compile(module, backend=self._taking_turns(inner) if turns is not None else inner,
+                                      dynamic=False)
         self.report: CompileReport | None = None
         """Set by the first call."""
+        self._compiling: CompileReport | None = None
+        """The report of the first call while it runs."""
+        self.same_as_first: bool | None = None
+        """On a rank other than its stage's tp rank 0: whether its graph is the one that rank compiled
+        (it then waited for that compile and loaded it from the cache)."""
         self.backward_seen = False
         """Whether a backward of this chunk ran (its compile captured) yet."""
+        self.turns = turns
+        """With Inductor and tensor parallelism: the turns its stage's tp ranks take compiling."""
+        self.name = name
+        """The graph's name among the engine's (``train/3``, ``eval/3``): its turns' keys."""
         if backend == "inductor":
             _keep_inductor_code()
+        if turns is not None:
+            _signal_compile_ends()
 
     def __call__(self, *args):
         if self.report is not None:
             return self.compiled(*args)
         from torch._dynamo.utils import counters
 
-        breaks_before = Counter(counters["graph_break"])
-        graphs_before = counters["stats"]["unique_graphs"]
-        code: dict[str, list[str]] = {"forward": [], "backward": []}
-        token = _CAPTURE.set(code["forward"])
+        report = CompileReport()
         start = time.perf_counter()
-        try:
-            out = self.compiled(*args)
-        finally:
-            _CAPTURE.reset(token)
+        with self._turn("forward", report):
+            breaks_before = Counter(counters["graph_break"])
+            graphs_before = counters["stats"]["unique_graphs"]
+            token = _CAPTURE.set(report.code["forward"])
+            try:
+                out = self.compiled(*args)
+            finally:
+                _CAPTURE.reset(token)
         broke = Counter(counters["graph_break"]) - breaks_before
-        self.report = CompileReport(
-            seconds=time.perf_counter() - start, graphs=counters["stats"]["unique_graphs"] - graphs_before,
-            breaks=[reason.strip().splitlines()[0] for reason in broke.elements()], code=code)
+        report.seconds = time.perf_counter() - start
+        report.graphs = counters["stats"]["unique_graphs"] - graphs_before
+        report.breaks = [reason.strip().splitlines()[0] for reason in broke.elements()]
+        self.report = report
         return out
 
     @contextlib.contextmanager
@@ -117,16 +232,61 @@ class CompiledChunk:
             yield
             return
         self.backward_seen = True
-        token = _CAPTURE.set(self.report.code["backward"])
         start = time.perf_counter()
+        token = _CAPTURE.set(self.report.code["backward"])
         try:
-            yield
+            with self._turn("backward", self.report):
+                yield
         finally:
             _CAPTURE.reset(token)
             self.report.seconds += time.perf_counter() - start
 
+    def _taking_turns(self, inner):
+        """``inner`` (a backend or its name) behind the turns: on the first rank, the captured graph's
+        fingerprint published before compiling; on another, compared with the first rank's, and on
+        a match the compile waits for the first rank's to end (its kernels then come from the cache)."""
+        compile_inner = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
 
-def compiled(module: nn.Module, backend: str | None, weights: frozenset[str] | None = None):
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+            turns, mine = self.turns, _fingerprint(gm, example_inputs)
+            if turns.first:
+                turns.done(f"{self.name}/graph", mine)
+            elif self.same_as_first is None:
+                waited, theirs = turns.wait(f"{self.name}/graph")
+                self.same_as_first = theirs == mine
+                if self.same_as_first:
+                    waited += turns.wait(f"{self.name}/forward")[0]
+                if self._compiling is not None:
+                    self._compiling.waited_s += waited
+            return compile_inner(gm, example_inputs)
+
+        return compile_graph
+
+    @contextlib.contextmanager
+    def _turn(self, part: str, report: CompileReport):
+        """Around the first run of the forward (or backward): the first rank publishes the end of
+        its compile; another rank whose forward graph was the first rank's waits for its backward's
+        compile too."""
+        turns, what = self.turns, f"{self.name}/{part}"
+        self._compiling = report
+        if turns is not None and not turns.first and part == "backward" and self.same_as_first:
+            report.waited_s += turns.wait(what)[0]
+        token = _SIGNAL.set((turns, what) if turns is not None and turns.first else None)
+        try:
+            with _inductor_cache_counts(report):
+                yield
+        finally:
+            _SIGNAL.reset(token)
+            self._compiling = None
+            if turns is not None and turns.first:
+                turns.done(what)  # also when the compile failed or made no graph: never leave one waiting
+                if part == "forward" and not turns.published(f"{self.name}/graph"):
+                    turns.done(f"{self.name}/graph", "none")  # no graph captured: nobody waits for one
+
+
+def compiled(module: nn.Module, backend: str | None, weights: frozenset[str] | None = None,
+             turns: CompileTurns | None = None, name: str = ""):
     """``module`` compiled with ``backend`` (a ``CompiledChunk``; ``weights``: its weight arguments, to
-    split its backward into B and W), or ``module`` itself when ``backend`` is None."""
-    return CompiledChunk(module, backend, weights) if backend else module
+    split its backward into B and W; ``turns``: the turns taken with the ranks compiling the same
+    graph, under ``name``), or ``module`` itself when ``backend`` is None."""
+    return CompiledChunk(module, backend, weights, turns, name) if backend else module

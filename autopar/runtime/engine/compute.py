@@ -32,7 +32,7 @@ import torch
 
 from autopar.core.activation_recompute import count_kept_bytes
 from autopar.core.comm import keeping_gathered_slices, release_regathered
-from autopar.runtime.engine.compiled_chunks import CompiledChunk, compiled
+from autopar.runtime.engine.compiled_chunks import CompiledChunk, CompileTurns, compiled
 from autopar.runtime.engine.compiled_split import WeightGrads, collecting_weight_grads
 from autopar.runtime.engine.device_graphs import on_device
 from autopar.runtime.engine.errors import EngineRuntimeError
@@ -74,7 +74,7 @@ class ChunkCompute:
     """The F, B and W handlers of one rank's chunks, called ``handler(action, state)``."""
 
     def __init__(self, holdings: Holdings, chunks: dict[int, "Chunk"], stream: RandomStream, grads: GradientSync,
-                 schedule: Schedule) -> None:
+                 schedule: Schedule, turns: CompileTurns | None = None) -> None:
         self.holdings = holdings
         self.program = holdings.program
         self.chunks = chunks
@@ -83,11 +83,12 @@ class ChunkCompute:
         device = holdings.device
         backend = self.program.config.compile
         self.runnables = {c: compiled(on_device(ch.module, device), backend,
-                                      frozenset(ch.params) if schedule.splits_backward else None)
+                                      frozenset(ch.params) if schedule.splits_backward else None, turns, f"train/{c}")
                           for c, ch in chunks.items()}
         """Chunk -> what runs it: its graph, with recomputation applied at compile time, making its
         tensors on the engine's device (compiled at its first run with ``compile=``)."""
-        self.eval_runnables = {c: compiled(on_device(ch.eval_gm, device), backend) for c, ch in chunks.items()}
+        self.eval_runnables = {c: compiled(on_device(ch.eval_gm, device), backend, None, turns, f"eval/{c}")
+                               for c, ch in chunks.items()}
         """Chunk -> what an evaluation step runs: its graph in evaluation mode (``passes/eval_mode.py``)."""
         self.ready_after = gradients_ready_after(holdings, schedule, chunks)
         """Chunk -> the parameters whose data-parallel reduction starts after its last backward."""

@@ -40,7 +40,7 @@ import torch.nn as nn
 from autopar.core.comm import TPGroup
 from autopar.core.mesh import Mesh
 from autopar.runtime.engine.action_runs import Handlers, run_actions
-from autopar.runtime.engine.compiled_chunks import CompiledChunk, CompileReport
+from autopar.runtime.engine.compiled_chunks import CompiledChunk, CompileReport, CompileTurns
 from autopar.runtime.engine.compute import ChunkCompute
 from autopar.runtime.engine.errors import EngineUsageError
 from autopar.runtime.engine.eval_outputs import LogitsOutput, askers, gather_logits
@@ -73,6 +73,16 @@ def _from_rank0(values: list[int], device: torch.device) -> list[int]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(t, src=0)
     return [int(v) for v in t]
+
+
+def _compile_turns(program: "Program", mesh: Mesh, token: int, timeout_s: float) -> CompileTurns | None:
+    """With Inductor and tensor parallelism: the turns the tp ranks of this rank's stage and replica
+    take compiling their (identical) chunk graphs; None otherwise (nothing to share, or no cache)."""
+    if program.config.compile != "inductor" or mesh.shape.tp == 1 or not dist.is_initialized():
+        return None
+    return CompileTurns(store=dist.distributed_c10d._get_default_store(),
+                        prefix=f"autopar/compile/{token:x}/{mesh.pp_rank}/{mesh.dp_rank}",
+                        first=mesh.tp_rank == 0, timeout_s=timeout_s)
 
 
 class RankEngine(nn.Module):
@@ -121,7 +131,8 @@ class RankEngine(nn.Module):
         """Whether a backward is split into B (input gradients) and W (weight gradients): the
         schedule's choice (ZB-H1 and ZB-V place W actions of their own)."""
         self.batches = MicroBatches(program, mesh, self.device)
-        self.compute = ChunkCompute(self.holdings, self.chunks, self.random_stream, self.grads, self.schedule)
+        self.compute = ChunkCompute(self.holdings, self.chunks, self.random_stream, self.grads, self.schedule,
+                                    _compile_turns(program, mesh, token, self.failure_timeout_s))
         """The F, B and W handlers."""
         self.p2p = PointToPoint(program, mesh, self.tp, self.chunks, self.device)
         """The SF, RF, SB and RB handlers."""
