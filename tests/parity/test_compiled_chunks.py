@@ -9,7 +9,7 @@ chunk on these CPUs (``bench/compiled.py`` measures Inductor). The runs:
 - the reference GPT at tp=2 with sequence parallelism and recompute='layer'
   (the checkpointed layers and the sequence-parallel collectives inside the
   compiled graph), then an evaluation step;
-- HF Llama (4 layers) at pp=2 interleaved (v=2);
+- HF Llama (4 layers) at pp=2 interleaved (v=2), HF GPT-2 at pp=2 1F1B;
 - GPT-2 with fused QKV at dp=2 with the distributed optimizer;
 - the zero-bubble schedules, their backward graphs split into B and W
   (``runtime/engine/compiled_split.py``): Llama at pp=2 ZB-V, and the reference
@@ -34,6 +34,7 @@ LR, STEPS, ROWS = 1e-3, 2, 4
 RUNS = {
     "nanogpt tp2 sp recompute": ("nanogpt", 2, dict(tp=2, sequence_parallel=True, recompute="layer")),
     "hf-llama pp2 interleaved": ("hf-llama", 4, dict(pp=2, virtual_stages=2, microbatches=2)),
+    "hf-gpt2 pp2 1f1b": ("hf-gpt2", 2, dict(pp=2, schedule="1f1b", microbatches=2)),
     "gpt2-fused dp2 distributed optimizer": ("gpt2-fused", 2, dict(dp=2)),
     "llama pp2 zbv": ("llama", 4, dict(pp=2, virtual_stages=2, schedule="zbv", microbatches=4)),
     "nanogpt pp2 zb-h1 recompute": ("nanogpt", 2, dict(pp=2, schedule="zb-h1", microbatches=4, recompute="layer")),
