@@ -32,6 +32,8 @@ the graph nodes it fuses (``engine.compiled_code()``). A break is not an error
 (the pieces run compiled, the ops between them eagerly), but it cuts the chunk:
 it is reported, never silent. The parameters stay the engine's (the chunk's graph takes them
 as arguments), so checkpoints, export and the optimizers see the same tensors.
+Inductor lowers random ops to torch's own kernels (``INDUCTOR_CONFIG``), so
+dropout draws the masks an eager chunk and one device draw.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar.runtime.engine.compiled_split import split_backend
+from autopar.runtime.engine.compiled_split import INDUCTOR_CONFIG, split_backend
 
 __all__ = ["CompiledChunk", "CompileReport", "CompileTurns", "compiled"]
 
@@ -137,6 +139,13 @@ class CompileTurns:
         return time.perf_counter() - start, value
 
 
+def _inductor(gm: torch.fx.GraphModule, example_inputs):
+    """``torch.compile``'s Inductor backend with the chunks' settings (``INDUCTOR_CONFIG``)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=INDUCTOR_CONFIG)
+
+
 def _fingerprint(gm: torch.fx.GraphModule, example_inputs) -> str:
     """What a graph Dynamo captured compiles from: its code and its inputs' shapes and dtypes."""
     inputs = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs]
@@ -181,7 +190,8 @@ class CompiledChunk:
 
     def __init__(self, module: nn.Module, backend: str, weights: frozenset[str] | None = None,
                  turns: CompileTurns | None = None, name: str = "") -> None:
-        inner = split_backend(backend, weights) if weights is not None else backend
+        inner = (split_backend(backend, weights) if weights is not None
+                 else _inductor if backend == "inductor" else backend)
         self.compiled = torch.compile(module, backend=self._taking_turns(inner) if turns is not None else inner,
                                       dynamic=False)
         self.report: CompileReport | None = None

@@ -114,13 +114,21 @@ def _boxed(run):
     return run
 
 
+INDUCTOR_CONFIG = {"fallback_random": True}
+"""Inductor's settings for every chunk: random ops (dropout) lowered to torch's own kernels, which draw
+from the generator as an eager chunk does, so a compiled chunk's masks are the eager chunk's and one
+device's (Inductor's own random kernels draw other numbers)."""
+
+
 def _inner_compiler(backend: str):
     """gm, example inputs -> a function of a list of arguments, for ``backend``'s forward and halves."""
     if backend == "inductor":
+        from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx_inner
 
         def inductor(gm: fx.GraphModule, example_inputs):
-            compiled = compile_fx_inner(gm, list(example_inputs))
+            with config.patch(INDUCTOR_CONFIG):
+                compiled = compile_fx_inner(gm, list(example_inputs))
             return lambda args: compiled(list(args))
 
         return inductor
