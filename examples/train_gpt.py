@@ -94,7 +94,8 @@ def compile_program(args, world_size=None) -> autopar.ParallelProgram:
     return autopar.parallelize(make_model(), tp=args.tp, pp=args.pp, dp=args.dp, virtual_stages=args.vp,
                                microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute,
                                precision=args.precision, sequence_parallel=SEQUENCE_PARALLEL[args.sequence_parallel],
-                               example_inputs=(x,), example_targets=y, world_size=world_size)
+                               example_inputs=(x,), example_targets=y, world_size=world_size,
+                               compile=None if args.compile == "none" else args.compile)
 
 
 def global_batch(args, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +155,13 @@ def train(args, program: autopar.ParallelProgram | None = None):
                             tps=throughput(tokens, []))
         for step in range(start, stop):
             t0 = time.perf_counter()
+            if step == start and args.compile != "none" and dist.get_rank() == 0:
+                bar.console.print(f"compiling each chunk with {args.compile} at its first run "
+                                  "(Inductor: tens of seconds per chunk on CPU ranks)...")
             out["losses"].append(engine.train_step(*data.batch(step)))
+            if step == start and args.compile != "none" and dist.get_rank() == 0:
+                for (mode, chunk), report in sorted(engine.compiled().items()):
+                    bar.console.print(f"  chunk {chunk} ({mode}) on rank 0: {report.describe()}")
             engine.clip_grad_norm_(args.clip)
             if step == 0:
                 out["grads"] = engine.full_grads()
@@ -193,6 +200,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--recompute", default="none", choices=["none", "layer", "chunk"])
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--compile", default="none", choices=["none", "inductor", "aot_eager"],
+                    help="compile each chunk with torch.compile (Inductor: fused kernels) at its first run")
     ap.add_argument("--eval-every", type=int, default=20, help="evaluate on held-out text every N steps")
     ap.add_argument("--save-every", type=int, default=20, help="save a checkpoint every N steps (asynchronously)")
     ap.add_argument("--ckpt-dir", default="runs/train_gpt", help="where checkpoints go (step-N/ and latest)")

@@ -50,9 +50,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar.core.log import get_logger
 from autopar.runtime.engine.compiled_split import INDUCTOR_CONFIG, split_backend
 
 __all__ = ["CompiledChunk", "CompileReport", "CompileTurns", "compiled"]
+
+_log = get_logger(__name__)
 
 _CAPTURE: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("autopar_inductor_code", default=None)
 """Where Inductor's generated code goes while a chunk compiles (None: nowhere)."""
@@ -203,6 +206,7 @@ class CompiledChunk:
         (it then waited for that compile and loaded it from the cache)."""
         self.backward_seen = False
         """Whether a backward of this chunk ran (its compile captured) yet."""
+        self.backend = backend
         self.turns = turns
         """With Inductor and tensor parallelism: the turns its stage's tp ranks take compiling."""
         self.name = name
@@ -218,6 +222,7 @@ class CompiledChunk:
         from torch._dynamo.utils import counters
 
         report = CompileReport()
+        _log.info("compiling chunk graph %s (forward) with %s", self.name or "?", self.backend)
         start = time.perf_counter()
         with self._turn("forward", report):
             breaks_before = Counter(counters["graph_break"])
@@ -232,6 +237,7 @@ class CompiledChunk:
         report.graphs = counters["stats"]["unique_graphs"] - graphs_before
         report.breaks = [reason.strip().splitlines()[0] for reason in broke.elements()]
         self.report = report
+        _log.info("chunk graph %s (forward): %s", self.name or "?", report.describe())
         return out
 
     @contextlib.contextmanager
