@@ -18,7 +18,7 @@ on gloo, in-place ``*_single`` collectives).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,22 @@ class TPGroup:
     """Global ranks of the group, in group-rank order (for pairwise exchanges)."""
     pairwise: bool = False
     """All-reduce small tensors by recursive doubling over point-to-point exchanges."""
+    rank_tensor: torch.Tensor | None = field(default=None, compare=False)
+    """``rank`` as a 0-d tensor on the engine's device, set for compiled chunks (``first_index``)."""
+
+    def own_slice(self, x: torch.Tensor, dim: int, segments: tuple[int, ...] | None = None) -> torch.Tensor:
+        """This rank's piece of ``x`` along ``dim`` (``local_slice``), contiguous; the same captured
+        graph on every rank under ``torch.compile`` (``first_index``)."""
+        return local_slice(x, self.rank, self.size, dim, segments, self.rank_tensor).contiguous()
+
+    def first_index(self, n: int):
+        """This rank's first index along a dim split into parts of ``n``: ``rank * n``. Inside
+        ``torch.compile`` (with ``rank_tensor`` set) it is computed from that tensor, an input of the
+        captured graph rather than a constant baked into it, so the tp ranks of a stage capture the
+        same graph: compiled once, the others load it from Inductor's cache."""
+        if self.rank_tensor is not None and torch.compiler.is_compiling():
+            return self.rank_tensor * n
+        return self.rank * n
 
     def __repr__(self) -> str:
         return f"TPGroup(rank={self.rank}, size={self.size})"
@@ -123,8 +139,11 @@ def all_gather(x: torch.Tensor, group: TPGroup, dim: int, segments: tuple[int, .
     return torch.cat([pieces[r][s] for s in range(len(sizes)) for r in range(group.size)], dim=dim)
 
 
-def local_slice(x: torch.Tensor, rank: int, t: int, dim: int, segments: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Rank ``rank``'s piece of a global tensor along ``dim``: every segment's rank-th 1/t."""
+def local_slice(x: torch.Tensor, rank: int, t: int, dim: int, segments: tuple[int, ...] | None = None,
+                rank_tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """Rank ``rank``'s piece of a global tensor along ``dim``: every segment's rank-th 1/t. Inside
+    ``torch.compile`` with ``rank_tensor`` (``TPGroup.first_index``'s), the piece is picked by indices
+    computed from that tensor, so the captured graph is the same on every rank."""
     segs = list(segments) if segments is not None else [x.shape[dim]]
     if sum(segs) != x.shape[dim]:  # padded dimension: pad the global tensor with zeros first
         pad = list(x.shape)
@@ -133,7 +152,10 @@ def local_slice(x: torch.Tensor, rank: int, t: int, dim: int, segments: tuple[in
     out, start = [], 0
     for s in segs:
         n = s // t
-        out.append(x.narrow(dim, start + rank * n, n))
+        if rank_tensor is not None and torch.compiler.is_compiling():
+            out.append(x.index_select(dim, torch.arange(n, device=x.device) + (rank_tensor * n + start)))
+        else:
+            out.append(x.narrow(dim, start + rank * n, n))
         start += s
     return out[0] if len(out) == 1 else torch.cat(out, dim=dim)
 
@@ -217,7 +239,7 @@ def reduce_scatter_dim(x: torch.Tensor, group: TPGroup, dim: int,
         raise CollectiveError(f"reduce-scatter along dim {dim} of size {x.shape[dim]} (segments {segments}) needs "
                          f"multiples of tp={t}")
     if group.pg is None:
-        return local_slice(x, group.rank, t, dim, segments).contiguous()
+        return group.own_slice(x, dim, segments)
     front = _rank_major(x.movedim(dim, 0), t, segments).contiguous()
     if torch.compiler.is_compiling():
         return funcol.reduce_scatter_tensor(front, "sum", 0, group.pg).movedim(0, dim).contiguous()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, collective, output_bytes
-from autopar.core.comm.group import TPGroup, all_gather, all_reduce, conjugate_pair, local_slice
+from autopar.core.comm.group import TPGroup, all_gather, all_reduce, conjugate_pair
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp"]
 
@@ -43,7 +43,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 def _own_slice(grad: torch.Tensor, group: TPGroup, dim: int, segments: tuple[int, ...] | None) -> torch.Tensor:
-    return local_slice(grad, group.rank, group.size, dim, segments).contiguous()
+    return group.own_slice(grad, dim, segments)
 
 
 _GatherFromTP = conjugate_pair("_GatherFromTP", all_gather, _own_slice)
@@ -53,7 +53,7 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, segments):
         ctx.args = (group, dim, segments, x.shape[dim])
-        return local_slice(x, group.rank, group.size, dim, segments).contiguous()
+        return group.own_slice(x, dim, segments)
 
     @staticmethod
     def backward(ctx, grad):

@@ -36,9 +36,9 @@ __all__ = [
 def _vocab_lookup(weight_local: torch.Tensor, ids: torch.Tensor, tp: TPGroup, padding_idx: int) -> torch.Tensor:
     """This rank's part of the embedding: the rows it holds looked up, zeros for every other id."""
     rows = weight_local.shape[0]
-    start = tp.rank * rows
-    outside = (ids < start) | (ids >= start + rows)
-    local_ids = (ids - start).masked_fill(outside, 0)
+    start, first = tp.rank * rows, tp.first_index(rows)
+    outside = (ids < first) | (ids >= first + rows)
+    local_ids = (ids - first).masked_fill(outside, 0)
     local_pad = padding_idx - start if start <= padding_idx < start + rows else -1
     out = torch.ops.aten.embedding(weight_local, local_ids, local_pad)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
@@ -108,8 +108,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             zmax = all_reduce(zmax, group, dist.ReduceOp.MAX)
         z = z - zmax.unsqueeze(-1)
         valid = target != ignore_index
-        outside = (target < start) | (target >= start + n_local) | ~valid
-        local_t = (target - start).masked_fill(outside, 0)
+        first = group.first_index(n_local)
+        outside = (target < first) | (target >= first + n_local) | ~valid
+        local_t = (target - first).masked_fill(outside, 0)
         z_target = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = z.exp()
         sum_exp = exp.sum(dim=-1)
@@ -255,9 +256,9 @@ def vocab_parallel_gather(x: torch.Tensor, tp: TPGroup, dim: int, index: torch.T
     (g after it) they are the full gather; the gradient reaches only the gathered columns."""
     dim %= x.dim()
     n_local = x.shape[dim]
-    start = tp.rank * n_local
-    inside = (index >= start) & (index < start + n_local)
-    local = (index - start).masked_fill(~inside, 0)
+    first = tp.first_index(n_local)
+    inside = (index >= first) & (index < first + n_local)
+    local = (index - first).masked_fill(~inside, 0)
     return x.gather(dim, local).masked_fill(~inside, 0)
 
 
@@ -268,10 +269,10 @@ class _VocabParallelNLL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, target, tp, reduction, ignore_index):
         n_local = logp.shape[1]
-        start = tp.rank * n_local
+        first = tp.first_index(n_local)
         valid = target != ignore_index
-        inside = (target >= start) & (target < start + n_local) & valid
-        local = (target - start).masked_fill(~inside, 0)
+        inside = (target >= first) & (target < first + n_local) & valid
+        local = (target - first).masked_fill(~inside, 0)
         picked = logp.float().gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~inside, 0.0)
         if tp.size > 1:
             picked = all_reduce(picked, tp)

@@ -270,7 +270,7 @@ class CompiledChunk:
             elif self.same_as_first is None:
                 waited, theirs = turns.wait(f"{self.name}/graph")
                 self.same_as_first = theirs == mine
-                if self.same_as_first:
+                if self.same_as_first and self.backend == "inductor":  # only Inductor keeps a cache
                     waited += turns.wait(f"{self.name}/forward")[0]
                 if self._compiling is not None:
                     self._compiling.waited_s += waited
@@ -285,7 +285,8 @@ class CompiledChunk:
         compile too."""
         turns, what = self.turns, f"{self.name}/{part}"
         self._compiling = report
-        if turns is not None and not turns.first and part == "backward" and self.same_as_first:
+        if (turns is not None and not turns.first and part == "backward" and self.same_as_first
+                and self.backend == "inductor"):
             report.waited_s += turns.wait(what)[0]
         token = _SIGNAL.set((turns, what) if turns is not None and turns.first else None)
         try:

@@ -29,6 +29,7 @@ with ``loss.backward()``: call ``optimizer.step()`` and ``zero_grad()`` around.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -76,9 +77,10 @@ def _from_rank0(values: list[int], device: torch.device) -> list[int]:
 
 
 def _compile_turns(program: "Program", mesh: Mesh, token: int, timeout_s: float) -> CompileTurns | None:
-    """With Inductor and tensor parallelism: the turns the tp ranks of this rank's stage and replica
-    take compiling their (identical) chunk graphs; None otherwise (nothing to share, or no cache)."""
-    if program.config.compile != "inductor" or mesh.shape.tp == 1 or not dist.is_initialized():
+    """With compiled chunks and tensor parallelism: the turns the tp ranks of this rank's stage and
+    replica take compiling their chunk graphs (waiting only with Inductor, whose cache they share);
+    None otherwise."""
+    if not program.config.compile or mesh.shape.tp == 1 or not dist.is_initialized():
         return None
     return CompileTurns(store=dist.distributed_c10d._get_default_store(),
                         prefix=f"autopar/compile/{token:x}/{mesh.pp_rank}/{mesh.dp_rank}",
@@ -93,11 +95,13 @@ class RankEngine(nn.Module):
         super().__init__()
         self.program = program
         self.mesh = mesh
-        self.tp = TPGroup.of(mesh.groups.get("tp"), tuple(mesh.tp_members()))
         self.stage = mesh.pp_rank
         self.chunks: dict[int, "Chunk"] = {c.index: c for c in program.chunks_of_stage(self.stage)}
         self.device = rank_device(local_params.values())
         """Where this rank computes: its parameters' device. Every tensor the engine makes lives here."""
+        self.tp = TPGroup.of(mesh.groups.get("tp"), tuple(mesh.tp_members()))
+        if program.config.compile and self.tp.size > 1:  # the rank as a graph input: one graph per stage
+            self.tp = dataclasses.replace(self.tp, rank_tensor=torch.tensor(self.tp.rank, device=self.device))
         if nccl() and self.device.type != "cuda":
             raise EngineUsageError(f"the process group's backend is NCCL, but this rank's parameters are on "
                                    f"{self.device}: NCCL communicates GPU tensors only (materialize places the "
