@@ -33,7 +33,17 @@ def tp_rng_call(op, tp: TPGroup, *args, **kwargs):
     which restores that generator, draws it again); the op then runs under a
     forked generator seeded with it and the tp rank.
     """
-    if tp.size == 1 or torch._guards.detect_fake_mode(args) is not None:  # fake tensors: shapes only
+    if tp.size == 1:
+        return op(*args, **kwargs)
+    return _on_rank_stream(op, tp, *args, **kwargs)
+
+
+@torch.compiler.disable(reason="a random op on a tensor-parallel shard draws from this rank's own forked "
+                               "generator (torch.random.fork_rng), which torch.compile does not trace")
+def _on_rank_stream(op, tp: TPGroup, *args, **kwargs):
+    """``op`` under a generator forked from the shared one, seeded with a draw of it and the tp rank.
+    Run eagerly under ``torch.compile``: the chunk's graph breaks around it (the break is reported)."""
+    if torch._guards.detect_fake_mode(args) is not None:  # fake tensors: shapes only
         return op(*args, **kwargs)
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []

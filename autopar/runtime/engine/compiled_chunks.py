@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -106,7 +107,9 @@ class CompileReport:
         cache = (f", Inductor cache {self.cache_hits} hit(s) {self.cache_misses} miss(es)"
                  if self.cache_hits or self.cache_misses else "")
         waited = f", waited {self.waited_s:.1f} s for tp rank 0's compile" if self.waited_s else ""
-        broke = f", breaks: {'; '.join(self.breaks)}" if self.breaks else ""
+        counted = Counter(self.breaks)
+        broke = (", breaks: " + "; ".join(f"{n} x {why}" if n > 1 else why for why, n in counted.items())
+                 if self.breaks else "")
         return f"{self.seconds:.1f} s, {self.graphs} graph(s){cache}{waited}{broke}"
 
 
@@ -140,6 +143,13 @@ class CompileTurns:
         except Exception:  # noqa: BLE001 - a first rank that never compiled: compile here instead
             value = None
         return time.perf_counter() - start, value
+
+
+def _break_reason(text: str) -> str:
+    """A graph break in one line: Dynamo's first line, and the reason a disabled function gives."""
+    first = text.strip().splitlines()[0]
+    why = re.search(r"\(reason: (.*?)\)\s*$", text, re.MULTILINE)
+    return f"{first}: {why.group(1)}" if why else first
 
 
 def _inductor(gm: torch.fx.GraphModule, example_inputs):
@@ -235,7 +245,7 @@ class CompiledChunk:
         broke = Counter(counters["graph_break"]) - breaks_before
         report.seconds = time.perf_counter() - start
         report.graphs = counters["stats"]["unique_graphs"] - graphs_before
-        report.breaks = [reason.strip().splitlines()[0] for reason in broke.elements()]
+        report.breaks = [_break_reason(reason) for reason in broke.elements()]
         self.report = report
         _log.info("chunk graph %s (forward): %s", self.name or "?", report.describe())
         return out
