@@ -220,10 +220,19 @@ def _stamp(t: TracedModel, prefix: str, path: str, n: int) -> TracedModel | None
                             name=re.sub(r"_\d+$", "", nd.name), type_expr=nd.type)
         new.meta = dict(nd.meta)
         if block is not None and block != new_block and "nn_module_stack" in nd.meta:
-            new.meta["nn_module_stack"] = {
-                _renumber(k, prefix, block, new_block): (_renumber(p, prefix, block, new_block), cls)
-                for k, (p, cls) in nd.meta["nn_module_stack"].items()}
+            new.meta["nn_module_stack"] = renumbered(nd.meta["nn_module_stack"], block, new_block)
         return new
+
+    paths: dict[tuple[str, int, int], str] = {}  # a block's nodes repeat its module paths: each renumbered once
+
+    def renumbered(stack: dict, block: int, new_block: int) -> dict:
+        def one(text: str) -> str:
+            key = (text, block, new_block)
+            if key not in paths:
+                paths[key] = _renumber(text, prefix, block, new_block)
+            return paths[key]
+
+        return {one(k): (one(p), cls) for k, (p, cls) in stack.items()}
 
     for nd in nodes:
         if nd.op == "placeholder":
