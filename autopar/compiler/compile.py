@@ -34,6 +34,7 @@ from autopar.compiler.program import Program
 from autopar.compiler.trace_reuse import traced as trace_once
 from autopar.core.chunks import PipelineSplit
 from autopar.core.config import ParallelConfig
+from autopar.core.gc_paused import gc_paused
 from autopar.core.tensor_placement import Replicate
 from autopar.schedules import Schedule, forward_only, generate, lower, validate
 from passes.eval_mode import eval_graph
@@ -103,11 +104,14 @@ def _split(traced, rank_module, config: ParallelConfig, layers: LayerInfo,
 
 
 def _schedules(config: ParallelConfig) -> tuple[Schedule, Schedule]:
-    """The lowered training schedule, and its forward-only form for evaluation steps (lowered the same way)."""
-    compute = generate(config.schedule, config.pp, config.virtual_stages, config.microbatches)
-    schedule, eval_schedule = lower(compute), lower(forward_only(compute))
-    validate(schedule)
-    validate(eval_schedule)
+    """The lowered training schedule, and its forward-only form for evaluation steps (lowered the same way),
+    each validated once, here: what is validated is what the program runs. Plain data without reference
+    cycles, built with the cyclic garbage collector held off (``core/gc_paused.py``)."""
+    with gc_paused():
+        compute = generate(config.schedule, config.pp, config.virtual_stages, config.microbatches)
+        schedule, eval_schedule = lower(compute, check=False), lower(forward_only(compute), check=False)
+        validate(schedule)
+        validate(eval_schedule)
     return schedule, eval_schedule
 
 
