@@ -1,13 +1,13 @@
-"""``gc_paused``: Python's cyclic garbage collector held off while a step builds many small objects.
+"""``gc_paused``: Python's cyclic garbage collector held off while a step builds many objects that live on.
 
 A collection of the oldest generation walks every object the process holds,
 and it is triggered by how many objects have survived since the last one. A
-step that allocates hundreds of thousands of tuples and records that live on
-(a lowered schedule of 3,072 ranks' actions and its indexes) next to a heap
-of fx graphs and fake tensors pays for several walks of that whole heap,
-often more than the step's own work. Such a step makes no reference cycles,
-so holding the collector off frees nothing later than it would have been:
-its objects are freed by reference counting as before.
+step that allocates hundreds of thousands of objects that outlive it (a
+lowered schedule's actions and indexes, the chunk graphs of a pipeline split)
+next to a heap of fx graphs and fake tensors pays for walks of that whole
+heap, often more than the step's own work, and they find nothing to free.
+Such a step leaves no cyclic garbage of its own: what it builds lives on,
+and its temporaries are freed by reference counting as before.
 """
 
 from __future__ import annotations
