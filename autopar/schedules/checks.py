@@ -134,27 +134,31 @@ def check_order(schedule: Schedule, where: dict[Key, Loc]) -> None:
         for t, a in enumerate(acts):
             for need in _local_needs(schedule, a, s, lowered):
                 loc = where.get(need)
-                needed = f"{need[0].value}{need[1]}.{need[2]}"
                 if loc is None:
                     raise schedule_error(
                         schedule,
-                        f"{a} on stage {s} needs {needed} before it, and there is none",
+                        f"{a} on stage {s} needs {_text(need)} before it, and there is none",
                         [(s, t)],
                     )
                 if loc[1] > t:
                     raise schedule_error(
                         schedule,
-                        f"{a} on stage {s} runs before {needed}, which it needs",
+                        f"{a} on stage {s} runs before {_text(need)}, which it needs",
                         [(s, t), loc],
                     )
 
 
+def _text(key: Key) -> str:
+    """An action's text from its key: ``F2.0``."""
+    return f"{key[0].value}{key[1]}.{key[2]}"
+
+
 def _local_needs(schedule: Schedule, action: Action, stage: int, lowered: bool) -> list[Key]:
     """Keys of the actions on ``stage`` that must precede ``action``."""
-    if action.is_send:
-        compute = Kind.F if action.kind is Kind.SEND_F else Kind.B
-        return [(compute, action.chunk, action.microbatch)]
-    if action.is_recv:
+    if action.peer is not None:  # a send needs the compute it ships; a receive, nothing local
+        kind = action.kind
+        if kind is Kind.SEND_F or kind is Kind.SEND_B:
+            return [(Kind.F if kind is Kind.SEND_F else Kind.B, action.chunk, action.microbatch)]
         return []
     needs: list[Key] = []
     for key in producers(schedule, action):

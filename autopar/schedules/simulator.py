@@ -269,7 +269,8 @@ class _Run:
         action = acts[a]
         keys = producers(self.schedule, action)
         if not self.posted:
-            return [self._done(self.where[k]) for k in keys]
+            locs = [self.where[k] for k in keys]
+            return [(loc[0], unit_of[loc[0]][loc[1]] + 1, loc) for loc in locs]  # each done: ``_done``
         needs = [self._done(self.where[k]) for k in keys if stage_of(k[1]) == s]
         remote = [k for k in keys if stage_of(k[1]) != s]
         if remote:
