@@ -60,7 +60,9 @@ class FakeOpMemo:
             return _rebuild(recipe, self.mode)
         result = run()
         recipe = _recipe(result)
-        self.recipes[key] = recipe if recipe is not None and _same(_rebuild(recipe, self.mode), result, inputs) else None
+        if recipe is not None and not _same(_rebuild(recipe, self.mode), result, inputs):
+            recipe = None
+        self.recipes[key] = recipe
         return result
 
 

@@ -233,7 +233,8 @@ class _Run:
         """False: only whether every stage reaches its end (a stage waits for what another stage has
         posted or done, never for a time, so a deadlock does not depend on the durations)."""
         self.record = events and self.timed
-        """Keep each stage's events (a dry run needs only the times)."""
+        """Keep each stage's events; off only for a ``batched`` run, a dry run needing the times alone (the
+        ``posted`` and ``eager`` steps always keep theirs)."""
         self.posted = sends is Sends.POSTED
         self.units = {s: _units(acts) for s, acts in schedule.actions.items()}
         self.unit_of = {s: [u for u, (a, b) in enumerate(us) for _ in range(a, b)] for s, us in self.units.items()}
@@ -384,9 +385,9 @@ class _Run:
         A stage runs until its current unit waits for another stage, and is put back on
         the work list when that stage moves."""
         pc, free = self.pc, self.free
+        # a local: a bound method kept on self is a cycle
         step = {Sends.BATCHED: self._step_batched, Sends.POSTED: self._step_posted,
                 Sends.EAGER: self._step_eager}[self.sends] if self.timed else _untimed
-        # (a local: a bound method kept on self is a cycle)
         waiting: dict[int, list[int]] = {s: [] for s in self.schedule.actions}
         ready = list(self.schedule.actions)
         while ready:
