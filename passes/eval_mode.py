@@ -119,17 +119,17 @@ class _Call:
 def eval_graph(gm: fx.GraphModule, last: bool = False) -> EvalGraph:
     """A copy of ``gm`` with every op in its evaluation form (see the module's docstring); ``last``:
     the last chunk's, which returns ``(loss, logits)`` where a node is marked as the logits."""
-    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    graph = copy.deepcopy(gm.graph)
     notes: list[str] = []
-    logits = _marked_logits(out.graph) if last else None
-    for node in list(out.graph.nodes):
+    logits = _marked_logits(graph) if last else None
+    for node in list(graph.nodes):
         call = _Call.of(node)
         if call is None:
             continue
         changes = _switch_off_training(call)
         if changes and _returns_input(call):
             node.replace_all_uses_with(call.args[0])
-            out.graph.erase_node(node)
+            graph.erase_node(node)
             logits = call.args[0] if node is logits else logits
             notes.append(f"{call.label}: removed (the identity when not training)")
         elif changes:
@@ -137,11 +137,11 @@ def eval_graph(gm: fx.GraphModule, last: bool = False) -> EvalGraph:
             notes.append(f"{call.label}: {', '.join(changes)}")
         elif _random_in_eval(call):
             notes.append(f"{call.label}: random, draws in evaluation too (no training argument switches it)")
-    notes += _regions_in_eval(out)
     if logits is not None:
-        _return_logits(out.graph, logits)
+        _return_logits(graph, logits)
+    out = fx.GraphModule(gm, graph)  # its code generated once, from the finished graph
+    notes += _regions_in_eval(out)
     out.graph.lint()
-    out.recompile()
     return EvalGraph(out, tuple(notes))
 
 

@@ -91,9 +91,15 @@ def split_pipeline(rank_gm: fx.GraphModule, n_chunks: int, param_of: dict[str, s
     loss = nodes[-1].args[0][0]
     requires_grad = _requires_grad(nodes, param_phs)
     by_name = {n.name: n for n in nodes}
+    order = {n.name: i for i, n in enumerate(nodes)}
+    own: list[list[fx.Node]] = [[] for _ in range(n_chunks)]
+    for n in nodes:
+        if n.name in chunk_of:
+            own[chunk_of[n.name]].append(n)
     chunks = []
     for k in range(n_chunks):
-        gm, params, feeds = _build_chunk(rank_gm, nodes, by_name, k, chunk_of, free, live, tp_node, param_phs,
+        gm, params, feeds = _build_chunk(rank_gm, own[k], by_name, order, free, live[k],
+                                         live[k + 1] if k + 1 < n_chunks else [], tp_node, param_phs,
                                          loss if k == n_chunks - 1 else None)
         ins = [_boundary(by_name[nm], requires_grad, global_shapes) for nm in live[k]]
         outs = [_boundary(by_name[nm], requires_grad, global_shapes) for nm in live[k + 1]] if k + 1 < n_chunks else []
@@ -230,9 +236,12 @@ def _live_values(nodes: list[fx.Node], chunk_of: dict[str, int], n_chunks: int) 
         for a in n.all_input_nodes:
             if a.name in chunk_of:
                 last_use[a.name] = max(last_use.get(a.name, -1), chunk_of[n.name])
-    order = {n.name: i for i, n in enumerate(nodes)}
-    return [sorted((nm for nm, c in chunk_of.items() if c < k and last_use.get(nm, -1) >= k), key=order.get)
-            for k in range(n_chunks)]
+    live: list[list[str]] = [[] for _ in range(n_chunks)]
+    for n in nodes:  # in graph order, so each list is too
+        if n.name in chunk_of:
+            for k in range(chunk_of[n.name] + 1, last_use.get(n.name, -1) + 1):
+                live[k].append(n.name)
+    return live
 
 
 def _requires_grad(nodes: list[fx.Node], param_phs: set[str]) -> set[str]:
@@ -273,17 +282,18 @@ def _boundary(node: fx.Node, requires_grad: set[str], global_shapes: dict[str, t
     return Boundary(node.name, shape, val.dtype, node.name in requires_grad, replicated)
 
 
-def _build_chunk(rank_gm, nodes, by_name, k, chunk_of, free, live, tp_node, param_phs, loss):
+def _build_chunk(rank_gm, own, by_name, order, free, inputs, outputs, tp_node, param_phs, loss):
+    """Chunk graph of the nodes ``own`` (in graph order), reading the boundary values ``inputs`` and
+    returning ``outputs`` (or the loss when ``loss`` is given); placeholders and copied nodes in the
+    rank graph's order (``order``: node name -> position)."""
     g = fx.Graph()
     env: dict[str, fx.Node] = {}
     tp = g.placeholder("tp")
     tp.meta.update(tp_node.meta)
     env[tp_node.name] = tp
-    own = [n for n in nodes if chunk_of.get(n.name) == k]
     # what this chunk reads: its own nodes' inputs, and what it relays onwards
     wanted: set[str] = set()
     stack = [a for n in own for a in n.all_input_nodes]
-    outputs = live[k + 1] if k + 1 < len(live) else []
     stack += [by_name[nm] for nm in outputs]
     needed_free: set[str] = set()
     while stack:
@@ -294,23 +304,23 @@ def _build_chunk(rank_gm, nodes, by_name, k, chunk_of, free, live, tp_node, para
         if a.name in free:
             needed_free.add(a.name)
             stack.extend(a.all_input_nodes)
+    read = sorted((by_name[nm] for nm in wanted), key=lambda n: order[n.name])
     params, feeds = [], []
-    for n in nodes:
-        if n.op == "placeholder" and n is not tp_node and n.name in wanted:
+    for n in read:
+        if n.op == "placeholder" and n is not tp_node:
             p = g.placeholder(n.name)
             p.meta.update(n.meta)
             env[n.name] = p
             (params if n.name in param_phs else feeds).append(n.name)
-    for nm in live[k]:
+    for nm in inputs:
         p = g.placeholder(nm)
         p.meta.update(by_name[nm].meta)
         env[nm] = p
-    for n in nodes:
-        # a sub-module a higher-order op runs (get_attr): copied into each chunk that reads it, and
-        # GraphModule(rank_gm, ...) below carries the sub-module itself
-        if (n.op == "get_attr" and n.name in wanted) or chunk_of.get(n.name) == k or n.name in needed_free:
-            new = g.node_copy(n, lambda a: env[a.name])
-            env[n.name] = new
+    # a sub-module a higher-order op runs (get_attr): copied into each chunk that reads it, and
+    # GraphModule(rank_gm, ...) below carries the sub-module itself
+    copied = [n for n in read if n.op == "get_attr" or n.name in needed_free] + own
+    for n in sorted(copied, key=lambda n: order[n.name]):
+        env[n.name] = g.node_copy(n, lambda a: env[a.name])
     if loss is not None:
         g.output((env[loss.name],))
     else:

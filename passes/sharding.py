@@ -74,6 +74,53 @@ class _State:
         self.dec: dict[fx.Node, Decision] = {}
         self.must_split = must_split
         """Linears whose divisibility errors are raised (None: all); any other is left whole instead."""
+        self.demands: dict[str, dict[fx.Node, Replicate | Shard]] = {}
+        """Parameter placeholder -> the nodes whose decisions ask for it -> the placement each asks for,
+        kept with ``dec`` (every trial asks which parameters are wanted two ways; the answer is read
+        here, not gathered from every decision again)."""
+        self.conflicting: set[str] = set()
+        """The parameters of ``demands`` asked for in more than one placement."""
+
+    def record(self, n: fx.Node, d: Decision) -> None:
+        """Record ``d`` as ``n``'s decision (``demands`` follows)."""
+        prev = self.dec.get(n)
+        self.dec[n] = d
+        if (prev is not None and prev.param_demand) or d.param_demand:
+            self._redemand(n, prev.param_demand if prev is not None else {}, d.param_demand)
+
+    def forget(self, n: fx.Node) -> None:
+        """Forget ``n``'s decision."""
+        prev = self.dec.pop(n, None)
+        if prev is not None and prev.param_demand:
+            self._redemand(n, prev.param_demand, {})
+
+    def _redemand(self, n: fx.Node, before: dict, after: dict) -> None:
+        for pname in before:
+            self.demands[pname].pop(n, None)
+        for pname, pl in after.items():
+            self.demands.setdefault(pname, {})[n] = pl
+        for pname in before.keys() | after.keys():
+            by_node = self.demands[pname]
+            if len(set(by_node.values())) > 1:
+                self.conflicting.add(pname)
+            else:
+                self.conflicting.discard(pname)
+            if not by_node:
+                del self.demands[pname]
+
+    def param_conflicts(self, param_of: dict[str, str]) -> list[str]:
+        """One line per parameter asked for in two placements, naming each node's placement: the
+        parameters in the order their first demanding node comes in the graph, each parameter's
+        nodes in graph order."""
+        def first(pname: str) -> tuple[int, int]:
+            n = min(self.demands[pname], key=self.index.__getitem__)
+            return self.index[n], list(self.dec[n].param_demand).index(pname)
+
+        msgs = []
+        for pname in sorted(self.conflicting, key=first):
+            by_node = sorted(self.demands[pname].items(), key=lambda item: self.index[item[0]])
+            msgs.append(f"{param_of.get(pname, pname)}: " + ", ".join(f"{n.name}={pl}" for n, pl in by_node))
+        return msgs
 
     def reject(self, members: list[fx.Node], reason: str, errors: list[str], rejected: list[Rejected]) -> None:
         """``members`` stay whole for ``reason``; a divisibility error is raised instead when one of
@@ -88,7 +135,7 @@ class _State:
 
     def run_all(self) -> None:
         for n in self.nodes:
-            self.dec[n] = decide(self.ctx, n, self.placement_of)
+            self.record(n, decide(self.ctx, n, self.placement_of))
 
     def propagate_from(self, start: fx.Node) -> dict[fx.Node, Decision]:
         """Recompute ``start`` and everything downstream whose inputs changed.
@@ -118,7 +165,7 @@ class _State:
             new = decide(self.ctx, n, self.placement_of)
             prev = self.dec.get(n)
             old.setdefault(n, prev)
-            self.dec[n] = new
+            self.record(n, new)
             if prev is None or prev.out != new.out or _shard_meta(prev.out) != _shard_meta(new.out):
                 for u in n.users:
                     byname[u.name] = u
@@ -127,9 +174,9 @@ class _State:
     def undo(self, old: dict[fx.Node, Decision]) -> None:
         for n, d in old.items():
             if d is None:
-                self.dec.pop(n, None)
+                self.forget(n)
             else:
-                self.dec[n] = d
+                self.record(n, d)
 
 
 def _shard_meta(p):
@@ -138,19 +185,6 @@ def _shard_meta(p):
     if isinstance(p, tuple):
         return tuple(_shard_meta(x) for x in p)
     return p
-
-
-def _param_conflicts(state: _State, ctx: Ctx) -> list[str]:
-    demands: dict[str, dict] = {}
-    for n, d in state.dec.items():
-        for pname, pl in d.param_demand.items():
-            demands.setdefault(pname, {})[n.name] = pl
-    msgs = []
-    for pname, by_node in demands.items():
-        kinds = set(by_node.values())
-        if len(kinds) > 1:
-            msgs.append(f"{ctx.param_of.get(pname, pname)}: " + ", ".join(f"{k}={v}" for k, v in by_node.items()))
-    return msgs
 
 
 def _describe(ctx: Ctx, node: fx.Node) -> str:
@@ -271,7 +305,7 @@ def _try_group(state: _State, ctx: Ctx, group: list[fx.Node], rejected: list[Rej
 def _unsplit_tables_read_whole(state: _State, ctx: Ctx, rejected: list[Rejected]) -> None:
     """A vocabulary-parallel embedding whose (tied) table stayed whole elsewhere cannot be split:
     run it replicated and say so."""
-    while conflicts := _param_conflicts(state, ctx):
+    while conflicts := state.param_conflicts(ctx.param_of):
         bad = [n for n in state.nodes if n.name in ctx.vocab_embeddings and any(
             c.startswith(ctx.param_of[n.args[0].name] + ":") for c in conflicts)]
         if not bad:
@@ -354,15 +388,14 @@ class _ColumnTrial:
 
     def run(self, dead_out: list[fx.Node] | None) -> tuple[bool, str, list[str]]:
         for _attempt in range(2 + len(self.group)):
-            before = {n: d.kind for n, d in self.state.dec.items()}
-            conflicts_before = set(_param_conflicts(self.state, self.ctx))
+            conflicts_before = set(self.state.param_conflicts(self.ctx.param_of))
             try:
                 old = self._apply()
             except NeedSegments as need:
                 if self._take_segments(need):
                     continue
                 return False, f"its output is split into {list(need.sizes)} which does not divide by tp={self.ctx.tp}", []
-            effects = self._effects(old, before, conflicts_before)
+            effects = self._effects(old, conflicts_before)
             if dead_out is not None:
                 dead_out[:] = effects.dead
             if effects.accepted:
@@ -401,9 +434,11 @@ class _ColumnTrial:
             return True
         return False
 
-    def _effects(self, old: dict, before: dict[fx.Node, str], conflicts_before: set[str]) -> _Effects:
+    def _effects(self, old: dict, conflicts_before: set[str]) -> _Effects:
+        """What the attempt changed; ``old``: the touched nodes' decisions before it (None: none)."""
         state, ctx = self.state, self.ctx
         touched = list(old)
+        before = {n: d.kind for n, d in old.items() if d is not None}
         dec = state.dec
         merged = any(old[n] is not None and len(old[n].scatter_in) > len(dec[n].scatter_in) for n in touched)
         sinks = [n for n in touched if dec[n].ends_region and before.get(n) != dec[n].kind]
@@ -427,7 +462,7 @@ class _ColumnTrial:
             # cleanly: cutting within attention heads (a head dim) only trades the error for gathers
             leaking=bool(new_fallbacks and (leaks or self.pending_error)),
             out_ok=all(isinstance(p, Replicate) for p in _flat(state.placement_of(out_node.args[0][0]))),
-            conflicts=[c for c in _param_conflicts(state, ctx) if c not in conflicts_before],
+            conflicts=[c for c in state.param_conflicts(ctx.param_of) if c not in conflicts_before],
             padded_bad=any(self.padded.values()) and any(not dec[n].kind.startswith("vocab_") for n in sinks),
             dead=dead,
         )
@@ -503,7 +538,7 @@ def _check_consistent(ctx: Ctx, state: _State) -> None:
 
 
 def _finish(traced: TracedModel, ctx: Ctx, state: _State, rejected: list[Rejected]) -> ShardingPlan:
-    conflicts = _param_conflicts(state, ctx)
+    conflicts = state.param_conflicts(ctx.param_of)
     if conflicts:  # internal invariant: candidates with conflicts are never accepted
         raise ShardingError("inconsistent parameter sharding: " + "; ".join(conflicts))
     _check_consistent(ctx, state)

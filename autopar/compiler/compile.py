@@ -34,6 +34,7 @@ from autopar.compiler.program import Program
 from autopar.compiler.trace_reuse import traced as trace_once
 from autopar.core.chunks import PipelineSplit
 from autopar.core.config import ParallelConfig
+from autopar.core.gc_paused import gc_paused
 from autopar.core.tensor_placement import Replicate
 from autopar.schedules import Schedule, forward_only, generate, lower, validate
 from passes.eval_mode import eval_graph
@@ -89,25 +90,31 @@ def _param_local_shapes(traced, plan: ShardingPlan, tp: int) -> dict[str, tuple[
 def _split(traced, rank_module, config: ParallelConfig, layers: LayerInfo,
            chunk_stages: tuple[int, ...]) -> PipelineSplit:
     """The pipeline cut (balanced per stage under the schedule's placement ``chunk_stages``), then recomputation applied to each chunk (so ``program.code`` shows it),
-    and each chunk's evaluation graph (no recomputation: an evaluation keeps nothing for a backward)."""
+    and each chunk's evaluation graph (no recomputation: an evaluation keeps nothing for a backward). Built with
+    the cyclic garbage collector held off (``core/gc_paused.py``): the chunk graphs all live on, and a full
+    collection would walk the whole heap to free nothing."""
     global_shapes = {n.name: tuple(n.meta["val"].shape) for n in traced.gm.graph.nodes
                      if isinstance(n.meta.get("val"), torch.Tensor)}
-    split = split_pipeline(rank_module, config.pp * config.virtual_stages, traced.param_of, global_shapes, layers,
-                           chunk_stages)
-    chunks = []
-    for c in split.chunks:
-        evaluation = eval_graph(c.gm, last=c.index == split.n - 1)  # the last one returns the logits too
-        chunks.append(dataclasses.replace(c, module=with_recompute(c.gm, config.recompute, layers),
-                                          eval_gm=evaluation.gm, eval_notes=evaluation.notes))
+    with gc_paused():
+        split = split_pipeline(rank_module, config.pp * config.virtual_stages, traced.param_of, global_shapes, layers,
+                               chunk_stages)
+        chunks = []
+        for c in split.chunks:
+            evaluation = eval_graph(c.gm, last=c.index == split.n - 1)  # the last one returns the logits too
+            chunks.append(dataclasses.replace(c, module=with_recompute(c.gm, config.recompute, layers),
+                                              eval_gm=evaluation.gm, eval_notes=evaluation.notes))
     return dataclasses.replace(split, chunks=chunks)
 
 
 def _schedules(config: ParallelConfig) -> tuple[Schedule, Schedule]:
-    """The lowered training schedule, and its forward-only form for evaluation steps (lowered the same way)."""
-    compute = generate(config.schedule, config.pp, config.virtual_stages, config.microbatches)
-    schedule, eval_schedule = lower(compute), lower(forward_only(compute))
-    validate(schedule)
-    validate(eval_schedule)
+    """The lowered training schedule, and its forward-only form for evaluation steps (lowered the same way),
+    each validated once, here: what is validated is what the program runs. Plain data without reference
+    cycles, built with the cyclic garbage collector held off (``core/gc_paused.py``)."""
+    with gc_paused():
+        compute = generate(config.schedule, config.pp, config.virtual_stages, config.microbatches)
+        schedule, eval_schedule = lower(compute, check=False), lower(forward_only(compute), check=False)
+        validate(schedule)
+        validate(eval_schedule)
     return schedule, eval_schedule
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autopar.compiler.fake_op_memo import FakeOpMemo, new_fake
 from autopar.core.comm import TPGroup
 from autopar.core.tensor_placement import Replicate, Shard, local_size
 
@@ -33,18 +34,24 @@ def param_local_shape(full_shape: tuple[int, ...], spec: Replicate | Shard, tp: 
 
 
 class _FakeRun(fx.Interpreter):
-    """Runs a graph under a fake mode and records each node's value, leaving the graph untouched."""
+    """Runs a graph under a fake mode and records each node's value, leaving the graph untouched; an
+    aten op repeated on inputs of the same metadata (the next layer's) has its value rebuilt
+    (``fake_op_memo.py``) instead of dispatched again."""
 
     def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
         super().__init__(gm)
         self.mode = mode
         self.values: dict[str, Any] = {}
+        self.memo = FakeOpMemo(mode)
 
     def run_node(self, n: fx.Node) -> Any:
         with self.mode:
             result = super().run_node(n)
         self.values[n.name] = result
         return result
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return self.memo.call(target, args, kwargs, lambda: super(_FakeRun, self).call_function(target, args, kwargs))
 
 
 def propagate_local_shapes(rank_gm: fx.GraphModule, tp_rank: int, tp: int, param_of: dict[str, str],
@@ -61,8 +68,7 @@ def propagate_local_shapes(rank_gm: fx.GraphModule, tp_rank: int, tp: int, param
             break
         val = node.meta["val"]
         shape = local_shape(param_of[node.name]) if node.name in param_of else tuple(val.shape)
-        with mode:
-            args.append(torch.empty(shape, dtype=val.dtype, device="meta" if val.device.type == "meta" else "cpu"))
+        args.append(new_fake(mode, shape, val.dtype, torch.device("meta" if val.device.type == "meta" else "cpu")))
     run = _FakeRun(rank_gm, mode)
     run.run(*args)
     return run.values

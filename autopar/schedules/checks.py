@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from autopar.core.config import SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULES
 from autopar.schedules.actions import Action, Key, Kind, Loc
-from autopar.schedules.dependencies import partner, producers
+from autopar.schedules.dependencies import partner, partner_key, producers
 from autopar.schedules.in_flight import in_flight_counts
 from autopar.schedules.schedule import Schedule, schedule_error
 
@@ -19,6 +19,7 @@ __all__ = ["check_placement", "check_split", "check_coverage", "check_matching",
 def check_placement(schedule: Schedule) -> None:
     """Chunk and microbatch in range, on the chunk's stage; comm peers point at the neighbour."""
     last = schedule.num_chunks - 1
+    stages = schedule.chunk_stages
     for s, acts in schedule.actions.items():
         for t, a in enumerate(acts):
             if a.chunk > last or a.microbatch >= schedule.m:
@@ -27,14 +28,14 @@ def check_placement(schedule: Schedule) -> None:
                     f"{a} is out of range: chunks are 0..{last}, microbatches 0..{schedule.m - 1}",
                     [(s, t)],
                 )
-            if schedule.stage_of(a.chunk) != s:
-                home = schedule.stage_of(a.chunk)
+            if stages[a.chunk] != s:  # an Action's chunk is never negative
+                home = stages[a.chunk]
                 raise schedule_error(
                     schedule,
                     f"{a} is on stage {s}, but chunk {a.chunk} lives on stage {home}",
                     [(s, t)],
                 )
-            if a.is_comm:
+            if a.peer is not None:  # a send or receive
                 _check_peer(schedule, a, (s, t))
 
 
@@ -110,13 +111,14 @@ def check_matching(schedule: Schedule, where: dict[Key, Loc]) -> None:
     """Every send has exactly one receive and vice versa (duplicates are caught by ``index``)."""
     for s, acts in schedule.actions.items():
         for t, a in enumerate(acts):
-            if not a.is_comm:
+            if a.peer is None:  # compute
                 continue
-            key, stage = partner(schedule, a)
+            key = partner_key(a)
             if key not in where:
                 other = "receive" if a.is_send else "send"
                 expected = Action(key[0], key[1], key[2], s)
-                message = f"{a} on stage {s} has no matching {other} {expected} on stage {stage}"
+                message = (f"{a} on stage {s} has no matching {other} {expected} on stage "
+                           f"{schedule.stage_of(key[1])}")
                 raise schedule_error(schedule, message, [(s, t)])
 
 
@@ -132,27 +134,31 @@ def check_order(schedule: Schedule, where: dict[Key, Loc]) -> None:
         for t, a in enumerate(acts):
             for need in _local_needs(schedule, a, s, lowered):
                 loc = where.get(need)
-                needed = f"{need[0].value}{need[1]}.{need[2]}"
                 if loc is None:
                     raise schedule_error(
                         schedule,
-                        f"{a} on stage {s} needs {needed} before it, and there is none",
+                        f"{a} on stage {s} needs {_text(need)} before it, and there is none",
                         [(s, t)],
                     )
                 if loc[1] > t:
                     raise schedule_error(
                         schedule,
-                        f"{a} on stage {s} runs before {needed}, which it needs",
+                        f"{a} on stage {s} runs before {_text(need)}, which it needs",
                         [(s, t), loc],
                     )
 
 
+def _text(key: Key) -> str:
+    """An action's text from its key: ``F2.0``."""
+    return f"{key[0].value}{key[1]}.{key[2]}"
+
+
 def _local_needs(schedule: Schedule, action: Action, stage: int, lowered: bool) -> list[Key]:
     """Keys of the actions on ``stage`` that must precede ``action``."""
-    if action.is_send:
-        compute = Kind.F if action.kind is Kind.SEND_F else Kind.B
-        return [(compute, action.chunk, action.microbatch)]
-    if action.is_recv:
+    if action.peer is not None:  # a send needs the compute it ships; a receive, nothing local
+        kind = action.kind
+        if kind is Kind.SEND_F or kind is Kind.SEND_B:
+            return [(Kind.F if kind is Kind.SEND_F else Kind.B, action.chunk, action.microbatch)]
         return []
     needs: list[Key] = []
     for key in producers(schedule, action):

@@ -16,7 +16,7 @@ from autopar.schedules.actions import Action, Key, Kind, Loc
 from autopar.schedules.errors import ScheduleError
 from autopar.schedules.schedule import Schedule, schedule_error
 
-__all__ = ["producers", "partner", "index", "result_sent", "PARTNER"]
+__all__ = ["producers", "partner", "partner_key", "index", "result_sent", "PARTNER"]
 
 PARTNER: dict[Kind, tuple[Kind, int]] = {
     Kind.SEND_F: (Kind.RECV_F, +1),
@@ -42,9 +42,14 @@ def producers(schedule: Schedule, action: Action) -> list[Key]:
 
 def partner(schedule: Schedule, action: Action) -> tuple[Key, int]:
     """The matching action of a send/receive and the stage it must be on."""
+    key = partner_key(action)
+    return key, schedule.stage_of(key[1])
+
+
+def partner_key(action: Action) -> Key:
+    """The key of the matching action of a send/receive (``partner`` without its stage)."""
     kind, offset = PARTNER[action.kind]
-    chunk = action.chunk + offset
-    return (kind, chunk, action.microbatch), schedule.stage_of(chunk)
+    return kind, action.chunk + offset, action.microbatch
 
 
 def result_sent(action: Action) -> Action:
@@ -61,15 +66,23 @@ def result_sent(action: Action) -> Action:
 
 def index(schedule: Schedule) -> dict[Key, Loc]:
     """Where each action sits; raises on duplicates."""
-    where: dict[Key, Loc] = {}
+    where = {(a.kind, a.chunk, a.microbatch): (s, t)
+             for s, acts in schedule.actions.items() for t, a in enumerate(acts)}
+    if len(where) < sum(len(acts) for acts in schedule.actions.values()):
+        _raise_first_repeat(schedule)
+    return where
+
+
+def _raise_first_repeat(schedule: Schedule) -> None:
+    """Raise for the first action, in stage order, that appears twice, naming both places."""
+    seen: dict[Key, Loc] = {}
     for s, acts in schedule.actions.items():
         for t, a in enumerate(acts):
             key = (a.kind, a.chunk, a.microbatch)  # a.key, without a property call per action
-            if key in where:
+            if key in seen:
                 raise schedule_error(
                     schedule,
                     f"{a.kind.value}{a.chunk}.{a.microbatch} appears twice",
-                    [where[key], (s, t)],
+                    [seen[key], (s, t)],
                 )
-            where[key] = (s, t)
-    return where
+            seen[key] = (s, t)

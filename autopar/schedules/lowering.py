@@ -15,7 +15,8 @@ from autopar.schedules.simulator import Cost, dry_run
 __all__ = ["lower"]
 
 
-def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost | None = None, cost_w: Cost | None = None) -> Schedule:
+def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost | None = None, cost_w: Cost | None = None, *,
+          check: bool = True) -> Schedule:
     """Add the sends and receives that carry every cross-stage dependency.
 
     A forward-only schedule gets its SF and RF actions the same way (it has no
@@ -47,7 +48,8 @@ def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost | None = None, cost
     ``cost_b`` (whole backward) and ``cost_w`` (its W part) as in the
     simulator; the default ``cost_b`` makes every compute action cost
     ``cost_f`` (F = B = W when split), with which the zero-bubble schedules
-    also keep their compute-only timing (tested). The result is validated.
+    also keep their compute-only timing (tested). The result is validated, unless ``check`` is False
+    (a caller that validates what it keeps itself, as the compiler does).
     """
     if schedule.is_lowered:
         raise ScheduleError(
@@ -68,7 +70,8 @@ def lower(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost | None = None, cost
                 slots[s][bisect_left(run.start[s], ready, hi=t)].append(recv)
     actions = {s: _interleave_slots(slots[s], acts) for s, acts in schedule.actions.items()}
     lowered = dataclasses.replace(schedule, actions=actions)
-    validation.validate(lowered)
+    if check:
+        validation.validate(lowered)
     return lowered
 
 

@@ -87,8 +87,9 @@ class Schedule:
 
     def stage_of(self, chunk: int) -> int:
         """The stage chunk ``chunk`` lives on (``c % p`` interleaved; the V's for ZB-V)."""
-        if 0 <= chunk < self.num_chunks:
-            return self.chunk_stages[chunk]
+        stages = self.chunk_stages
+        if 0 <= chunk < len(stages):
+            return stages[chunk]
         return stage_of_chunk(self.placement, self.p, chunk)  # out of range: checks report it
 
     def chunks_of(self, stage: int) -> tuple[int, ...]:

@@ -52,13 +52,13 @@ from fractions import Fraction
 
 from autopar.schedules.actions import Action, Key, Kind, Loc, Time
 from autopar.schedules.checks import check_coverage, check_matching, check_placement
-from autopar.schedules.dependencies import index, partner, producers
+from autopar.schedules.dependencies import index, partner_key, producers
 from autopar.schedules.events import Event
 from autopar.schedules.in_flight import peak_in_flight
 from autopar.schedules.errors import ScheduleError
 from autopar.schedules.schedule import Schedule, schedule_error
 
-__all__ = ["Sends", "Cost", "SimResult", "simulate", "simulate_checked", "DryRun", "dry_run"]
+__all__ = ["Sends", "Cost", "SimResult", "simulate", "simulate_checked", "DryRun", "dry_run", "check_deadlock"]
 
 Cost = Time | Callable[[Action], Time]
 """A duration for every action, or a function of the action (e.g. per-chunk costs)."""
@@ -171,11 +171,16 @@ def simulate(schedule: Schedule, cost_f: Cost = 1, cost_b: Cost = 2, comm: Cost 
     if sends is Sends.BATCHED and (callable(comm) or comm != 0):
         raise ScheduleError("batched exchanges take no transfer time (a dry run); "
                          "use sends='posted' or 'eager' to time transfers")
+    return simulate_checked(schedule, _checked_index(schedule), cost_f, cost_b, comm, sends, cost_w)
+
+
+def _checked_index(schedule: Schedule) -> dict[Key, Loc]:
+    """The placement, coverage and matching checks a simulation needs; the schedule's ``index``."""
     check_placement(schedule)
     where = index(schedule)
     check_coverage(schedule, where)
     check_matching(schedule, where)
-    return simulate_checked(schedule, where, cost_f, cost_b, comm, sends, cost_w)
+    return where
 
 
 def simulate_checked(schedule: Schedule, where: dict[Key, Loc], cost_f: Cost, cost_b: Cost, comm: Cost,
@@ -186,13 +191,25 @@ def simulate_checked(schedule: Schedule, where: dict[Key, Loc], cost_f: Cost, co
     return _Run(schedule, costs, _as_cost(comm), sends, where).result()
 
 
+def check_deadlock(schedule: Schedule, where: dict[Key, Loc]) -> None:
+    """A ``batched`` dry run of a schedule that passed the placement, coverage and matching checks
+    (``where``: its ``dependencies.index``) finishes; a deadlock raises :class:`ScheduleError`
+    naming what each blocked stage waits for."""
+    _Run(schedule, None, _as_cost(0), Sends.BATCHED, where).run()
+
+
+def _untimed(_s: int, _u: int) -> tuple[Time, Time, Time]:
+    """The step of an untimed run: no start, end or free time."""
+    return 0, 0, 0
+
+
 def _units(actions: list[Action]) -> list[tuple[int, int]]:
     """Split a stage's list into units: one compute action, or a maximal run of sends/receives."""
-    units, t = [], 0
-    while t < len(actions):
+    units, t, n = [], 0, len(actions)
+    while t < n:
         end = t + 1
-        if actions[t].is_comm:
-            while end < len(actions) and actions[end].is_comm:
+        if actions[t].peer is not None:  # a send or receive (``Action.is_comm``)
+            while end < n and actions[end].peer is not None:
                 end += 1
         units.append((t, end))
         t = end
@@ -209,18 +226,25 @@ class _Run:
     sends/receives); ``needs[s][u]`` says which units of other stages unit ``u`` of stage
     ``s`` waits for, and the step method of the ``sends`` mode times a unit once they ran."""
 
-    def __init__(self, schedule: Schedule, costs: _ComputeCosts, comm: Callable[[Action], Time], sends: Sends,
-                 where: dict[Key, Loc]) -> None:
+    def __init__(self, schedule: Schedule, costs: _ComputeCosts | None, comm: Callable[[Action], Time],
+                 sends: Sends, where: dict[Key, Loc], events: bool = True) -> None:
         self.schedule, self.comm, self.sends, self.where = schedule, comm, sends, where
+        self.timed = costs is not None
+        """False: only whether every stage reaches its end (a stage waits for what another stage has
+        posted or done, never for a time, so a deadlock does not depend on the durations)."""
+        self.record = events and self.timed
+        """Keep each stage's events; off only for a ``batched`` run, a dry run needing the times alone (the
+        ``posted`` and ``eager`` steps always keep theirs)."""
         self.posted = sends is Sends.POSTED
         self.units = {s: _units(acts) for s, acts in schedule.actions.items()}
-        self.unit_of = {(s, t): u for s, us in self.units.items() for u, (a, b) in enumerate(us) for t in range(a, b)}
+        self.unit_of = {s: [u for u, (a, b) in enumerate(us) for _ in range(a, b)] for s, us in self.units.items()}
+        """Stage -> the unit of each of its actions."""
         # posted: (stage, unit) of an F or B that consumes a received tensor -> (the unit of its
         # receive, stage and unit of the matching send, the F or B whose result travels)
         self.received: dict[tuple[int, int], tuple[int, int, int, Action]] = {}
         self.needs = {s: [self._needs(s, a, b) for a, b in us] for s, us in self.units.items()}
-        # per unit: its first action, and for an F or B its duration and event kind and name
-        self.first = {s: [schedule.actions[s][a] for a, _ in us] for s, us in self.units.items()}
+        # per unit: its first action, and for an F or B its duration and event kind
+        self.first = {s: [schedule.actions[s][a] for a, _ in us] for s, us in self.units.items()} if self.timed else {}
         split = schedule.splits_backward
         self.work = {s: [_work(x, costs, split) for x in xs] for s, xs in self.first.items()}
         stages = list(schedule.actions)
@@ -237,16 +261,17 @@ class _Run:
     # ------------------------------------------------------------------ needs
 
     def _needs(self, s: int, a: int, b: int) -> list[_Need]:
-        acts, stage_of = self.schedule.actions[s], self.schedule.stage_of
+        acts, stage_of, unit_of = self.schedule.actions[s], self.schedule.stage_of, self.unit_of
         if acts[a].is_comm:
             if self.posted:
                 return []  # posting never waits
-            locs = [self.where[partner(self.schedule, x)[0]] for x in acts[a:b]]
-            return [(loc[0], self.unit_of[loc], loc) for loc in locs]
+            locs = [self.where[partner_key(x)] for x in acts[a:b]]
+            return [(loc[0], unit_of[loc[0]][loc[1]], loc) for loc in locs]
         action = acts[a]
         keys = producers(self.schedule, action)
         if not self.posted:
-            return [self._done(self.where[k]) for k in keys]
+            locs = [self.where[k] for k in keys]
+            return [(loc[0], unit_of[loc[0]][loc[1]] + 1, loc) for loc in locs]  # each done: ``_done``
         needs = [self._done(self.where[k]) for k in keys if stage_of(k[1]) == s]
         remote = [k for k in keys if stage_of(k[1]) != s]
         if remote:
@@ -255,14 +280,14 @@ class _Run:
             if recv is None:
                 raise schedule_error(self.schedule, f"{action} on stage {s} needs {recv_key[0].value}"
                                      f"{action.chunk}.{action.microbatch} before it, and there is none", [(s, a)])
-            send = self.where[partner(self.schedule, self.schedule.actions[s][recv[1]])[0]]
-            self.received[(s, self.unit_of[(s, a)])] = (self.unit_of[recv], send[0], self.unit_of[send],
-                                                         Action(*remote[0]))
-            needs += [self._done(recv), (send[0], self.unit_of[send], send)]
+            send = self.where[partner_key(self.schedule.actions[s][recv[1]])]
+            self.received[(s, unit_of[s][a])] = (unit_of[s][recv[1]], send[0], unit_of[send[0]][send[1]],
+                                                 Action(*remote[0]))
+            needs += [self._done(recv), (send[0], unit_of[send[0]][send[1]], send)]
         return needs
 
     def _done(self, loc: Loc) -> _Need:
-        return (loc[0], self.unit_of[loc] + 1, loc)
+        return (loc[0], self.unit_of[loc[0]][loc[1]] + 1, loc)
 
     def blockers(self, s: int) -> list[_Need]:
         """The needs that keep stage ``s`` from running its current unit."""
@@ -274,10 +299,11 @@ class _Run:
 
     def _compute(self, s: int, u: int, start: Time) -> Time:
         """Run the F, B or W of unit ``u`` from ``start``; its end."""
-        dur, kind, name = self.work[s][u]
+        dur, kind = self.work[s][u]
         end = start + dur
         self.busy[s] += dur
-        self.events[s].append(Event(s, kind, name, start, end))
+        if self.record:
+            self.events[s].append(Event(s, kind, str(self.first[s][u]), start, end))
         return end
 
     def _step_batched(self, s: int, u: int) -> tuple[Time, Time, Time]:
@@ -287,7 +313,7 @@ class _Run:
         needs = self.needs[s][u]
         if self.work[s][u] is None:
             t1 = max([t0] + [self.unit_start[ns][npc] for ns, npc, _ in needs])
-            if t1 > t0:
+            if t1 > t0 and self.record:
                 a, b = self.units[s][u]
                 self.events[s].append(Event(s, "wait", " ".join(map(str, self.schedule.actions[s][a:b])), t0, t1))
             return t0, t1, t1
@@ -308,7 +334,7 @@ class _Run:
             met = max(self.unit_start[send_s][send_u], self.unit_start[s][recv_u])
             ready = met + self.comm(produced)
             if ready > t0:
-                name = ("RF" if self.work[s][u][1] == "F" else "RB") + self.work[s][u][2][1:]
+                name = ("RF" if self.work[s][u][1] == "F" else "RB") + str(self.first[s][u])[1:]
                 if met > t0:
                     self.events[s].append(Event(s, "wait", name, t0, met))
                 if ready > max(t0, met):
@@ -343,13 +369,25 @@ class _Run:
     # ------------------------------------------------------------------ run
 
     def result(self) -> SimResult:
+        """Run every stage to its end (``run``); the timeline."""
+        start, end = self.times()
+        return SimResult(self.schedule, self.sends, self.events, start, end, max(self.free.values(), default=0),
+                         self.busy, self.transfer)
+
+    def times(self) -> tuple[dict[int, list[Time]], dict[int, list[Time]]]:
+        """Run every stage to its end (``run``); per stage, the start and end of each action."""
+        self.run()
+        return self._per_action(self.unit_start), self._per_action(self.unit_end)
+
+    def run(self) -> None:
         """Run every stage to its end; raise ScheduleError on a deadlock.
 
         A stage runs until its current unit waits for another stage, and is put back on
         the work list when that stage moves."""
         pc, free = self.pc, self.free
+        # a local: a bound method kept on self is a cycle
         step = {Sends.BATCHED: self._step_batched, Sends.POSTED: self._step_posted,
-                Sends.EAGER: self._step_eager}[self.sends]  # a local: a bound method kept on self is a cycle
+                Sends.EAGER: self._step_eager}[self.sends] if self.timed else _untimed
         waiting: dict[int, list[int]] = {s: [] for s in self.schedule.actions}
         ready = list(self.schedule.actions)
         while ready:
@@ -375,9 +413,6 @@ class _Run:
         stuck = [s for s in self.schedule.actions if pc[s] < len(self.units[s])]
         if stuck:
             raise self.deadlock(stuck)
-        step_time = max(free.values(), default=0)
-        return SimResult(self.schedule, self.sends, self.events, self._per_action(self.unit_start),
-                         self._per_action(self.unit_end), step_time, self.busy, self.transfer)
 
     def _per_action(self, per_unit: dict[int, list[Time]]) -> dict[int, list[Time]]:
         """Per stage, the time of each action's unit (a batch of sends/receives shares one)."""
@@ -399,7 +434,7 @@ class _Run:
             finish, posted = [], []
             for _, npc, (ws, wt) in self.blockers(s):
                 text = f"{acts_of[ws][wt]} (stage {ws} step {wt})"
-                (finish if npc > self.unit_of[(ws, wt)] else posted).append(text)
+                (finish if npc > self.unit_of[ws][wt] else posted).append(text)
             waits = " and ".join(f"{', '.join(items)} to {verb}"
                                  for items, verb in ((finish, "finish"), (posted, "be posted")) if items)
             if acts_of[s][a].is_compute:
@@ -409,11 +444,16 @@ class _Run:
         return schedule_error(self.schedule, "deadlock: no stage can make progress\n" + "\n".join(lines), marks)
 
 
-def _work(action: Action, costs: _ComputeCosts, split: bool) -> tuple[Time, str, str] | None:
-    """(duration, event kind, event name) of an F, B or W; None for a send or receive.
+_KIND_TEXT = {k: k.value for k in Kind}
+"""A kind's text code (``Kind.value`` without an enum property call per action)."""
+
+
+def _work(action: Action, costs: _ComputeCosts, split: bool) -> tuple[Time, str] | None:
+    """(duration, event kind) of an F, B or W; None for a send or receive (the event's name is the
+    action's text).
 
     ``split``: the schedule splits its backwards, so a B is the backward less its W."""
-    if action.is_comm:
+    if action.peer is not None:  # a send or receive (``Action.is_comm``)
         return None
     cost_f, cost_b, cost_w = costs
     if action.kind is Kind.F:
@@ -425,8 +465,7 @@ def _work(action: Action, costs: _ComputeCosts, split: bool) -> tuple[Time, str,
     if duration < 0:
         raise ScheduleError(f"{action} would last {duration}: the weight-gradient cost {cost_w(action)} exceeds the "
                          f"whole backward's {cost_b(action)}; give cost_w <= cost_b")
-    kind = action.kind.value
-    return duration, kind, f"{kind}{action.chunk}.{action.microbatch}"
+    return duration, _KIND_TEXT[action.kind]
 
 
 # ---------------------------------------------------------------------------- dry run
@@ -478,8 +517,8 @@ def dry_run(schedule: Schedule, cost_f: Cost = 1.0, cost_b: Cost = 2.0, cost_w: 
     before what it needs on its own stage shows as a deadlock);
     :func:`~autopar.schedules.validate` checks the rest.
     """
-    run = simulate(schedule, cost_f, cost_b, sends=Sends.BATCHED, cost_w=cost_w)
-    start, end = run.start, run.end
+    costs = compute_costs(cost_f, cost_b, cost_w)
+    start, end = _Run(schedule, costs, _as_cost(0), Sends.BATCHED, _checked_index(schedule), events=False).times()
     busy = {
         s: sum((end[s][t] - start[s][t] for t, a in enumerate(acts) if a.is_compute), start=0)
         for s, acts in schedule.actions.items()

@@ -12,7 +12,7 @@ from autopar.schedules.checks import (
 )
 from autopar.schedules.dependencies import index
 from autopar.schedules.schedule import Schedule
-from autopar.schedules.simulator import Sends, simulate_checked
+from autopar.schedules.simulator import check_deadlock
 
 __all__ = ["validate"]
 
@@ -41,4 +41,4 @@ def validate(schedule: Schedule) -> None:
     check_matching(schedule, where)
     check_order(schedule, where)
     check_in_flight(schedule)
-    simulate_checked(schedule, where, 1, 1, 0, Sends.BATCHED)
+    check_deadlock(schedule, where)

@@ -42,6 +42,9 @@ class Ctx:
     """Embedding nodes that look up a parameter table by input ids: split by vocabulary."""
     column: dict[fx.Node, tuple[int, ...] | None] = field(default_factory=dict)
     """Column-parallel linear node -> segments of its output features (None = one)."""
+    linear_parts: dict[fx.Node, Any] = field(default_factory=dict, repr=False, compare=False)
+    """Node -> its ``matmul.linear_parts`` (None: not linear-like), found once: the graph does not
+    change while an analysis runs, and each trial asks again of the same nodes."""
 
     @staticmethod
     def build(traced: TracedModel, tp: int, split_vocabulary: bool | None = None) -> "Ctx":

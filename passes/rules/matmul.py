@@ -62,7 +62,16 @@ def _expert_weight(ctx: Ctx, w) -> tuple[fx.Node, bool] | None:
 
 
 def linear_parts(ctx: Ctx, node: fx.Node) -> LinearParts | None:
-    """The parts of a linear-like node (see the module docstring), or None if it is not one."""
+    """The parts of a linear-like node (see the module docstring), or None if it is not one; kept in
+    ``ctx.linear_parts``."""
+    try:
+        return ctx.linear_parts[node]
+    except KeyError:
+        parts = ctx.linear_parts[node] = _linear_parts(ctx, node)
+        return parts
+
+
+def _linear_parts(ctx: Ctx, node: fx.Node) -> LinearParts | None:
     if node.op != "call_function":
         return None
     target = node.target

@@ -99,8 +99,8 @@ def test_schedule_is_shown_and_validated(monkeypatch):
     # a (lowered) schedule whose stage 0 runs B0.0 first is refused by that validator, naming B0.0 and F0.0
     lower = compile_module.lower
 
-    def backward_first(schedule):
-        lowered = lower(schedule)
+    def backward_first(schedule, **options):
+        lowered = lower(schedule, **options)
         if schedule.forward_only:  # the evaluation schedule has no backward to move
             return lowered
         first = lowered.actions[0]
