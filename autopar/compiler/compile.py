@@ -58,25 +58,26 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
                     program_type: type[Program] = Program) -> Program:
     """Run every pass over ``model`` with ``loss_fn`` for ``config``; the result is frozen."""
     traced = trace_once(model, example_inputs, example_targets, loss_fn, output_fn)
-    normalize(traced.gm, set(traced.param_of))
-    layers = find_layers(traced.gm)
-    plan = analyze_sharding(traced, config.tp)
-    rank_module = apply_tensor_parallel(traced, plan)
-    local_shape = _param_local_shapes(traced, plan, config.tp).__getitem__
-    annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
-    sequence = apply_sequence_parallel(rank_module, traced.param_of, plan.param_specs, config.tp,
-                                       config.sequence_parallel)
-    if sequence is not None:
+    with gc_paused():  # the passes build graphs and tables that live on in the program (gc_paused.py)
+        normalize(traced.gm, set(traced.param_of))
+        layers = find_layers(traced.gm)
+        plan = analyze_sharding(traced, config.tp)
+        rank_module = apply_tensor_parallel(traced, plan)
+        local_shape = _param_local_shapes(traced, plan, config.tp).__getitem__
         annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
-    schedule, eval_schedule = _schedules(config)
-    split = _split(traced, rank_module, config, layers, schedule.chunk_stages)
-    param_names = tuple(traced.param_of[n.name] for n in traced.gm.graph.nodes if n.name in traced.param_of)
-    param_stages = _param_stages(split, traced.param_of, schedule, param_names)
-    return program_type(
-        model=model, config=config, traced=traced, layers=layers, plan=plan, rank_module=rank_module,
-        split=split, schedule=schedule, eval_schedule=eval_schedule, param_names=param_names,
-        param_stages=param_stages, tied_params={n: s for n, s in param_stages.items() if len(s) > 1},
-        sequence=sequence)
+        sequence = apply_sequence_parallel(rank_module, traced.param_of, plan.param_specs, config.tp,
+                                           config.sequence_parallel)
+        if sequence is not None:
+            annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
+        schedule, eval_schedule = _schedules(config)
+        split = _split(traced, rank_module, config, layers, schedule.chunk_stages)
+        param_names = tuple(traced.param_of[n.name] for n in traced.gm.graph.nodes if n.name in traced.param_of)
+        param_stages = _param_stages(split, traced.param_of, schedule, param_names)
+        return program_type(
+            model=model, config=config, traced=traced, layers=layers, plan=plan, rank_module=rank_module,
+            split=split, schedule=schedule, eval_schedule=eval_schedule, param_names=param_names,
+            param_stages=param_stages, tied_params={n: s for n, s in param_stages.items() if len(s) > 1},
+            sequence=sequence)
 
 
 def _param_local_shapes(traced, plan: ShardingPlan, tp: int) -> dict[str, tuple[int, ...]]:
