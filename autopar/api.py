@@ -85,6 +85,7 @@ def parallelize(
     sequence_parallel: bool | None = False,
     loss_reduction: str = "tokens",
     compile: str | bool | None = None,
+    overlap: bool | set[str] | None = None,
 ) -> ParallelProgram:
     """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
@@ -125,7 +126,7 @@ def parallelize(
         tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches or pp,
         schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,
         scatter_gather=scatter_gather, recompute=recompute, precision=precision,
-        sequence_parallel=sequence_parallel, loss_reduction=loss_reduction, compile=compile)
+        sequence_parallel=sequence_parallel, loss_reduction=loss_reduction, compile=compile, overlap=overlap)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     return compile_program(model, config, example_inputs, example_targets, loss_fn, output_fn,
