@@ -111,6 +111,13 @@ def parallelize(
     share of the counted targets (padding and masks included); 'microbatch' averages the microbatch
     means (``docs/training.md``).
 
+    ``overlap``: what runs under compute. ``{'tp'}`` (with sequence parallelism) decomposes each
+    all-gather of the tokens with the GEMMs reading it and each reduce-scatter with the GEMM writing
+    it into tp ring steps (async tensor parallelism, ``passes/async_tp.py``); ``{'p2p'}`` posts each
+    pipeline receive as early as the exchanges allow; True both where the layout has them; False
+    neither; None (the default) 'tp' where sequence parallelism runs, what measured faster on CPU gloo
+    ranks (``bench/overlap.py``). The summary says what was overlapped, and what was left whole and why.
+
     ``compile``: each chunk's forward and backward compiled by ``torch.compile`` when the engine first
     runs it: True or 'inductor' (fused kernels), 'aot_eager' (the same graphs on eager kernels, eager's
     bits: for tests and debugging); the tensor- and sequence-parallel collectives stay inside the

@@ -156,11 +156,13 @@ pipeline's receives posted as early as the exchanges allow (``schedules/early_re
 
 
 def overlap_kinds(overlap, tp: int, pp: int, sequence_parallel) -> frozenset[str]:
-    """The kinds ``overlap`` puts under compute: the names given, or for True those the layout has
-    ('tp' with tp > 1 and sequence parallelism not off, 'p2p' with pp > 1); False / None none."""
-    if overlap is True:
-        return frozenset(k for k, has in (("tp", tp > 1 and sequence_parallel is not False), ("p2p", pp > 1)) if has)
-    if overlap is False or overlap is None:
+    """The kinds ``overlap`` puts under compute: the names given; for True those the layout has ('tp'
+    with tp > 1 and sequence parallelism not off, 'p2p' with pp > 1); for None (the default) 'tp' where
+    the layout has it, what measured faster (``bench/overlap.py``); for False none."""
+    has = {"tp": tp > 1 and sequence_parallel is not False, "p2p": pp > 1}
+    if overlap is True or overlap is None:
+        return frozenset(k for k in (OVERLAP_KINDS if overlap else ("tp",)) if has[k])
+    if overlap is False:
         return frozenset()
     return frozenset([overlap] if isinstance(overlap, str) else overlap)
 
@@ -231,12 +233,16 @@ class ParallelConfig:
     True or 'inductor' (Inductor's fused kernels), 'aot_eager' (AOTAutograd's graphs on eager kernels:
     eager's bits, quick to compile), 'eager'; None / False (the default): the chunks' graphs run op by op."""
     overlap: bool | frozenset[str] | None = None
-    """What runs under compute (``docs/overlap.md``): True everything below where the layout has it,
-    False nothing, or a set of ``OVERLAP_KINDS`` (an error when the layout has nothing of a kind named):
-    'tp' decomposes each of sequence parallelism's all-gathers with the GEMMs reading it (and each
-    reduce-scatter with the GEMM writing it) into tp ring steps, one chunk multiplied while the next
-    is in flight; 'p2p' posts each pipeline receive as early as the exchanges allow, so the message
-    travels during the compute before its consumer. Normalised to the frozenset of kinds."""
+    """What runs under compute: a set of ``OVERLAP_KINDS`` (an error when the layout has nothing of a
+    kind named), True every kind the layout has, False none, or None (the default) what measured
+    faster: 'tp' where sequence parallelism runs. 'tp' decomposes each of sequence parallelism's
+    all-gathers with the GEMMs reading it (and each reduce-scatter with the GEMM writing it) into tp
+    ring steps, one chunk multiplied while the next is in flight (``docs/sequence-parallel.md``);
+    'p2p' posts each pipeline receive as early as the exchanges allow, so the message travels during
+    the compute before its consumer (``docs/schedules.md``). Normalised to the frozenset of kinds.
+    On the CPU gloo ranks measured (``bench/overlap.py``) 'tp' was faster at the larger sizes and
+    within noise at the reference one; 'p2p' within noise (and NCCL, which waits for a batch of
+    exchanges whole, would hold its batches on the early receives), so it is off unless asked for."""
     loss_reduction: str = "tokens"
     """How the step's loss is made of its microbatches' (``docs/training.md``). 'tokens': when the traced
     loss is a mean-reduced cross-entropy / nll over targets with an ignore_index, microbatch i's loss
