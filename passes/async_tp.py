@@ -134,7 +134,7 @@ def _name(target) -> str:
 
 _FORMS = {aten.linear.default: "linear", aten.addmm.default: "addmm", aten.mm.default: "mm",
           aten.matmul.default: "matmul"}
-"""The GEMMs the fused ops run (``comm.async_tp.FORMS``), by their op."""
+"""The GEMMs the fused ops run, by their op (the forms ``comm.async_tp`` runs)."""
 
 
 def _gemm_of(user: fx.Node, value: fx.Node) -> tuple[str, fx.Node, fx.Node | None] | None:

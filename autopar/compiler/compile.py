@@ -52,7 +52,8 @@ from passes.tensor_parallel import apply_tensor_parallel
 __all__ = ["compile_program", "PASSES"]
 
 PASSES: tuple[str, ...] = ("trace", "normalize", "find_layers", "analyze_sharding", "apply_tensor_parallel",
-                           "annotate_local_shapes", "sequence_parallel", "async_tp", "split_pipeline", "recompute", "eval_mode", "schedule")
+                           "annotate_local_shapes", "sequence_parallel", "async_tp", "split_pipeline", "recompute",
+                           "eval_mode", "schedule")
 """The pipeline's passes, in the order they run."""
 
 

@@ -174,7 +174,8 @@ class _Sweep:
     def _move_back(self, waiting: list[int]) -> None:
         for s in waiting:
             j = len(self.posts[s]) - 1
-            back = [a for a in self.gaps[s][j] if a.key in self.moved and not self._posted(partner(self.schedule, a)[0])]
+            back = [a for a in self.gaps[s][j]
+                    if a.key in self.moved and not self._posted(partner(self.schedule, a)[0])]
             if back:
                 for a in back:
                     home = self.home[a.key][1]

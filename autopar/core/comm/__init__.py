@@ -36,5 +36,6 @@ from autopar.core.comm.vocab_parallel import (vocab_parallel_cross_entropy, voca
                                               vocab_parallel_softmax)
 
 __all__ = ["TPGroup", "all_gather", "local_slice", "whole_from_shards", "wholes_from_shards", "in_buckets",
-           "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_sp", "gather_from_sp", "all_gather_matmul", "matmul_reduce_scatter", "keeping_gathered_slices",
+           "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_sp", "gather_from_sp",
+           "all_gather_matmul", "matmul_reduce_scatter", "keeping_gathered_slices",
            "release_regathered", *vocab_parallel.__all__, "seed_forked", "tp_rng_call"]

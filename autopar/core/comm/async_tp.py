@@ -24,7 +24,7 @@ is multiplied while the next travels (Wang et al. 2022; PyTorch's async TP):
   chunk's input gradient computed as it arrives; the weight's gradient reads
   the gathered output gradient.
 
-A GEMM is one of the forms the graph has (``FORMS``): ``linear(x, W, b)``, or
+A GEMM is one of the forms the graph has: ``linear(x, W, b)``, or
 ``x @ W`` as ``mm``, ``matmul`` (W 2-D) or ``addmm(b, x, W)`` (HuggingFace's
 Conv1D). Each runs as the unfused op on a slice of the rows, so the values are
 the unfused path's: bitwise where the sum over the t ranks runs in the same
@@ -58,19 +58,15 @@ from autopar.core.comm.sp_mappings import gather_from_sp, reduce_scatter_to_sp
 from autopar.core.flops import matmul_flops
 from autopar.core.graph import local_val
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "FORMS"]
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
 _GATHER_TAG, _REDUCE_TAG = 1, 2
 """Message tags of the chunks passed to the next rank and of the partial sums passed to the previous
 one: a backward sends both at once, and with t = 2 to the same peer."""
 
-FORMS = ("linear", "addmm", "mm", "matmul")
-"""The GEMMs the ops run: ``linear(x, W, b)`` (W: out x in), ``addmm(b, x, W)``, ``mm(x, W)`` and
-``matmul(x, W)`` (W: in x out), each as the op of that name."""
-
-
 def _product(form: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """The GEMM ``form`` of ``x`` (rows of tokens) with ``w`` and the bias ``b``."""
+    """The GEMM ``form`` of ``x`` (rows of tokens) with ``w`` and the bias ``b``, as the op of that name:
+    'linear' (W: out x in), or 'addmm', 'mm', 'matmul' (W: in x out)."""
     if form == "linear":
         return F.linear(x, w, b)
     if form == "addmm":
@@ -121,6 +117,7 @@ class _Ring:
 
     @staticmethod
     def arrived(message: tuple[list, torch.Tensor]) -> torch.Tensor:
+        """The buffer of an exchange, once its send and receive completed."""
         works, buf = message
         for work in works:
             work.wait()
@@ -296,7 +293,7 @@ def _unfused(tp: TPGroup) -> bool:
 def all_gather_matmul(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[int, ...] | None,
                       weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...],
                       forms: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
-    """``form_j(gather_from_sp(x), W_j, b_j)`` for every j (``FORMS``), the all-gather along the token
+    """``form_j(gather_from_sp(x), W_j, b_j)`` for every j (``_product``'s forms), the all-gather along the token
     dim ``dim`` decomposed under the GEMMs (one chunk of tokens multiplied while the next travels);
     backward likewise. This rank keeps only ``x`` for the backward, which gathers it again for the
     weights' gradients, as the unfused path does."""
@@ -312,7 +309,7 @@ def all_gather_matmul(x: torch.Tensor, tp: TPGroup, dim: int, segments: tuple[in
             forward_nbytes=_reduced_bytes, flops=_matmul_scatter_flops)
 def matmul_reduce_scatter(h: torch.Tensor, w: torch.Tensor, tp: TPGroup, dim: int,
                           segments: tuple[int, ...] | None, form: str) -> torch.Tensor:
-    """``reduce_scatter_to_sp(form(h, w))`` along the token dim ``dim`` (a bias-free ``FORMS`` GEMM): the
+    """``reduce_scatter_to_sp(form(h, w))`` along the token dim ``dim`` (a bias-free GEMM): the
     row-parallel partial product computed chunk by chunk, the chunk bound for the next rank multiplied
     while the sum before it travels; backward likewise."""
     if _unfused(tp):
