@@ -85,6 +85,7 @@ def parallelize(
     sequence_parallel: bool | None = False,
     loss_reduction: str = "tokens",
     compile: str | bool | None = None,
+    overlap: bool | set[str] | None = None,
 ) -> ParallelProgram:
     """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
@@ -110,6 +111,13 @@ def parallelize(
     share of the counted targets (padding and masks included); 'microbatch' averages the microbatch
     means (``docs/training.md``).
 
+    ``overlap``: what runs under compute. ``{'tp'}`` (with sequence parallelism) decomposes each
+    all-gather of the tokens with the GEMMs reading it and each reduce-scatter with the GEMM writing
+    it into tp ring steps (async tensor parallelism, ``passes/async_tp.py``); ``{'p2p'}`` posts each
+    pipeline receive as early as the exchanges allow; True both where the layout has them; False
+    neither, as None (the default): on CPU gloo ranks neither measured faster at the reference sizes
+    (``bench/overlap.py``). The summary says what was overlapped, and what was left whole and why.
+
     ``compile``: each chunk's forward and backward compiled by ``torch.compile`` when the engine first
     runs it: True or 'inductor' (fused kernels), 'aot_eager' (the same graphs on eager kernels, eager's
     bits: for tests and debugging); the tensor- and sequence-parallel collectives stay inside the
@@ -125,7 +133,7 @@ def parallelize(
         tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches or pp,
         schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,
         scatter_gather=scatter_gather, recompute=recompute, precision=precision,
-        sequence_parallel=sequence_parallel, loss_reduction=loss_reduction, compile=compile)
+        sequence_parallel=sequence_parallel, loss_reduction=loss_reduction, compile=compile, overlap=overlap)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     return compile_program(model, config, example_inputs, example_targets, loss_fn, output_fn,

@@ -11,11 +11,14 @@ none patches the program afterwards:
     annotate_local_shapes  one rank's shapes in meta["local_val"]        compiler/local_shapes.py
     sequence_parallel      norms, dropout, residuals on 1/t of the tokens passes/sequence_parallel.py
                            (g -> reduce-scatter, f -> all-gather); shapes annotated again
+    async_tp               with overlap 'tp': those collectives fused     passes/async_tp.py
+                           with their GEMMs in ring steps; shapes again
     split_pipeline         p*v cost-balanced chunks                      passes/pipeline_split.py
     recompute              checkpointed regions in each chunk            passes/recompute.py
     eval_mode              each chunk's evaluation graph (no dropout)    passes/eval_mode.py
     schedule               training and forward-only (evaluation)        schedules/
-                           schedules, generated, lowered, validated
+                           schedules, generated, lowered (receives early
+                           with overlap 'p2p'), validated
 
 Nothing here needs a process group.
 """
@@ -36,7 +39,8 @@ from autopar.core.chunks import PipelineSplit
 from autopar.core.config import ParallelConfig
 from autopar.core.gc_paused import gc_paused
 from autopar.core.tensor_placement import Replicate
-from autopar.schedules import Schedule, forward_only, generate, lower, validate
+from autopar.schedules import Schedule, forward_only, generate, lower, receives_early, validate
+from passes.async_tp import apply_async_tp, async_tp_refusal
 from passes.eval_mode import eval_graph
 from passes.layers import LayerInfo, find_layers
 from passes.normalize import normalize
@@ -49,7 +53,8 @@ from passes.tensor_parallel import apply_tensor_parallel
 __all__ = ["compile_program", "PASSES"]
 
 PASSES: tuple[str, ...] = ("trace", "normalize", "find_layers", "analyze_sharding", "apply_tensor_parallel",
-                           "annotate_local_shapes", "sequence_parallel", "split_pipeline", "recompute", "eval_mode", "schedule")
+                           "annotate_local_shapes", "sequence_parallel", "async_tp", "split_pipeline", "recompute",
+                           "eval_mode", "schedule")
 """The pipeline's passes, in the order they run."""
 
 
@@ -69,6 +74,10 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
                                            config.sequence_parallel)
         if sequence is not None:
             annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
+        async_tp = None
+        if async_tp_refusal(config, sequence is not None) is None:
+            async_tp = apply_async_tp(rank_module)
+            annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
         schedule, eval_schedule = _schedules(config)
         split = _split(traced, rank_module, config, layers, schedule.chunk_stages)
         param_names = tuple(traced.param_of[n.name] for n in traced.gm.graph.nodes if n.name in traced.param_of)
@@ -77,7 +86,7 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
             model=model, config=config, traced=traced, layers=layers, plan=plan, rank_module=rank_module,
             split=split, schedule=schedule, eval_schedule=eval_schedule, param_names=param_names,
             param_stages=param_stages, tied_params={n: s for n, s in param_stages.items() if len(s) > 1},
-            sequence=sequence)
+            sequence=sequence, async_tp=async_tp)
 
 
 def _param_local_shapes(traced, plan: ShardingPlan, tp: int) -> dict[str, tuple[int, ...]]:
@@ -108,12 +117,15 @@ def _split(traced, rank_module, config: ParallelConfig, layers: LayerInfo,
 
 
 def _schedules(config: ParallelConfig) -> tuple[Schedule, Schedule]:
-    """The lowered training schedule, and its forward-only form for evaluation steps (lowered the same way),
-    each validated once, here: what is validated is what the program runs. Plain data without reference
-    cycles, built with the cyclic garbage collector held off (``core/gc_paused.py``)."""
+    """The lowered training schedule, and its forward-only form for evaluation steps (lowered the same way;
+    with ``overlap`` 'p2p', each receive posted as early as the exchanges allow), each validated once,
+    here: what is validated is what the program runs. Plain data without reference cycles, built with
+    the cyclic garbage collector held off (``core/gc_paused.py``)."""
     with gc_paused():
         compute = generate(config.schedule, config.pp, config.virtual_stages, config.microbatches)
         schedule, eval_schedule = lower(compute, check=False), lower(forward_only(compute), check=False)
+        if "p2p" in config.overlap:
+            schedule, eval_schedule = receives_early(schedule), receives_early(eval_schedule)
         validate(schedule)
         validate(eval_schedule)
     return schedule, eval_schedule

@@ -31,6 +31,7 @@ from autopar.core.flops import node_bytes
 from autopar.core.graph import TracedModel, module_path, source_line
 from autopar.core.tensor_placement import Replicate, Shard
 from autopar.schedules import Schedule
+from passes.async_tp import AsyncTPPlan
 from passes.layers import LayerInfo, layer_of_node, layer_of_param
 from passes.sequence_parallel import SequenceParallelPlan
 from passes.sharding import ShardingPlan
@@ -112,6 +113,9 @@ class Program:
     """Parameters read on more than one stage -> those stages."""
     sequence: SequenceParallelPlan | None = None
     """What runs split along the tokens (sequence parallelism); None when it is off."""
+    async_tp: AsyncTPPlan | None = None
+    """Which sequence-parallel collectives were fused with their GEMMs (``overlap`` 'tp'); None when the
+    pass did not run (``passes.async_tp.async_tp_refusal`` says why)."""
     batch_roles: BatchRoles | None = field(default=None)
     """What the batch tensors are to the traced graph: ids and the tables they index, the token-mean
     loss (``compiler/batch_roles.py``); read from the traced graph when the program is built."""

@@ -2,7 +2,8 @@
 
 The mesh, which layers and parameters each stage holds, memory per rank
 (weights, gradients, optimizer state, activations at peak), collectives per
-step with their bytes, the pipeline schedule's bubble, and every fallback.
+step with their bytes, the pipeline schedule's bubble, what runs under compute
+(``overlap``), and every fallback.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autopar.compiler.overlap_report import overlap_lines
 from autopar.compiler.sequence_report import sequence_parallel_lines
 from autopar.planning.drawing.tables import PIPED_WIDTH, compact_table
 from autopar.core.collectives import collective_named
@@ -23,7 +25,7 @@ from autopar.core.config import optimizer_bytes_per_param
 from autopar.core.flops import node_bytes
 from autopar.core.graph import local_val
 from autopar.core.tensor_placement import Shard
-from autopar.schedules import dry_run
+from autopar.schedules import Sends, simulate
 
 Program = Any
 """A ``autopar.compiler.program.Program``: it imports this module for ``summary()``, so this
@@ -103,11 +105,14 @@ def _sequence_share(chunk, seq: int) -> float:
     return whole / total if total else 0.0
 
 
-def predicted_bubble(program: Program) -> float:
-    """Bubble fraction of the schedule with the chunks' estimated costs (backward = 2x forward)."""
+def predicted_bubble(program: Program, sends: Sends = Sends.POSTED) -> float:
+    """Bubble fraction of the schedule with the chunks' estimated costs (backward = 2x forward), its
+    exchanges run as ``sends`` says: posted and each receive waited for by its consumer (the runtime on
+    gloo), or batched, each batch waited for whole (NCCL's coalesced batches). The two agree unless
+    receives were posted early (``overlap`` 'p2p')."""
     costs = {c.index: max(c.cost, 1.0) for c in program.split.chunks}
-    run = dry_run(program.schedule, cost_f=lambda a: costs[a.chunk], cost_b=lambda a: 2 * costs[a.chunk])
-    return float(run.bubble_fraction)
+    run = simulate(program.schedule, lambda a: costs[a.chunk], lambda a: 2 * costs[a.chunk], sends=sends)
+    return float(run.bubble)
 
 
 def render_summary(program: Program, width: int = PIPED_WIDTH) -> str:
@@ -128,6 +133,8 @@ def render_summary(program: Program, width: int = PIPED_WIDTH) -> str:
     for line in _padding_notes(program):
         console.print(line)
     for line in sequence_parallel_lines(program):
+        console.print(line, highlight=False, markup=False)
+    for line in overlap_lines(program):
         console.print(line, highlight=False, markup=False)
     console.print(_fallbacks_table(program))
     for table in (_unsplit_weights_table(program), _rejected_table(program)):
@@ -239,6 +246,9 @@ def _stage_notes(program: Program) -> list[str]:
     if mesh.pp > 1:
         per_chunk += (f"; predicted bubble {predicted_bubble(program):.1%} (uniform costs: (p-1)/(v*m) = "
                       f"{(mesh.pp - 1) / (cfg.virtual_stages * cfg.microbatches):.1%})")
+        if "p2p" in cfg.overlap:
+            per_chunk += (f"; with each batch of sends and receives waited for whole (NCCL) "
+                          f"{predicted_bubble(program, Sends.BATCHED):.1%}")
     lines = [per_chunk, "params: per rank; distopt: optimizer state with the distributed optimizer (fp32 master + "
              "Adam's m, v: 12 bytes per parameter / d); act. peak: activations at the peak, with the microbatches "
              "in flight; with SP: activations with sequence parallelism (values whole on every tensor-parallel "

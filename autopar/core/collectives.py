@@ -10,7 +10,9 @@ where it is defined, with ``@collective(...)``, which records:
 - ``nbytes``     a function giving the bytes one call moves per microbatch, from
                  its node in the rank graph (one rank's shapes, ``local_val``),
 - ``forward_nbytes``  the forward part of it, for a collective that
-                 communicates in both passes (a recomputed forward moves it again).
+                 communicates in both passes (a recomputed forward moves it again);
+- ``flops``      for a collective fused with GEMMs (async tensor parallelism),
+                 the forward FLOPs of its GEMMs, from its node.
 
 Lookups go by the function (``collective_of(node.target)``) or its name
 (``collective_named("copy_to_tp")``). The registry is complete whenever it is
@@ -64,6 +66,8 @@ class Collective:
     forward_nbytes: Callable[[fx.Node], int] | None = None
     """The part of ``nbytes`` moved in the forward, for a collective that communicates in both
     passes; None: all of it (``direction`` 'fwd ...') or none ('bwd ...')."""
+    flops: Callable[[fx.Node], float] | None = None
+    """Forward FLOPs of the GEMMs a collective fused with them computes, from its node; None: none."""
 
     @property
     def name(self) -> str:
@@ -90,9 +94,11 @@ def _load_every_collective() -> None:
 
 
 def collective(label: str, direction: str, kinds: str | tuple[str, ...], nbytes: Callable[[fx.Node], int],
-               forward_nbytes: Callable[[fx.Node], int] | None = None) -> Callable[[Callable], Callable]:
+               forward_nbytes: Callable[[fx.Node], int] | None = None,
+               flops: Callable[[fx.Node], float] | None = None) -> Callable[[Callable], Callable]:
     """Decorator: register a function of ``autopar.core.comm`` as a collective (returns it unchanged).
-    ``forward_nbytes``: required when it communicates in both passes ('fwd ...; bwd ...')."""
+    ``forward_nbytes``: required when it communicates in both passes ('fwd ...; bwd ...'); ``flops``:
+    the forward FLOPs of the GEMMs it runs, for one fused with them."""
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
@@ -104,7 +110,7 @@ def collective(label: str, direction: str, kinds: str | tuple[str, ...], nbytes:
     def register(fn: Callable) -> Callable:
         if fn.__name__ in _BY_NAME:
             raise CollectiveError(f"collective {fn.__name__} is registered twice")
-        entry = Collective(fn, label, direction, kinds, nbytes, forward_nbytes)
+        entry = Collective(fn, label, direction, kinds, nbytes, forward_nbytes, flops)
         _BY_FN[fn] = entry
         _BY_NAME[fn.__name__] = entry
         return fn

@@ -16,7 +16,7 @@ from autopar.core.mesh import MeshShape
 
 __all__ = ["ParallelConfig", "Recompute", "RECOMPUTE", "PRECISIONS", "LOSS_REDUCTIONS", "SCHEDULE_NAMES", "SPLIT_BACKWARD_SCHEDULES", "COMPILE_BACKENDS",
            "FEWER_MICROBATCHES_THAN_STAGES", "microbatch_errors", "size_errors", "sequence_parallel_errors",
-           "mesh_errors", "optimizer_bytes_per_param"]
+           "mesh_errors", "optimizer_bytes_per_param", "OVERLAP_KINDS", "overlap_errors", "overlap_kinds"]
 
 
 class Recompute(str, Enum):
@@ -149,6 +149,49 @@ def sequence_parallel_errors(sequence_parallel, tp: int) -> list[str]:
     return []
 
 
+OVERLAP_KINDS: tuple[str, ...] = ("tp", "p2p")
+"""What ``ParallelConfig.overlap`` can put under compute: 'tp', sequence parallelism's all-gathers and
+reduce-scatters decomposed with the GEMMs that read or write them (``passes/async_tp.py``); 'p2p', the
+pipeline's receives posted as early as the exchanges allow (``schedules/early_receives.py``)."""
+
+
+def overlap_kinds(overlap, tp: int, pp: int, sequence_parallel) -> frozenset[str]:
+    """The kinds ``overlap`` puts under compute: the names given; for True those the layout has ('tp'
+    with tp > 1 and sequence parallelism not off, 'p2p' with pp > 1); for None (the default) and False
+    none: on CPU ranks neither measured faster at the reference sizes (``bench/overlap.py``), and
+    neither has been measured on GPUs yet."""
+    has = {"tp": tp > 1 and sequence_parallel is not False, "p2p": pp > 1}
+    if overlap is True:
+        return frozenset(k for k in OVERLAP_KINDS if has[k])
+    if overlap is False or overlap is None:
+        return frozenset()
+    return frozenset([overlap] if isinstance(overlap, str) else overlap)
+
+
+def overlap_errors(overlap, tp: int, pp: int, sequence_parallel) -> list[str]:
+    """What is wrong with ``overlap`` for this layout, with the fix ([] when nothing). True overlaps
+    whatever the layout has; a kind named explicitly must have something to overlap."""
+    if overlap is True or overlap is False or overlap is None:
+        return []
+    names = [overlap] if isinstance(overlap, str) else overlap
+    if not isinstance(names, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in names):
+        return [f"overlap must be True, False or a set of {list(OVERLAP_KINDS)}, got {overlap!r}"]
+    unknown = sorted(set(names) - set(OVERLAP_KINDS))
+    if unknown:
+        return [f"overlap names {unknown}, which autopar does not know; use a set of {list(OVERLAP_KINDS)} "
+                f"(or True for all, False for none)"]
+    errs = []
+    if "tp" in names and (tp == 1 or sequence_parallel is False):
+        why = "tp=1 has no tensor-parallel collective" if tp == 1 else "sequence_parallel=False has none"
+        errs.append(f"overlap={{'tp'}} decomposes sequence parallelism's all-gathers and reduce-scatters with the "
+                    f"GEMMs next to them, and {why}. Fix: tp >= 2 with sequence_parallel=True (or None), or "
+                    f"leave 'tp' out of overlap")
+    if "p2p" in names and pp == 1:
+        errs.append("overlap={'p2p'} posts the pipeline's receives early, and pp=1 has no pipeline. Fix: pp >= 2, "
+                    "or leave 'p2p' out of overlap")
+    return errs
+
+
 def optimizer_bytes_per_param(param_bytes: int) -> int:
     """Adam's state per parameter: moments m and v in fp32 (8 bytes), plus an fp32 master
     copy (4 more) when the parameters themselves are 16-bit (``param_bytes`` < 4: mixed
@@ -190,6 +233,17 @@ class ParallelConfig:
     """Compile each chunk's forward and backward with ``torch.compile`` (``runtime/engine/compiled_chunks.py``):
     True or 'inductor' (Inductor's fused kernels), 'aot_eager' (AOTAutograd's graphs on eager kernels:
     eager's bits, quick to compile), 'eager'; None / False (the default): the chunks' graphs run op by op."""
+    overlap: bool | frozenset[str] | None = None
+    """What runs under compute: a set of ``OVERLAP_KINDS`` (an error when the layout has nothing of a
+    kind named), True every kind the layout has, False none, or None (the default) what measured
+    faster: 'tp' where sequence parallelism runs. 'tp' decomposes each of sequence parallelism's
+    all-gathers with the GEMMs reading it (and each reduce-scatter with the GEMM writing it) into tp
+    ring steps, one chunk multiplied while the next is in flight (``docs/sequence-parallel.md``);
+    'p2p' posts each pipeline receive as early as the exchanges allow, so the message travels during
+    the compute before its consumer (``docs/schedules.md``). Normalised to the frozenset of kinds.
+    On the CPU gloo ranks measured (``bench/overlap.py``) 'tp' was faster at the larger sizes and
+    within noise at the reference one; 'p2p' within noise (and NCCL, which waits for a batch of
+    exchanges whole, would hold its batches on the early receives), so it is off unless asked for."""
     loss_reduction: str = "tokens"
     """How the step's loss is made of its microbatches' (``docs/training.md``). 'tokens': when the traced
     loss is a mean-reduced cross-entropy / nll over targets with an ignore_index, microbatch i's loss
@@ -222,6 +276,10 @@ class ParallelConfig:
         errs = sequence_parallel_errors(self.sequence_parallel, self.tp)
         if errs:
             raise ConfigError("; ".join(errs))
+        errs = overlap_errors(self.overlap, self.tp, self.pp, self.sequence_parallel)
+        if errs:
+            raise ConfigError("; ".join(errs))
+        object.__setattr__(self, "overlap", overlap_kinds(self.overlap, self.tp, self.pp, self.sequence_parallel))
         errs = compile_errors(self.compile)
         if errs:
             raise ConfigError("; ".join(errs))

@@ -1,7 +1,8 @@
 """FLOPs and bytes: the contraction formulas and the per-node roofline cost of a graph node.
 
 Matrix products count 2*M*N*K FLOPs, attention 4*B*H*Tq*Tk*d (scores and
-weighted sum), everything else one FLOP per output element. Bytes are what
+weighted sum), a collective fused with GEMMs those of its GEMMs (its
+registered ``flops``), everything else one FLOP per output element. Bytes are what
 the node writes plus the parameters it reads. ``node_cost`` is a roofline:
 max(FLOPs, FLOPS_PER_BYTE * bytes), in FLOP units, so memory-bound ops
 (norms, element-wise, softmax) weigh what they cost on a GPU instead of
@@ -16,6 +17,7 @@ import math
 import torch
 import torch.fx as fx
 
+from autopar.core.collectives import collective_of
 from autopar.core.graph import local_val
 
 __all__ = ["matmul_flops", "attention_flops", "node_flops", "node_bytes", "node_cost", "FLOPS_PER_BYTE"]
@@ -48,6 +50,9 @@ def node_flops(node: fx.Node) -> float:
     if node.op != "call_function":
         return 0.0
     target = node.target
+    fused = collective_of(target)
+    if fused is not None and fused.flops is not None:  # a collective decomposed with its GEMMs
+        return float(fused.flops(node))
     out = _shape(node)
     if target in (aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default):
         a = node.args[1] if target == aten.addmm.default else node.args[0]
@@ -65,10 +70,13 @@ def node_flops(node: fx.Node) -> float:
 
 
 def node_bytes(node: fx.Node) -> float:
-    """Bytes a node writes (its output; one rank's on a rank graph)."""
+    """Bytes a node writes (its output; one rank's on a rank graph); for a collective fused with
+    several GEMMs, the outputs of all of them."""
     val = local_val(node)
     if isinstance(val, torch.Tensor):
         return float(val.numel() * val.element_size())
+    if isinstance(val, (tuple, list)) and collective_of(node.target) is not None:
+        return float(sum(v.numel() * v.element_size() for v in val if isinstance(v, torch.Tensor)))
     return 0.0
 
 

@@ -12,6 +12,8 @@ One job per file:
   ``forward_only`` (evaluation) of any;
 - ``zero_bubble.py``: ZB-H1 and ZB-V, whose backwards split into B and W;
 - ``lowering.py``: ``lower``, the sends and receives of every cross-stage dependency;
+- ``early_receives.py``: ``receives_early``, each receive of a lowered schedule moved to the earliest
+  batch it can join without a deadlock;
 - ``checks.py`` and ``validation.py``: the rules, and ``validate``;
 - ``events.py``: ``Event``, one action of one rank in time (simulated or measured);
 - ``simulator.py``: the one simulator, parameterised by how sends behave, and ``dry_run``.
@@ -31,6 +33,7 @@ from autopar.schedules.generators import (
 )
 from autopar.schedules.in_flight import in_flight_bound, num_warmup, peak_in_flight
 from autopar.schedules.lowering import lower
+from autopar.schedules.early_receives import receives_early
 from autopar.schedules.chunk_placement import Placement, chunk_placement
 from autopar.schedules.errors import ScheduleError
 from autopar.schedules.schedule import Schedule, parse_grid
@@ -41,5 +44,5 @@ __all__ = [
     "Kind", "Action", "Schedule", "ScheduleError", "DryRun", "Time", "SCHEDULE_NAMES", "num_warmup", "gpipe",
     "one_f_one_b", "interleaved_1f1b", "generate", "lower", "validate", "dry_run", "peak_in_flight", "parse_grid",
     "Event", "Sends", "SimResult", "simulate", "in_flight_bound", "forward_only", "SPLIT_BACKWARD_SCHEDULES",
-    "zero_bubble_h1", "zero_bubble_v", "Placement", "chunk_placement",
+    "zero_bubble_h1", "zero_bubble_v", "Placement", "chunk_placement", "receives_early",
 ]

@@ -22,7 +22,7 @@ EVERY_COLLECTIVE = {
     "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_sp", "gather_from_sp",
     "vocab_parallel_embedding", "vocab_parallel_embedding_sp", "vocab_parallel_cross_entropy",
     "vocab_parallel_logsumexp", "vocab_parallel_softmax", "vocab_parallel_log_softmax", "vocab_parallel_nll_loss",
-    "vocab_parallel_soft_cross_entropy",
+    "vocab_parallel_soft_cross_entropy", "all_gather_matmul", "matmul_reduce_scatter",
 }
 
 _READ_FIRST = """

@@ -11,6 +11,11 @@ single-device run, tolerances as in test_tp_parity (``families.assert_steps_matc
 fp32 first step element-wise rtol 1e-5 / atol 1e-6, the parallel run only
 reorders sums; after AdamW per tensor).
 
+The parity runs use the default ``overlap`` (async tensor parallelism: the
+all-gathers and reduce-scatters fused with their GEMMs, in ring steps at tp=4
+too); the structure and kept-bytes checks compile with ``overlap=False``, to
+see sequence parallelism's own collectives.
+
 Structure (compile only, no process group): each all-reduce after a
 row-parallel linear becomes one reduce-scatter and the next f one all-gather,
 the same bytes on the wire; a pipeline boundary inside the split region sends
@@ -97,7 +102,8 @@ def _kept_programs():
     """The nanogpt at tp=2 x dp=2 without and with sequence parallelism (by ``sequence_parallel``), and its batches."""
     model, vocab = _sp_model("nanogpt")
     data = _sp_batches(vocab)
-    return {sp: parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=sp) for sp in (False, True)}, data
+    return {sp: parallelize_on(model, data, ROWS // 2, tp=2, dp=2, sequence_parallel=sp, overlap=False)
+            for sp in (False, True)}, data
 
 
 def _kept_bytes():
@@ -275,9 +281,12 @@ def _attention_mask_bytes(program) -> int:
 
 
 def _compile_sp(tp, pp=1, sp=True, layers=2, **kw):
+    """The nanogpt with sequence parallelism's own collectives (``overlap=False``: by default they are
+    fused with their GEMMs, ``tests/passes/test_async_tp.py``)."""
     model, vocab = make("nanogpt", layers=layers)
     data = _sp_batches(vocab)
-    return parallelize_on(model, data, 2, tp=tp, pp=pp, microbatches=pp, dp=1, sequence_parallel=sp, **kw)
+    return parallelize_on(model, data, 2, tp=tp, pp=pp, microbatches=pp, dp=1, sequence_parallel=sp,
+                          overlap=False, **kw)
 
 
 def _shared_sp(shared, *args, **kw):

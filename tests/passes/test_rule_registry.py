@@ -147,7 +147,7 @@ def test_every_collective_is_registered_once_with_its_bytes_and_direction():
     assert names == {"copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "vocab_parallel_embedding",
                      "vocab_parallel_embedding_sp", "vocab_parallel_cross_entropy", "vocab_parallel_logsumexp", "vocab_parallel_softmax",
                      "vocab_parallel_log_softmax", "vocab_parallel_nll_loss", "vocab_parallel_soft_cross_entropy",
-                     "reduce_scatter_to_sp", "gather_from_sp"}
+                     "reduce_scatter_to_sp", "gather_from_sp", "all_gather_matmul", "matmul_reduce_scatter"}
     assert collective_named("copy_to_tp").fn is comm.copy_to_tp
     assert collective_named("copy_to_tp").direction == "bwd all-reduce"
     assert collective_named("scatter_to_tp").kinds == (ALL_GATHER,)

@@ -5,6 +5,8 @@
 - ``tp_mappings``     f and g of tensor parallelism (``copy_to_tp``, ``reduce_from_tp``) and
                       the fallback gather and scatter (``gather_from_tp``, ``scatter_to_tp``)
 - ``sp_mappings``     f and g of sequence parallelism (``gather_from_sp``, ``reduce_scatter_to_sp``)
+- ``async_tp``        those collectives decomposed in tp ring steps under the GEMMs next to them
+                      (``all_gather_matmul``, ``matmul_reduce_scatter``)
 - ``kept_slices``     ``keeping_gathered_slices``: the consumers of a value ``gather_from_sp``
                       made save this rank's slice and gather it again in the backward
 - ``vocab_parallel``  the vocabulary-parallel embedding, losses and softmax family
@@ -24,6 +26,7 @@ from autopar.core.comm.group import TPGroup, all_gather, in_buckets, local_slice
 from autopar.core.comm.kept_slices import keeping_gathered_slices, release_regathered
 from autopar.core.comm.random_streams import seed_forked, tp_rng_call
 from autopar.core.comm.sp_mappings import gather_from_sp, reduce_scatter_to_sp
+from autopar.core.comm.async_tp import all_gather_matmul, matmul_reduce_scatter
 from autopar.core.comm.tp_mappings import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 import autopar.core.comm.vocab_parallel as vocab_parallel
 from autopar.core.comm.vocab_parallel import (vocab_parallel_cross_entropy, vocab_parallel_embedding,
@@ -33,5 +36,6 @@ from autopar.core.comm.vocab_parallel import (vocab_parallel_cross_entropy, voca
                                               vocab_parallel_softmax)
 
 __all__ = ["TPGroup", "all_gather", "local_slice", "whole_from_shards", "wholes_from_shards", "in_buckets",
-           "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_sp", "gather_from_sp", "keeping_gathered_slices",
+           "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_sp", "gather_from_sp",
+           "all_gather_matmul", "matmul_reduce_scatter", "keeping_gathered_slices",
            "release_regathered", *vocab_parallel.__all__, "seed_forked", "tp_rng_call"]
