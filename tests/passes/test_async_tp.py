@@ -109,8 +109,9 @@ def test_overlap_values():
     assert ParallelConfig(tp=2, pp=2, sequence_parallel=True, overlap=True).overlap == {"tp", "p2p"}
     assert ParallelConfig(tp=2, overlap=True).overlap == frozenset()  # sequence parallelism off, no pipeline
     assert ParallelConfig(pp=2, overlap="p2p").overlap == {"p2p"}
-    assert ParallelConfig(tp=2, pp=2).overlap == frozenset()  # the default: 'tp' with sequence parallelism
-    assert ParallelConfig(tp=2, pp=2, sequence_parallel=None).overlap == {"tp"}
+    assert ParallelConfig(tp=2, pp=2).overlap == frozenset()  # the default: nothing overlapped
+    assert ParallelConfig(tp=2, pp=2, sequence_parallel=None).overlap == frozenset()
+    assert ParallelConfig(tp=2, pp=2, sequence_parallel=None, overlap=True).overlap == {"tp", "p2p"}
     assert ParallelConfig(tp=2, pp=2, sequence_parallel=True, overlap=False).overlap == frozenset()
     for config, message in [(dict(tp=2, overlap={"tp"}), "sequence_parallel=False has none"),
                             (dict(overlap={"p2p"}), "pp=1 has no pipeline"),
