@@ -55,13 +55,15 @@ COMPILABLE = tuple(LAYOUTS)
 BASELINE = "torch interleaved"
 
 
-def build_autopar(a, layout: dict, compile_mode, rec: dict):
-    """-> step(x, y): autopar's train_step + AdamW; ``rec['compile_s']`` filled after the first step."""
+def build_autopar(a, layout: dict, rec: dict, **options):
+    """-> step(x, y): autopar's train_step + AdamW for ``layout`` with ``parallelize``'s ``options``
+    (``compile=``, ``overlap=``); with compiled chunks ``rec['compile_s']`` and ``rec['cache']`` are
+    filled after the first step."""
     m = a.microbatches if layout.get("pp", 1) > 1 else 1
     x, y = make_batches(a)[0]
     rows = a.batch // (layout.get("dp", 1) * m)
     program = autopar.parallelize(make_model(a), example_inputs=(x[:rows],), example_targets=y[:rows],
-                                  microbatches=m, compile=compile_mode, **layout)
+                                  microbatches=m, **options, **layout)
     engine = program.materialize()
     opt = torch.optim.AdamW(engine.parameters(), lr=a.lr)
 
@@ -70,9 +72,10 @@ def build_autopar(a, layout: dict, compile_mode, rec: dict):
         opt.step()
         opt.zero_grad(set_to_none=True)
         reports = engine.compiled().values()
-        rec["compile_s"] = sum(r.seconds for r in reports)
-        rec["cache"] = (sum(r.cache_hits for r in reports), sum(r.cache_misses for r in reports),
-                        sum(r.waited_s for r in reports))
+        if reports:
+            rec["compile_s"] = sum(r.seconds for r in reports)
+            rec["cache"] = (sum(r.cache_hits for r in reports), sum(r.cache_misses for r in reports),
+                            sum(r.waited_s for r in reports))
         return loss
 
     return step
@@ -107,7 +110,7 @@ def worker(a, splits):
             if a.systems and not any(k in label for k in a.systems):
                 continue
             recs[label] = {}
-            steps[label] = build_autopar(a, layout, mode, recs[label])
+            steps[label] = build_autopar(a, layout, recs[label], compile=mode)
     for label, sched, comp in (("torch interleaved", "torch-interleaved", False),
                                ("torch interleaved compiled", "torch-interleaved", True),
                                ("torch zbv", "torch-zbv", False)):

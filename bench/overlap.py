@@ -35,8 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autopar  # noqa: E402
 from gpt_flags import add_gpt_flags  # noqa: E402
-from pipeline_vs_torch import make_model, timed_steps  # noqa: E402
+from pipeline_vs_torch import timed_steps  # noqa: E402
 from pooling import pool_round  # noqa: E402
+from compiled import build_autopar  # noqa: E402
 from tp_vs_dtensor import make_batches  # noqa: E402
 
 LAYOUTS = {  # name -> (parallelize() layout, the overlap it gets)
@@ -46,32 +47,13 @@ LAYOUTS = {  # name -> (parallelize() layout, the overlap it gets)
 }
 
 
-def build(a, layout: dict, overlap):
-    """-> step(x, y): autopar's train_step and AdamW for ``layout`` with ``overlap``."""
-    m = a.microbatches if layout.get("pp", 1) > 1 else 1
-    x, y = make_batches(a)[0]
-    rows = a.batch // m
-    program = autopar.parallelize(make_model(a), example_inputs=(x[:rows],), example_targets=y[:rows],
-                                  microbatches=m, overlap=overlap, **layout)
-    engine = program.materialize()
-    opt = torch.optim.AdamW(engine.parameters(), lr=a.lr)
-
-    def step(x, y):
-        loss = engine.train_step(x, y)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
-
-
 def worker(a):
     torch.set_num_threads(1)
     steps = {}
     for name in a.layouts:
         layout, overlap = LAYOUTS[name]
-        steps[(name, "on")] = build(a, layout, overlap)
-        steps[(name, "off")] = build(a, layout, False)
+        steps[(name, "on")] = build_autopar(a, layout, {}, overlap=overlap)
+        steps[(name, "off")] = build_autopar(a, layout, {}, overlap=False)
     res = timed_steps(steps, make_batches(a), a.warmup, flip=False)
     return {key: {"times": r["times"], "losses": r["losses"][-1:]} for key, r in res.items()}
 
