@@ -85,12 +85,36 @@ def stamped_trace(model: nn.Module, trace_whole: Callable[[nn.Module], TracedMod
     except TraceError:
         return None
     prefix = WRAPPER_PREFIX + path
-    if same_trace(_stamp(short, prefix, path, TRACED + 1), check) is not None:
+    stamped = {n: _stamp(short, prefix, path, n) for n in (TRACED + 1, len(stack))}
+    for n, t in stamped.items():
+        if t is None:
+            return None
+        t.constants = _block_constants(short.constants, model, path, n)
+        if t.constants is None:
+            return None
+    if same_trace(stamped[TRACED + 1], check) is not None:
         return None
-    full = _stamp(short, prefix, path, len(stack))
-    if full is None:
-        return None
-    return full, Stamping(path=path, blocks=len(stack))
+    return stamped[len(stack)], Stamping(path=path, blocks=len(stack))
+
+
+def _block_constants(constants: dict, model: nn.Module, path: str, n: int) -> dict | None:
+    """The trace's constant values for ``n`` blocks: those outside the stack as traced, and each
+    block's (its non-persistent buffers: the export keeps their values here) read from the model, at
+    the place the stack's took; None when one is not a buffer of the block."""
+    head = f"{WRAPPER_PREFIX}{path}."
+    suffixes = [k[len(head):].split(".", 1)[1] for k in constants if k.startswith(head + "0.")]
+    out: dict = {}
+    for key, value in constants.items():
+        if not key.startswith(head):
+            out[key] = value
+        elif not any(k.startswith(head) for k in out):
+            for i in range(n):
+                for suffix in suffixes:
+                    try:
+                        out[f"{head}{i}.{suffix}"] = model.get_buffer(f"{path}.{i}.{suffix}")
+                    except AttributeError:
+                        return None
+    return out
 
 
 def _traced_with(parent: nn.Module, attr: str, stack: nn.Module, n: int, model: nn.Module,
@@ -291,6 +315,8 @@ def same_trace(a: TracedModel | None, b: TracedModel) -> str | None:
     for field in ("param_of", "buffer_of", "constant_of", "input_names", "target_names", "logits"):
         if getattr(a, field) != getattr(b, field):
             return f"{field} differs"
+    if list(a.constants) != list(b.constants) or any(_val(a.constants[k]) != _val(b.constants[k]) for k in a.constants):
+        return "constants differ"
     na, nb = list(a.gm.graph.nodes), list(b.gm.graph.nodes)
     if len(na) != len(nb):
         return f"{len(na)} nodes against {len(nb)}"

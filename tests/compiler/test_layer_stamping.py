@@ -119,3 +119,32 @@ def test_summary_says_the_graph_was_stamped():
     x, y = _batch()
     program = autopar.parallelize(model, tp=2, pp=2, example_inputs=(x,), example_targets=y)
     assert "3 of the 7 blocks of h traced, 4 stamped" in program.summary()
+
+
+class _BufferedBlock(nn.Module):
+    def __init__(self, d: int, i: int):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("scale", torch.full((d,), 1.0 + i))
+        self.register_buffer("shift", torch.full((d,), 0.1 * i), persistent=False)  # the export keeps its value
+
+    def forward(self, x):
+        return x + self.fc(x) * self.scale + self.shift
+
+
+class _SequentialStack(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(VOCAB, d), nn.Linear(d, VOCAB)
+        self.stack = nn.Sequential(*[_BufferedBlock(d, i) for i in range(BLOCKS)])
+
+    def forward(self, ids):
+        return self.head(self.stack(self.emb(ids)))
+
+
+def test_blocks_with_buffers_in_a_sequential_keep_their_own_values():
+    stamped, whole = _both(_SequentialStack())
+    assert stamped.stamping is not None and same_trace(stamped, whole) is None
+    assert list(stamped.constants) == list(whole.constants)  # every block's non-persistent buffer, in order
+    for key, value in whole.constants.items():
+        assert stamped.constants[key] is value, key
