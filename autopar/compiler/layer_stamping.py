@@ -84,17 +84,19 @@ def stamped_trace(model: nn.Module, trace_whole: Callable[[nn.Module], TracedMod
         check = _traced_with(parent, attr, stack, TRACED + 1, model, trace_whole)
     except TraceError:
         return None
-    prefix = WRAPPER_PREFIX + path
-    stamped = {n: _stamp(short, prefix, path, n) for n in (TRACED + 1, len(stack))}
-    for n, t in stamped.items():
-        if t is None:
-            return None
-        t.constants = _block_constants(short.constants, model, path, n)
-        if t.constants is None:
-            return None
-    if same_trace(stamped[TRACED + 1], check) is not None:
+    four = _stamped(short, model, path, TRACED + 1)
+    if four is None or same_trace(four, check) is not None:
         return None
-    return stamped[len(stack)], Stamping(path=path, blocks=len(stack))
+    full = _stamped(short, model, path, len(stack))
+    return (full, Stamping(path=path, blocks=len(stack))) if full is not None else None
+
+
+def _stamped(short: TracedModel, model: nn.Module, path: str, n: int) -> TracedModel | None:
+    """``short`` stamped to ``n`` blocks, with each block's constants; None where it cannot be."""
+    t = _stamp(short, WRAPPER_PREFIX + path, path, n)
+    if t is not None:
+        t.constants = _block_constants(short.constants, model, path, n)
+    return t if t is not None and t.constants is not None else None
 
 
 def _block_constants(constants: dict, model: nn.Module, path: str, n: int) -> dict | None:

@@ -127,7 +127,8 @@ class CompileTurns:
     timeout_s: float
     """How long a follower waits before compiling on its own."""
 
-    def done(self, what: str, value: str = "1") -> None:
+    def publish(self, what: str, value: str = "1") -> None:
+        """Publish ``what`` (a compile's end, or a graph's fingerprint as ``value``) for the waiting ranks."""
         self.store.set(f"{self.prefix}/{what}", value.encode())
 
     def published(self, what: str) -> bool:
@@ -173,7 +174,7 @@ _SIGNAL: contextvars.ContextVar[tuple[CompileTurns, str] | None] = contextvars.C
 def _on_compile_end(_args) -> None:
     signal = _SIGNAL.get()
     if signal is not None:
-        signal[0].done(signal[1])
+        signal[0].publish(signal[1])
 
 
 def _signal_compile_ends() -> None:
@@ -276,7 +277,7 @@ class CompiledChunk:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs):
             turns, mine = self.turns, _fingerprint(gm, example_inputs)
             if turns.first:
-                turns.done(f"{self.name}/graph", mine)
+                turns.publish(f"{self.name}/graph", mine)
             elif self.same_as_first is None:
                 waited, theirs = turns.wait(f"{self.name}/graph")
                 self.same_as_first = theirs == mine
@@ -306,9 +307,9 @@ class CompiledChunk:
             _SIGNAL.reset(token)
             self._compiling = None
             if turns is not None and turns.first:
-                turns.done(what)  # also when the compile failed or made no graph: never leave one waiting
+                turns.publish(what)  # also when the compile failed or made no graph: never leave one waiting
                 if part == "forward" and not turns.published(f"{self.name}/graph"):
-                    turns.done(f"{self.name}/graph", "none")  # no graph captured: nobody waits for one
+                    turns.publish(f"{self.name}/graph", "none")  # no graph captured: nobody waits for one
 
 
 def compiled(module: nn.Module, backend: str | None, weights: frozenset[str] | None = None,
