@@ -86,6 +86,8 @@ def parallelize(
     loss_reduction: str = "tokens",
     compile: str | bool | None = None,
     overlap: bool | set[str] | None = None,
+    ep: int = 1,
+    expert_dispatch: str = "allgather",
 ) -> ParallelProgram:
     """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
@@ -124,6 +126,13 @@ def parallelize(
     compiled graph. With the zero-bubble schedules the backward graph is split into B (input
     gradients) and W (weight gradients) before it is compiled. ``engine.compiled()`` reports each
     chunk's compile time and graphs; ``engine.compiled_code()`` Inductor's code.
+
+    ``ep``: expert parallelism for a mixture-of-experts model. Its layers are found in the graph (a
+    router's top-k, stacked expert weights applied by grouped matmuls); each rank of an expert group
+    of ep data-parallel replicas (ep divides dp) holds E/ep whole experts, and the token rows travel
+    to the rank holding their expert and back. ``expert_dispatch``: 'allgather' (static shapes: every
+    rank gathers the group's rows, the results are reduce-scattered) or 'alltoall' (each rank sends
+    only the rows its peers' experts take). Exact either way (``docs/experts.md``).
     """
     if example_inputs is None:
         raise ArgumentError("parallelize() needs example_inputs: one microbatch with the real shapes")
@@ -133,7 +142,8 @@ def parallelize(
         tp=tp, pp=pp, virtual_stages=virtual_stages, microbatches=microbatches or pp,
         schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,
         scatter_gather=scatter_gather, recompute=recompute, precision=precision,
-        sequence_parallel=sequence_parallel, loss_reduction=loss_reduction, compile=compile, overlap=overlap)
+        sequence_parallel=sequence_parallel, loss_reduction=loss_reduction, compile=compile, overlap=overlap,
+        ep=ep, expert_dispatch=expert_dispatch)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     return compile_program(model, config, example_inputs, example_targets, loss_fn, output_fn,

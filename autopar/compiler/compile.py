@@ -13,6 +13,9 @@ none patches the program afterwards:
                            (g -> reduce-scatter, f -> all-gather); shapes annotated again
     async_tp               with overlap 'tp': those collectives fused     passes/async_tp.py
                            with their GEMMs in ring steps; shapes again
+    find_experts           the mixture-of-experts layers                 passes/experts.py
+    expert_parallel        with ep > 1: E/ep experts per rank, the rows  passes/expert_parallel.py
+                           sent to them and back; shapes again
     split_pipeline         p*v cost-balanced chunks                      passes/pipeline_split.py
     recompute              checkpointed regions in each chunk            passes/recompute.py
     eval_mode              each chunk's evaluation graph (no dropout)    passes/eval_mode.py
@@ -42,6 +45,8 @@ from autopar.core.tensor_placement import Replicate
 from autopar.schedules import Schedule, forward_only, generate, lower, receives_early, validate
 from passes.async_tp import apply_async_tp, async_tp_refusal
 from passes.eval_mode import eval_graph
+from passes.expert_parallel import apply_expert_parallel, expert_parallel_errors, expert_params
+from passes.experts import ExpertError, expert_candidates, find_experts
 from passes.layers import LayerInfo, find_layers
 from passes.normalize import normalize
 from passes.pipeline_split import split_pipeline
@@ -53,8 +58,8 @@ from passes.tensor_parallel import apply_tensor_parallel
 __all__ = ["compile_program", "PASSES"]
 
 PASSES: tuple[str, ...] = ("trace", "normalize", "find_layers", "analyze_sharding", "apply_tensor_parallel",
-                           "annotate_local_shapes", "sequence_parallel", "async_tp", "split_pipeline", "recompute",
-                           "eval_mode", "schedule")
+                           "annotate_local_shapes", "sequence_parallel", "async_tp", "find_experts", "expert_parallel",
+                           "split_pipeline", "recompute", "eval_mode", "schedule")
 """The pipeline's passes, in the order they run."""
 
 
@@ -78,6 +83,17 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
         if async_tp_refusal(config, sequence is not None) is None:
             async_tp = apply_async_tp(rank_module)
             annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
+        experts = find_experts(rank_module, traced.param_of)
+        errs = expert_parallel_errors(experts, config.ep, type(model).__name__, expert_candidates(traced, model))
+        if errs:
+            raise ExpertError("\n".join(errs))
+        expert_split = expert_params(experts, traced.param_of, config.ep)
+        if expert_split:
+            apply_expert_parallel(rank_module, experts, config.ep, config.expert_dispatch)
+            shapes = _param_local_shapes(traced, plan, config.tp)
+            for name, _ in expert_split.items():
+                shapes[name] = (shapes[name][0] // config.ep, *shapes[name][1:])
+            annotate_local_shapes(rank_module, config.tp, traced.param_of, shapes.__getitem__)
         schedule, eval_schedule = _schedules(config)
         split = _split(traced, rank_module, config, layers, schedule.chunk_stages)
         param_names = tuple(traced.param_of[n.name] for n in traced.gm.graph.nodes if n.name in traced.param_of)
@@ -86,7 +102,7 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
             model=model, config=config, traced=traced, layers=layers, plan=plan, rank_module=rank_module,
             split=split, schedule=schedule, eval_schedule=eval_schedule, param_names=param_names,
             param_stages=param_stages, tied_params={n: s for n, s in param_stages.items() if len(s) > 1},
-            sequence=sequence, async_tp=async_tp)
+            sequence=sequence, async_tp=async_tp, experts=tuple(experts), expert_params=expert_split)
 
 
 def _param_local_shapes(traced, plan: ShardingPlan, tp: int) -> dict[str, tuple[int, ...]]:

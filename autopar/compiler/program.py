@@ -25,6 +25,7 @@ from autopar.compiler.tp_traffic import tp_traffic
 from autopar.core.activation_recompute import Checkpointed
 from autopar.core.chunks import PipelineSplit
 from autopar.core.collectives import collective_of
+from passes.experts import ExpertLayer
 from autopar.core.config import ParallelConfig
 from autopar.core.errors import AutoparError
 from autopar.core.flops import node_bytes
@@ -116,6 +117,11 @@ class Program:
     async_tp: AsyncTPPlan | None = None
     """Which sequence-parallel collectives were fused with their GEMMs (``overlap`` 'tp'); None when the
     pass did not run (``passes.async_tp.async_tp_refusal`` says why)."""
+    experts: tuple[ExpertLayer, ...] = ()
+    """The mixture-of-experts layers found in the graph (``passes/experts.py``), split or not."""
+    expert_params: dict[str, int] = field(default_factory=dict)
+    """With expert parallelism (ep > 1): each stacked expert weight -> its expert count E; this rank holds
+    experts ``expert_range(name, ep_rank)`` of it (its first dim cut ep ways), tp's split inside."""
     batch_roles: BatchRoles | None = field(default=None)
     """What the batch tensors are to the traced graph: ids and the tables they index, the token-mean
     loss (``compiler/batch_roles.py``); read from the traced graph when the program is built."""
@@ -212,7 +218,23 @@ class Program:
         return tuple(self._phs[self._placeholder_of[name]].meta["val"].shape)
 
     def local_shape(self, name: str) -> tuple[int, ...]:
-        return param_local_shape(self.full_shape(name), self.param_spec(name), self.tp)
+        shape = param_local_shape(self.full_shape(name), self.param_spec(name), self.tp)
+        if name in self.expert_params:
+            shape = (shape[0] // self.ep, *shape[1:])
+        return shape
+
+    @property
+    def ep(self) -> int:
+        return self.config.ep
+
+    def expert_range(self, name: str, ep_rank: int) -> tuple[int, int] | None:
+        """(first expert, experts) of parameter ``name`` held by expert-parallel rank ``ep_rank``
+        (slice its first dim by these, then apply its tp split), or None for any other parameter."""
+        experts = self.expert_params.get(name)
+        if experts is None:
+            return None
+        per = experts // self.ep
+        return ep_rank * per, per
 
     def collectives(self, by_layer: bool = False) -> Counter:
         """Count the collective calls in the rank program (optionally keyed by layer)."""

@@ -16,7 +16,7 @@ from autopar.core.mesh import MeshShape
 
 __all__ = ["ParallelConfig", "Recompute", "RECOMPUTE", "PRECISIONS", "LOSS_REDUCTIONS", "SCHEDULE_NAMES", "SPLIT_BACKWARD_SCHEDULES", "COMPILE_BACKENDS",
            "FEWER_MICROBATCHES_THAN_STAGES", "microbatch_errors", "size_errors", "sequence_parallel_errors",
-           "mesh_errors", "optimizer_bytes_per_param", "OVERLAP_KINDS", "overlap_errors", "overlap_kinds"]
+           "mesh_errors", "optimizer_bytes_per_param", "EXPERT_DISPATCHERS", "expert_errors", "OVERLAP_KINDS", "overlap_errors", "overlap_kinds"]
 
 
 class Recompute(str, Enum):
@@ -192,6 +192,30 @@ def overlap_errors(overlap, tp: int, pp: int, sequence_parallel) -> list[str]:
     return errs
 
 
+EXPERT_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
+"""How tokens travel to their experts under expert parallelism (``ParallelConfig.expert_dispatch``)."""
+
+
+def expert_errors(ep: int, dispatcher: str, dp: int, tp: int, pp: int, dp_known: bool) -> list[str]:
+    """What keeps expert parallelism ``ep`` from fitting the data-parallel size, with the numbers and
+    the fix ([] when it fits). Expert groups are made of data-parallel replicas, so ep divides dp."""
+    errs = size_errors(ep=ep)
+    if errs:
+        return errs
+    if dispatcher not in EXPERT_DISPATCHERS:
+        errs.append(f"expert_dispatch must be one of {list(EXPERT_DISPATCHERS)}, got {dispatcher!r}")
+    if ep > 1 and dp % ep:
+        if not dp_known:
+            errs.append(f"ep={ep} groups {ep} data-parallel replicas, and no dp or world size is given (dp=1). "
+                        f"Fix: pass dp= (a multiple of {ep}) or world_size= ({ep * tp * pp} ranks or a multiple)")
+        else:
+            fits = [e for e in range(1, dp + 1) if dp % e == 0]
+            errs.append(f"ep={ep} must divide dp={dp}: an expert group is made of ep data-parallel replicas "
+                        f"(tp={tp} x pp={pp} x dp={dp}). Fix: ep in {fits}, or dp a multiple of {ep} "
+                        f"({ep * tp * pp} ranks or a multiple)")
+    return errs
+
+
 def optimizer_bytes_per_param(param_bytes: int) -> int:
     """Adam's state per parameter: moments m and v in fp32 (8 bytes), plus an fp32 master
     copy (4 more) when the parameters themselves are 16-bit (``param_bytes`` < 4: mixed
@@ -244,6 +268,16 @@ class ParallelConfig:
     On the CPU gloo ranks measured (``bench/overlap.py``) 'tp' was faster at the larger sizes and
     within noise at the reference one; 'p2p' within noise (and NCCL, which waits for a batch of
     exchanges whole, would hold its batches on the early receives), so it is off unless asked for."""
+    ep: int = 1
+    """Expert-parallel degree e: each mixture-of-experts layer's E experts split into e groups of E/e whole
+    experts, one per rank of an expert group of e data-parallel replicas (e divides d), and the tokens
+    sent to the rank holding their expert (``passes/expert_parallel.py``). 1: experts stay whole on every
+    replica (and are split like any MLP by tensor parallelism)."""
+    expert_dispatch: str = "allgather"
+    """How tokens reach their experts with ep > 1 (``EXPERT_DISPATCHERS``): 'allgather' (every rank of the
+    expert group gathers all the group's token rows, runs its experts on theirs, and the results are
+    reduce-scattered back: static shapes), or 'alltoall' (the rows per expert are exchanged first, then
+    each rank sends only the rows its peers' experts need, and gets their results back)."""
     loss_reduction: str = "tokens"
     """How the step's loss is made of its microbatches' (``docs/training.md``). 'tokens': when the traced
     loss is a mean-reduced cross-entropy / nll over targets with an ignore_index, microbatch i's loss
@@ -287,6 +321,10 @@ class ParallelConfig:
         errs = mesh_errors(self.tp, self.pp, self.dp, self.world_size)
         if errs:
             raise ConfigError("; ".join(errs))
+        errs = expert_errors(self.ep, self.expert_dispatch, self.data_parallel, self.tp, self.pp,
+                             self.dp is not None or self.world_size is not None)
+        if errs:
+            raise ConfigError("; ".join(errs))
 
     @property
     def dp_source(self) -> str:
@@ -308,4 +346,4 @@ class ParallelConfig:
 
     @property
     def mesh(self) -> MeshShape:
-        return MeshShape(self.tp, self.pp, self.data_parallel)
+        return MeshShape(self.tp, self.pp, self.data_parallel, self.ep)

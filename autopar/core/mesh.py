@@ -1,4 +1,4 @@
-"""The 3D mesh: rank <-> (pp, dp, tp) coordinates and the process groups.
+"""The 3D mesh: rank <-> (pp, dp, tp) coordinates and the process groups (expert groups inside dp).
 
 Megatron's order: tp varies fastest, then dp, then pp,
 
@@ -7,6 +7,12 @@ Megatron's order: tp varies fastest, then dp, then pp,
 so a tensor-parallel group is t consecutive ranks (inside one node) and a
 pipeline group strides by t*d. With t=2, p=4 on 16 GPUs (d=2): TP groups
 [0,1],[2,3],...; PP groups [0,4,8,12],[1,5,9,13],...
+
+Expert parallelism (e, dividing d) lives inside data parallelism, as in
+Megatron-Core: e consecutive replicas form an expert group whose ranks hold
+different experts and exchange tokens; the d/e replicas at the same place in
+their groups hold the same experts and average those experts' gradients. With
+t=1, d=4, e=2: expert groups [0,1],[2,3]; expert replicas [0,2],[1,3].
 
 ``MeshShape`` is pure arithmetic (no process group); ``Mesh.create`` makes
 every group once (all ranks must call it, in the same order) and keeps this
@@ -52,11 +58,17 @@ class MeshShape:
     """Pipeline stages p."""
     dp: int = 1
     """Data-parallel replicas d."""
+    ep: int = 1
+    """Expert-parallel degree e: groups of e consecutive data-parallel replicas hold different experts
+    (e divides d); the replicas with the same place in their groups hold the same experts."""
 
     def __post_init__(self):
-        for axis in ("tp", "pp", "dp"):
+        for axis in ("tp", "pp", "dp", "ep"):
             if getattr(self, axis) < 1:
                 raise ConfigError(f"{axis} must be >= 1, got {axis}={getattr(self, axis)}")
+        if self.dp % self.ep:
+            raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert parallelism groups ep data-parallel "
+                              f"replicas. Fix: dp a multiple of {self.ep}, or ep a divisor of {self.dp}")
 
     @property
     def world(self) -> int:
@@ -75,6 +87,20 @@ class MeshShape:
     def dp_groups(self) -> list[list[int]]:
         return [[self.rank(s, d, j) for d in range(self.dp)] for s in range(self.pp) for j in range(self.tp)]
 
+    def ep_groups(self) -> list[list[int]]:
+        """Expert-parallel groups: e consecutive dp replicas at each (pp, tp) position; the tokens
+        of a mixture-of-experts layer travel inside one to the rank holding their expert."""
+        e = self.ep
+        return [[self.rank(s, b * e + i, j) for i in range(e)]
+                for s in range(self.pp) for j in range(self.tp) for b in range(self.dp // e)]
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        """The replicas holding the same experts (the same place in their expert groups): expert
+        gradients are averaged over these, d / e ranks."""
+        e = self.ep
+        return [[self.rank(s, b * e + i, j) for b in range(self.dp // e)]
+                for s in range(self.pp) for j in range(self.tp) for i in range(e)]
+
     def pp_groups(self) -> list[list[int]]:
         return [[self.rank(s, d, j) for s in range(self.pp)] for d in range(self.dp) for j in range(self.tp)]
 
@@ -90,7 +116,8 @@ class Mesh:
     shape: MeshShape
     rank: int
     groups: dict[str, Any] = field(default_factory=dict)
-    """'tp', 'dp', 'pp' -> this rank's process group (None when the axis has size 1)."""
+    """'tp', 'dp', 'pp', and with expert parallelism 'ep' (the replicas holding different experts)
+    and 'edp' (those holding the same ones) -> this rank's process group (None when the axis has size 1)."""
     tied: dict[tuple[int, ...], Any] = field(default_factory=dict)
     """Stages sharing a parameter -> this rank's group over them (None if not a member)."""
 
@@ -106,6 +133,16 @@ class Mesh:
     def tp_rank(self) -> int:
         return self.shape.coords(self.rank)[2]
 
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group: it holds experts [ep_rank * E/e, (ep_rank + 1) * E/e)."""
+        return self.dp_rank % self.shape.ep
+
+    def ep_members(self) -> list[int]:
+        """Global ranks of this rank's expert-parallel group, in ep order."""
+        first = self.dp_rank - self.ep_rank
+        return [self.shape.rank(self.pp_rank, first + i, self.tp_rank) for i in range(self.shape.ep)]
+
     def tp_members(self) -> list[int]:
         """Global ranks of this rank's tensor-parallel group, in tp order."""
         return [self.shape.rank(self.pp_rank, self.dp_rank, j) for j in range(self.shape.tp)]
@@ -120,13 +157,16 @@ class Mesh:
         if not dist.is_initialized():
             if shape.world != 1:
                 raise MeshError(f"a mesh of {shape.world} ranks needs an initialised process group")
-            return Mesh(shape, 0, {"tp": None, "dp": None, "pp": None})
+            return Mesh(shape, 0, {"tp": None, "dp": None, "pp": None, "ep": None, "edp": None})
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != shape.world:
             raise ConfigError(f"tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world}, "
                              f"but the world size is {world}")
         mesh = Mesh(shape, rank)
-        for axis, groups in (("tp", shape.tp_groups()), ("dp", shape.dp_groups()), ("pp", shape.pp_groups())):
+        axes = [("tp", shape.tp_groups()), ("dp", shape.dp_groups()), ("pp", shape.pp_groups())]
+        if shape.ep > 1:  # expert groups only where there are experts to split: no new groups otherwise
+            axes += [("ep", shape.ep_groups()), ("edp", shape.expert_dp_groups())]
+        for axis, groups in axes:
             mesh.groups[axis] = None
             for ranks in groups:
                 g = group_over(ranks)

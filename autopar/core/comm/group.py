@@ -46,6 +46,9 @@ class TPGroup:
     """All-reduce small tensors by recursive doubling over point-to-point exchanges."""
     rank_tensor: torch.Tensor | None = field(default=None, compare=False)
     """``rank`` as a 0-d tensor on the engine's device, set for compiled chunks (``first_index``)."""
+    ep: "TPGroup | None" = field(default=None, compare=False)
+    """This rank's expert-parallel group (the data-parallel replicas holding different experts), for the
+    expert dispatch (``comm.expert_dispatch``); None without expert parallelism or when inspecting."""
 
     def own_slice(self, x: torch.Tensor, dim: int, segments: tuple[int, ...] | None = None) -> torch.Tensor:
         """This rank's piece of ``x`` along ``dim`` (``local_slice``), contiguous; the same captured

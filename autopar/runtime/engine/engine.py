@@ -100,6 +100,8 @@ class RankEngine(nn.Module):
         self.device = rank_device(local_params.values())
         """Where this rank computes: its parameters' device. Every tensor the engine makes lives here."""
         self.tp = TPGroup.of(mesh.groups.get("tp"), tuple(mesh.tp_members()))
+        if mesh.shape.ep > 1:  # the expert dispatch's group rides on the tp group the rank program is given
+            self.tp = dataclasses.replace(self.tp, ep=TPGroup.of(mesh.groups.get("ep"), tuple(mesh.ep_members())))
         if program.config.compile and self.tp.size > 1:  # the rank as a graph input: one graph per stage
             self.tp = dataclasses.replace(self.tp, rank_tensor=torch.tensor(self.tp.rank, device=self.device))
         if nccl() and self.device.type != "cuda":

@@ -136,7 +136,8 @@ class Holdings:
 
     def gather(self, get: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
         """``get(shard)`` of every parameter, whole, on every rank, on the device: all-gathered over tp
-        (sharded ones, in buckets of ``GATHER_BUCKET_BYTES``), then broadcast over pp from the first stage
+        (sharded ones, in buckets of ``GATHER_BUCKET_BYTES``), stacked expert weights over the expert
+        group, then broadcast over pp from the first stage
         holding it; under every alias."""
         program = self.program
         whole = {name: get(self.shard(name)) if self.holds(name) else None for name in program.param_names}
@@ -145,6 +146,12 @@ class Holdings:
         wholes = wholes_from_shards([(whole[n], s.dim, s.segments, program.full_shape(n)[s.dim]) for n, s in sharded],
                                     self.tp, GATHER_BUCKET_BYTES)
         whole.update({name: value for (name, _), value in zip(sharded, wholes)})
+        experts = [n for n in program.expert_params if whole.get(n) is not None]
+        if experts and self.mesh.groups.get("ep") is not None:  # each rank of the expert group holds E/ep
+            group = TPGroup.of(self.mesh.groups["ep"], tuple(self.mesh.ep_members()))
+            wholes = wholes_from_shards([(whole[n], 0, None, program.full_shape(n)[0]) for n in experts], group,
+                                        GATHER_BUCKET_BYTES)
+            whole.update(zip(experts, wholes))
         if self.mesh.shape.pp > 1:
             whole = self._from_owners(whole)
         return {alias: whole[name].clone() for name in program.param_names

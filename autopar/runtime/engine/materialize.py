@@ -63,7 +63,7 @@ def materialize(program: Program, state_dict: dict[str, torch.Tensor] | None = N
     device = _device(weights.given.values())
     base_seed = _rank0_seed(seed, device)
     local, buffers = _on_every_rank("making its weights", lambda: weights.load(
-        mesh.pp_rank, mesh.tp_rank, device, base_seed))
+        mesh.pp_rank, mesh.tp_rank, device, base_seed, mesh.ep_rank))
     return RankEngine(program, mesh, local, _replicated_inputs(program, buffers, device))
 
 

@@ -114,6 +114,18 @@ class GradientSync:
         self.tp_partial.sum(names)
         if not names or (self.mesh.shape.dp == 1 and self.sharded is None):
             return
+        experts = [n for n in names if n in self.program.expert_params]
+        if experts:  # each expert's replicas are the d/ep ranks holding it (mesh 'edp'), not all of dp
+            if self.sharded is not None:
+                raise OptimizerError("the distributed optimizer does not shard expert-parallel weights yet")
+            names = [n for n in names if n not in self.program.expert_params]
+            for names_in_bucket in bucket_names(experts, self.params, self.bucket_bytes):
+                bucket = [self.params[name] for name in names_in_bucket]
+                for p in bucket:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                if self.mesh.groups.get("edp") is not None:
+                    self._launch(bucket, self.mesh.groups["edp"], self.mesh.shape.dp // self.mesh.shape.ep)
         group = self.mesh.groups.get("dp")
         for names_in_bucket in bucket_names(names, self.params, self.bucket_bytes):
             if self.sharded is not None:
@@ -125,11 +137,12 @@ class GradientSync:
                     p.grad = torch.zeros_like(p)
             self._launch(bucket, group)
 
-    def _launch(self, params: list[nn.Parameter], group) -> None:
-        """All-reduce one bucket: the gradients flattened into one 1-D tensor (on the device)."""
+    def _launch(self, params: list[nn.Parameter], group, replicas: int | None = None) -> None:
+        """All-reduce one bucket: the gradients flattened into one 1-D tensor (on the device), averaged
+        over ``replicas`` (default: dp) at the end of the step."""
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         work = dist.all_reduce(flat, group=group, async_op=True)
-        self._works.append((work, flat, params))
+        self._works.append((work, flat, params, replicas or self.mesh.shape.dp))
         self.stats["dp_buckets"] = self.stats.get("dp_buckets", 0) + 1
 
     def _flat_bucket(self, names: list[str]) -> FlatBucket:
@@ -167,10 +180,9 @@ class GradientSync:
         if self.sharded is not None:
             self._end_sharded_step()
             return
-        d = self.mesh.shape.dp
-        for work, flat, params in self._works:
+        for work, flat, params, replicas in self._works:
             work.wait()
-            flat /= d
+            flat /= replicas
             offset = 0
             for p in params:
                 n = p.grad.numel()
@@ -222,15 +234,21 @@ class GradientSync:
     def clip_norm_(self, max_norm: float, tp_rank: int, stage: int) -> float:
         """Clip all gradients by their global 2-norm; returns the norm before clipping.
 
-        Each parameter counts once: a shard on every tensor-parallel rank, a
+        Each parameter counts once: a shard on every tensor-parallel rank (and each expert-parallel
+        rank's experts of a stacked expert weight), a
         replicated parameter on tp rank 0, a parameter held by several stages
         on the first of them; data-parallel replicas hold equal gradients (in
         reduce-scatter mode each replica counts and scales the range it owns).
         """
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, grad in self._reduced_pieces():
             if self._counts_once(name, tp_rank, stage):
-                sq += grad.detach().double().pow(2).sum()
+                into = experts if name in self.program.expert_params else sq
+                into += grad.detach().double().pow(2).sum()
+        if self.mesh.groups.get("ep") is not None:  # the other experts are on the expert group's other ranks
+            dist.all_reduce(experts, group=self.mesh.groups["ep"])
+        sq += experts
         axes = ("tp", "pp", "dp") if self.sharded is not None else ("tp", "pp")
         for axis in axes:
             if self.mesh.groups.get(axis) is not None:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.core.tensor_placement import Replicate, Shard
+from autopar.core.tensor_placement import PlacementError, Replicate, Shard
 
-__all__ = ["Piece", "Reader", "shard_pieces", "assemble", "narrow_reader"]
+__all__ = ["Piece", "Reader", "shard_pieces", "assemble", "narrow_reader", "expert_slice"]
 
 Reader = Callable[[int, int], torch.Tensor]
 """``read(start, stop)``: rows ``[start, stop)`` of the full tensor along the sharded dim
@@ -88,3 +88,17 @@ def narrow_reader(full: torch.Tensor, spec: Replicate | Shard) -> Reader:
         return lambda start, stop: full
     dim = spec.dim if isinstance(spec, Shard) else 0
     return lambda start, stop: full.narrow(dim, start, stop - start)
+
+
+def expert_slice(read: Reader, full_shape: tuple[int, ...], spec: Replicate | Shard, first: int,
+                 count: int) -> tuple[Reader, tuple[int, ...]]:
+    """A stacked expert weight (E, ...) seen as experts ``[first, first + count)`` only: the reader of
+    that (count, ...) tensor and its shape, for ``assemble`` to apply the tensor-parallel split to.
+    Whole along dim 0 (no tp split there): the rows read are those experts' only; split along another
+    dim: each read narrowed to them."""
+    shape = (count, *full_shape[1:])
+    if not isinstance(spec, Shard) or spec.dim == 0:
+        if isinstance(spec, Shard):
+            raise PlacementError(f"a stacked expert weight split by tp along its expert dim: {spec}")
+        return (lambda start, stop: read(first + start, first + stop)), shape
+    return (lambda start, stop: read(start, stop).narrow(0, first, count)), shape

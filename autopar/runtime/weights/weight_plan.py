@@ -39,7 +39,7 @@ from autopar.runtime.hf.conversion import Lazy
 from autopar.runtime.hf.weights_in import HFCheckpoint
 from autopar.runtime.weights.initialize import initialise_modules
 from autopar.runtime.weights.module_init import check_initialisable
-from autopar.runtime.weights.shards import Reader, assemble, narrow_reader
+from autopar.runtime.weights.shards import Reader, assemble, expert_slice, narrow_reader
 
 __all__ = ["WeightPlan", "plan_weights", "WeightsError", "MissingWeightsError"]
 
@@ -70,10 +70,14 @@ class WeightPlan:
     given_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     checkpoint_buffers: dict[str, Lazy] = field(default_factory=dict)
     init_buffers: set[str] = field(default_factory=set)
+    ep_rank: int = 0
+    """The expert-parallel rank ``load`` reads for (its experts of each stacked expert weight)."""
 
-    def load(self, stage: int, tp_rank: int, device: torch.device, seed: int
+    def load(self, stage: int, tp_rank: int, device: torch.device, seed: int, ep_rank: int = 0
              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(this rank's parameter shards in the program's order, the graph's buffers), on ``device``."""
+        """(this rank's parameter shards in the program's order, the graph's buffers), on ``device``;
+        stacked expert weights cut to expert-parallel rank ``ep_rank``'s experts first."""
+        self.ep_rank = ep_rank
         held = [n for n in self.program.param_names if stage in self.program.param_stages[n]]
         local: dict[str, torch.Tensor] = {}
         buffers = {n: b.detach().to(device, copy=True) for n, b in self.given_buffers.items()}
@@ -114,10 +118,14 @@ class WeightPlan:
 
     def _shard(self, name: str, read: Reader, dtype: torch.dtype, tp_rank: int,
                device: torch.device) -> torch.Tensor:
-        """This rank's shard of parameter ``name`` from ``read``, as ``dtype`` on ``device``."""
+        """This rank's shard of parameter ``name`` from ``read``, as ``dtype`` on ``device``: a stacked
+        expert weight is first cut to this rank's experts (``expert_slice``)."""
         program = self.program
-        return assemble(read, program.full_shape(name), program.param_spec(name), tp_rank, program.tp, dtype,
-                        device)
+        spec, full = program.param_spec(name), program.full_shape(name)
+        experts = program.expert_range(name, self.ep_rank)
+        if experts is not None:
+            read, full = expert_slice(read, full, spec, *experts)
+        return assemble(read, full, spec, tp_rank, program.tp, dtype, device)
 
 
 def plan_weights(program: Program, state_dict: dict[str, torch.Tensor] | None = None,
