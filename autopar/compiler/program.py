@@ -200,9 +200,16 @@ class Program:
         if self.config.data_parallel > 1:
             d = self.config.data_parallel
             stage_bytes = max(sum(math.prod(self.local_shape(n)) * 4 for n in self.param_names
-                                  if s in self.param_stages.get(n, ())) for s in range(self.pp))
+                                  if s in self.param_stages.get(n, ()) and n not in self.expert_params)
+                              for s in range(self.pp))
             out[("dp", "all-reduce grads", f"ring: 2(d-1)/d of {stage_bytes / 2**20:.1f} MiB")] = \
                 2 * (d - 1) / d * stage_bytes
+            e = d // self.ep
+            if self.expert_params and e > 1:  # each expert's gradient over the d/ep replicas holding it
+                expert_bytes = max(sum(math.prod(self.local_shape(n)) * 4 for n in self.expert_params
+                                       if s in self.param_stages.get(n, ())) for s in range(self.pp))
+                out[("edp", "all-reduce expert grads", f"ring over d/ep={e}: 2(e-1)/e of "
+                     f"{expert_bytes / 2**20:.1f} MiB")] = 2 * (e - 1) / e * expert_bytes
         return out
 
     # ------------------------------------------------------------ introspection

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autopar.compiler.expert_report import expert_lines
 from autopar.compiler.overlap_report import overlap_lines
 from autopar.compiler.sequence_report import sequence_parallel_lines
 from autopar.planning.drawing.tables import PIPED_WIDTH, compact_table
@@ -136,6 +137,8 @@ def render_summary(program: Program, width: int = PIPED_WIDTH) -> str:
         console.print(line, highlight=False, markup=False)
     for line in overlap_lines(program):
         console.print(line, highlight=False, markup=False)
+    for line in expert_lines(program):
+        console.print(line, highlight=False, markup=False)
     console.print(_fallbacks_table(program))
     for table in (_unsplit_weights_table(program), _rejected_table(program)):
         if table is not None:
@@ -149,7 +152,7 @@ def _header(program: Program) -> str:
     return (
         f"[bold]autopar program[/bold]: {program.traced.model_name}, {total:,} parameters, "
         f"{layers.describe()}\n"
-        f"mesh: tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} = {mesh.world} ranks "
+        f"mesh: tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp}{_ep_text(mesh)} = {mesh.world} ranks "
         f"(rank = tp + dp*{mesh.tp} + pp*{mesh.tp * mesh.dp})\n"
         f"data-parallel size {mesh.dp}: {cfg.dp_source}\n"
         f"schedule {cfg.schedule}, virtual stages {cfg.virtual_stages}, {cfg.microbatches} microbatches per "
@@ -159,6 +162,11 @@ def _header(program: Program) -> str:
         f"{_batch_line(program)}\n"
         f"{_loss_line(program)}"
     )
+
+
+def _ep_text(mesh) -> str:
+    """The expert-parallel degree inside dp, when there is one."""
+    return f" (ep={mesh.ep} inside dp)" if mesh.ep > 1 else ""
 
 
 def _trace_line(program: Program) -> str:
@@ -411,4 +419,7 @@ def _roles(program: Program) -> dict[str, str]:
                 pname = traced.param_of[a.name]
                 if kind not in roles.get(pname, ""):
                     roles[pname] = f"{roles[pname]}, {kind}" if pname in roles else kind
+    for name, experts in program.expert_params.items():
+        held = f"experts: E/ep = {experts // program.ep} of {experts} per rank"
+        roles[name] = f"{roles[name]}, {held}" if name in roles else held
     return roles

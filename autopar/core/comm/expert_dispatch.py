@@ -67,8 +67,9 @@ def _group(tp: TPGroup, ep: int) -> TPGroup:
 
 
 class ExpertLoad:
-    """Rows each expert received, per layer, summed over the steps since the last ``take`` (the engine
-    takes it after each step): this rank's expert group's tokens, as ``expert_route`` saw them."""
+    """Rows each expert received, per layer, summed over the training forwards since the last ``take``
+    (the engine takes it after each step): this rank's expert group's tokens, as ``expert_route``
+    saw them (a recomputed forward and an evaluation step are not counted)."""
 
     def __init__(self):
         self._rows: dict[str, torch.Tensor] = {}
@@ -99,8 +100,8 @@ def expert_route(tp: TPGroup, offs: torch.Tensor, experts: int, ep: int, site: s
     if group.pg is None:
         return offs.expand(ep, experts).clone()
     route = all_gather_dim(offs, group, 0)
-    if not torch.compiler.is_compiling():
-        EXPERT_LOAD.add(site, _counts(route).sum(0))
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        EXPERT_LOAD.add(site, _counts(route).sum(0))  # training forwards only: not a recomputation, not an eval
     return route
 
 

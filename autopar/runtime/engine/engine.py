@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.core.comm import TPGroup
+from autopar.core.comm.expert_dispatch import EXPERT_LOAD
 from autopar.core.mesh import Mesh
 from autopar.runtime.engine.action_runs import Handlers, run_actions
 from autopar.runtime.engine.compiled_chunks import CompiledChunk, CompileReport, CompileTurns
@@ -130,6 +131,8 @@ class RankEngine(nn.Module):
         """Seconds an action may make no progress (waiting for a peer) before this rank fails the step
         with a ``TimeoutError`` its peers raise too: ``AUTOPAR_FAILURE_TIMEOUT``, default 300."""
         self._steps = 0
+        self._expert_load: dict[str, list[int]] = {}
+        self._held_placeholders = {ph for c in self.chunks.values() for ph in c.params}
         """Steps started (train and eval)."""
         self.grads = GradientSync(program, mesh, {n: self.holdings.shard(n) for n in local_params},
                                   bucket_bytes, device=self.device)
@@ -198,7 +201,30 @@ class RankEngine(nn.Module):
             self.wait_parameters("train_step")  # a parameter no chunk read: nothing else waits for it
             self.grads.end_step()
             loss = self._reduce_loss(st)
+            self._expert_load = self._step_expert_load()
         return loss
+
+    def _step_expert_load(self) -> dict[str, list[int]]:
+        """This step's rows per expert of each expert-parallel layer, over every replica (the expert
+        group's counts summed over the groups: a small all-reduce over 'edp'); {} without ep."""
+        counted = EXPERT_LOAD.take()
+        if not self.program.expert_params:
+            return {}
+        layers = [x for x in self.program.experts if x.params[0] in self._held_placeholders]
+        rows = torch.tensor([n for x in layers for n in counted.get(x.module, [0] * x.experts)], dtype=torch.int64)
+        if self.mesh.groups.get("edp") is not None and layers:
+            rows = rows.to(self.device)
+            dist.all_reduce(rows, group=self.mesh.groups["edp"])
+        flat, out = rows.cpu().tolist(), {}
+        for x in layers:
+            out[x.module], flat = flat[:x.experts], flat[x.experts:]
+        return out
+
+    def expert_load(self) -> dict[str, list[int]]:
+        """The last training step's load: for each mixture-of-experts layer on this rank's stage (by
+        its experts' module), the token rows routed to each expert over the whole global batch (every
+        replica's; a token counts once per expert it chose). {} without expert parallelism."""
+        return dict(self._expert_load)
 
     def eval_step(self, *batch: torch.Tensor, outputs: bool = False, to: str | int | Iterable[int] = "all"):
         """Forward only, over the pipeline; returns the mean loss (same on every rank) as the
