@@ -7,8 +7,7 @@ them), which itself is left as the model wrote it:
     route  = expert_route(tp, offs, E, ep, site)        every rank's offsets, gathered
     rows'  = expert_dispatch(tp, rows, route, ep, how)  this rank's experts' rows, from all
     offs'  = expert_offsets(tp, route, ep, how, S)      their offsets over the local experts
-    W'     = expert_grad_scale(W, ep)                   the local experts (E/ep, ...)
-    ... the region, unchanged, on rows', offs', W' ...
+    ... the region, unchanged, on rows', offs' and this rank's E/ep experts ...
     out    = expert_combine(tp, out', route, ep, how, S) the results back where the rows came from
 
 The stacked expert weights become this rank's E/ep experts (their first dim
@@ -90,16 +89,12 @@ def _rewrite(graph: fx.Graph, nodes: dict[str, fx.Node], tp: fx.Node, layer: Exp
     _copy_meta(route, offs, "expert_route")
     _copy_meta(local_offs, offs, "expert_offsets")
     swaps = {offs: local_offs}
-    for name in layer.rows_in:
+    for name in layer.rows_in:  # each sits with its first reader in the region (its layer, its line)
         x = nodes[name]
-        with graph.inserting_before(_first_user_in(x, region)):
+        user = _first_user_in(x, region)
+        with graph.inserting_before(user):
             swaps[x] = graph.call_function(xd.expert_dispatch, (tp, x, route, ep, dispatcher))
-        _copy_meta(swaps[x], x, "expert_dispatch")
-    for name in layer.params:
-        w = nodes[name]
-        with graph.inserting_before(_first_user_in(w, region)):
-            swaps[w] = graph.call_function(xd.expert_grad_scale, (w, ep))
-        _copy_meta(swaps[w], w, "expert_grad_scale")
+        _copy_meta(swaps[x], user, "expert_dispatch")
     for n in region:
         for old, new in swaps.items():
             if old in n.all_input_nodes:

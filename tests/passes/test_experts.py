@@ -3,9 +3,8 @@
 ``find_experts`` recognises a layer by its structure alone (a router's top-k,
 stacked 3-D weights read by grouped matmuls over the same offsets), so an HF
 Mixtral and a model written here are found alike. With ep > 1 the rank graph
-gets one route, one offsets, one dispatch per row input, one combine and a
-gradient scale per stacked weight per layer; each stacked weight is held as
-E/ep experts. The dispatch plan (which rows go where) is checked on a routing
+gets one route, one offsets, one dispatch per row input and one combine per
+layer; each stacked weight is held as E/ep experts. The dispatch plan (which rows go where) is checked on a routing
 worked out by hand. Bad input (ep not dividing E or dp, a model without
 experts or with experts written as a list of modules, a region that fixes its
 row count) fails before any work with the module, the numbers and the fix.
@@ -115,7 +114,7 @@ def test_expert_parallel_rewrite_per_layer(dispatcher):
         if node.op == "call_function" and getattr(node.target, "__module__", "") == xd.__name__:
             per_layer[node.target.__name__] += 1
     assert per_layer == {"expert_route": LAYERS, "expert_offsets": LAYERS, "expert_dispatch": LAYERS,
-                         "expert_combine": LAYERS, "expert_grad_scale": 2 * LAYERS}
+                         "expert_combine": LAYERS}
     assert set(program.expert_params) == {f"model.layers.{i}.mlp.experts.{w}" for i in range(LAYERS)
                                           for w in ("gate_up_proj", "down_proj")}
     assert program.local_shape("model.layers.0.mlp.experts.gate_up_proj") == (E // 2, 48, H)

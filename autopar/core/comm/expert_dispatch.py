@@ -15,12 +15,16 @@ expert (``passes/expert_parallel.py`` rewrites the graph around it):
                                         of the group, grouped by expert;
 - ``expert_offsets(tp, route, ...)``    the group offsets of those rows over the local experts;
 - ``expert_combine(tp, y, route, ...)`` the results sent back to the ranks the rows came
-                                        from, in their sorted order;
-- ``expert_grad_scale(w, ep)``          the identity on an expert weight whose gradient is
-                                        divided by ep (the gradient sums the expert group's
-                                        tokens; averaged then over the d/ep replicas holding
-                                        the same experts, it is the mean over all d replicas,
-                                        as a dense weight's).
+                                        from, in their sorted order.
+
+Gradients: an expert weight's gradient sums the whole expert group's tokens,
+and is then averaged over the d/ep replicas holding the same experts; to be
+the mean over all d replicas, as a dense weight's, it is divided by ep. The
+combine's backward divides the gradient entering the expert region by ep and
+the dispatch's backward multiplies the rows' gradient leaving it by ep, so
+only the expert weights (which the region alone reads) keep the 1/ep (exact
+for ep a power of two). Inside the region nothing else changes, so this holds
+under ``torch.compile`` and with the backward split into B and W.
 
 Two dispatchers (``dispatcher``):
 
@@ -52,8 +56,7 @@ import torch.distributed as dist
 from autopar.core.comm.group import TPGroup, all_gather_dim, reduce_scatter_dim
 from autopar.core.collectives import CollectiveError
 
-__all__ = ["expert_route", "expert_dispatch", "expert_offsets", "expert_combine", "expert_grad_scale",
-           "ExpertLoad", "EXPERT_LOAD"]
+__all__ = ["expert_route", "expert_dispatch", "expert_offsets", "expert_combine", "ExpertLoad", "EXPERT_LOAD"]
 
 
 def _group(tp: TPGroup, ep: int) -> TPGroup:
@@ -159,29 +162,30 @@ def _plan(route: torch.Tensor, group: TPGroup, rows: int, dispatcher: str) -> _P
 
 
 class _GatherRows(torch.autograd.Function):
-    """All-gather along rows; backward: reduce-scatter of the gradient (each rank's rows summed)."""
+    """All-gather along rows; backward: reduce-scatter of the gradient (each rank's rows summed), times
+    ``scale``."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, scale):
+        ctx.group, ctx.scale = group, scale
         return all_gather_dim(x, group, 0)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_dim(grad.contiguous(), ctx.group, 0), None
+        return reduce_scatter_dim(grad.contiguous(), ctx.group, 0) * ctx.scale, None, None
 
 
 class _ScatterRows(torch.autograd.Function):
-    """Reduce-scatter along rows; backward: all-gather of the gradient."""
+    """Reduce-scatter along rows; backward: all-gather of the gradient, times ``scale``."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, scale):
+        ctx.group, ctx.scale = group, scale
         return reduce_scatter_dim(x.contiguous(), group, 0)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_dim(grad.contiguous(), ctx.group, 0), None
+        return all_gather_dim(grad.contiguous(), ctx.group, 0) * ctx.scale, None, None
 
 
 def _all_to_all(x: torch.Tensor, group: TPGroup, out_rows: list[int], in_rows: list[int]) -> torch.Tensor:
@@ -192,28 +196,18 @@ def _all_to_all(x: torch.Tensor, group: TPGroup, out_rows: list[int], in_rows: l
 
 
 class _Exchange(torch.autograd.Function):
-    """All-to-all of rows (``send`` to each peer, ``recv`` from each); backward: the reverse exchange."""
+    """All-to-all of rows (``send`` to each peer, ``recv`` from each); backward: the reverse exchange,
+    times ``scale``."""
 
     @staticmethod
-    def forward(ctx, x, group, recv, send):
-        ctx.args = (group, recv, send)
+    def forward(ctx, x, group, recv, send, scale):
+        ctx.args = (group, recv, send, scale)
         return _all_to_all(x, group, recv, send)
 
     @staticmethod
     def backward(ctx, grad):
-        group, recv, send = ctx.args
-        return _all_to_all(grad, group, send, recv), None, None, None
-
-
-class _GradScale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w, scale):
-        ctx.scale = scale
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
+        group, recv, send, scale = ctx.args
+        return _all_to_all(grad, group, send, recv) * scale, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- the exchange
@@ -230,11 +224,11 @@ def expert_dispatch(tp: TPGroup, x: torch.Tensor, route: torch.Tensor, ep: int, 
         return x.new_zeros((rows * ep if dispatcher == "allgather" else rows, *x.shape[1:]))
     plan = _plan(route, group, rows, dispatcher)
     if dispatcher == "allgather":
-        gathered = _GatherRows.apply(x, group)
+        gathered = _GatherRows.apply(x, group, float(ep))
         held = gathered.index_select(0, plan.order)
         return torch.cat([held, held.new_zeros((ep * rows - plan.held, *x.shape[1:]))])
     sent = x.narrow(0, 0, sum(plan.send))  # rows past the last offset go to no expert
-    return _Exchange.apply(sent, group, plan.recv, plan.send).index_select(0, plan.order)
+    return _Exchange.apply(sent, group, plan.recv, plan.send, float(ep)).index_select(0, plan.order)
 
 
 @torch.compiler.disable(reason="expert dispatch: the rows each rank holds depend on the routing")
@@ -259,14 +253,7 @@ def expert_combine(tp: TPGroup, y: torch.Tensor, route: torch.Tensor, ep: int, d
     held = y.narrow(0, 0, plan.held)
     if dispatcher == "allgather":
         spread = held.new_zeros((ep * rows, *y.shape[1:])).index_copy(0, plan.order, held)
-        return _ScatterRows.apply(spread, group)
+        return _ScatterRows.apply(spread, group, 1.0 / ep)
     back = held.new_zeros((sum(plan.recv), *y.shape[1:])).index_copy(0, plan.order, held)
-    mine = _Exchange.apply(back, group, plan.send, plan.recv)
+    mine = _Exchange.apply(back, group, plan.send, plan.recv, 1.0 / ep)
     return torch.cat([mine, mine.new_zeros((rows - mine.shape[0], *y.shape[1:]))])
-
-
-def expert_grad_scale(w: torch.Tensor, ep: int) -> torch.Tensor:
-    """``w`` itself; its gradient divided by ``ep`` (see the module's docstring)."""
-    if ep == 1 or not w.requires_grad:
-        return w
-    return _GradScale.apply(w, 1.0 / ep)
