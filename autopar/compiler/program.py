@@ -342,6 +342,12 @@ class Program:
             if name not in used or (layer is not None and layer not in first_layers):
                 continue  # later layers of a chunk are split like its first
             spec = self.param_spec(name)
+            experts = self.expert_range(name, dp_rank % self.ep)
+            if experts is not None:
+                first, count = experts
+                lines.append(f"#   {name}: experts [{first}:{first + count}) of {self.full_shape(name)[0]} "
+                             f"(ep rank {dp_rank % self.ep})" + ("" if isinstance(spec, Shard) else
+                                                                 f" -> local {list(self.local_shape(name))}"))
             if isinstance(spec, Shard):
                 full = self.full_shape(name)
                 segs = spec.segments or (full[spec.dim],)
