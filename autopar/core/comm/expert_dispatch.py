@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from autopar.core.comm.group import TPGroup, all_gather_dim, reduce_scatter_dim
+from autopar.core.comm.group import TPGroup, all_gather_dim
 from autopar.core.collectives import CollectiveError
 
 __all__ = ["expert_route", "expert_dispatch", "expert_offsets", "expert_combine", "ExpertLoad", "EXPERT_LOAD"]
@@ -161,6 +161,22 @@ def _plan(route: torch.Tensor, group: TPGroup, rows: int, dispatcher: str) -> _P
 # ----------------------------------------------------------------------------- autograd pieces
 
 
+def _gather_rows(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """Every rank's rows, rank by rank, in a new tensor (never a view: the model may add to it in place)."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
+    dist.all_gather_single(out, x, group=group.pg)
+    return out
+
+
+def _scatter_rows(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """The rows summed over the ranks, this rank's 1/size block kept, in a new tensor."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
+    dist.reduce_scatter_single(out, x, group=group.pg)
+    return out
+
+
 class _GatherRows(torch.autograd.Function):
     """All-gather along rows; backward: reduce-scatter of the gradient (each rank's rows summed), times
     ``scale``."""
@@ -168,11 +184,11 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, scale):
         ctx.group, ctx.scale = group, scale
-        return all_gather_dim(x, group, 0)
+        return _gather_rows(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_dim(grad.contiguous(), ctx.group, 0) * ctx.scale, None, None
+        return _scatter_rows(grad, ctx.group) * ctx.scale, None, None
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -181,11 +197,11 @@ class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, scale):
         ctx.group, ctx.scale = group, scale
-        return reduce_scatter_dim(x.contiguous(), group, 0)
+        return _scatter_rows(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_dim(grad.contiguous(), ctx.group, 0) * ctx.scale, None, None
+        return _gather_rows(grad, ctx.group) * ctx.scale, None, None
 
 
 def _all_to_all(x: torch.Tensor, group: TPGroup, out_rows: list[int], in_rows: list[int]) -> torch.Tensor:
