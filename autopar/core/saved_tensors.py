@@ -151,8 +151,11 @@ class SavedTensorStore:
             slot.region.replay()
         t = slot.tensor
         if t is None:
-            raise ReplayError("a saved tensor was read after its slot was released: the backward that reads it "
-                               "was not expected to run (a weight-gradient pass run twice?)")
+            node = torch._C._current_autograd_node()
+            raise ReplayError(f"a saved tensor was read after its slot was released, by "
+                               f"{node.name() if node is not None else 'no autograd node'}: the backward that "
+                               f"reads it was not expected to run (a weight-gradient pass run twice, or a node "
+                               f"the input-gradient pass ran and released run again)")
         if self.release(slot):
             slot.tensor = None
         return t

@@ -20,7 +20,7 @@ from families import SEQ, make
 import autopar
 from autopar.core.activation_recompute import Checkpointed
 from autopar.core.comm import TPGroup
-from autopar.runtime.optim.split_backward import SplitBackward
+from autopar.runtime.optim.split_backward import SplitBackward, _leading_to, _topological, plan_split
 
 M = 2  # microbatches
 ROWS = 2
@@ -238,3 +238,61 @@ def test_unrecorded_forward_is_refused():
     y = lin(x)
     with pytest.raises(RuntimeError, match="not recorded"):
         SplitBackward().input_grads([y], [torch.ones_like(y)], [x])
+
+
+class _Experts(torch.autograd.Function):
+    """Rows times one weight as a custom autograd function (as ``transformers::grouped_mm_fallback``
+    is): its backward node is on the B side."""
+
+    @staticmethod
+    def forward(ctx, rows, w):
+        ctx.save_for_backward(rows, w)
+        return rows @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        rows, w = ctx.saved_tensors
+        return g @ w.t(), rows.t() @ g
+
+
+def _routed(x, a, router, w, k=2):
+    """A first stage's MoE layer with a residual: the rows and their routing probabilities both
+    gathered by one int64 sort permutation; x (token features) needs no gradient."""
+    h = x @ a
+    probs, idx = torch.softmax(h @ router, -1).topk(k, -1)
+    perm = idx.flatten().argsort()
+    y = _Experts.apply(h[perm // k], w)
+    p = probs.flatten()[perm]
+    out = torch.zeros_like(h).index_add(0, perm // k, y * p.unsqueeze(-1))
+    return (out + h).pow(2).mean()
+
+
+@pytest.mark.parametrize("defer", ["gemm", "all"])
+def test_captured_entry_below_another_runs_once(defer):
+    """Two entries computed in B where one's node lies below the other's: the probabilities'
+    gather (entered from the weighting of the experts' rows) leads through the router to h's own
+    node, which is entered from the residual add too. B's engine call runs the nodes between the
+    two to reach the lower one, so the plan puts them on the B side: W does not run them again
+    (it read the permutation's slot B released and failed; kept, their gradient counted twice)."""
+    torch.manual_seed(0)
+    weights = [nn.Parameter(torch.randn(*s)) for s in [(6, 8), (8, 4), (8, 8)]]
+    x = torch.randn(10, 6)
+    _routed(x, *weights).backward()
+    want = [p.grad.clone() for p in weights]
+    for p in weights:
+        p.grad = None
+    sb = SplitBackward({p.untyped_storage().data_ptr() for p in weights}, defer)
+    with sb.recording():
+        loss = _routed(x, *weights)
+    plan = plan_split([loss.grad_fn], set(), defer)
+    assert sb.input_grads([loss], [None], [x]) == [None]
+    assert all(p.grad is None for p in weights)
+    sb.weight_grads()
+    assert sb.held_bytes() == 0
+    for p, ref in zip(weights, want):
+        torch.testing.assert_close(p.grad, ref, **TOL)
+    # the router's nodes (the probabilities' gather, top-k, softmax) are B's; no captured node above another
+    assert {n.name() for n in plan.b_side} >= {"IndexBackward0", "TopkBackward0", "SoftmaxBackward0"}
+    captured = {v for v, _ in plan.captured}
+    to_captured = _leading_to(_topological([loss.grad_fn]), captured)
+    assert not any(c in to_captured for v in captured for c, _ in v.next_functions), "a captured node above another"

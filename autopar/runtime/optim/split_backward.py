@@ -30,6 +30,11 @@ The split, on the graph of nodes reachable from the outputs:
   entry also reaches, as a second run could not be limited to one node) are
   computed in B, and W starts from their gradients (``defer="all"`` defers
   every built-in node's instead);
+- B runs what its engine call runs: a W-side node below an entry computed in B
+  that leads to another such entry (a router's top-k above the residual add
+  into the same hidden state, both reached from a MoE layer's B side) is run
+  by ``torch.autograd.grad`` on its way to the lower entry, so it is moved to
+  the B side (and the entries found again) rather than run a second time in W;
 - W: each deferred node once (its weight GEMM), then one backward from every
   entry into the weights' ``.grad``, accumulating as ``loss.backward()`` does
   (microbatches, tied weights, the data-parallel reduction read ``.grad``).
@@ -131,6 +136,40 @@ def plan_split(roots: Sequence[Node], input_nodes: set[Node], defer: str = "gemm
     relevant = _leading_to(order, leaves)
     custom = {n for n in relevant if _is_custom(n)}
     b_side = _leading_to(order, (input_nodes & relevant) | custom)
+    while True:
+        plan = _entries_split(order, roots, relevant, b_side, defer)
+        ran = _run_by_b(order, plan)
+        if not ran:
+            return plan
+        b_side = b_side | ran
+
+
+def _run_by_b(order: list[Node], plan: BackwardSplitPlan) -> set[Node]:
+    """The W-side nodes B's engine call would run: those below an entry that lead to a captured
+    entry's node other than themselves.
+
+    ``torch.autograd.grad`` runs every node on a path from its roots to one of its targets, and a
+    captured entry is a target; a target is only read, not run, unless a path from it leads to
+    another. So when one captured node lies below another (a residual stream's add under a
+    router's top-k, both reached from the B side), B runs the nodes between them: they read (and
+    release) their saved tensors in B, and their gradients reach the lower entry in B. W, starting
+    from the upper entry again, would run them a second time: a released slot read, or, without
+    the release, their contribution counted twice. ``plan_split`` moves such nodes to the B side,
+    which is where the engine runs them, until none is left."""
+    captured = {v for v, _ in plan.captured}
+    if not captured:
+        return set()
+    above = _leading_to(order, captured)
+    reached = set(captured)  # the W-side nodes B's gradients can reach (a deferred entry's node is
+    for node in order:       # never above a captured one: it would be shared, and not deferred)
+        if node in reached:
+            reached.update(c for c, _ in _children(node) if c in plan.w_side)
+    return {n for n in reached if any(c in above for c, _ in _children(n))}
+
+
+def _entries_split(order: list[Node], roots: Sequence[Node], relevant: set[Node], b_side: set[Node],
+                   defer: str) -> BackwardSplitPlan:
+    """The plan for a given B side: its entries into the W side, each deferred or captured."""
     w_side = relevant - b_side
     entries = [(u, (v, nr)) for u in order if u in b_side for v, nr in _children(u) if v in w_side]
     owners = _owners(order, w_side, entries, [r for r in roots if r in w_side])
