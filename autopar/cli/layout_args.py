@@ -59,6 +59,11 @@ def cluster(args: argparse.Namespace) -> Cluster:
     return Cluster(args.gpus, hardware(args), args.batch)
 
 
+_DISPATCH_FLAG: dict[str, tuple[str, ...]] = {"allgather": ("allgather",), "alltoall": ("alltoall",),
+                                              "search": ("allgather", "alltoall")}
+"""``--expert-dispatch`` -> the dispatchers the planner tries with ep > 1."""
+
+
 def search_space(args: argparse.Namespace) -> SearchSpace:
     """The layouts the flags allow."""
     one = (lambda x: None if x is None else (x,))
@@ -73,6 +78,8 @@ def search_space(args: argparse.Namespace) -> SearchSpace:
         sequence_parallel=FEATURE_FLAG[args.sequence_parallel],
         distributed_optimizer=FEATURE_FLAG[args.distributed_optimizer],
         fused_kernels=getattr(args, "kernels", "fused") == "fused",
+        ep=one(getattr(args, "ep", None)),
+        expert_dispatch=_DISPATCH_FLAG[getattr(args, "expert_dispatch", "search")],
     )
 
 

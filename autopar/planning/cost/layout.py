@@ -223,11 +223,11 @@ def expert_errors(spec: ModelSpec, lay: Layout) -> list[str]:
         return errs
     if lay.d % lay.ep:
         fits = [k for k in range(1, lay.d + 1) if lay.d % k == 0 and spec.experts % k == 0]
-        errs.append(f"ep={lay.ep} must divide d={lay.d}: an expert group is made of ep data-parallel replicas. "
+        errs.append(f"ep={lay.ep} does not divide d={lay.d}: an expert group is made of ep data-parallel replicas. "
                     f"Fix: ep in {fits}, or d a multiple of {lay.ep}")
     if spec.is_moe and spec.experts % lay.ep:
         fits = [k for k in range(1, spec.experts + 1) if spec.experts % k == 0]
-        errs.append(f"ep={lay.ep} must divide the {spec.experts} experts: each rank of an expert group holds "
+        errs.append(f"ep={lay.ep} does not divide the {spec.experts} experts: each rank of an expert group holds "
                     f"E/ep whole experts. Fix: ep in {fits}")
     if spec.is_moe and spec.expert_ffn_size % lay.t:
         errs.append(f"expert_ffn ({spec.expert_ffn_size}) must be divisible by t={lay.t}: each expert is split "

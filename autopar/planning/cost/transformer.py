@@ -136,7 +136,7 @@ class ExpertRows:
 def expert_rows(spec: ModelSpec, b: int, ep: int = 1, dispatch: str = "allgather") -> ExpertRows:
     """The rows of one mixture-of-experts layer on one rank of an expert group of ``ep``."""
     if spec.experts % ep:
-        raise PlanError(f"ep={ep} must divide the {spec.experts} experts of {spec.label}: each rank of an expert "
+        raise PlanError(f"ep={ep} does not divide the {spec.experts} experts of {spec.label}: each rank of an expert "
                         f"group holds E/ep whole experts")
     T = b * spec.seq_len
     S = T * spec.top_k
