@@ -62,8 +62,8 @@ def plan_table(plan: Plan, top: int) -> Table:
         rows.append(["paper", *plan_row(plan.reference, moe)])
         styles.append("yellow")
     columns = PLAN_COLUMNS[:4] + ("ep",) + PLAN_COLUMNS[4:] if moe else PLAN_COLUMNS
-    experts = ("; ep: expert-parallel degree and dispatcher (ag = all-gather/reduce-scatter, a2a = all-to-all)"
-               if moe else "")
+    experts = ("; ep: expert-parallel degree and dispatcher (ag = all-gather/reduce-scatter, a2a = all-to-all), "
+               "whose exchanges comm includes" if moe else "")
     return compact_table(
         f"{plan.spec.label} on {plan.cluster.gpus} x {hw.gpu} ({hw.name}), global batch "
         f"{plan.cluster.global_batch}: {plan.evaluated} layouts in {plan.seconds:.2f} s", columns, rows,

@@ -16,7 +16,8 @@ from functools import lru_cache
 
 from autopar.planning.errors import PlanError
 
-__all__ = ["ModelSpec", "PRESETS", "MOE_PRESETS", "get_model", "param_count", "params_per_stage", "expert_params_per_stage",
+__all__ = ["ModelSpec", "PRESETS", "MOE_PRESETS", "get_model", "param_count", "params_per_stage",
+           "expert_params_per_stage",
            "expert_params_per_rank", "moe_layers_in", "max_moe_layers_per_chunk"]
 
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.planning.cost.models import ModelSpec
-from autopar.planning.errors import PlanError
 from autopar.planning.cost.op_costs import (
     FP16,
     FP32,
@@ -42,8 +41,10 @@ from autopar.planning.cost.op_costs import (
     linear_op,
     memory_op,
 )
+from autopar.planning.errors import PlanError
 
-__all__ = ["PhaseOps", "ExpertRows", "expert_rows", "layer_ops", "op_by_op", "embedding_ops", "head_ops", "graph_flops", "paper_flops", "iteration_flops"]
+__all__ = ["PhaseOps", "ExpertRows", "expert_rows", "layer_ops", "op_by_op", "embedding_ops", "head_ops", "graph_flops",
+           "paper_flops", "iteration_flops"]
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ def _weight_ops(ops: tuple[Op, ...]) -> tuple[Op, ...]:
 
 @lru_cache(maxsize=4096)
 def weight_grad_times(spec: ModelSpec, hw: Hardware, b: int, t: int,
-                      sequence_parallel: bool = False, ep: int = 1, dispatch: str = "allgather") -> dict[str, PhaseTime]:
+                      sequence_parallel: bool = False, ep: int = 1,
+                      dispatch: str = "allgather") -> dict[str, PhaseTime]:
     """The W part of one layer's backward (``layer_w``) and of the LM head's (``head_w``):
     their weight-gradient GEMMs, as ``op_times.layer_times`` prices them. The embedding's
     weight gradient (a scatter-add) runs in B, as in the runtime: it has no W part. A
