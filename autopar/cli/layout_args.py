@@ -84,11 +84,13 @@ def search_space(args: argparse.Namespace) -> SearchSpace:
 
 
 def fixed_layout(args: argparse.Namespace, space: SearchSpace) -> Layout:
-    """The layout ``--tp --pp --micro-batch`` (and ``--vp``, ``--schedule``) fix on ``--gpus`` GPUs."""
+    """The layout ``--tp --pp --micro-batch`` (and ``--vp``, ``--schedule``, ``--ep``, ``--expert-dispatch``:
+    the all-gather one unless 'alltoall' is asked for) fix on ``--gpus`` GPUs."""
     return Layout(t=args.tp, p=args.pp, d=args.gpus // (args.tp * args.pp), b=args.micro_batch,
                   v=chunks_per_stage(args.schedule, args.vp), schedule=args.schedule or "",
                   recompute=RECOMPUTE_FLAG[args.recompute][0], scatter_gather=not args.no_scatter_gather,
-                  dp_overlap=space.overlap_for(args.pp), fused_kernels=space.fused_kernels)
+                  dp_overlap=space.overlap_for(args.pp), fused_kernels=space.fused_kernels,
+                  ep=getattr(args, "ep", None) or 1, expert_dispatch=space.expert_dispatch[0])
 
 
 def versus_estimate(args: argparse.Namespace, spec: ModelSpec, cluster: Cluster,
