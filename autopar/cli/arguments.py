@@ -53,6 +53,14 @@ def add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -
     g.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 * hidden)")
     g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: heads)")
     g.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (three projections)")
+    g.add_argument("--experts", type=int, default=None,
+                   help="routed experts E of each mixture-of-experts layer (default: none, dense MLPs)")
+    g.add_argument("--top-k", type=int, default=None, help="experts per token k (default 1)")
+    g.add_argument("--expert-ffn", type=int, default=None, help="one expert's MLP width (default: --ffn)")
+    g.add_argument("--shared-expert-ffn", type=int, default=None,
+                   help="width of a shared expert every token goes through (default: none)")
+    g.add_argument("--moe-every", type=int, default=None,
+                   help="every n-th layer is mixture-of-experts (default 1: every layer)")
     for flag, default, what in FEATURES:
         g.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
                        help=f"{what} (dimensions: default {'on' if default else 'off'}, as current models; "
@@ -90,6 +98,11 @@ def add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -
                      help="distributed optimizer (optimizer state 12/d bytes per parameter, gradients "
                           "reduce-scattered, parameters all-gathered): 'off' (default, as in the paper), 'on', "
                           "or 'search' both when d > 1")
+    lay.add_argument("--ep", type=int, help="expert-parallel degree (a divisor of d and of the experts; "
+                                            "default: every one is searched for a mixture-of-experts model)")
+    lay.add_argument("--expert-dispatch", choices=("allgather", "alltoall", "search"), default="search",
+                     help="how routed tokens reach their experts with ep > 1: 'allgather' (all-gather and "
+                          "reduce-scatter of the expert group's rows), 'alltoall', or 'search' both (default)")
     lay.add_argument("--kernels", choices=("fused", "op-by-op"), default="fused",
                      help="what the chunks run between the GEMMs: 'fused' element-wise kernels (default: "
                           "Megatron's fused kernels, autopar with compile=True) or 'op-by-op' (autopar's eager "

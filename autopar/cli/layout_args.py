@@ -59,6 +59,11 @@ def cluster(args: argparse.Namespace) -> Cluster:
     return Cluster(args.gpus, hardware(args), args.batch)
 
 
+_DISPATCH_FLAG: dict[str, tuple[str, ...]] = {"allgather": ("allgather",), "alltoall": ("alltoall",),
+                                              "search": ("allgather", "alltoall")}
+"""``--expert-dispatch`` -> the dispatchers the planner tries with ep > 1."""
+
+
 def search_space(args: argparse.Namespace) -> SearchSpace:
     """The layouts the flags allow."""
     one = (lambda x: None if x is None else (x,))
@@ -73,15 +78,19 @@ def search_space(args: argparse.Namespace) -> SearchSpace:
         sequence_parallel=FEATURE_FLAG[args.sequence_parallel],
         distributed_optimizer=FEATURE_FLAG[args.distributed_optimizer],
         fused_kernels=getattr(args, "kernels", "fused") == "fused",
+        ep=one(getattr(args, "ep", None)),
+        expert_dispatch=_DISPATCH_FLAG[getattr(args, "expert_dispatch", "search")],
     )
 
 
 def fixed_layout(args: argparse.Namespace, space: SearchSpace) -> Layout:
-    """The layout ``--tp --pp --micro-batch`` (and ``--vp``, ``--schedule``) fix on ``--gpus`` GPUs."""
+    """The layout ``--tp --pp --micro-batch`` (and ``--vp``, ``--schedule``, ``--ep``, ``--expert-dispatch``:
+    the all-gather one unless 'alltoall' is asked for) fix on ``--gpus`` GPUs."""
     return Layout(t=args.tp, p=args.pp, d=args.gpus // (args.tp * args.pp), b=args.micro_batch,
                   v=chunks_per_stage(args.schedule, args.vp), schedule=args.schedule or "",
                   recompute=RECOMPUTE_FLAG[args.recompute][0], scatter_gather=not args.no_scatter_gather,
-                  dp_overlap=space.overlap_for(args.pp), fused_kernels=space.fused_kernels)
+                  dp_overlap=space.overlap_for(args.pp), fused_kernels=space.fused_kernels,
+                  ep=getattr(args, "ep", None) or 1, expert_dispatch=space.expert_dispatch[0])
 
 
 def versus_estimate(args: argparse.Namespace, spec: ModelSpec, cluster: Cluster,

@@ -52,6 +52,9 @@ def _plan_json(args: argparse.Namespace, plan: Plan, other: Estimate | None) -> 
         "notes": plan.notes(),
         "flip_points": _flip_json(plan),
     }
+    if spec.is_moe:  # a mixture-of-experts model's: which layers, how many experts of which width
+        out["model"] |= {"experts": spec.experts, "top_k": spec.top_k, "expert_ffn": spec.expert_ffn_size,
+                         "shared_expert_ffn": spec.shared_expert_ffn, "moe_layers": spec.moe_layers}
     if other is not None and plan.ranked:
         out["versus"] = _versus_json(plan.best, other)
     if not plan.ranked:

@@ -39,11 +39,13 @@ def make_console(width: int | None = None) -> Console:
     return console
 
 
-def plan_row(e: Estimate) -> list[str]:
-    """One ranked layout's cells after its rank (``PLAN_COLUMNS[1:]``)."""
+def plan_row(e: Estimate, experts: bool = False) -> list[str]:
+    """One ranked layout's cells after its rank (``PLAN_COLUMNS[1:]``; with ``experts`` the ep column
+    after d: ``4 a2a``, ``2 ag``, or ``1``)."""
     lay = e.layout
     sched = _SCHEDULE_LABELS[lay.schedule] if lay.p > 1 else "-"
-    return [str(lay.t), str(lay.p), str(lay.d), str(lay.v), str(lay.b), str(e.m),
+    ep = [f"{lay.ep} {'a2a' if lay.expert_dispatch == 'alltoall' else 'ag'}" if lay.ep > 1 else "1"] if experts else []
+    return [str(lay.t), str(lay.p), str(lay.d), *ep, str(lay.v), str(lay.b), str(e.m),
             sched + ("*" if e.simulated else "") + ("" if e.runnable else "!"), str(lay.recompute),
             "on" if lay.sp else "-", "on" if lay.distopt else "-",
             f"{e.t_iter:.3f}", f"{e.tflops_per_gpu:.1f}", f"{e.frac_peak:.1%}", f"{e.memory.total / GiB:.1f}",
@@ -53,20 +55,24 @@ def plan_row(e: Estimate) -> list[str]:
 def plan_table(plan: Plan, top: int) -> Table:
     """The ``top`` ranked layouts, and the paper's layout when there is one."""
     hw = plan.cluster.hardware
-    rows = [[str(k), *plan_row(e)] for k, e in enumerate(plan.ranked[:top], 1)]
+    moe = plan.spec.is_moe
+    rows = [[str(k), *plan_row(e, moe)] for k, e in enumerate(plan.ranked[:top], 1)]
     styles: list[str | None] = [None] * len(rows)
     if plan.reference is not None:
-        rows.append(["paper", *plan_row(plan.reference)])
+        rows.append(["paper", *plan_row(plan.reference, moe)])
         styles.append("yellow")
+    columns = PLAN_COLUMNS[:4] + ("ep",) + PLAN_COLUMNS[4:] if moe else PLAN_COLUMNS
+    experts = ("; ep: expert-parallel degree and dispatcher (ag = all-gather/reduce-scatter, a2a = all-to-all), "
+               "whose exchanges comm includes" if moe else "")
     return compact_table(
         f"{plan.spec.label} on {plan.cluster.gpus} x {hw.gpu} ({hw.name}), global batch "
-        f"{plan.cluster.global_batch}: {plan.evaluated} layouts in {plan.seconds:.2f} s", PLAN_COLUMNS, rows,
+        f"{plan.cluster.global_batch}: {plan.evaluated} layouts in {plan.seconds:.2f} s", columns, rows,
         caption="ranked by predicted iteration time (s); sched: schedule (interl. = interleaved 1F1B, * = simulated, "
                 "! = priced but not runnable: the schedule's rules, listed below); recomp: recomputation; SP: "
                 "sequence parallelism; DO: distributed optimizer; TFLOP/s per GPU count the FLOPs executed "
                 "(recomputation included, as the paper counts); peak: of the GPU's peak; GiB per GPU; comm: "
-                "exposed tensor-parallel, pipeline and data-parallel communication (s)",
-        left=("sched", "recomp", "SP", "DO"), styles=styles)
+                "exposed tensor-parallel, pipeline and data-parallel communication (s)" + experts,
+        left=("sched", "recomp", "SP", "DO") + (("ep",) if moe else ()), styles=styles)
 
 
 def breakdown_table(e: Estimate) -> Table:
@@ -78,12 +84,14 @@ def breakdown_table(e: Estimate) -> Table:
 
 
 def ops_table(e: Estimate) -> Table:
-    """One layer's forward kernels on one GPU: shapes, FLOPs, bytes and time."""
-    hw, lay = e.cluster.hardware, e.layout
-    ops = layer_ops(e.spec, lay.b, lay.t)
+    """One layer's forward kernels on one GPU (a mixture-of-experts model's expert layer): shapes,
+    FLOPs, bytes and time."""
+    hw, lay, moe = e.cluster.hardware, e.layout, e.spec.is_moe
+    ops = layer_ops(e.spec, lay.b, lay.t, moe=moe, ep=lay.ep, dispatch=lay.expert_dispatch)
     rows = [[op.name, op.kind, str(op.gemm) if op.gemm else "", f"{op.flops / 1e9:.2f}", f"{op.bytes / 1e6:.1f}",
-             f"{op_time(op, hw, lay.t) * 1e6:.0f}"] for op in ops.forward]
-    return compact_table(f"one layer, forward, on one GPU (b={lay.b}, t={lay.t})",
+             f"{op_time(op, hw, lay.t, lay.ep) * 1e6:.0f}"] for op in ops.forward]
+    what = f"one expert layer (ep={lay.ep})" if moe else "one layer"
+    return compact_table(f"{what}, forward, on one GPU (b={lay.b}, t={lay.t})",
                          ("op", "kind", "GEMM (batch, M, N, K)", "GFLOP", "MB", "time (us)"), rows,
                          left=("op", "kind", "GEMM (batch, M, N, K)"))
 

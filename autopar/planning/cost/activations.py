@@ -18,6 +18,14 @@ With sequence parallelism the replicated terms are split over the t ranks too (e
 keeps s/t tokens). With the paper's numbers (A = 2, M = 1, dropout, unfused attention)
 the sum is ``s b h (10 + 24/t + 5 a s/(h t))``, or ``s b h (34 + 5 a s/h) / t`` with
 sequence parallelism.
+
+A mixture-of-experts layer (``moe=True``) keeps, instead of the dense MLP's split terms, its
+shared expert's (3 f_s A or 2 f_s A, split), the router's softmax over E, the k gate weights
+and the k sort indices of each token (replicated), and per routed row
+(``transformer.expert_rows``): the grouped GEMMs' input and the expert's activation and down
+projection inputs, (h + 3 f_e/t) A gated, on the R rows the grouped GEMMs' tensors have (ep S
+with the all-gather dispatcher, S = k b s otherwise), and each of the S results back at its
+token (h A, for the gate weight's gradient).
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ import math
 
 from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.precision import MIXED, Precision
+from autopar.planning.cost.transformer import expert_rows
 
-__all__ = ["layer_kept_per_token", "activation_bytes_per_layer", "layer_backward_transient",
+__all__ = ["layer_kept_per_token", "expert_rows_kept_bytes", "activation_bytes_per_layer", "layer_backward_transient",
            "embedding_kept_bytes", "head_kept_bytes", "loss_working_bytes"]
 
 TOKEN_ID_BYTES = 8
@@ -38,9 +47,10 @@ SOFTMAX_BYTES = 4
 """The cross-entropy's fp32 (log-)softmax, per local logit."""
 
 
-def layer_kept_per_token(spec: ModelSpec, prec: Precision = MIXED) -> tuple[float, float]:
+def layer_kept_per_token(spec: ModelSpec, prec: Precision = MIXED, moe: bool = False) -> tuple[float, float]:
     """(replicated, split) bytes one layer keeps per token on one rank before dividing by t: the
-    replicated part is kept whole by every tensor-parallel rank, the split part is divided by t."""
+    replicated part is kept whole by every tensor-parallel rank, the split part is divided by t.
+    ``moe``: a mixture-of-experts layer's, without its routed rows (``expert_rows_kept_bytes``)."""
     h, n, A, M = spec.hidden, spec.head_dim, prec.activation, prec.mask
     q, kv, f, a = spec.heads * n, spec.kv * n, spec.ffn_size, spec.heads
     replicated = A * (2 * h + h + h) + 2 * prec.norm_stats + (2 * h * M if spec.dropout else 0)
@@ -49,21 +59,43 @@ def layer_kept_per_token(spec: ModelSpec, prec: Precision = MIXED) -> tuple[floa
         attn += LSE_BYTES * a
     else:
         attn += a * spec.seq_len * (A + ((M + A) if spec.dropout else 0))
-    mlp = A * (3 if spec.gated_mlp else 2) * f
+    n_act = 3 if spec.gated_mlp else 2
+    if moe and spec.is_moe:
+        mlp = A * n_act * spec.shared_expert_ffn
+        replicated += A * (spec.experts + spec.top_k) + TOKEN_ID_BYTES * spec.top_k  # softmax, gates, sort order
+    else:
+        mlp = A * n_act * f
     return float(replicated), float(attn + mlp)
 
 
+def expert_rows_kept_bytes(spec: ModelSpec, b: int, t: int, ep: int = 1, dispatch: str = "allgather",
+                           precision: Precision = MIXED) -> float:
+    """What a mixture-of-experts layer's routed rows keep for the backward on one rank:
+    R (h + (3|2) f_e / t) A for the grouped GEMMs (R rows: ep S with the all-gather dispatcher,
+    S otherwise) and S h A for the results back at their tokens (the gate weights' gradient)."""
+    rows = expert_rows(spec, b, ep, dispatch)
+    A, h = precision.activation, spec.hidden
+    n_act = 3 if spec.gated_mlp else 2
+    return A * (rows.held * (h + n_act * spec.expert_ffn_size / t) + rows.sent * h)
+
+
 def activation_bytes_per_layer(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False,
-                               precision: Precision = MIXED) -> float:
+                               precision: Precision = MIXED, moe: bool = False, ep: int = 1,
+                               dispatch: str = "allgather") -> float:
     """Bytes one layer keeps for its backward without recomputation on one of t ranks, micro-batch b:
     ``s b (replicated / (t if sequence_parallel else 1) + split / t)`` (``layer_kept_per_token``);
-    the paper's ``s b h (10 + 24/t + 5 a s / (h t))`` for its GPT in mixed precision."""
-    replicated, split = layer_kept_per_token(spec, precision)
-    return spec.seq_len * b * (replicated / (t if sequence_parallel else 1) + split / t)
+    the paper's ``s b h (10 + 24/t + 5 a s / (h t))`` for its GPT in mixed precision. ``moe``: a
+    mixture-of-experts layer on a rank of an expert group of ``ep``, its routed rows
+    (``expert_rows_kept_bytes``) added."""
+    moe = moe and spec.is_moe
+    replicated, split = layer_kept_per_token(spec, precision, moe)
+    kept = spec.seq_len * b * (replicated / (t if sequence_parallel else 1) + split / t)
+    return kept + (expert_rows_kept_bytes(spec, b, t, ep, dispatch, precision) if moe else 0.0)
 
 
 def layer_backward_transient(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False,
-                             precision: Precision = MIXED) -> float:
+                             precision: Precision = MIXED, moe: bool = False, ep: int = 1,
+                             dispatch: str = "allgather") -> float:
     """Bytes a layer's backward allocates on top of its stored activations, at its peak.
 
     Two candidate moments:
@@ -73,13 +105,24 @@ def layer_backward_transient(spec: ModelSpec, b: int, t: int, sequence_parallel:
         ``A b (a/t) s^2`` bytes (the softmax backward then works in place), while the MLP
         block's stored activations (fc1 input, dropout mask, activation and fc2 inputs) and
         LN2's input have been released. A fused attention makes no s x s gradient.
+    A mixture-of-experts layer (``moe``): the gradient of the experts' activation output on the
+    R rows of the grouped GEMMs (``transformer.expert_rows``), the routed rows' kept bytes
+    released before the attention's backward.
     """
     s, h, f, A = spec.seq_len, spec.hidden, spec.ffn_size, precision.activation
     r = t if sequence_parallel else 1
     n_act = 3 if spec.gated_mlp else 2
-    mlp_grad = A * b * s * (n_act - 1) * f / t
     replicated = 2 * A * h + (precision.mask * h if spec.dropout else 0)  # LN2 and fc1 inputs, mask
-    released = s * b * (replicated / r + n_act * A * f / t)
+    if moe and spec.is_moe:
+        rows = expert_rows(spec, b, ep, dispatch)
+        mlp_grad = A * rows.held * (n_act - 1) * spec.expert_ffn_size / t
+        shared = spec.shared_expert_ffn
+        mlp_grad = max(mlp_grad, A * b * s * (n_act - 1) * shared / t)
+        released = s * b * (replicated / r + n_act * A * shared / t) + expert_rows_kept_bytes(
+            spec, b, t, ep, dispatch, precision)
+    else:
+        mlp_grad = A * b * s * (n_act - 1) * f / t
+        released = s * b * (replicated / r + n_act * A * f / t)
     attn_grad = 0.0 if spec.fused_attention else A * b * (spec.heads / t) * s * s
     return max(mlp_grad, attn_grad - released, 0.0)
 

@@ -1,5 +1,6 @@
-"""The paper's closed-form formulas as sympy expressions (``FORMULAS``), and ``explain``:
-each one with a layout's numbers substituted, for ``autopar plan --explain``.
+"""The paper's closed-form formulas as sympy expressions (``FORMULAS``; a mixture-of-experts
+model's in ``MOE_FORMULAS``), and ``explain``: each one with a layout's numbers substituted, for
+``autopar plan --explain``.
 
 Only this module of the performance model needs sympy.
 """
@@ -14,7 +15,7 @@ from autopar.core.config import Recompute
 from autopar.planning.cost.step_estimate import Estimate
 from autopar.planning.cost.zero_bubble_costs import ZB_IDLE_FORMULAS, zero_bubble_idle
 
-__all__ = ["FORMULAS", "Explained", "explain"]
+__all__ = ["FORMULAS", "MOE_FORMULAS", "Explained", "explain"]
 
 
 _sym = sp.symbols("B s l h V a t p d v m b n c T_F T_B T_pipe T_dp T_opt T_iter F", positive=True)
@@ -45,9 +46,30 @@ FORMULAS: dict[str, tuple[str, sp.Expr]] = {
                      2 * (d_ - 1) / d_ * _P_EXPR / (t_ * p_)),
     "X": ("TFLOP/s per GPU", F_ / (TIT_ * n_)),
 }
+_E, _k, _fe, _ep, _g = sp.symbols("E k f_e ep g", positive=True)
+_S = _k * b_ * s_
+
+MOE_FORMULAS: dict[str, tuple[str, sp.Expr]] = {
+    "P_experts": ("routed-expert parameters per GPU per expert layer: E/ep experts of g h f_e each "
+                  "(g = 3 gated, 2 plain), split t ways", _E / _ep * _g * h_ * _fe / t_),
+    "S": ("rows a GPU sends per expert layer per microbatch (each token once per chosen expert)", _S),
+    "expert_flops": ("expert GEMM FLOPs per GPU per expert layer, forward: its E/ep experts' share S of the "
+                     "group's ep S rows", 2 * _g * _S * h_ * _fe / t_),
+    "ep_ag_volume": ("'allgather' dispatch: elements each GPU puts on the wire per expert layer, forward "
+                     "(all-gather + reduce-scatter of ep S rows of h; the backward the same)",
+                     2 * (_ep - 1) * _S * h_),
+    "ep_a2a_volume": ("'alltoall' dispatch: the same, (ep-1)/ep of S rows out and back (plus ep E counts)",
+                      2 * (_ep - 1) / _ep * _S * h_),
+    "expert_rows_held": ("rows of the grouped GEMMs' tensors per GPU: ep S with 'allgather', S with "
+                         "'alltoall'", sp.Symbol("R", positive=True)),
+}
+"""A mixture-of-experts model's formulas, added to ``FORMULAS`` by ``explain``."""
+
 _UNITS = {"P": "", "F": "FLOP", "m": "", "bubble": "", "tp_volume": "elements", "p2p_volume": "elements",
           "T_pipe": "s", "T_iter": "s", "state": "B", "act_layer": "B", "X": "TFLOP/s",
-          "act_layer_sp": "B", "act_ckpt": "B", "act_ckpt_sp": "B", "state_distopt": "B", "T_dp_distopt": "elements"}
+          "act_layer_sp": "B", "act_ckpt": "B", "act_ckpt_sp": "B", "state_distopt": "B", "T_dp_distopt": "elements",
+          "P_experts": "", "S": "rows", "expert_flops": "FLOP", "ep_ag_volume": "elements",
+          "ep_a2a_volume": "elements", "expert_rows_held": "rows"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,14 @@ def explain(est: Estimate) -> list[Explained]:
         if key == "X":
             val /= 1e12
         out.append(Explained(key, desc, expr, val, _UNITS[key]))
+    if spec.is_moe:
+        subs |= {_E: spec.experts, _k: spec.top_k, _fe: spec.expert_ffn_size, _ep: lay.ep,
+                 _g: 3 if spec.gated_mlp else 2}
+        held = lay.ep if lay.ep > 1 and lay.expert_dispatch == "allgather" else 1
+        for key, (desc, expr) in MOE_FORMULAS.items():
+            if key == "expert_rows_held":
+                expr = held * _S
+            out.append(Explained(key, desc, expr, float(expr.subs(subs)), _UNITS[key]))
     if lay.schedule in ZB_IDLE_FORMULAS and lay.p > 1:
         out.insert(4, _zero_bubble_idle(est))
     if est.sim is not None:

@@ -1,18 +1,25 @@
 """Where and how to run: the ``Cluster`` (GPUs, node profile, global batch), a ``Layout``
 of it (t, p, d, v, micro-batch, schedule, recomputation, sequence parallelism, distributed
-optimizer, byte sizes) and the rules a layout must keep."""
+optimizer, expert parallelism, byte sizes) and the rules a layout must keep."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.core.config import RECOMPUTE, SCHEDULE_NAMES, ParallelConfig, Recompute, microbatch_errors
+from autopar.core.config import (
+    EXPERT_DISPATCHERS,
+    RECOMPUTE,
+    SCHEDULE_NAMES,
+    ParallelConfig,
+    Recompute,
+    microbatch_errors,
+)
 from autopar.planning.cost.hardware import Hardware, get_hardware
 from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.precision import MIXED, Precision
 from autopar.planning.errors import PlanError
 
-__all__ = ["Cluster", "Layout", "layout_errors", "runtime_errors", "PRICED_RECOMPUTE"]
+__all__ = ["Cluster", "Layout", "layout_errors", "runtime_errors", "expert_errors", "PRICED_RECOMPUTE"]
 
 PRICED_RECOMPUTE: tuple[Recompute, ...] = (Recompute.LAYER, Recompute.NONE)
 """The recomputation modes the cost model prices. ``chunk`` (the whole chunk re-materialised in
@@ -72,6 +79,15 @@ class Layout:
     """Megatron's distributed optimizer (ZeRO stage 1): the optimizer state sharded over the d
     replicas, gradients reduce-scattered and parameters all-gathered after the step. Off by
     default (the paper's runs); no effect at d = 1."""
+    ep: int = 1
+    """Expert parallelism: each group of ``ep`` consecutive data-parallel replicas (one expert group,
+    as ``core.mesh`` builds it: ranks t apart) splits every mixture-of-experts layer's E experts,
+    E/ep whole experts per rank, and exchanges the routed tokens so that each row is computed by
+    the rank holding its expert. Divides d (and E); 1: every replica holds every expert."""
+    expert_dispatch: str = "allgather"
+    """How the routed rows travel with ep > 1 (``core.config.EXPERT_DISPATCHERS``): 'allgather' (every
+    rank all-gathers the ep S rows of its group and reduce-scatters the results: static shapes,
+    ep times the rows) or 'alltoall' (each rank sends each peer exactly the rows of its experts)."""
     fused_kernels: bool = True
     """The element-wise kernels between the GEMMs fused (Megatron's fused kernels, as in the paper's
     runs; autopar with ``compile=True``), or False: one pass each, as a chunk run eagerly makes them
@@ -94,6 +110,10 @@ class Layout:
                             "changes its memory and time in ways it does not model")
         if min(self.t, self.p, self.d, self.b, self.v) < 1:
             raise PlanError(f"all degrees must be >= 1: {self}")
+        if self.ep < 1:
+            raise PlanError(f"ep must be >= 1, got {self.ep}")
+        if self.expert_dispatch not in EXPERT_DISPATCHERS:
+            raise PlanError(f"expert_dispatch must be one of {list(EXPERT_DISPATCHERS)}, got {self.expert_dispatch!r}")
         if self.schedule == "1f1b" and self.v != 1:
             raise PlanError(f"1f1b runs one chunk per stage (v=1), got v={self.v}; use 'interleaved'")
 
@@ -106,6 +126,12 @@ class Layout:
     def distopt(self) -> bool:
         """The distributed optimizer in effect (asked for, and d > 1)."""
         return self.distributed_optimizer and self.d > 1
+
+    @property
+    def edp(self) -> int:
+        """Replicas holding the same experts (``Mesh.groups['edp']``): d / ep; an expert's gradient
+        is averaged over them, a dense parameter's over all d."""
+        return max(self.d // self.ep, 1)
 
     @classmethod
     def from_config(cls, config: ParallelConfig, micro_batch_size: int,
@@ -127,7 +153,9 @@ class Layout:
         return cls(t=config.tp, p=config.pp, d=config.data_parallel, b=micro_batch_size, v=config.virtual_stages,
                    schedule=config.schedule, recompute=config.recompute, scatter_gather=config.scatter_gather,
                    dp_overlap=True, sequence_parallel=_sequence_parallel(config),
-                   distributed_optimizer=bool(getattr(config, "distributed_optimizer", False)), precision=precision)
+                   distributed_optimizer=bool(getattr(config, "distributed_optimizer", False)),
+                   ep=getattr(config, "ep", 1), expert_dispatch=getattr(config, "expert_dispatch", "allgather"),
+                   precision=precision)
 
     @property
     def short(self) -> str:
@@ -143,6 +171,8 @@ class Layout:
             parts.append("sp")
         if self.distopt:
             parts.append("distopt")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep} {'a2a' if self.expert_dispatch == 'alltoall' else 'ag'}")
         return " ".join(parts)
 
 
@@ -163,6 +193,7 @@ def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_laye
         errs.append(f"heads ({spec.heads}, kv {spec.kv}) must be divisible by t={lay.t}")
     if spec.ffn_size % lay.t:
         errs.append(f"ffn ({spec.ffn_size}) must be divisible by t={lay.t}")
+    errs += expert_errors(spec, lay)
     if lay.sp and spec.seq_len % lay.t:
         errs.append(f"sequence parallelism splits the {spec.seq_len} tokens of a sequence over t={lay.t} ranks: "
                     f"seq_len must be divisible by t (or turn sequence parallelism off)")
@@ -181,15 +212,45 @@ def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_laye
     return errs
 
 
+def expert_errors(spec: ModelSpec, lay: Layout) -> list[str]:
+    """The rules of expert parallelism ``lay`` breaks for ``spec``, with the numbers and the fix:
+    ep needs experts, divides d (an expert group is ep data-parallel replicas) and E (whole
+    experts per rank); an expert's width and a shared expert's divide t."""
+    errs = []
+    if lay.ep > 1 and not spec.is_moe:
+        errs.append(f"ep={lay.ep} splits experts, but {spec.label} has none (experts=0): use ep=1, or describe "
+                    f"its mixture-of-experts layers (ModelSpec.experts, top_k)")
+        return errs
+    if lay.d % lay.ep:
+        fits = [k for k in range(1, lay.d + 1) if lay.d % k == 0 and spec.experts % k == 0]
+        errs.append(f"ep={lay.ep} does not divide d={lay.d}: an expert group is made of ep data-parallel replicas. "
+                    f"Fix: ep in {fits}, or d a multiple of {lay.ep}")
+    if spec.is_moe and spec.experts % lay.ep:
+        fits = [k for k in range(1, spec.experts + 1) if spec.experts % k == 0]
+        errs.append(f"ep={lay.ep} does not divide the {spec.experts} experts: each rank of an expert group holds "
+                    f"E/ep whole experts. Fix: ep in {fits}")
+    if spec.is_moe and spec.expert_ffn_size % lay.t:
+        errs.append(f"expert_ffn ({spec.expert_ffn_size}) must be divisible by t={lay.t}: each expert is split "
+                    f"t ways on its width")
+    if spec.is_moe and spec.shared_expert_ffn % lay.t:
+        errs.append(f"shared_expert_ffn ({spec.shared_expert_ffn}) must be divisible by t={lay.t}")
+    return errs
+
+
 def runtime_errors(cluster: Cluster, lay: Layout) -> list[str]:
-    """The rules of the schedule (``core.config.microbatch_errors``) that ``lay`` breaks: a layout
-    breaking only these can be priced (closed form) but not run by autopar's runtime."""
+    """The rules of the schedule (``core.config.microbatch_errors``) that ``lay`` breaks, and what
+    autopar's runtime does not run yet (the distributed optimizer over expert-parallel parameters):
+    a layout breaking only these can be priced (closed form) but not run by autopar's runtime."""
+    errs = []
+    if lay.ep > 1 and lay.distopt:
+        errs.append(f"the distributed optimizer does not shard expert-parallel parameters yet (ep={lay.ep}): "
+                    f"turn it off, or use ep=1")
     B = cluster.global_batch
     if B % (lay.d * lay.b):
-        return []
+        return errs
     m = B // (lay.d * lay.b)
-    return [f"with m = B/(d b) = {B}/({lay.d}*{lay.b}) = {m} microbatches, {e}"
-            for e in microbatch_errors(lay.schedule, lay.p, lay.v, m)]
+    return errs + [f"with m = B/(d b) = {B}/({lay.d}*{lay.b}) = {m} microbatches, {e}"
+                   for e in microbatch_errors(lay.schedule, lay.p, lay.v, m)]
 
 
 def _sequence_parallel(config) -> bool:

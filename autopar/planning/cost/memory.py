@@ -11,6 +11,12 @@ working set (a layer's backward, or the loss), or the optimizer step's fp32
 gradient copy when that is larger. In a zero-bubble schedule a microbatch whose B
 has run and whose W has not keeps its weight GEMMs' inputs and output gradients
 instead (``zero_bubble_costs.py``), priced conservatively.
+
+With expert parallelism a rank holds E/ep of each expert layer's experts
+(``models.expert_params_per_stage``): their weights, gradients and optimizer state are E/ep
+experts' (the distributed optimizer shards their state over the d/ep replicas holding them);
+an expert layer keeps its routed rows (``activations.expert_rows_kept_bytes``): ep S of them
+with the all-gather dispatcher, S with the all-to-all one.
 """
 
 from __future__ import annotations
@@ -27,7 +33,12 @@ from autopar.planning.cost.activations import (
     loss_working_bytes,
 )
 from autopar.planning.cost.layout import Layout
-from autopar.planning.cost.models import ModelSpec, params_per_stage
+from autopar.planning.cost.models import (
+    ModelSpec,
+    expert_params_per_stage,
+    max_moe_layers_per_chunk,
+    params_per_stage,
+)
 from autopar.planning.cost.precision import Precision
 from autopar.planning.cost.transformer import head_ops, layer_ops
 from autopar.planning.cost.zero_bubble_costs import Held, held_bounds, held_peak_bytes, weight_grad_kept_elements
@@ -140,11 +151,16 @@ def stage_memory(spec: ModelSpec, lay: Layout, r: int, units: int, held: Held | 
     """Memory of one GPU of pipeline stage ``r`` holding ``units`` chunk-microbatches in flight
     at its peak (``memory_per_gpu`` takes the fullest stage); ``held``: how many of them wait
     for their B and for their W, in a schedule with W actions."""
-    prec, P = lay.precision, params_per_stage(spec, lay.t, lay.p)[r]
+    prec, P = lay.precision, params_per_stage(spec, lay.t, lay.p, lay.ep)[r]
+    P_exp = expert_params_per_stage(spec, lay.t, lay.p, lay.ep)[r] if lay.ep > 1 else 0
     sharded = lay.distopt
-    weights, grads, state = model_state_bytes(prec, P, lay.d, lay.distributed_optimizer)
+    # routed experts (ep > 1) are replicated over, and their optimizer state sharded over, d/ep replicas
+    dense = model_state_bytes(prec, P - P_exp, lay.d, lay.distributed_optimizer)
+    experts = model_state_bytes(prec, P_exp, lay.edp, lay.distributed_optimizer)
+    weights, grads, state = (a + b for a, b in zip(dense, experts))
     ddp = prec.grad * P if (lay.dp_overlap and lay.d > 1 and not sharded) else 0.0
-    copy = 4.0 * P / (lay.d if sharded else 1) if prec.grad < 4 else 0.0
+    owned = (P - P_exp) / lay.d + P_exp / lay.edp if sharded else P
+    copy = 4.0 * owned if prec.grad < 4 else 0.0
     kept, working = _activations(spec, lay, r, units, held)
     return Memory(weights, grads, state, max(kept + working, copy), r, buffers=ddp, kept=kept, step_copy=copy)
 
@@ -158,16 +174,20 @@ def _activations(spec: ModelSpec, lay: Layout, r: int, units: int,
     last = stage_of_chunk(placement_of(lay.schedule), p, p * lay.v - 1)  # the loss's stage
     T = b * spec.seq_len
     chunk_layers = math.ceil(spec.layers / (p * lay.v))
-    full_layer = activation_bytes_per_layer(spec, b, t, sp, prec)
-    transient = layer_backward_transient(spec, b, t, sp, prec)
+    moe_layers = min(max_moe_layers_per_chunk(spec, p * lay.v), chunk_layers)
+    kinds = [(chunk_layers - moe_layers, False), (moe_layers, True)]  # (layers, mixture-of-experts)
+    full = {moe: activation_bytes_per_layer(spec, b, t, sp, prec, moe, lay.ep, lay.expert_dispatch)
+            for n, moe in kinds if n}
+    transient = {moe: layer_backward_transient(spec, b, t, sp, prec, moe, lay.ep, lay.expert_dispatch)
+                 for n, moe in kinds if n}
     ckpt = prec.activation * T * spec.hidden  # a layer's input or output, whole
     split = ckpt / (t if sp else 1)  # as kept between layers (1/t of the tokens with sequence parallelism)
     if lay.recompute is Recompute.LAYER:
         per_unit = chunk_layers * split
-        working = full_layer + transient + 2 * ckpt
+        working = max(full[k] + transient[k] for k in full) + 2 * ckpt
     else:
-        per_unit = chunk_layers * full_layer
-        working = transient + 2 * ckpt
+        per_unit = sum(n * full[moe] for n, moe in kinds if n)
+        working = max(transient.values()) + 2 * ckpt
     out = split if p > 1 else 0.0  # each chunk's output, kept for its backward (the last chunk's is the loss)
     if held is None:
         kept = units * (per_unit + out)
@@ -191,6 +211,11 @@ def _awaiting_w_bytes(spec: ModelSpec, lay: Layout, chunk_layers: int, holds_hea
     output gradients, and on the stage of the last chunk the LM head's (its input and the logits'
     gradient; counted for every unit there, as if each were the last chunk's: conservative for v > 1)."""
     prec = lay.precision
+    moe = min(max_moe_layers_per_chunk(spec, lay.p * lay.v), chunk_layers)
     layer = weight_grad_kept_elements(layer_ops(spec, lay.b, lay.t, lay.sp).backward)
+    layers = (chunk_layers - moe) * layer
+    if moe:
+        ops = layer_ops(spec, lay.b, lay.t, lay.sp, moe=True, ep=lay.ep, dispatch=lay.expert_dispatch)
+        layers += moe * weight_grad_kept_elements(ops.backward)
     head = weight_grad_kept_elements(head_ops(spec, lay.b, lay.t).backward) if holds_head else 0.0
-    return prec.activation * (chunk_layers * layer + head)
+    return prec.activation * (layers + head)

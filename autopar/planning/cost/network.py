@@ -5,7 +5,10 @@ Ranks are laid out tensor-parallel fastest, then data-parallel, then pipeline:
 a tensor-parallel group stays inside a node while t divides the GPUs of a node
 and spans t / G whole nodes beyond (``tp_allreduce_time``), a data-parallel
 group spans nodes once d > GPUs per node / t, and adjacent pipeline stages are
-t d ranks apart (``stage_link``).
+t d ranks apart (``stage_link``). An expert group (``Layout.ep``) is ep consecutive
+data-parallel replicas, ranks t apart: its collectives use the links a data-parallel group of
+ep would (``ep_collective_time``); the replicas holding the same experts are t ep ranks apart
+(``dp_link(hw, t * ep, d / ep)``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from autopar.planning.cost.hardware import Hardware
 
 __all__ = ["intra_node_bw", "inter_node_bw", "allreduce_time", "allgather_time", "reduce_scatter_time", "p2p_time", "dp_link",
            "stage_link", "tp_allreduce_time", "tp_half_time", "flat_ring_allreduce_time",
-           "hierarchical_allreduce_time"]
+           "hierarchical_allreduce_time", "alltoall_time", "ep_collective_time", "EP_KINDS"]
 
 
 def intra_node_bw(hw: Hardware) -> float:
@@ -47,6 +50,39 @@ def reduce_scatter_time(nbytes: float, n: int, bw: float, latency: float) -> flo
     """Ring reduce-scatter of a tensor of ``nbytes`` in total: the first half of a ring all-reduce,
     priced as an all-gather of the same tensor ((n-1)/n * bytes / bw + (n-1) latency)."""
     return allgather_time(nbytes, n, bw, latency)
+
+
+def alltoall_time(nbytes: float, n: int, hw: Hardware, t: int = 1) -> float:
+    """An all-to-all over n ranks, t apart (an expert group), in which each rank sends 1/n of its
+    ``nbytes`` to each peer (keeping its own 1/n): (n-1)/n of them leave the rank.
+
+    A node holds k = min(n, G/t) members of the group: the k-1 peers in the node are reached over
+    NVLink, the n-k others through the rank's own NIC (one per GPU, the t ranks of a node's
+    tensor-parallel groups running their own exchanges on their own NICs), both at once:
+    max((k-1)/n bytes / NVLink bus bandwidth, (n-k)/n bytes / NIC bandwidth), plus n-1 steps of
+    latency (pairwise exchange)."""
+    if n <= 1:
+        return 0.0
+    k = min(n, max(1, hw.gpus_per_node // t))
+    inside = (k - 1) / n * nbytes / intra_node_bw(hw)
+    across = (n - k) / n * nbytes / inter_node_bw(hw)
+    return max(inside, across) + (n - 1) * (hw.ib_latency if n > k else hw.nvlink_latency)
+
+
+EP_KINDS: tuple[str, ...] = ("ep_allgather", "ep_reduce_scatter", "ep_alltoall")
+"""Op kinds of expert parallelism's token exchange (``transformer.py``), priced over the expert group."""
+
+
+def ep_collective_time(kind: str, nbytes: float, ep: int, t: int, hw: Hardware) -> float:
+    """An expert group's collective: ``ep_allgather`` / ``ep_reduce_scatter`` of a tensor of
+    ``nbytes`` in total (ring, over the links of a data-parallel group of ep: ``dp_link``), or
+    ``ep_alltoall`` of ``nbytes`` held by each rank (``alltoall_time``)."""
+    if ep <= 1:
+        return 0.0
+    if kind == "ep_alltoall":
+        return alltoall_time(nbytes, ep, hw, t)
+    bw, lat = dp_link(hw, t, ep)
+    return allgather_time(nbytes, ep, bw, lat)
 
 
 def p2p_time(nbytes: float, bw: float, latency: float) -> float:

@@ -3,8 +3,10 @@
 A GEMM runs at ``peak * gemm_efficiency(M, N, K)`` unless its bytes take
 longer at the achieved HBM rate; every other kernel is bytes / achieved HBM
 bandwidth; both pay a launch gap. A tensor-parallel all-reduce is a ring over
-NVLink inside a node, flat or hierarchical across nodes (``network.py``). ``layer_times`` caches the forward and backward of
-one layer, the embedding and the LM head per (model, hardware, b, t).
+NVLink inside a node, flat or hierarchical across nodes (``network.py``); an expert-parallel
+exchange is priced over the expert group's links (``network.ep_collective_time``). ``layer_times``
+caches the forward and backward of one layer (dense, and mixture-of-experts), the embedding and
+the LM head per (model, hardware, b, t, ep).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from functools import lru_cache
 
 from autopar.planning.cost.hardware import Hardware
 from autopar.planning.cost.models import ModelSpec
-from autopar.planning.cost.network import tp_allreduce_time, tp_half_time
+from autopar.planning.cost.network import EP_KINDS, ep_collective_time, tp_allreduce_time, tp_half_time
 from autopar.planning.cost.op_costs import Op
 from autopar.planning.cost.transformer import embedding_ops, head_ops, layer_ops
 from autopar.planning.errors import PlanError
@@ -56,8 +58,9 @@ def gemm_efficiency(m: int, n: int, k: int, hw: Hardware, batch: int = 1) -> flo
     return hw.eff.gemm * fill * k / (k + hw.eff.gemm_k_overhead)
 
 
-def op_time(op: Op, hw: Hardware, t: int = 1) -> float:
-    """Seconds for one Op on one GPU (roofline for GEMMs, bandwidth otherwise)."""
+def op_time(op: Op, hw: Hardware, t: int = 1, ep: int = 1) -> float:
+    """Seconds for one Op on one GPU of a tensor-parallel group of t and an expert group of ep
+    (roofline for GEMMs, bandwidth otherwise)."""
     e = hw.eff
     if op.kind == "gemm":
         b, m, n, k = op.gemm
@@ -69,51 +72,65 @@ def op_time(op: Op, hw: Hardware, t: int = 1) -> float:
         return tp_allreduce_time(op.bytes, t, hw)
     if op.kind in ("tp_reduce_scatter", "tp_allgather"):  # each half of an all-reduce
         return tp_half_time(op.bytes, t, hw)
+    if op.kind in EP_KINDS:
+        return ep_collective_time(op.kind, op.bytes, ep, t, hw)
     raise PlanError(f"unknown op kind {op.kind!r} for {op.name}")
 
 
 @dataclass(frozen=True)
 class PhaseTime:
-    """Seconds of a list of Ops, by kind: GEMMs, memory-bound kernels, tensor-parallel all-reduces."""
+    """Seconds of a list of Ops, by kind: GEMMs, memory-bound kernels, tensor-parallel all-reduces,
+    expert-parallel row exchanges."""
 
     gemm: float = 0.0
     memory: float = 0.0
     comm: float = 0.0
+    """Tensor-parallel collectives."""
+    ep: float = 0.0
+    """Expert-parallel exchanges (the routed rows and their counts, over the expert group)."""
 
     @property
     def total(self) -> float:
-        return self.gemm + self.memory + self.comm
+        return self.gemm + self.memory + self.comm + self.ep
 
     def __add__(self, o: PhaseTime) -> PhaseTime:
-        return PhaseTime(self.gemm + o.gemm, self.memory + o.memory, self.comm + o.comm)
+        return PhaseTime(self.gemm + o.gemm, self.memory + o.memory, self.comm + o.comm, self.ep + o.ep)
 
     def __mul__(self, k: float) -> PhaseTime:
-        return PhaseTime(self.gemm * k, self.memory * k, self.comm * k)
+        return PhaseTime(self.gemm * k, self.memory * k, self.comm * k, self.ep * k)
 
 
-def phase_time(ops: tuple[Op, ...], hw: Hardware, t: int) -> PhaseTime:
-    """The Ops' seconds on one of t tensor-parallel GPUs, summed by kind."""
-    g = m = c = 0.0
+def phase_time(ops: tuple[Op, ...], hw: Hardware, t: int, ep: int = 1) -> PhaseTime:
+    """The Ops' seconds on one of t tensor-parallel GPUs (of an expert group of ep), summed by kind."""
+    g = m = c = x_ep = 0.0
     for op in ops:
-        x = op_time(op, hw, t)
+        x = op_time(op, hw, t, ep)
         if op.kind == "gemm":
             g += x
         elif op.kind == "memory":
             m += x
+        elif op.kind in EP_KINDS:
+            x_ep += x
         else:
             c += x
-    return PhaseTime(g, m, c)
+    return PhaseTime(g, m, c, x_ep)
 
 
 @lru_cache(maxsize=8192)
 def layer_times(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
-                fused: bool = True) -> dict[str, PhaseTime]:
+                fused: bool = True, ep: int = 1, dispatch: str = "allgather") -> dict[str, PhaseTime]:
     """Forward and backward times of one layer (``layer_f``, ``layer_b``), the embedding
     (``emb_f``, ``emb_b``) and the LM head (``head_f``, ``head_b``) for micro-batch b at t,
-    the layer's with or without sequence parallelism, its element-wise kernels fused or op by op."""
+    the layer's with or without sequence parallelism, its element-wise kernels fused or op by op;
+    for a mixture-of-experts model also one of its expert layers (``moe_f``, ``moe_b``) on a rank
+    of an expert group of ``ep`` exchanging rows by ``dispatch``."""
     lay, emb, head = layer_ops(spec, b, t, sequence_parallel, fused), embedding_ops(spec, b, t), head_ops(spec, b, t)
-    return {
+    out = {
         "layer_f": phase_time(lay.forward, hw, t), "layer_b": phase_time(lay.backward, hw, t),
         "emb_f": phase_time(emb.forward, hw, t), "emb_b": phase_time(emb.backward, hw, t),
         "head_f": phase_time(head.forward, hw, t), "head_b": phase_time(head.backward, hw, t),
     }
+    if spec.is_moe:
+        moe = layer_ops(spec, b, t, sequence_parallel, fused, moe=True, ep=ep, dispatch=dispatch)
+        out["moe_f"], out["moe_b"] = phase_time(moe.forward, hw, t, ep), phase_time(moe.backward, hw, t, ep)
+    return out

@@ -7,7 +7,9 @@ the schedule simulator through ``pipeline_timeline.py``), the data-parallel grad
 all-reduce (with the distributed optimizer: a reduce-scatter of the gradients and
 an all-gather of the parameters), the tied-embedding sync and the optimizer step
 (1/d of it with the distributed optimizer) into an iteration time, TFLOP/s per GPU (counted as the paper counts) and memory per GPU
-(``memory.py``). The zero-bubble schedules (ZB-H1, ZB-V) split each chunk's backward
+(``memory.py``). A mixture-of-experts model's expert layers are priced as such
+(``transformer._Experts``: their row exchange over the expert group is ``ep_comm``) and its
+routed experts' gradients are all-reduced over the d/ep replicas holding the same experts. The zero-bubble schedules (ZB-H1, ZB-V) split each chunk's backward
 into B and W and have their own idle time (``zero_bubble_costs.py``).
 """
 
@@ -20,7 +22,12 @@ from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, Recompute
 from autopar.planning.cost.hardware import Hardware
 from autopar.planning.cost.layout import Cluster, Layout, layout_errors, runtime_errors
 from autopar.planning.cost.memory import Memory, memory_per_gpu
-from autopar.planning.cost.models import ModelSpec, params_per_stage
+from autopar.planning.cost.models import (
+    ModelSpec,
+    expert_params_per_stage,
+    max_moe_layers_per_chunk,
+    params_per_stage,
+)
 from autopar.planning.cost.network import (
     allgather_time,
     allreduce_time,
@@ -101,7 +108,7 @@ class Estimate:
     t_optimizer: float
     """Optimizer step (memory-bound)."""
     breakdown: dict[str, float]
-    """Critical-path seconds by cause: gemm, memory, tp_comm, imbalance, p2p, bubble, dp, optimizer."""
+    """Critical-path seconds by cause: gemm, memory, tp_comm, ep_comm, imbalance, p2p, bubble, dp, optimizer."""
     memory: Memory
     flops: float
     """FLOPs of one iteration as the paper counts them."""
@@ -143,9 +150,10 @@ class Estimate:
 
     @property
     def comm_time(self) -> float:
-        """Exposed communication per iteration: TP all-reduces, p2p, DP, embedding sync."""
+        """Exposed communication per iteration: TP all-reduces, expert-parallel exchanges, p2p, DP,
+        embedding sync."""
         b = self.breakdown
-        return b["tp_comm"] + b["p2p"] + b["dp"]
+        return b["tp_comm"] + b.get("ep_comm", 0.0) + b["p2p"] + b["dp"]
 
     def as_dict(self) -> dict:
         lay = self.layout
@@ -155,6 +163,7 @@ class Estimate:
             "t": lay.t, "p": lay.p, "d": lay.d, "v": lay.v, "b": lay.b, "m": self.m,
             "schedule": lay.schedule, "recompute": str(lay.recompute), "scatter_gather": lay.scatter_gather,
             "dp_overlap": lay.dp_overlap, "sequence_parallel": lay.sp, "distributed_optimizer": lay.distopt,
+            "ep": lay.ep, "expert_dispatch": lay.expert_dispatch if lay.ep > 1 else None,
             "iteration_s": self.t_iter, "tflops_per_gpu": self.tflops_per_gpu, "frac_peak": self.frac_peak,
             "bubble": self.bubble, "comm_s": self.comm_time, "memory_gib": self.memory.total / 2**30,
             "fits": self.fits, "runnable": self.runnable, "runtime_errors": list(self.runtime_errors),
@@ -194,10 +203,11 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     chunk = _Chunk.of(spec, hw, lay)
     c = _send_time(spec, hw, lay)
     t_pipe, bubble, sim = _pipeline(lay, m, chunk, c, simulate)
-    P_max = max(params_per_stage(spec, lay.t, lay.p))
-    t_dp, t_dp_exposed = (_dp_sharded if lay.distopt else _dp_allreduce)(hw, lay, P_max, chunk.t_B)
+    P_max, P_exp = _fullest_stage_params(spec, lay)
+    t_dp, t_dp_exposed = (_dp_sharded if lay.distopt else _dp_allreduce)(hw, lay, P_max, chunk.t_B, P_exp)
     t_emb = _embedding_sync(spec, hw, lay)
-    owned = P_max / lay.d if lay.distopt else P_max  # the distributed optimizer steps 1/d of them
+    # the distributed optimizer steps 1/d of the dense parameters, 1/(d/ep) of the experts'
+    owned = (P_max - P_exp) / lay.d + P_exp / lay.edp if lay.distopt else P_max
     t_opt = owned * OPTIMIZER_STEP_TRAFFIC_PER_PARAM / (hw.hbm_bw * hw.eff.hbm)
     breakdown = _breakdown(chunk, lay, m, c, t_pipe, t_dp_exposed + t_emb, t_opt)
     peaks = sim.peak_in_flight if sim is not None else None  # a property that walks every stage's list
@@ -233,13 +243,19 @@ class _Chunk:
 
     @classmethod
     def of(cls, spec: ModelSpec, hw: Hardware, lay: Layout) -> _Chunk:
+        """The largest chunk: ceil(l / (p v)) layers, of which (a mixture-of-experts model) the most
+        expert layers any chunk holds, each priced as such (recomputation repeats its exchange)."""
         L = math.ceil(spec.layers / (lay.p * lay.v))
-        tm = layer_times(spec, hw, lay.b, lay.t, lay.sp, lay.fused_kernels)
-        wt = weight_grad_times(spec, hw, lay.b, lay.t, lay.sp)
+        M = min(max_moe_layers_per_chunk(spec, lay.p * lay.v), L)
+        tm = layer_times(spec, hw, lay.b, lay.t, lay.sp, lay.fused_kernels, lay.ep, lay.expert_dispatch)
+        wt = weight_grad_times(spec, hw, lay.b, lay.t, lay.sp, lay.ep, lay.expert_dispatch)
         rc = 1.0 if lay.recompute is Recompute.LAYER else 0.0  # each layer's forward again in its backward
         last_stage = stage_of_chunk(placement_of(lay.schedule), lay.p, lay.p * lay.v - 1)
-        return cls(L, tm["layer_f"] * L, tm["layer_b"] * L + tm["layer_f"] * (L * rc), wt["layer_w"] * L,
-                   {**tm, "head_w": wt["head_w"]}, ends_share_stage=lay.p > 1 and last_stage == 0)
+        fwd, bwd, w = tm["layer_f"] * (L - M), tm["layer_b"] * (L - M), wt["layer_w"] * (L - M)
+        if M:
+            fwd, bwd, w = fwd + tm["moe_f"] * M, bwd + tm["moe_b"] * M, w + wt["moe_w"] * M
+        return cls(L, fwd, bwd + fwd * rc, w, {**tm, "head_w": wt["head_w"]},
+                   ends_share_stage=lay.p > 1 and last_stage == 0)
 
     @property
     def t_W(self) -> float:
@@ -324,30 +340,56 @@ def _chunk_timeline(lay: Layout, m: int, chunk: _Chunk, c: float) -> SimResult:
                           t_w=chunk.t_W if split else None, last_extra_w=chunk.head_w)
 
 
-def _dp_allreduce(hw: Hardware, lay: Layout, P_max: int, t_B: float) -> tuple[float, float]:
+def _fullest_stage_params(spec: ModelSpec, lay: Layout) -> tuple[int, int]:
+    """(parameters of the stage holding the most, of which routed experts' (E/ep per expert layer))."""
+    total = params_per_stage(spec, lay.t, lay.p, lay.ep)
+    experts = expert_params_per_stage(spec, lay.t, lay.p, lay.ep)
+    r = max(range(lay.p), key=lambda k: total[k])
+    return total[r], experts[r]
+
+
+def _edp_link(hw: Hardware, lay: Layout) -> tuple[float, float]:
+    """(bytes/s, latency) of the ring over the d/ep replicas holding the same experts: t ep ranks
+    apart, so a node holds G / (t ep) of them (``dp_link`` with t ep)."""
+    return dp_link(hw, lay.t * lay.ep, lay.edp)
+
+
+def _dp_allreduce(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 0) -> tuple[float, float]:
     """(the fullest stage's fp16 gradient all-reduce over d, the part of it not hidden behind
-    the last microbatch's backward)."""
+    the last microbatch's backward).
+
+    With expert parallelism (ep > 1) its ``P_exp`` routed-expert parameters are all-reduced over
+    their own d/ep replicas (``_edp_link``), after the dense ones' all-reduce over d (the same
+    NICs); with ep = 1 they are dense parameters like the others."""
     d = lay.d
     bw, lat = dp_link(hw, lay.t, d)
-    t_dp = allreduce_time(FP16 * P_max, d, bw, lat)
+    dense = P_max - P_exp if lay.ep > 1 else P_max
+    t_dp = allreduce_time(FP16 * dense, d, bw, lat)
+    if lay.ep > 1:
+        t_dp += allreduce_time(FP16 * P_exp, lay.edp, *_edp_link(hw, lay))
     if lay.dp_overlap and d > 1:
         window = lay.v * t_B
         return t_dp, max(t_dp - window, allreduce_time(min(DDP_BUCKET_BYTES, FP16 * P_max), d, bw, lat))
     return t_dp, t_dp
 
 
-def _dp_sharded(hw: Hardware, lay: Layout, P_max: int, t_B: float) -> tuple[float, float]:
+def _dp_sharded(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 0) -> tuple[float, float]:
     """The distributed optimizer's data-parallel traffic: (whole, exposed) seconds.
 
     The gradients are reduce-scattered (each replica receives the sum of its 1/d range) and,
     after the step, the updated parameters all-gathered: the all-reduce's two halves, the same
     bytes on the wire. The reduce-scatter overlaps the backward as the all-reduce does (bucket by
     bucket, as soon as a chunk's gradients are final); the all-gather follows the step and
-    is exposed."""
+    is exposed. With ep > 1 the ``P_exp`` routed-expert parameters go over their d/ep replicas."""
     d, prec = lay.d, lay.precision
     bw, lat = dp_link(hw, lay.t, d)
-    t_rs = reduce_scatter_time(prec.grad * P_max, d, bw, lat)
-    t_ag = allgather_time(prec.weight * P_max, d, bw, lat)
+    dense = P_max - P_exp if lay.ep > 1 else P_max
+    t_rs = reduce_scatter_time(prec.grad * dense, d, bw, lat)
+    t_ag = allgather_time(prec.weight * dense, d, bw, lat)
+    if lay.ep > 1:
+        ebw, elat = _edp_link(hw, lay)
+        t_rs += reduce_scatter_time(prec.grad * P_exp, lay.edp, ebw, elat)
+        t_ag += allgather_time(prec.weight * P_exp, lay.edp, ebw, elat)
     if lay.dp_overlap:
         last = reduce_scatter_time(min(DDP_BUCKET_BYTES, prec.grad * P_max), d, bw, lat)
         return t_rs + t_ag, max(t_rs - lay.v * t_B, last) + t_ag
@@ -377,7 +419,7 @@ def _breakdown(chunk: _Chunk, lay: Layout, m: int, c: float, t_pipe: float, t_dp
     ends = chunk.ends_phases(1)  # head and embedding together
     work = (chunk.forward + chunk.backward) * (m * v) + ends * (m / p)
     return {
-        "gemm": work.gemm, "memory": work.memory, "tp_comm": work.comm,
+        "gemm": work.gemm, "memory": work.memory, "tp_comm": work.comm, "ep_comm": work.ep,
         "imbalance": m * (chunk.ends(p) - ends.total / p),
         "p2p": m * v * 2 * c, "bubble": max(t_pipe - pipe_work, 0.0),
         "dp": t_dp, "optimizer": t_opt,

@@ -11,6 +11,16 @@ same bytes on the wire: an all-reduce is those two halves). ``embedding_ops`` (s
 vocabulary-parallel cross-entropy) complete the model. ``graph_flops`` sums
 them over an iteration; ``paper_flops`` is the paper's closed form;
 ``iteration_flops`` is what throughput is counted with.
+
+A mixture-of-experts layer (``layer_ops(..., moe=True, ep=, dispatch=)``) replaces fc1/fc2 by
+the router, the optional shared expert and the routed experts (``_Experts``): each of the
+rank's T tokens goes to k experts, so S = k T rows leave the rank; spread over the expert
+group, each rank's E/ep experts compute S rows on average (their share of the group's ep S),
+as E/ep grouped GEMMs of S ep / E rows. Between the sort by expert and the grouped GEMMs the
+rows travel (ep > 1): ``allgather`` gathers the group's ep S rows and reduce-scatters the
+results (forward; the backward is the reverse), ``alltoall`` sends each peer the rows of its
+experts and gets the results back; both after all-gathering each rank's E counts per expert
+(``expert_route``). Those Ops are of the ``network.EP_KINDS``, priced over the expert group.
 """
 
 from __future__ import annotations
@@ -31,8 +41,10 @@ from autopar.planning.cost.op_costs import (
     linear_op,
     memory_op,
 )
+from autopar.planning.errors import PlanError
 
-__all__ = ["PhaseOps", "layer_ops", "op_by_op", "embedding_ops", "head_ops", "graph_flops", "paper_flops", "iteration_flops"]
+__all__ = ["PhaseOps", "ExpertRows", "expert_rows", "layer_ops", "op_by_op", "embedding_ops", "head_ops", "graph_flops",
+           "paper_flops", "iteration_flops"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,38 @@ class _Layer:
         )
 
 
+ROUTE_COUNT_BYTES = 8
+"""An int64 count of rows per expert (``expert_route`` all-gathers E of them per rank)."""
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """The routed rows of one mixture-of-experts layer on one rank (micro-batch b)."""
+
+    tokens: int
+    """T = b s: the rank's tokens (the MLP's input rows)."""
+    sent: int
+    """S = k T: rows leaving the rank (each token once per chosen expert), sorted by expert."""
+    computed: float
+    """Rows the rank's E/ep experts compute: on average their share of the group's ep S rows, S."""
+    held: int
+    """Rows of the tensors the grouped GEMMs read and write: ep S with the all-gather dispatcher
+    (static shapes: the whole group's rows, the rank's own at the front), S otherwise (ep = 1 or
+    all-to-all, the balanced share)."""
+    local_experts: int
+    """E/ep."""
+
+
+def expert_rows(spec: ModelSpec, b: int, ep: int = 1, dispatch: str = "allgather") -> ExpertRows:
+    """The rows of one mixture-of-experts layer on one rank of an expert group of ``ep``."""
+    if spec.experts % ep:
+        raise PlanError(f"ep={ep} does not divide the {spec.experts} experts of {spec.label}: each rank of an expert "
+                        f"group holds E/ep whole experts")
+    T = b * spec.seq_len
+    S = T * spec.top_k
+    return ExpertRows(T, S, float(S), ep * S if ep > 1 and dispatch == "allgather" else S, spec.experts // ep)
+
+
 def tp_reduction(nbytes: float, sp: bool) -> tuple[Op, ...]:
     """The tensor-parallel reduction of a (T, h) activation: one all-reduce, or with sequence
     parallelism a reduce-scatter and an all-gather (priced as the all-reduce's two halves)."""
@@ -138,7 +182,8 @@ def op_by_op(ops: tuple[Op, ...]) -> tuple[Op, ...]:
 
 
 @lru_cache(maxsize=4096)
-def layer_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False, fused: bool = True) -> PhaseOps:
+def layer_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False, fused: bool = True,
+              moe: bool = False, ep: int = 1, dispatch: str = "allgather") -> PhaseOps:
     """One transformer layer on one of t tensor-parallel GPUs, micro-batch b.
 
     Forward (Megatron-LM, 2021; T = b s tokens; "_l" = local to one rank):
@@ -152,14 +197,121 @@ def layer_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False, 
     element-wise backward kernels, and the all-reduces of f (before QKV, fc1).
     With ``sequence_parallel`` the LayerNorm/dropout/residual kernels touch T/t tokens.
     ``fused=False``: the element-wise kernels as eager PyTorch runs them, one pass each
-    (``op_by_op``): a chunk run eagerly rather than compiled.
+    (``op_by_op``): a chunk run eagerly rather than compiled. ``moe``: a mixture-of-experts
+    layer of ``spec`` on a rank of an expert group of ``ep`` exchanging rows by ``dispatch``
+    (``_Experts``); ignored for a dense model.
     """
     layer = _Layer.of(spec, b, t, sequence_parallel)
-    fwd, bwd = tuple(_layer_forward(layer)), tuple(_layer_backward(layer))
+    experts = _Experts.of(spec, layer, t, ep, dispatch) if moe and spec.is_moe else None
+    fwd, bwd = tuple(_layer_forward(layer, experts)), tuple(_layer_backward(layer, experts))
     return PhaseOps(fwd, bwd) if fused else PhaseOps(op_by_op(fwd), op_by_op(bwd))
 
 
-def _layer_forward(x: _Layer) -> list[Op]:
+@dataclass(frozen=True)
+class _Experts:
+    """A mixture-of-experts MLP on one of t ranks of an expert group of ep: its router, shared
+    expert and routed experts' GEMMs, and the row exchange."""
+
+    rows: ExpertRows
+    h: int
+    E: int
+    k: int
+    ep: int
+    dispatch: str
+    fe_l: int
+    """One expert's width on this rank, f_e / t."""
+    fs_l: int
+    """The shared expert's width on this rank, f_s / t (0: none)."""
+    gated: bool
+    router: Op
+    fc1: Op
+    fc2: Op
+    shared_fc1: Op | None
+    shared_fc2: Op | None
+
+    @classmethod
+    def of(cls, spec: ModelSpec, layer: _Layer, t: int, ep: int, dispatch: str) -> _Experts:
+        rows = expert_rows(spec, layer.b, ep, dispatch)
+        h, n_in = spec.hidden, 2 if spec.gated_mlp else 1
+        fe_l, fs_l = spec.expert_ffn_size // t, spec.shared_expert_ffn // t
+        per_expert = rows.computed / rows.local_experts  # rows per local expert, on average
+        shared = fs_l > 0
+        return cls(
+            rows=rows, h=h, E=spec.experts, k=spec.top_k, ep=ep, dispatch=dispatch, fe_l=fe_l, fs_l=fs_l,
+            gated=spec.gated_mlp,
+            router=linear_op("router", layer.T, h, spec.experts),
+            fc1=gemm_op("expert_fc1", rows.local_experts, per_expert, n_in * fe_l, h),
+            fc2=gemm_op("expert_fc2", rows.local_experts, per_expert, h, fe_l),
+            shared_fc1=linear_op("shared_fc1", layer.T, h, n_in * fs_l) if shared else None,
+            shared_fc2=linear_op("shared_fc2", layer.T, fs_l, h) if shared else None,
+        )
+
+    @property
+    def exchanged(self) -> bool:
+        return self.ep > 1
+
+    def route(self) -> Op:
+        """Every rank's E counts of rows per expert, all-gathered over the group."""
+        return Op("expert_route", "ep_allgather", 0.0, float(self.ep * self.E * ROUTE_COUNT_BYTES))
+
+    def exchange(self, name: str, forward_gather: bool) -> Op:
+        """The rows' trip (``forward_gather``: towards the experts, as the dispatch's all-gather or
+        the combine's backward; else back, as the combine's reduce-scatter or the dispatch's
+        backward): all-gather / reduce-scatter of the group's ep S rows, or all-to-all of S rows."""
+        S, h = self.rows.sent, self.h
+        if self.dispatch == "alltoall":
+            return Op(name, "ep_alltoall", 0.0, float(S * h * FP16))
+        return Op(name, "ep_allgather" if forward_gather else "ep_reduce_scatter", 0.0, float(self.ep * S * h * FP16))
+
+
+def _moe_forward(x: _Layer, e: _Experts) -> list[Op]:
+    """Router, shared expert, sort by expert, exchange, grouped GEMMs, exchange back, weighted sum."""
+    T, h, S, R, k = x.T, x.h, e.rows.sent, e.rows.held, e.k
+    act = 2 if e.gated else 1
+    fwd = [e.router, memory_op("router_softmax_topk", T * e.E, 1, 1, flops_per=5)]
+    if e.shared_fc1 is not None:
+        fwd += [e.shared_fc1, memory_op("shared_act", T * e.fs_l * act, 1, 0.5 if e.gated else 1, flops_per=8),
+                e.shared_fc2]
+    fwd.append(memory_op("expert_sort", S * h, 1, 1))  # each token's row once per chosen expert
+    if e.exchanged:
+        fwd += [e.route(), e.exchange("expert_dispatch", True)]
+        # this rank's rows grouped by local expert; the all-gather's rows padded with zeros to ep S
+        fwd.append(memory_op("expert_regroup", S * h, 1, 1 + (R - S) / S))
+    fwd += [
+        e.fc1,
+        memory_op("expert_act", R * e.fe_l * act, 1, 0.5 if e.gated else 1, flops_per=8),
+        e.fc2,
+    ]
+    if e.exchanged:
+        fwd += [memory_op("expert_spread", S * h, 1, 1 + (R - S) / S), e.exchange("expert_combine", False)]
+    fwd.append(memory_op("expert_unsort", S * h, 1, 1 / k, flops_per=2))  # gate-weighted sum per token
+    return fwd
+
+
+def _moe_backward(x: _Layer, e: _Experts) -> list[Op]:
+    """``_moe_forward``'s backward, last op first: each exchange's conjugate, both GEMMs of each GEMM."""
+    T, h, S, R, k = x.T, x.h, e.rows.sent, e.rows.held, e.k
+    act = 2 if e.gated else 1
+    bwd = [memory_op("expert_unsort.bwd", S * h, 1 + 1 / k, 1, flops_per=2)]
+    if e.exchanged:
+        bwd += [e.exchange("expert_combine.bwd", True), memory_op("expert_spread.bwd", S * h, 1, 1)]
+    bwd += [
+        *gemm_backward(e.fc2),
+        memory_op("expert_act.bwd", R * e.fe_l * act, 1.5 if e.gated else 2, 1, flops_per=8),
+        *gemm_backward(e.fc1),
+    ]
+    if e.exchanged:
+        bwd += [memory_op("expert_regroup.bwd", S * h, 1, 1), e.exchange("expert_dispatch.bwd", False)]
+    bwd.append(memory_op("expert_sort.bwd", S * h, 1, 1 / k))  # the k rows of a token added
+    if e.shared_fc1 is not None:
+        bwd += [*gemm_backward(e.shared_fc2),
+                memory_op("shared_act.bwd", T * e.fs_l * act, 1.5 if e.gated else 2, 1, flops_per=8),
+                *gemm_backward(e.shared_fc1)]
+    bwd += [memory_op("router_softmax_topk.bwd", T * e.E, 2, 1, flops_per=4), *gemm_backward(e.router)]
+    return bwd
+
+
+def _layer_forward(x: _Layer, experts: _Experts | None = None) -> list[Op]:
     T, h, act, Tr = x.T, x.h, 2 if x.gated else 1, x.T_r
     fwd: list[Op] = [
         memory_op("ln1", Tr * h, 1, 1, flops_per=8),
@@ -180,24 +332,28 @@ def _layer_forward(x: _Layer) -> list[Op]:
     fwd += [
         memory_op("bias_dropout_add1", Tr * h, 2, 1, mask=1, flops_per=3),
         memory_op("ln2", Tr * h, 1, 1, flops_per=8),
-        x.fc1,
-        memory_op("bias_act", T * x.f_l * act, 1, 0.5 if x.gated else 1, flops_per=8),
-        x.fc2,
     ]
+    if experts is not None:
+        fwd += _moe_forward(x, experts)
+    else:
+        fwd += [x.fc1, memory_op("bias_act", T * x.f_l * act, 1, 0.5 if x.gated else 1, flops_per=8), x.fc2]
     if x.tp:
         fwd += x.allreduce
     fwd.append(memory_op("bias_dropout_add2", Tr * h, 2, 1, mask=1, flops_per=3))
     return fwd
 
 
-def _layer_backward(x: _Layer) -> list[Op]:
+def _layer_backward(x: _Layer, experts: _Experts | None = None) -> list[Op]:
     T, h, act, Tr = x.T, x.h, 2 if x.gated else 1, x.T_r
-    bwd: list[Op] = [
-        memory_op("bias_dropout_add2.bwd", Tr * h, 1, 1, mask=1),
-        *gemm_backward(x.fc2),
-        memory_op("bias_act.bwd", T * x.f_l * act, 1.5 if x.gated else 2, 1, flops_per=8),
-        *gemm_backward(x.fc1),
-    ]
+    bwd: list[Op] = [memory_op("bias_dropout_add2.bwd", Tr * h, 1, 1, mask=1)]
+    if experts is not None:
+        bwd += _moe_backward(x, experts)
+    else:
+        bwd += [
+            *gemm_backward(x.fc2),
+            memory_op("bias_act.bwd", T * x.f_l * act, 1.5 if x.gated else 2, 1, flops_per=8),
+            *gemm_backward(x.fc1),
+        ]
     if x.tp:
         bwd += x.allreduce  # f before fc1
     bwd += [
@@ -269,12 +425,17 @@ def head_ops(spec: ModelSpec, b: int, t: int) -> PhaseOps:
 def graph_flops(spec: ModelSpec, batch: int, recompute: bool = True) -> float:
     """FLOPs of one iteration summed node by node (t = 1): every layer's
     forward, backward and (with recomputation) second forward, plus the
-    embedding and the head. Agrees with ``paper_flops`` within 2% on a GPT."""
-    lay = layer_ops(spec, 1, 1)
-    per_layer = sum(o.flops for o in lay.forward) * (2 if recompute else 1) + sum(o.flops for o in lay.backward)
+    embedding and the head. Agrees with ``paper_flops`` within 2% on a GPT. A mixture-of-experts
+    layer counts its router, shared expert and k experts per token (the FLOPs do not depend on ep)."""
+    def per_layer(moe: bool) -> float:
+        lay = layer_ops(spec, 1, 1, moe=moe)
+        return sum(o.flops for o in lay.forward) * (2 if recompute else 1) + sum(o.flops for o in lay.backward)
+
     emb, head = embedding_ops(spec, 1, 1), head_ops(spec, 1, 1)
     rest = sum(o.flops for o in emb.forward + emb.backward + head.forward + head.backward)
-    return batch * (spec.layers * per_layer + rest)
+    dense, moe = spec.layers - spec.moe_layers, spec.moe_layers
+    layers = dense * per_layer(False) + (moe * per_layer(True) if moe else 0.0)
+    return batch * (layers + rest)
 
 
 def paper_flops(spec: ModelSpec, batch: int, recompute: bool = True) -> float:

@@ -2,7 +2,8 @@
 performance model (``autopar.planning.cost.step_estimate``).
 
 The space is (t, p, d, v, micro-batch b, schedule, recomputation, sequence
-parallelism (when t > 1), distributed optimizer (when d > 1)):
+parallelism (when t > 1), distributed optimizer (when d > 1), and for a
+mixture-of-experts model expert parallelism ep with its dispatcher):
 
 - t divides the GPUs of a node (tensor parallelism on NVLink) or is a power-of-two
   multiple of it (the group spans nodes), and divides the head count, key/value
@@ -15,6 +16,8 @@ parallelism (when t > 1), distributed optimizer (when d > 1)):
   a V) need m >= p. A rejection names the schedule whose rule it is
   (``zb-h1: m < p``), so a 1F1B layout with m < p in the ranking and zero-bubble
   ones rejected for the same m are not a contradiction;
+- ep divides d and the E experts (each rank of an expert group of ep data-parallel replicas
+  holds E/ep whole experts); with ep > 1 both dispatchers ('allgather', 'alltoall') are tried;
 - the layout's memory on its fullest stage fits in the GPU.
 
 Every candidate is scored with the closed-form pipeline time (the bubble
@@ -78,6 +81,11 @@ class SearchSpace:
     """Sequence parallelism choices, tried when t > 1 (it changes nothing at t = 1)."""
     distributed_optimizer: tuple[bool, ...] = (False, True)
     """Distributed optimizer choices, tried when d > 1 (it changes nothing at d = 1)."""
+    ep: tuple[int, ...] | None = None
+    """Expert-parallel degrees to try for a mixture-of-experts model (None: every divisor of d that
+    divides E); a dense model runs ep = 1."""
+    expert_dispatch: tuple[str, ...] = ("allgather", "alltoall")
+    """Dispatchers tried with ep > 1."""
     fused_kernels: bool = True
     """What every layout's chunks are assumed to run: fused element-wise kernels (Megatron's, autopar
     compiled with ``compile=True``) or, False, op by op (autopar's eager chunks). Not searched: it is
@@ -142,8 +150,8 @@ class Plan:
         (layouts that only change b or v are tuning, not a different decomposition)."""
         if not self.ranked:
             return None
-        key = (self.best.layout.t, self.best.layout.p)
-        return next((e for e in self.ranked[1:] if (e.layout.t, e.layout.p) != key), None)
+        key = (self.best.layout.t, self.best.layout.p, self.best.layout.ep)
+        return next((e for e in self.ranked[1:] if (e.layout.t, e.layout.p, e.layout.ep) != key), None)
 
     def compared_with(self) -> tuple[Estimate | None, str]:
         """What the best is explained against: the reference layout if there is one, else the runner-up."""
@@ -229,11 +237,12 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
             vs = _chunks_per_stage(spec, p, space)
             for b, v in ((b, v) for b in bs for v in vs):
                 for sched, rc in ((s, rc) for s in _schedules_for(p, v, space) for rc in space.recompute):
-                    for sp, zero in _memory_features(t, d, space):
+                    for (sp, zero), (ep, disp) in ((f, e) for f in _memory_features(t, d, space)
+                                                   for e in _expert_choices(spec, d, space)):
                         lay = Layout(t=t, p=p, d=d, b=b, v=v, schedule=sched, recompute=rc,
                                      scatter_gather=space.scatter_gather, dp_overlap=space.overlap_for(p),
-                                     sequence_parallel=sp, distributed_optimizer=zero,
-                                     fused_kernels=space.fused_kernels)
+                                     sequence_parallel=sp, distributed_optimizer=zero, ep=ep,
+                                     expert_dispatch=disp, fused_kernels=space.fused_kernels)
                         errs = layout_errors(spec, cluster, lay, space.divisible_layers,
                                              runnable=not space.include_unrunnable)
                         if errs:
@@ -257,6 +266,16 @@ def _memory_features(t: int, d: int, space: SearchSpace) -> list[tuple[bool, boo
     sps = space.sequence_parallel if t > 1 else (False,)
     zeros = space.distributed_optimizer if d > 1 else (False,)
     return [(sp, zero) for sp in dict.fromkeys(sps) for zero in dict.fromkeys(zeros)]
+
+
+def _expert_choices(spec: ModelSpec, d: int, space: SearchSpace) -> list[tuple[int, str]]:
+    """(ep, dispatcher) pairs to try: ep = 1 for a dense model; for a mixture-of-experts one the
+    space's ep (or every divisor of d that divides E), each ep > 1 with each of the space's
+    dispatchers. An ep the space names that does not fit is tried, and rejected by its rule."""
+    if not spec.is_moe:
+        return [(1, "allgather")] if space.ep is None else [(ep, "allgather") for ep in space.ep]
+    eps = space.ep or tuple(k for k in _divisors(d) if spec.experts % k == 0)
+    return [(ep, disp) for ep in eps for disp in (("allgather",) if ep == 1 else space.expert_dispatch)]
 
 
 def _chunks_per_stage(spec: ModelSpec, p: int, space: SearchSpace) -> tuple[int, ...]:
@@ -292,6 +311,11 @@ _RULES = (
     ("at least one microbatch", "{schedule}: m < p"),
     ("needs a pipeline", "v > 1 without a pipeline"),
     ("sequence parallelism splits", "sequence parallelism: seq_len % t != 0"),
+    ("has none (experts=0)", "ep > 1 without experts"),
+    ("an expert group is made of", "d % ep != 0"),
+    ("whole experts. Fix", "experts % ep != 0"),
+    ("expert_ffn", "expert_ffn % t != 0"),
+    ("does not shard expert-parallel", "distributed optimizer with ep > 1 (not run yet)"),
 )
 
 
@@ -361,6 +385,7 @@ _PARTS = {
     "gemm": "GEMMs",
     "memory": "memory-bound kernels",
     "tp_comm": "tensor-parallel all-reduces",
+    "ep_comm": "expert-parallel token exchange",
     "imbalance": "stage imbalance (embedding, LM head and loss on the end stages)",
     "p2p": "pipeline sends",
     "bubble": "pipeline bubble",
@@ -391,6 +416,12 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
     if part == "imbalance":
         return (f"one microbatch's head or embedding work beyond its 1/p share, on one of {la.p} vs {lb.p} stages, "
                 f"m = {a.m} vs {b.m}")
+    if part == "ep_comm":
+        def what(e: Estimate) -> str:
+            lay = e.layout
+            return f"ep={lay.ep} {lay.expert_dispatch}" if lay.ep > 1 else "ep=1 (no exchange)"
+        return (f"the routed rows (k b s of h per expert layer) travel to their experts and back: {what(a)} vs "
+                f"{what(b)} (all-gather/reduce-scatter: ep S rows; all-to-all: (ep-1)/ep of S)")
     if part == "tp_comm":
         return (f"2 all-reduces of b s h per layer in forward and backward (and recompute), "
                 f"t={la.t} b={la.b} vs t={lb.t} b={lb.b}")
@@ -403,8 +434,8 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
     if part == "p2p":
         return f"{2 * a.m * la.v} vs {2 * b.m * lb.v} blocking sends per stage of b s h/t"
     if part == "dp":
-        pa = max(params_per_stage(a.spec, la.t, la.p)) / 1e9
-        pb = max(params_per_stage(b.spec, lb.t, lb.p)) / 1e9
+        pa = max(params_per_stage(a.spec, la.t, la.p, la.ep)) / 1e9
+        pb = max(params_per_stage(b.spec, lb.t, lb.p, lb.ep)) / 1e9
         G = a.cluster.hardware.gpus_per_node
         ka, kb = min(la.d, max(1, G // la.t)), min(lb.d, max(1, G // lb.t))
         over = "" if la.dp_overlap == lb.dp_overlap else (
