@@ -87,7 +87,7 @@ def parallelize(
     compile: str | bool | None = None,
     overlap: bool | set[str] | None = None,
     ep: int = 1,
-    expert_dispatch: str = "allgather",
+    expert_dispatch: str | None = None,
 ) -> ParallelProgram:
     """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
@@ -130,9 +130,10 @@ def parallelize(
     ``ep``: expert parallelism for a mixture-of-experts model. Its layers are found in the graph (a
     router's top-k, stacked expert weights applied by grouped matmuls); each rank of an expert group
     of ep data-parallel replicas (ep divides dp) holds E/ep whole experts, and the token rows travel
-    to the rank holding their expert and back. ``expert_dispatch``: 'allgather' (static shapes: every
-    rank gathers the group's rows, the results are reduce-scattered) or 'alltoall' (each rank sends
-    only the rows its peers' experts take). Exact either way (``docs/experts.md``).
+    to the rank holding their expert and back. ``expert_dispatch``: 'alltoall' (each rank sends only
+    the rows its peers' experts take; the default) or 'allgather' (static shapes: every rank gathers
+    the group's rows, the results are reduce-scattered; the default with ``compile``). Exact either way
+    (``docs/experts.md``).
     """
     if example_inputs is None:
         raise ArgumentError("parallelize() needs example_inputs: one microbatch with the real shapes")

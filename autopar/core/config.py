@@ -273,11 +273,14 @@ class ParallelConfig:
     experts, one per rank of an expert group of e data-parallel replicas (e divides d), and the tokens
     sent to the rank holding their expert (``passes/expert_parallel.py``). 1: experts stay whole on every
     replica (and are split like any MLP by tensor parallelism)."""
-    expert_dispatch: str = "allgather"
-    """How tokens reach their experts with ep > 1 (``EXPERT_DISPATCHERS``): 'allgather' (every rank of the
-    expert group gathers all the group's token rows, runs its experts on theirs, and the results are
-    reduce-scattered back: static shapes), or 'alltoall' (the rows per expert are exchanged first, then
-    each rank sends only the rows its peers' experts need, and gets their results back)."""
+    expert_dispatch: str | None = None
+    """How tokens reach their experts with ep > 1 (``EXPERT_DISPATCHERS``): 'alltoall' (the rows per expert
+    are exchanged first, then each rank sends only the rows its peers' experts take, and gets their
+    results back), or 'allgather' (every rank of the expert group gathers all the group's token rows,
+    runs its experts on theirs, and the results are reduce-scattered back: static shapes, ep x the rows
+    held). None (the default): 'alltoall', or 'allgather' with compiled chunks, whose graphs want static
+    shapes. On CPU gloo ranks 'alltoall' measured faster at ep=4 (``bench/experts.py``): 'allgather' runs
+    the experts' element-wise ops on ep x the rows."""
     loss_reduction: str = "tokens"
     """How the step's loss is made of its microbatches' (``docs/training.md``). 'tokens': when the traced
     loss is a mean-reduced cross-entropy / nll over targets with an ignore_index, microbatch i's loss
@@ -321,6 +324,8 @@ class ParallelConfig:
         errs = mesh_errors(self.tp, self.pp, self.dp, self.world_size)
         if errs:
             raise ConfigError("; ".join(errs))
+        if self.expert_dispatch is None:
+            object.__setattr__(self, "expert_dispatch", "allgather" if self.compile else "alltoall")
         errs = expert_errors(self.ep, self.expert_dispatch, self.data_parallel, self.tp, self.pp,
                              self.dp is not None or self.world_size is not None)
         if errs:
