@@ -29,10 +29,15 @@ A projection is a linear, or a matrix product with a parameter 2-D weight
 (``addmm(bias, x, W)``, ``mm(x, W)``: HuggingFace GPT-2's ``Conv1D``, weight
 stored (in, out)).
 
+- experts: the mixture-of-experts layers ``passes/experts.py`` finds (E, top-k,
+  one expert's width from its grouped matmuls, the layers holding them); in an
+  MoE layer the router (E outputs) and one-feature gates are not MLP
+  projections, and the linears left are a shared expert.
+
 The planner then models the model as a GPT-shaped decoder with those
 dimensions (``cost.ModelSpec``). A block the graph does not show in that form
-(no attention call, experts applied by grouped matmuls) is reported by name
-in the error, with the flags to give the dimensions by hand instead.
+(no attention call, experts applied one by one) is reported by name in the
+error, with the flags to give the dimensions by hand instead.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.graph import ancestors
 from autopar.planning.cost.models import ModelSpec
 from autopar.compiler.trace import lm_cross_entropy, trace
+from passes.experts import find_experts
 from passes.layers import find_layers
 from passes.normalize import normalize
 
@@ -109,25 +115,59 @@ def spec_from_graph(gm: fx.GraphModule, params: set[str], seq_len: int, name: st
     if kv <= 0 or heads % kv:
         raise SpecError(f"{name}: the attention's input projections in layer 0 hold {qkv_total} features, "
                         f"not (heads {heads} + 2 kv) x head size {head_dim}; give --kv-heads by hand")
+    moe = _experts(gm, params, layers, name)
+    if moe and 0 in moe["layers"]:  # layer 0's MLP is experts: its linears are the router, a shared expert, gates
+        after = [n for n in after if out_f(n) not in (moe["experts"], 1)]
     # after the attention: its output projection, the MLP's up (and gate) projections, the down one
-    if len(after) < 3:
-        raise SpecError(f"{name}: layer 0 shows {len(after)} linear(s) after the attention, not an output "
-                        f"projection and an MLP (experts applied another way?); give --ffn by hand")
-    down = after[-1]
-    ffn = in_f(down)
-    ups = sum(out_f(n) for n in after[1:-1])
-    if ups not in (ffn, 2 * ffn):
+    if moe and 0 in moe["layers"] and len(after) < 3:  # no shared expert: the experts' width stands for ffn
+        ffn, ups, shared = moe["expert_ffn"], moe["expert_ups"], 0
+    else:
+        if len(after) < 3:
+            raise SpecError(f"{name}: layer 0 shows {len(after)} linear(s) after the attention, not an output "
+                            f"projection and an MLP (experts applied another way?); give --ffn by hand")
+        down = after[-1]
+        ffn = in_f(down)
+        ups = sum(out_f(n) for n in after[1:-1])
+        shared = ffn if moe and 0 in moe["layers"] else 0  # layer 0's dense MLP beside its experts
+        if shared:
+            ffn = moe["expert_ffn"]
+    if ups not in (ffn, 2 * ffn) and not shared:
         raise SpecError(f"{name}: the MLP's up projections hold {ups} features for a width of {ffn}; "
                         f"give --ffn (and --gated-mlp) by hand")
+    gated = (moe["expert_ups"] == 2 * moe["expert_ffn"]) if moe and 0 in moe["layers"] else ups == 2 * ffn
     dropout = any(n.target in _DROPOUTS for n in first)
     word = max(tables, key=lambda n: _shape(n.args[0])[0]).args[0]
     heads_out = [n for n in nodes if layers.node_layer.get(n.name) is None and _projection(n, params) is not None]
     tied = bool(heads_out) and _projection(heads_out[-1], params)[0] is word
     positions = any(t.args[0] is not word for t in tables)
+    experts = {} if not moe else dict(experts=moe["experts"], top_k=moe["top_k"], expert_ffn=moe["expert_ffn"],
+                                      shared_expert_ffn=shared, moe_every=moe["every"])
     return ModelSpec(layers=layers.count, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
-                     kv_heads=kv, gated_mlp=ups == 2 * ffn, dropout=dropout,
+                     kv_heads=kv, gated_mlp=gated, dropout=dropout,
                      fused_attention=attn.target == aten.scaled_dot_product_attention.default,
-                     tied_head=tied, learned_positions=positions, name=name)
+                     tied_head=tied, learned_positions=positions, name=name, **experts)
+
+
+def _experts(gm: fx.GraphModule, params: set[str], layers, name: str) -> dict | None:
+    """The mixture-of-experts layers (``passes/experts.find_experts``) as the planner's fields: E, k, one
+    expert's width (the last grouped matmul's input features) and its up projections' (the first's
+    output), the layers holding them and the ``moe_every`` that picks those; None for a dense model."""
+    found = find_experts(gm, dict.fromkeys(params, ""))
+    if not found:
+        return None
+    nodes = {n.name: n for n in gm.graph.nodes}
+    first = found[0]
+    at = sorted({layers.node_layer.get(x.grouped[0]) for x in found} - {None})
+    every = next((m for m in range(1, layers.count + 1)
+                  if at == [i for i in range(layers.count) if (i + 1) % m == 0]), None)
+    if every is None:
+        raise SpecError(f"{name}: the mixture-of-experts layers are {at} of {layers.count}, which no moe_every "
+                        f"picks (layer i when (i + 1) % moe_every == 0); give the dimensions by hand "
+                        f"(autopar plan --experts --top-k --expert-ffn --moe-every)")
+    ups = int(nodes[first.grouped[0]].meta["val"].shape[-1])
+    width = int(nodes[first.grouped[-1]].args[0].meta["val"].shape[-1])
+    return dict(experts=first.experts, top_k=first.top_k or 1, expert_ffn=width, expert_ups=ups,
+                layers=set(at), every=every)
 
 
 def _projection(n: fx.Node, params: set[str]) -> tuple[fx.Node, int, int] | None:

@@ -85,3 +85,22 @@ def test_cli_plans_from_a_huggingface_config(tmp_path, capsys):
     assert out["ranked"] and out["ranked"][0]["fits"]
     with pytest.raises(SystemExit, match="cannot read a HuggingFace config"):
         main(["plan", "--hf-config", str(tmp_path / "missing.json"), "--gpus", "16", "--batch", "128"])
+
+
+def test_mixture_of_experts_read_from_the_graph():
+    """Experts are found as ``parallelize`` finds them: E, top-k and one expert's width from the grouped
+    matmuls; in Qwen2-MoE the router and the shared expert's one-feature gate are no MLP projections,
+    and the dense MLP beside the experts is the shared expert."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=48, num_local_experts=4,
+                                                                         num_experts_per_tok=2, **common))
+    spec = spec_from_model(mixtral, _random_ids())
+    assert (spec.experts, spec.top_k, spec.expert_ffn, spec.shared_expert_ffn, spec.moe_every, spec.gated_mlp) == \
+        (4, 2, 48, 0, 1, True)
+    qwen = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        intermediate_size=48, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, **common))
+    spec = spec_from_model(qwen, _random_ids())
+    assert (spec.experts, spec.top_k, spec.expert_ffn, spec.shared_expert_ffn) == (8, 2, 24, 40)
