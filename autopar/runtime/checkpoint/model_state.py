@@ -37,8 +37,8 @@ from autopar.compiler.state_keys import state_sources, untraced_value
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
 
-__all__ = ["shard_regions", "param_regions", "shard_pieces", "as_pieces", "model_entries", "buffer_entries", "rng_entries",
-           "rng_targets", "restore_rng", "describe", "same_streams"]
+__all__ = ["shard_regions", "param_regions", "shard_pieces", "as_pieces", "model_entries", "buffer_entries",
+           "rng_entries", "rng_targets", "restore_rng", "describe", "same_streams"]
 
 _GOLDEN = 0x9E3779B97F4A7C15
 """Mixes the step into a reseeded stream (an odd constant: consecutive steps land far apart)."""

@@ -112,7 +112,8 @@ def optimizer_targets(holdings, optimizer: torch.optim.Optimizer, saved_keys) ->
             continue
         for key, value in optimizer.state[p].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                out[f"optim.{name}.{key}"] = as_pieces(holdings.program, name, value, holdings.mesh.tp_rank, holdings.mesh.ep_rank)
+                out[f"optim.{name}.{key}"] = as_pieces(holdings.program, name, value, holdings.mesh.tp_rank,
+                                                       holdings.mesh.ep_rank)
             else:
                 out[f"optim.{name}.{key}"] = value if isinstance(value, torch.Tensor) else None
     return out

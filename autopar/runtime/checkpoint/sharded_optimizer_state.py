@@ -10,7 +10,8 @@ and either optimizer loads it:
 - ``optim.<name>.<state key>``: each owned range cut into boxes of the local
   shard (a partial first row, whole rows, a partial last row; ``flat_boxes``),
   each box placed in the full tensor through the shard's regions
-  (``param_regions``: a stacked expert weight's moved to its first expert): a few chunks per replica, which DCP writes and, on a
+  (``param_regions``: a stacked expert weight's moved to its first expert):
+  a few chunks per replica, which DCP writes and, on a
   load at any layout, reads where they overlap the loader's own ranges;
 - ``optim.<name>.param_group``: the options of the group updating the parameter;
 - ``master.<name>``: the fp32 master copy, only for a parameter of lower
