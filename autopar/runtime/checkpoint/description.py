@@ -19,7 +19,10 @@ never picks: ``latest`` still names the previous checkpoint.
 ``autopar.json`` (``FORMAT`` 1) is ``{"format", "step", "params": {name: full
 shape}, "aliases": {name: [every name the model uses for it]}, "buffers":
 {name: shape}, "hf_config": dict | null, "layout": {"tp", "pp", "dp",
-"virtual_stages"}}``; beside it, DCP's key ``model.<name>`` is each parameter
+"virtual_stages"}}`` (and ``"ep"`` when a run splits its experts, ep > 1; the
+stored tensors depend on none of them: a stacked expert weight is stored whole,
+E experts, each expert-parallel rank writing its own at their offsets on dim
+0); beside it, DCP's key ``model.<name>`` is each parameter
 and ``buffer.<name>`` each persistent buffer, with those shapes (``optim.*``
 the optimizer's state). ``read_description`` gives it as written, format checked;
 ``read_model_description`` the part a reader of the weights alone needs (the

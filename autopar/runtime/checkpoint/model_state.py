@@ -5,7 +5,9 @@ Keys (DCP's flat state dict):
 
 - ``model.<name>``   each parameter in its full, unpadded shape as in the user's
                      model (``program.full_shape``), this rank's shard as pieces
-                     at their global offsets (``shard_pieces``);
+                     at their global offsets (``param_regions``: a stacked
+                     expert weight's at expert-parallel rank e start at its
+                     first expert on dim 0, its tp regions on the other dims);
 - ``buffer.<name>``  each persistent buffer, whole (every rank holds it; DCP
                      writes it once), and any other ``state_dict`` tensor the
                      graph never reads (``state_keys``);
@@ -35,8 +37,8 @@ from autopar.compiler.state_keys import state_sources, untraced_value
 if TYPE_CHECKING:
     from autopar.compiler.program import Program
 
-__all__ = ["shard_regions", "shard_pieces", "as_pieces", "model_entries", "buffer_entries", "rng_entries",
-           "rng_targets", "restore_rng", "describe", "same_streams"]
+__all__ = ["shard_regions", "param_regions", "shard_pieces", "as_pieces", "model_entries", "buffer_entries",
+           "rng_entries", "rng_targets", "restore_rng", "describe", "same_streams"]
 
 _GOLDEN = 0x9E3779B97F4A7C15
 """Mixes the step into a reseeded stream (an odd constant: consecutive steps land far apart)."""
@@ -68,24 +70,42 @@ def shard_regions(spec, full_shape: tuple[int, ...], rank: int, t: int) -> list[
     return regions
 
 
+def param_regions(program: "Program", name: str, tp_rank: int,
+                  ep_rank: int = 0) -> list[tuple[torch.Size, int, int, int]]:
+    """``shard_regions`` of parameter ``name`` on (``tp_rank``, ``ep_rank``): a stacked expert weight's
+    shard holds experts ``program.expert_range(name, ep_rank)`` only, so each of its tp regions (cut
+    along another dim, never dim 0) is moved to that first expert on dim 0; a region whole along
+    the cut (length -1) then stands for the rank's whole (E/ep, ...) shard at those offsets."""
+    regions = shard_regions(program.param_spec(name), program.full_shape(name), tp_rank, program.tp)
+    experts = program.expert_range(name, ep_rank)
+    if experts is None:
+        return regions
+    first = experts[0]
+    return [(torch.Size([offsets[0] + first, *offsets[1:]]), dim, start, rows)
+            for offsets, dim, start, rows in regions]
+
+
 def shard_pieces(local: torch.Tensor, spec, full_shape: tuple[int, ...], rank: int,
                  t: int) -> list[tuple[torch.Size, torch.Tensor]]:
     """Tensor-parallel rank ``rank``'s shard ``local`` as (global offsets, view) pieces of the full
     tensor, one per region of ``shard_regions``."""
-    return [(offsets, local if rows < 0 else local.narrow(dim, start, rows))
-            for offsets, dim, start, rows in shard_regions(spec, full_shape, rank, t)]
+    return _pieces(local, shard_regions(spec, full_shape, rank, t))
 
 
-def as_pieces(program: "Program", name: str, local: torch.Tensor, tp_rank: int) -> Pieces:
+def _pieces(local: torch.Tensor, regions) -> list[tuple[torch.Size, torch.Tensor]]:
+    return [(offsets, local if rows < 0 else local.narrow(dim, start, rows)) for offsets, dim, start, rows in regions]
+
+
+def as_pieces(program: "Program", name: str, local: torch.Tensor, tp_rank: int, ep_rank: int = 0) -> Pieces:
     """A tensor shaped like parameter ``name``'s shard (the shard, a moment) as pieces of its full shape."""
-    full = program.full_shape(name)
-    return Pieces(torch.Size(full), shard_pieces(local.detach(), program.param_spec(name), full, tp_rank,
-                                                 program.tp))
+    return Pieces(torch.Size(program.full_shape(name)),
+                  _pieces(local.detach(), param_regions(program, name, tp_rank, ep_rank)))
 
 
 def model_entries(holdings) -> dict[str, Pieces]:
     """``model.<name>`` for every parameter this rank holds (views of its shards)."""
-    return {f"model.{name}": as_pieces(holdings.program, name, shard, holdings.mesh.tp_rank)
+    mesh = holdings.mesh
+    return {f"model.{name}": as_pieces(holdings.program, name, shard, mesh.tp_rank, mesh.ep_rank)
             for name, shard in holdings.named_local_parameters()}
 
 
@@ -157,7 +177,7 @@ def describe(program: "Program", step: int) -> dict:
         "buffers": buffers,
         "hf_config": _hf_config(program.model),
         "layout": {"tp": config.tp, "pp": config.pp, "dp": config.data_parallel,
-                   "virtual_stages": config.virtual_stages},
+                   "virtual_stages": config.virtual_stages, **({"ep": config.ep} if config.ep > 1 else {})},
     }
 
 

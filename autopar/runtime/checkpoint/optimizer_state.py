@@ -69,7 +69,7 @@ def _entry(holdings, name: str, shard: torch.Tensor, key: str, value):
     if not isinstance(value, torch.Tensor):
         return value
     if value.dim() > 0 and value.shape == shard.shape:
-        return as_pieces(holdings.program, name, value, holdings.mesh.tp_rank)
+        return as_pieces(holdings.program, name, value, holdings.mesh.tp_rank, holdings.mesh.ep_rank)
     if value.dim() == 0:
         return value
     raise CheckpointError(f"optimizer state '{key}' of parameter {name} has shape {tuple(value.shape)}, neither the "
@@ -112,7 +112,8 @@ def optimizer_targets(holdings, optimizer: torch.optim.Optimizer, saved_keys) ->
             continue
         for key, value in optimizer.state[p].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                out[f"optim.{name}.{key}"] = as_pieces(holdings.program, name, value, holdings.mesh.tp_rank)
+                out[f"optim.{name}.{key}"] = as_pieces(holdings.program, name, value, holdings.mesh.tp_rank,
+                                                       holdings.mesh.ep_rank)
             else:
                 out[f"optim.{name}.{key}"] = value if isinstance(value, torch.Tensor) else None
     return out

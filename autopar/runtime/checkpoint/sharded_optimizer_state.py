@@ -10,7 +10,8 @@ and either optimizer loads it:
 - ``optim.<name>.<state key>``: each owned range cut into boxes of the local
   shard (a partial first row, whole rows, a partial last row; ``flat_boxes``),
   each box placed in the full tensor through the shard's regions
-  (``shard_regions``): a few chunks per replica, which DCP writes and, on a
+  (``param_regions``: a stacked expert weight's moved to its first expert):
+  a few chunks per replica, which DCP writes and, on a
   load at any layout, reads where they overlap the loader's own ranges;
 - ``optim.<name>.param_group``: the options of the group updating the parameter;
 - ``master.<name>``: the fp32 master copy, only for a parameter of lower
@@ -44,7 +45,7 @@ from autopar.runtime.checkpoint.optimizer_state import (
     state_keys_errors,
 )
 from autopar.runtime.checkpoint.optimizer_state import initialise_state as _initialise_plain
-from autopar.runtime.checkpoint.model_state import shard_regions
+from autopar.runtime.checkpoint.model_state import param_regions
 
 __all__ = ["flat_boxes", "range_pieces", "optimizer_entries", "initialise_state", "optimizer_targets",
            "optimizer_errors", "apply_loaded", "MASTER"]
@@ -79,11 +80,11 @@ def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
 
 
 def range_pieces(program, name: str, tp_rank: int, local_shape: tuple[int, ...], start: int,
-                 flat: torch.Tensor) -> Pieces:
+                 flat: torch.Tensor, ep_rank: int = 0) -> Pieces:
     """``flat`` (the local shard's flat entries ``[start, start + flat.numel())`` of parameter ``name``)
     as pieces of the parameter's full shape: views of ``flat``, which a save reads and a load fills."""
     full = program.full_shape(name)
-    regions = shard_regions(program.param_spec(name), full, tp_rank, program.tp)
+    regions = param_regions(program, name, tp_rank, ep_rank)
     strides = [math.prod(local_shape[i + 1:]) for i in range(len(local_shape))]
     pieces = []
     for offsets, sizes in flat_boxes(tuple(local_shape), start, start + flat.numel()):
@@ -97,13 +98,17 @@ def range_pieces(program, name: str, tp_rank: int, local_shape: tuple[int, ...],
 
 
 def _in_region(box: torch.Tensor, offsets: tuple[int, ...], region_offsets, dim: int, first: int, rows: int):
-    """The part of ``box`` (at local ``offsets``) inside one region of the shard, at its global offsets."""
-    if rows < 0 or not offsets:  # the whole tensor: local coordinates are global
+    """The part of ``box`` (at local ``offsets``) inside one region of the shard, at its global offsets:
+    along the region's cut ``dim`` from its rows, along the other dims shifted by the region's offsets
+    (zero, but for a stacked expert weight's first expert on dim 0)."""
+    if not offsets:  # a scalar
         return torch.Size(offsets), box
+    at = [o + r for o, r in zip(offsets, region_offsets)]
+    if rows < 0:  # the whole shard, shifted only
+        return torch.Size(at), box
     lo, hi = max(offsets[dim], first), min(offsets[dim] + box.shape[dim], first + rows)
     if lo >= hi:
         return None
-    at = list(offsets)
     at[dim] = region_offsets[dim] + lo - first
     return torch.Size(at), box.narrow(dim, lo - offsets[dim], hi - lo)
 
@@ -121,7 +126,7 @@ def _pieces_of(holdings, optimizer, name: str, flat: torch.Tensor) -> Pieces:
     """A tensor laid out like parameter ``name``'s owned range, as pieces of its full shape."""
     _, piece, _ = optimizer.owned[name]
     return range_pieces(holdings.program, name, holdings.mesh.tp_rank, tuple(optimizer.params[name].shape),
-                        piece.start, flat)
+                        piece.start, flat, holdings.mesh.ep_rank)
 
 
 def _state_value(holdings, optimizer, name: str, key: str, value, view: torch.Tensor):

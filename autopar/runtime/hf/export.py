@@ -6,6 +6,9 @@ pipeline stage writes its own file (``model-0000k-of-0000p.safetensors``, or
 0 of data-parallel replica 0 of that stage. A sharded parameter is all-gathered
 over that stage's tp group only (never over pp), its vocabulary padding dropped
 and its fused segments put back in the model's order, then streamed to the file.
+With expert parallelism, the ranks of replica 0's expert group (dp ranks
+0..ep-1) take part too: a stacked expert weight is all-gathered over that
+group (each holds E/ep experts), then written by the same rank.
 
 What is written is the model's own ``state_dict()`` (``state_keys``): its names
 and unpadded shapes, persistent buffers, not non-persistent ones (a rotary
@@ -75,7 +78,7 @@ def save_pretrained(path: str, rank: RankHoldings) -> list[str]:
     writer = mesh.dp_rank == 0 and mesh.tp_rank == 0
     _raise_if_any(check_output_dir(path) if writer else None, CheckpointError)
     written, error = [], None
-    if mesh.dp_rank == 0:
+    if mesh.dp_rank < mesh.shape.ep:  # replica 0, with the other experts' ranks of its expert group
         file = files[mesh.pp_rank]
         error = _write_file(os.path.join(path, file.name), file, _file_values(rank, file, values), writer)
         written = [file.name] if writer and error is None else []
@@ -146,7 +149,8 @@ def _writing_stage(program: "Program", source: StateSource) -> int:
 
 def _whole(rank: RankHoldings, source: StateSource) -> torch.Tensor:
     """The whole value of ``source`` on the engine's device; a sharded parameter all-gathered over
-    this stage's tp group (collective on it), padding dropped."""
+    this stage's tp group (collective on it), padding dropped; a stacked expert weight then over the
+    expert group (collective on it: each rank holds E/ep experts)."""
     program = rank.program
     if source.kind == "buffer":
         return rank.feeds[source.name]
@@ -156,6 +160,10 @@ def _whole(rank: RankHoldings, source: StateSource) -> torch.Tensor:
     spec = program.param_spec(source.name)
     if isinstance(spec, Shard):
         value = whole_from_shards(value, rank.tp, spec.dim, spec.segments, source.shape[spec.dim])
+    mesh = rank.mesh
+    if source.name in program.expert_params and mesh.groups.get("ep") is not None:  # E/ep experts per rank
+        group = TPGroup.of(mesh.groups["ep"], tuple(mesh.ep_members()))
+        value = whole_from_shards(value, group, 0, None, source.shape[0])
     return value
 
 

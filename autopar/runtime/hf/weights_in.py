@@ -21,7 +21,9 @@ with a head, and back).
 assembles) over one parameter: a sharded parameter is read as
 ``safe_open(...).get_slice(name)[..., start:stop]`` per piece of the rank's
 shard, never whole (of a fused one, the rows it needs of each stored tensor);
-a replicated one whole. A parameter made by a conversion that cannot
+a replicated one whole. A stacked expert weight at expert parallelism is read
+for the rank's experts only (of a checkpoint with one tensor per expert, only
+those experts' tensors). A parameter made by a conversion that cannot
 be sliced reads its stored tensors whole, and says so in the log. Values are
 cast to the model's dtype.
 
@@ -305,9 +307,16 @@ class HFCheckpoint:
         return source.whole(self._reads).to(dtype)
 
     def reader(self, source: Lazy, spec: Replicate | Shard, dtype: torch.dtype,
-               name: str = "") -> Callable[[int, int], torch.Tensor]:
+               name: str = "", experts: tuple[int, int] | None = None) -> Callable[[int, int], torch.Tensor]:
         """Rows ``[start, stop)`` along the sharded dim, read as slices of the stored tensors (the
-        whole tensor when replicated)."""
+        whole tensor when replicated).
+
+        ``experts`` (first, count): a stacked expert weight (E, ...) at expert parallelism, read as
+        the (count, ...) tensor of those experts only: every read is cut to them on dim 0, so of a
+        checkpoint storing one tensor per expert (Mixtral's ``experts.{i}.w1``) the other experts'
+        tensors are never opened."""
+        if experts is not None:
+            return self._expert_reader(source, spec, dtype, name, *experts)
         if not isinstance(spec, Shard) or not source.shape:
             return lambda start, stop: self.read(source, dtype, name)
         self._say_whole(name, source)
@@ -316,6 +325,25 @@ class HFCheckpoint:
         def read(start: int, stop: int) -> torch.Tensor:
             region = list(full)
             region[spec.dim] = (start, stop)
+            return source.read(tuple(region), self._reads).to(dtype)
+
+        return read
+
+    def _expert_reader(self, source: Lazy, spec: Replicate | Shard, dtype: torch.dtype, name: str, first: int,
+                       count: int) -> Callable[[int, int], torch.Tensor]:
+        """``reader`` over experts ``[first, first + count)`` of ``source``: rows ``[start, stop)`` of
+        the tp split's dim (never dim 0) of that (count, ...) tensor; all of it when replicated."""
+        if isinstance(spec, Shard) and spec.dim == 0:
+            raise CheckpointError(f"{name}: a stacked expert weight split by tp along its expert dim ({spec}): "
+                                  f"expert parallelism owns dim 0")
+        self._say_whole(name, source)
+        experts = list(full_region(source.shape))
+        experts[0] = (first, first + count)
+
+        def read(start: int, stop: int) -> torch.Tensor:
+            region = list(experts)
+            if isinstance(spec, Shard):
+                region[spec.dim] = (start, stop)
             return source.read(tuple(region), self._reads).to(dtype)
 
         return read

@@ -19,6 +19,11 @@ data-parallel replica:
   (or anything else that reads them), so the gathers overlap the next step's
   start. ``overlap_param_gather=False`` waits for them all inside ``step()``;
 - ``engine.clip_grad_norm_`` clips over the shards, with the same global norm;
+- with expert parallelism, the stacked expert weights get flat buckets of
+  their own, shared by the d/ep replicas holding the same experts (mesh
+  'edp'): reduce-scattered, owned and all-gathered over those, averaged by
+  d/ep (the graph already scaled their gradients by 1/ep). With d = ep no other
+  replica holds them: each rank owns its experts' buckets whole;
 - ``engine.save`` / ``engine.load`` store the state by parameter name in the
   parameters' full shapes, as the plain optimizer's (``checkpoint/sharded_optimizer_state.py``).
 
@@ -119,7 +124,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.defaults = self.inner.defaults
         self.overlap_param_gather = overlap_param_gather
         """Whether ``step()`` returns with the parameter all-gathers in flight (waited for by the reads)."""
-        self.gathers = ParamGathers(self.buckets, self.params, self.mesh.groups.get("dp"), self._written)
+        self.gathers = ParamGathers(self.buckets, self.params, self.mesh.groups, self._written)
         """The parameters' all-gathers after a step: the engine waits for them before each read."""
         self._versions = self._param_versions()
         self._opt_called = False
@@ -158,14 +163,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _plan_buckets(self, gradient_groups: list[list[str]]) -> list[FlatBucket]:
         """The flat buckets, cut as ``GradientSync.start`` cuts the gradients: per group of parameters
-        final after one chunk's last backward (``gradient_groups``), then the tied parameters (final at
-        the step's end)."""
+        final after one chunk's last backward (``gradient_groups``), its stacked expert weights apart
+        (shared by the d/ep replicas holding the same experts, mesh 'edp'), then the tied parameters
+        (final at the step's end)."""
         bucket_bytes, d, r = self.grads.bucket_bytes, self.mesh.shape.dp, self.mesh.dp_rank
+        experts, ep = self.grads.program.expert_params, self.mesh.shape.ep
         buckets = []
         for names in gradient_groups:
-            for cut in bucket_names(names, self.params, bucket_bytes):
+            for cut in bucket_names([n for n in names if n in experts], self.params, bucket_bytes):
+                buckets.append(FlatBucket(self.params, cut, d // ep, r // ep, share_params=True, axis="edp"))
+            for cut in bucket_names([n for n in names if n not in experts], self.params, bucket_bytes):
                 buckets.append(FlatBucket(self.params, cut, d, r, share_params=True))
         tied = [n for n in self.grads.program.tied_params if n in self.params]
+        if any(n in experts for n in tied):
+            raise OptimizerError(f"stacked expert weight(s) {[n for n in tied if n in experts]} are read by several "
+                                 f"pipeline stages (tied): the distributed optimizer shards tied parameters over "
+                                 f"all of dp, expert weights over their d/ep replicas, not both. Fix: untie them, "
+                                 f"or use a plain optimizer over engine.parameters()")
         for cut in bucket_names(tied, self.params, bucket_bytes) if tied else []:
             buckets.append(FlatBucket(self.params, cut, d, r, tied=True, share_params=True))
         return buckets

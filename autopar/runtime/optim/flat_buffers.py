@@ -4,8 +4,11 @@ A bucket is a run of this rank's parameters (the same names, in the same
 order, as a gradient bucket of ``GradientSync``) laid end to end in one flat
 vector, padded at its end to a multiple of the d data-parallel replicas.
 Replica r owns the contiguous range ``[r * s, (r + 1) * s)`` of it
-(``s = padded / d``), as in Megatron-LM's distributed optimizer. For that
-range this replica keeps:
+(``s = padded / d``), as in Megatron-LM's distributed optimizer. A bucket of
+stacked expert weights (expert parallelism) is shared by the d/ep replicas
+holding the same experts only (``axis`` 'edp'), each owning 1/(d/ep) of it;
+with d = ep each rank owns its experts' bucket whole. For that range this
+replica keeps:
 
 - ``master``: the master copy of the parameters' entries it owns (fp32, or
   wider when a parameter is), which the inner optimizer updates. When the
@@ -71,7 +74,7 @@ class FlatBucket:
     """One bucket: its slots, its padded size, this replica's owned range and buffers."""
 
     def __init__(self, params: dict[str, torch.Tensor], names: list[str], dp: int, dp_rank: int,
-                 tied: bool = False, share_params: bool = False):
+                 tied: bool = False, share_params: bool = False, axis: str = "dp"):
         offsets, total = [], 0
         for name in names:
             offsets.append(Slot(name, total, params[name].numel()))
@@ -83,6 +86,11 @@ class FlatBucket:
         self.padded = -(-total // dp) * dp
         """``numel`` rounded up to a multiple of d: every replica's range has the same length."""
         self.dp, self.dp_rank = dp, dp_rank
+        """The replicas sharing this bucket and this one's place among them: all of data parallelism,
+        or for expert weights the d/ep replicas holding the same experts."""
+        self.axis = axis
+        """The mesh group the bucket is reduce-scattered and all-gathered over: 'dp', or 'edp' for
+        stacked expert weights (None in the mesh when each rank is alone with its experts)."""
         self.shard_numel = self.padded // dp
         self.owned = (dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel)
         """This replica's range of the flat vector."""
@@ -131,8 +139,9 @@ class FlatBucket:
         return [s.name for s in self.slots]
 
     def signature(self) -> list:
-        """What must match for a saved shard to be this one: d, this replica, every slot."""
-        return [self.dp, self.dp_rank, [[s.name, s.numel] for s in self.slots]]
+        """What must match for a saved shard to be this one: its replicas, this replica, every slot."""
+        return [self.dp, self.dp_rank, [[s.name, s.numel] for s in self.slots]] + (
+            [self.axis] if self.axis != "dp" else [])
 
     def load_master(self, params: dict[str, torch.Tensor], names: list[str]) -> None:
         """Copy the owned entries of parameters ``names`` into the master shard (nothing to copy when

@@ -17,6 +17,9 @@
   ``.grad`` are then left as this replica's own accumulated gradients (never
   overwritten), so accumulating over several steps stays right: each reduction
   reads the whole accumulation. Clipping then reads and scales the shards.
+- Stacked expert weights (expert parallelism) are averaged over the d/ep
+  replicas holding the same experts (mesh 'edp') in either mode, in buckets of
+  their own; with d = ep nothing is reduced (no other rank holds them).
 
 Every tensor made here lives on the engine's device (``device``, where all the
 parameters are): the buckets are built from the gradients, the norm's
@@ -116,16 +119,18 @@ class GradientSync:
             return
         experts = [n for n in names if n in self.program.expert_params]
         if experts:  # each expert's replicas are the d/ep ranks holding it (mesh 'edp'), not all of dp
-            if self.sharded is not None:
-                raise OptimizerError("the distributed optimizer does not shard expert-parallel weights yet")
             names = [n for n in names if n not in self.program.expert_params]
+            replicas = self.mesh.groups.get("edp")
             for names_in_bucket in bucket_names(experts, self.params, self.bucket_bytes):
+                if self.sharded is not None:
+                    self._launch_reduce_scatter(self._flat_bucket(names_in_bucket), replicas)
+                    continue
                 bucket = [self.params[name] for name in names_in_bucket]
                 for p in bucket:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                if self.mesh.groups.get("edp") is not None:
-                    self._launch(bucket, self.mesh.groups["edp"], self.mesh.shape.dp // self.mesh.shape.ep)
+                if replicas is not None:
+                    self._launch(bucket, replicas, self.mesh.shape.dp // self.mesh.shape.ep)
         group = self.mesh.groups.get("dp")
         for names_in_bucket in bucket_names(names, self.params, self.bucket_bytes):
             if self.sharded is not None:
@@ -157,11 +162,12 @@ class GradientSync:
 
     def _launch_reduce_scatter(self, bucket: FlatBucket, group) -> None:
         """Reduce-scatter one bucket: its local gradients, flat and padded, summed over the replicas
-        into each one's owned range (``bucket.grad``); averaged in ``end_step``."""
+        (``group``: the bucket's, dp or the expert replicas) into each one's owned range
+        (``bucket.grad``); averaged in ``end_step``."""
         flat = bucket.flat_grads(self.params)
         if bucket.tied:
             self._sum_tied_across_stages(bucket, flat)
-        if self.mesh.shape.dp == 1:
+        if bucket.dp == 1:
             bucket.grad.copy_(flat)
             return
         work = dist.reduce_scatter_single(bucket.grad, flat, group=group, async_op=True)
@@ -201,15 +207,15 @@ class GradientSync:
         for work, _, _ in self._works:
             work.wait()
         self._works = []
-        for bucket in self.sharded.values():
-            bucket.grad /= self.mesh.shape.dp
+        for bucket in self.sharded.values():  # dp, or an expert bucket's d/ep replicas
+            bucket.grad /= bucket.dp
 
     def reduced_grads(self) -> dict[str, torch.Tensor]:
         """Reduce-scatter mode: every parameter's reduced gradient, whole on this rank (its local
         shard's shape and dtype), all-gathered over the replicas from their owned ranges."""
         out = {}
         for bucket in self.sharded.values():
-            full = gather_owned(bucket, bucket.grad, self.mesh.groups.get("dp"))
+            full = gather_owned(bucket, bucket.grad, self.mesh.groups.get(bucket.axis))
             for slot in bucket.slots:
                 p = self.params[slot.name]
                 out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(p.shape).to(p.dtype)
@@ -239,6 +245,11 @@ class GradientSync:
         replicated parameter on tp rank 0, a parameter held by several stages
         on the first of them; data-parallel replicas hold equal gradients (in
         reduce-scatter mode each replica counts and scales the range it owns).
+
+        Expert weights: in all-reduce mode every rank holds its experts' whole reduced gradient, so
+        their part is summed over the expert group ('ep') only. In reduce-scatter mode each of the
+        d/ep replicas of an expert owns a distinct range of its bucket, and the ep ranks of a group
+        hold distinct experts: the sum over all of dp (ep x edp) counts every expert entry once.
         """
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         experts = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -246,7 +257,7 @@ class GradientSync:
             if self._counts_once(name, tp_rank, stage):
                 into = experts if name in self.program.expert_params else sq
                 into += grad.detach().double().pow(2).sum()
-        if self.mesh.groups.get("ep") is not None:  # the other experts are on the expert group's other ranks
+        if self.sharded is None and self.mesh.groups.get("ep") is not None:  # the other experts: the group's
             dist.all_reduce(experts, group=self.mesh.groups["ep"])
         sq += experts
         axes = ("tp", "pp", "dp") if self.sharded is not None else ("tp", "pp")

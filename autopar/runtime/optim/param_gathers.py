@@ -2,7 +2,8 @@
 
 After ``DistributedOptimizer.step()`` each replica holds the updated entries of
 its own 1/d range of every flat bucket; the parameters get the other
-replicas' ranges by one all-gather per bucket. ``ParamGathers.launch`` starts
+replicas' ranges by one all-gather per bucket (over the bucket's ``axis``:
+all of dp, or for stacked expert weights the d/ep replicas of those experts). ``ParamGathers.launch`` starts
 them all asynchronously and returns at once, so they overlap whatever comes
 next: the data loader, the next step's first forwards. A bucket is waited for
 (and copied into its parameters) only when something is about to read one of
@@ -37,13 +38,14 @@ __all__ = ["ParamGathers"]
 class ParamGathers:
     """The all-gathers of one optimizer's buckets into the parameters, started together, waited per bucket."""
 
-    def __init__(self, buckets: list[FlatBucket], params: dict[str, torch.Tensor], group,
+    def __init__(self, buckets: list[FlatBucket], params: dict[str, torch.Tensor], groups: dict,
                  on_written: Callable[[list[str]], None]) -> None:
         self.buckets = buckets
         self.params = params
         """Original name -> this rank's shard (an engine parameter)."""
-        self.group = group
-        """The data-parallel process group (None with one replica)."""
+        self.groups = groups
+        """The mesh's process groups by axis: each bucket is gathered over ``groups[bucket.axis]``
+        (data parallelism, or the replicas of the same experts; None with one replica)."""
         self.on_written = on_written
         """Told the names of the parameters a wait has just written (the optimizer's version check)."""
         self.pending: dict[int, tuple[torch.Tensor, Any, torch.Tensor]] = {}
@@ -60,10 +62,11 @@ class ParamGathers:
         for i, bucket in enumerate(self.buckets):
             if bucket.masters_shared:  # into the parameters' own storage, from a copy of the range in it
                 shard = bucket.master.clone() if bucket.dp > 1 else bucket.master
-                full, work = gather_owned(bucket, shard, self.group, async_op=True, out=bucket.flat)
+                full, work = gather_owned(bucket, shard, self.groups.get(bucket.axis), async_op=True,
+                                          out=bucket.flat)
             else:
                 shard = bucket.master.to(bucket.param_dtype)
-                full, work = gather_owned(bucket, shard, self.group, async_op=True)
+                full, work = gather_owned(bucket, shard, self.groups.get(bucket.axis), async_op=True)
             self.pending[i] = (full, work, shard)
 
     def wait_for(self, names: Iterable[str], where: str) -> None:

@@ -101,8 +101,9 @@ class WeightPlan:
         with self.checkpoint.opened(device) as ckpt:
             for n in names:
                 dtype = model.get_parameter(n).dtype
-                read = ckpt.reader(self.entries[n], self.program.param_spec(n), dtype, n)
-                local[n] = self._shard(n, read, dtype, tp_rank, device)
+                experts = self.program.expert_range(n, self.ep_rank)  # read for this rank's experts only
+                read = ckpt.reader(self.entries[n], self.program.param_spec(n), dtype, n, experts)
+                local[n] = self._shard(n, read, dtype, tp_rank, device, experts_read=experts is not None)
             for n, entry in self.checkpoint_buffers.items():
                 buffers[n] = ckpt.read(entry, model.get_buffer(n).dtype, n).to(device)
 
@@ -117,13 +118,16 @@ class WeightPlan:
                 buffers[n] = value
 
     def _shard(self, name: str, read: Reader, dtype: torch.dtype, tp_rank: int,
-               device: torch.device) -> torch.Tensor:
+               device: torch.device, experts_read: bool = False) -> torch.Tensor:
         """This rank's shard of parameter ``name`` from ``read``, as ``dtype`` on ``device``: a stacked
-        expert weight is first cut to this rank's experts (``expert_slice``)."""
+        expert weight is first cut to this rank's experts (``expert_slice``), unless ``read`` reads
+        those experts only already (``experts_read``: a checkpoint's reader)."""
         program = self.program
         spec, full = program.param_spec(name), program.full_shape(name)
         experts = program.expert_range(name, self.ep_rank)
-        if experts is not None:
+        if experts is not None and experts_read:
+            full = (experts[1], *full[1:])
+        elif experts is not None:
             read, full = expert_slice(read, full, spec, *experts)
         return assemble(read, full, spec, tp_rank, program.tp, dtype, device)
 
