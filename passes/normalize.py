@@ -17,7 +17,11 @@ the difference. Before the analysis, this pass:
   ``permute([1, 0])`` of a 2-D parameter, as Falcon's and other custom linear
   layers write it) becomes ``aten.linear(x, W)``, and a following ``+ b``
   with a 1-D parameter of the output width becomes its bias. The analysis
-  then sees an ``nn.Linear`` and can split it column- or row-wise.
+  then sees an ``nn.Linear`` and can split it column- or row-wise;
+- **counts integers in floats**: ``histc`` of an integer tensor (an MoE's
+  tokens per expert, as a model traced on the meta device writes it for a
+  GPU) becomes ``histc`` of its float values, which every device's kernel
+  takes (CPU has no integer ``histc``). Small integers are exact in float32.
 
 The graph computes the same values (``linear`` is the same GEMM with a
 transposed operand), so parity with the user's model is unchanged.
@@ -100,7 +104,7 @@ def _einsum_linear(g: fx.Graph, node: fx.Node, params: set[str]) -> bool:
 def normalize(gm: fx.GraphModule, param_names: set[str]) -> dict[str, int]:
     """Rewrite ``gm`` in place; returns how many nodes of each kind were rewritten."""
     g = gm.graph
-    done = {"assertions dropped": 0, "zero dropouts dropped": 0, "x @ W.T made linear": 0}
+    done = {"assertions dropped": 0, "zero dropouts dropped": 0, "x @ W.T made linear": 0, "integer histc in floats": 0}
     for node in list(g.nodes):
         if node.op != "call_function":
             continue
@@ -112,6 +116,14 @@ def normalize(gm: fx.GraphModule, param_names: set[str]) -> dict[str, int]:
         if node.target in _ASSERTS and not node.users:
             g.erase_node(node)
             done["assertions dropped"] += 1
+            continue
+        if node.target == aten.histc.default and not node.args[0].meta["val"].dtype.is_floating_point:
+            with g.inserting_before(node):
+                values = g.call_function(aten._to_copy.default, (node.args[0],), {"dtype": torch.float32})
+            values.meta = {**node.args[0].meta, "val": node.args[0].meta["val"].float()}
+            node.replace_input_with(node.args[0], values)
+            node.meta["val"] = node.meta["val"].float()
+            done["integer histc in floats"] += 1
             continue
         if node.target == aten.einsum.default:
             if _einsum_linear(g, node, param_names):

@@ -219,3 +219,20 @@ def test_a_region_that_fixes_its_row_count_is_refused_with_its_line():
     with pytest.raises(ExpertError, match=r"the experts at blocks.0 \(test_experts.py:\d+ .*\) cannot be split "
                                           r"across ranks: view.* fixes the row count 32.*Use ep=1"):
         _program(model, dp=2, world_size=2, ep=2)
+
+
+def test_a_moe_traced_on_the_meta_device_counts_its_rows_on_cpu():
+    """Built on the meta device, transformers' experts count rows per expert with an integer ``histc``
+    (its branch for GPUs), which CPU lacks: normalisation counts their float values instead, and the
+    program's loss is the CPU-built model's."""
+    cpu = _mixtral(layers=1)
+    with torch.device("meta"):
+        meta = _mixtral(layers=1)
+    program = _program(meta)
+    histc = [n for n in program.rank_module.graph.nodes if n.op == "call_function"
+             and n.target == torch.ops.aten.histc.default]
+    assert histc and all(n.args[0].meta["val"].dtype == torch.float32 for n in histc)
+    (x,), (y,) = _batch()
+    engine = program.materialize(state_dict=cpu.state_dict())
+    want = F.cross_entropy(cpu(x).logits.flatten(0, 1), y.flatten()).item()
+    assert engine.train_step(x, y) == pytest.approx(want, rel=1e-6)

@@ -238,13 +238,9 @@ def expert_errors(spec: ModelSpec, lay: Layout) -> list[str]:
 
 
 def runtime_errors(cluster: Cluster, lay: Layout) -> list[str]:
-    """The rules of the schedule (``core.config.microbatch_errors``) that ``lay`` breaks, and what
-    autopar's runtime does not run yet (the distributed optimizer over expert-parallel parameters):
-    a layout breaking only these can be priced (closed form) but not run by autopar's runtime."""
-    errs = []
-    if lay.ep > 1 and lay.distopt:
-        errs.append(f"the distributed optimizer does not shard expert-parallel parameters yet (ep={lay.ep}): "
-                    f"turn it off, or use ep=1")
+    """The rules of the schedule (``core.config.microbatch_errors``) that ``lay`` breaks: a layout
+    breaking only these can be priced (closed form) but not run by autopar's runtime."""
+    errs: list[str] = []
     B = cluster.global_batch
     if B % (lay.d * lay.b):
         return errs

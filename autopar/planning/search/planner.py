@@ -315,7 +315,6 @@ _RULES = (
     ("an expert group is made of", "d % ep != 0"),
     ("whole experts. Fix", "experts % ep != 0"),
     ("expert_ffn", "expert_ffn % t != 0"),
-    ("does not shard expert-parallel", "distributed optimizer with ep > 1 (not run yet)"),
 )
 
 
