@@ -29,9 +29,10 @@ __all__ = ["GROUPED_MM_OPS", "LinearParts", "linear_parts", "weight_of", "out_fe
 
 aten = torch.ops.aten
 
-GROUPED_MM_OPS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+GROUPED_MM_OPS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback", "autopar::grouped_mm")
 """Grouped matmuls of mixture-of-experts layers: x (S, K) @ W (E, K, N), rows grouped by expert
-(by name: a library registers its op when the model's module is imported)."""
+(by name: a library registers its op when the model's module is imported; ``autopar::grouped_mm``
+is the reference MoE model's, ``autopar/reference/grouped_mm.py``)."""
 
 
 class LinearParts(NamedTuple):
