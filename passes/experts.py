@@ -220,7 +220,7 @@ def expert_candidates(traced, model: torch.nn.Module) -> list[str]:
     routed = {module_path(n) for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.topk.default}
     for path, m in model.named_modules():
         if (isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1
-                and any(True for _ in m[0].parameters()) and any(r.startswith(path.rsplit(".", 1)[0]) for r in routed)):
+                and any(True for _ in m[0].parameters()) and _routes_beside(path, routed)):
             out.append(f"a list of {len(m)} {type(m[0]).__name__} modules at {path} (experts applied one by one: "
                        f"stack their weights and apply them with a grouped matmul for expert parallelism)")
     for n in gm.graph.nodes:
@@ -230,3 +230,11 @@ def expert_candidates(traced, model: torch.nn.Module) -> list[str]:
         elif n.op == "call_function" and n.target == aten.topk.default:
             out.append(f"a top-k in {module_path(n) or 'the model'} ({source_line(n) or 'no source line'})")
     return out[:6]
+
+
+def _routes_beside(path: str, routed: set[str]) -> bool:
+    """Whether a top-k runs in the module holding the list at ``path`` (beside it, as a router of the
+    list's experts does), not inside one of the list's items (a block list whose blocks route)."""
+    parent = path.rsplit(".", 1)[0] if "." in path else ""
+    return any((r == parent or r.startswith(parent + ".") if parent else True) and not r.startswith(path + ".")
+               and r != path for r in routed)

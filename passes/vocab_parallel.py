@@ -43,7 +43,7 @@ def apply_rewrite(graph: fx.Graph, node: fx.Node, rewrite: Rewrite, tp: fx.Node)
         return node
     with graph.inserting_after(node):
         new = graph.call_function(rewrite.fn, args)
-    for key in ("nn_module_stack", "stack_trace"):
+    for key in ("nn_module_stack", "stack_trace", "val"):  # the same value as the node it replaces
         if key in node.meta:
             new.meta[key] = node.meta[key]
     node.replace_all_uses_with(new)

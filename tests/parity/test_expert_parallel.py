@@ -10,7 +10,9 @@ and OLMoE.
 Layouts (the 4 models spread over them, each at least twice, each dispatcher
 several times): ep=2 (dp2), ep=4 (dp4), ep2 x dp4 (two replicas hold each
 expert), ep2 x tp2 with sequence parallelism, ep2 x pp2 interleaved
-(virtual_stages=2), bf16; tp=2 and pp=2 without ep for the reference model.
+(virtual_stages=2) and zero-bubble (zb-h1), recompute='layer', bf16; tp=2
+(the router's z-loss splitting the router) and pp=2 without ep for the
+reference model.
 Each layout's loss and every gradient over 3 AdamW steps match the
 single-device run (``assert_ranks_match``: fp32, the first step element-wise
 rtol 1e-5 / atol 1e-6, later steps per tensor; bf16 as test_training_features:
@@ -29,9 +31,6 @@ weight (the engine's local tensors, ``program.local_shape``), exactly the
 experts ``program.expert_range`` names (their values, from the model's own).
 And the auxiliary loss alone (the reference model with cross-entropy weight 0)
 is exact under ep with both dispatchers.
-
-Layouts that fail today (strict xfail, each with the reason): recompute='layer'
-with ep, a zero-bubble schedule with a MoE model, the z-loss at tp=2.
 """
 
 import pytest
@@ -43,7 +42,6 @@ from helpers import assert_ranks_match, parallelize_on, spawn_ranks, token_batch
 from autopar.reference.grouped_mm import grouped_mm
 from autopar.reference.models import MoE, MoEConfig, build, moe_outputs
 from autopar.reference.parity import assert_parity
-from autopar.runtime.launch import RankError
 
 pytestmark = pytest.mark.multiprocess
 VOCAB, ROWS, SEQ, LR, STEPS, E, K = 64, 8, 8, 1e-3, 3, 4, 2
@@ -59,8 +57,6 @@ def _model(name: str, layers: int = 2):
               num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=None)
     if name == "moe-gpt":  # shared expert, both auxiliary losses
         return build("gpt-moe", d_shared=16, aux_loss_coef=0.1, z_loss_coef=0.01, **ref)
-    if name == "moe-gpt-noz":  # the z-loss left out (at tp=2 it fails to compile: test_z_loss_at_tp2)
-        return build("gpt-moe", d_shared=16, aux_loss_coef=0.1, z_loss_coef=0.0, **ref)
     if name == "moe-gpt-dense":  # DeepSeek-style: a dense first layer, top-k probabilities as the softmax gave
         return build("gpt-moe", d_shared=16, n_dense=1, norm_topk=False, aux_loss_coef=0.1, z_loss_coef=0.01, **ref)
     if name == "moe-gpt-aux":  # the auxiliary losses alone
@@ -91,21 +87,23 @@ CASES = {
     "olmoe ep2 bf16": ("olmoe", 2, dict(dp=2, ep=2, expert_dispatch=AG, precision="bf16")),
     "moe-gpt-aux ep2": ("moe-gpt-aux", 2, dict(dp=2, ep=2, expert_dispatch=AG)),
     "moe-gpt-aux ep2 a2a": ("moe-gpt-aux", 2, dict(dp=2, ep=2, expert_dispatch=A2A)),
-    "moe-gpt-noz tp2": ("moe-gpt-noz", 2, dict(tp=2, dp=1)),
+    "moe-gpt tp2": ("moe-gpt", 2, dict(tp=2, dp=1)),
+    "moe-gpt ep2 recompute": ("moe-gpt", 2, dict(dp=2, ep=2, recompute="layer", expert_dispatch=A2A)),
     "moe-gpt pp2": ("moe-gpt", 2, dict(pp=2, dp=1, microbatches=2)),
     # 4 ranks
     "qwen2-moe ep4": ("qwen2-moe", 2, dict(dp=4, ep=4, expert_dispatch=A2A)),
     "olmoe ep2 dp4": ("olmoe", 2, dict(dp=4, ep=2, expert_dispatch=A2A)),
-    "moe-gpt-noz ep2 tp2 sp": ("moe-gpt-noz", 2, dict(tp=2, dp=2, ep=2, sequence_parallel=True, expert_dispatch=AG)),
+    "moe-gpt ep2 tp2 sp": ("moe-gpt", 2, dict(tp=2, dp=2, ep=2, sequence_parallel=True, expert_dispatch=AG)),
     "mixtral ep2 tp2 sp": ("mixtral", 2, dict(tp=2, dp=2, ep=2, sequence_parallel=True, expert_dispatch=A2A)),
     "moe-gpt-dense ep2 pp2 v2": ("moe-gpt-dense", 4, dict(pp=2, virtual_stages=2, dp=2, ep=2, microbatches=2,
                                                           expert_dispatch=AG)),
+    "olmoe ep2 pp2 zb-h1": ("olmoe", 2, dict(pp=2, dp=2, ep=2, microbatches=2, schedule="zb-h1")),
     "qwen2-moe ep2 pp2 bf16": ("qwen2-moe", 2, dict(pp=2, dp=2, ep=2, microbatches=2, expert_dispatch=A2A,
                                                     precision="bf16")),
 }
 
 
-CLIP = {"olmoe ep2 dp4": 0.05, "moe-gpt-noz ep2 tp2 sp": 0.05}
+CLIP = {"olmoe ep2 dp4": 0.05, "moe-gpt ep2 tp2 sp": 0.05}
 """Cases whose gradients are clipped to this total norm every step (below the gradients' norm, so it
 acts): the expert weights' part of the norm is summed over the expert group."""
 
@@ -348,57 +346,3 @@ def test_reference_moe_layer_is_the_token_by_token_mixture():
         balance = E * (counts / (tokens.shape[0] * K) * probs.mean(0)).sum()
         z = torch.logsumexp(logits, -1).pow(2).mean()
         torch.testing.assert_close(aux, 0.3 * balance + 0.2 * z)
-
-
-# --------------------------------------------------------------------- layouts that fail today
-
-
-def _one_case_matches(label: str) -> None:
-    """``label`` (a case added to CASES by its test) trained in its own spawn and compared with one device."""
-    _program(label)
-    layout = CASES[label][2]
-    per_rank = _by_label(spawn_ranks(_train, _world(layout), [label]))[label]
-    assert_ranks_match(_chunked_reference(label), [steps for steps, *_ in per_rank], label)
-
-
-@pytest.fixture
-def extra_case():
-    """Register a case for one test only."""
-    added = []
-
-    def add(label, case):
-        CASES[label] = case
-        added.append(label)
-        return label
-
-    yield add
-    for label in added:
-        CASES.pop(label)
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "recompute='layer' with ep: passes/expert_parallel.py gives each expert_grad_scale node the metadata of "
-    "the weight placeholder (no nn_module_stack), so passes/recompute.py puts it outside its layer, and "
-    "split_module finds 'cycle exists between partitions!' (fix: copy the meta from the grouped matmul reading "
-    "it)"))
-def test_recompute_layer_under_ep(extra_case):
-    _one_case_matches(extra_case("moe-gpt ep2 recompute", ("moe-gpt", 2, dict(dp=2, ep=2, recompute="layer"))))
-
-
-@pytest.mark.xfail(strict=True, raises=RankError, reason=(
-    "zero-bubble schedules with a MoE layer (also without ep): on the first stage, SplitBackward captures "
-    "in B an entry into a W-side node (a residual add) that also gets gradients from a W-side LayerNorm "
-    "backward; B's autograd.grad to that node runs the LayerNorm backward and releases its saved tensors, "
-    "and W's backward reads them again (ReplayError)"))
-def test_zero_bubble_under_ep(extra_case):
-    _one_case_matches(extra_case("olmoe ep2 pp2 zb-h1", ("olmoe", 2, dict(pp=2, dp=2, ep=2, microbatches=2,
-                                                                          schedule="zb-h1"))))
-
-
-@pytest.mark.xfail(strict=True, raises=KeyError, reason=(
-    "the router z-loss (logsumexp over the router logits, a vocabulary-parallel sink) makes the router linear "
-    "column-parallel at tp=2; its top-k then gathers the output of the vocab_parallel_softmax rewrite, a node "
-    "passes/vocab_parallel.apply_rewrite made without meta['val'], and passes/tensor_parallel.py reads "
-    "src.meta['val'] (KeyError)"))
-def test_z_loss_at_tp2(extra_case):
-    _one_case_matches(extra_case("moe-gpt tp2", ("moe-gpt", 2, dict(tp=2, dp=1))))
