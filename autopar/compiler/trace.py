@@ -97,10 +97,29 @@ class _LossWrapper(nn.Module):
         self.input_names, self.target_names = input_names, target_names
 
     def forward(self, **batch):
-        logits = self.output_fn(self.model(*(batch[n] for n in self.input_names)))
-        if isinstance(logits, torch.Tensor):  # marked for the evaluation graph (``_unmark_logits``)
-            logits = _logits_marker(logits)
+        logits = _marked(self.output_fn(self.model(*(batch[n] for n in self.input_names))))
         return self.loss_fn(logits, *(batch[n] for n in self.target_names))
+
+
+def _marked(value: Any) -> Any:
+    """``output_fn``'s value with its logits marked for the evaluation graph (``_unmark_logits``): a tensor
+    itself; in a named tuple, tuple or dict (the logits beside an auxiliary loss, for a ``loss_fn`` that
+    reads both) the tensor ``default_logits`` picks, the rest as it was. Anything else is left unmarked."""
+    if isinstance(value, torch.Tensor):
+        return _logits_marker(value)
+    named = isinstance(value, tuple) and hasattr(value, "_fields")
+    if not (named or type(value) in (tuple, list, dict)):
+        return value
+    try:
+        logits = default_logits(value)
+    except TraceError:
+        return value
+    if named:
+        field = next(f for f in value._fields if getattr(value, f) is logits)
+        return value._replace(**{field: _logits_marker(logits)})
+    if isinstance(value, dict):
+        return {k: _logits_marker(v) if v is logits else v for k, v in value.items()}
+    return type(value)(_logits_marker(v) if v is logits else v for v in value)
 
 
 @torch.library.custom_op("autopar::logits", mutates_args=())

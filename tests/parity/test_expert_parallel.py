@@ -127,7 +127,7 @@ def _train(labels: list[str]) -> dict:
     """In each rank: every case of this world size trained; its losses and gradients, what the rank
     holds of each stacked expert weight (shape, expert range, largest difference from the model's own
     experts of that range before training), and an evaluation step on the first batch before training
-    (the loss, and for the HF models the whole logits)."""
+    (the loss and the whole logits)."""
     out = {}
     for label in labels:
         program = _program(label)  # compiled in the test process before the spawn: inherited
@@ -142,7 +142,7 @@ def _train(labels: list[str]) -> dict:
             diff = float((local - full).abs().max()) if local.shape == full.shape else None
             held[name] = (tuple(local.shape), tuple(program.local_shape(name)), first, count, diff)
         (x,), (y,) = _data()[0]
-        evaluated = engine.eval_step(x, y, outputs=not CASES[label][0].startswith("moe-gpt"))
+        evaluated = engine.eval_step(x, y, outputs=True)
         out[label] = (train_steps(engine, _data(), LR, clip=CLIP.get(label)), held, dist.get_rank(), evaluated)
     return out
 
@@ -233,7 +233,8 @@ def test_auxiliary_loss_alone_is_exact_under_ep(ep_runs):
 
 def test_eval_step_under_ep(ep_runs):
     """``eval_step`` before training: the loss of the initial model (cross-entropy + auxiliary losses for
-    the reference model, per microbatch as it trains) and, for the HF models, their whole logits."""
+    the reference model, per microbatch as it trains) and the whole logits (for the reference model, the
+    logits inside the (logits, aux loss) its ``output_fn`` returns)."""
     for label, per_rank in ep_runs[1].items():
         name, layers, layout = CASES[label]
         model = _model(name, layers).eval()
@@ -249,10 +250,7 @@ def test_eval_step_under_ep(ep_runs):
                                                                y[c * rows:(c + 1) * rows].flatten()))
                        for c, o in enumerate(outs)) / chunks
         tol = dict(rtol=2e-2, atol=1e-2) if bf16 else dict(rtol=1e-5, atol=1e-6)
-        for *_, rank, evaluated in per_rank:
-            if loss_fn is not None:
-                torch.testing.assert_close(evaluated, loss, **tol, msg=lambda m: f"{label} rank {rank}: {m}")
-                continue
+        for *_, rank, evaluated in per_rank:  # the logits found inside the reference model's (logits, aux) too
             got, logits = evaluated
             torch.testing.assert_close(got, loss, **tol, msg=lambda m: f"{label} rank {rank}: {m}")
             want = torch.cat([o.logits for o in outs]).float()
