@@ -5,6 +5,8 @@
     python examples/train_gpt.py --schedule zbv  # the zero-bubble V schedule (B and W split)
     python examples/train_gpt.py --resume        # continue from the newest checkpoint, exactly
     python examples/train_gpt.py --tp 2 --pp 1 --dp 1 --steps 100
+    python examples/train_gpt.py --model moe     # a mixture of experts (8 experts, top-2, a shared
+                                                 # expert), expert parallelism ep=2 inside dp
     autopar run --nproc 8 examples/train_gpt.py  # or torchrun --nproc-per-node 8 examples/train_gpt.py
 
 The model is compiled first (bad layouts fail here, before any process
@@ -42,20 +44,30 @@ from torch.utils.data import DistributedSampler
 import autopar
 from autopar.core.config import SCHEDULE_NAMES
 from autopar.reference.data import CorpusWindows
-from autopar.reference.models import ModelConfig, build
+from autopar.reference.models import ModelConfig, MoEConfig, build, moe_outputs
 from autopar.reference.parity import FP32_TOLERANCE, assert_parity, single_device_run
 from autopar.runtime.launch import default_backend
 
 CFG = ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128, dropout=0.0)
+MOE_CFG = MoEConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128, dropout=0.0, n_experts=8, top_k=2,
+                    d_expert=128, d_shared=128)
+"""``--model moe``: the GPT with a mixture of experts in every layer (E=8, top-2, a shared expert), the
+load-balancing and z auxiliary losses in the training loss."""
 EVAL_BATCHES = 2
 SEQUENCE_PARALLEL = {"auto": None, "on": True, "off": False}
 """``--sequence-parallel`` -> ``parallelize(sequence_parallel=...)``."""
 """Held-out batches per evaluation (per replica)."""
 
 
-def make_model() -> torch.nn.Module:
+def make_model(kind: str = "gpt") -> torch.nn.Module:
     torch.manual_seed(0)
-    return build("gpt", CFG)
+    return build("gpt-moe", MOE_CFG) if kind == "moe" else build("gpt", CFG)
+
+
+def losses(kind: str, model: torch.nn.Module) -> dict:
+    """``parallelize``'s loss options: the token-mean cross-entropy (the default), or for the mixture of
+    experts the model's own loss over its (logits, auxiliary loss) output."""
+    return dict(loss_fn=model.loss, output_fn=moe_outputs) if kind == "moe" else {}
 
 
 def lr_factor(step: int, steps: int) -> float:
@@ -91,7 +103,9 @@ class ReplicaData:
 
 def compile_program(args, world_size=None) -> autopar.ParallelProgram:
     x, y = ReplicaData("train", args.micro_batch, 1, 0).batch(0)
-    return autopar.parallelize(make_model(), tp=args.tp, pp=args.pp, dp=args.dp, virtual_stages=args.vp,
+    model = make_model(args.model)
+    return autopar.parallelize(model, tp=args.tp, pp=args.pp, dp=args.dp, virtual_stages=args.vp,
+                               ep=args.ep, **losses(args.model, model),
                                microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute,
                                precision=args.precision, sequence_parallel=SEQUENCE_PARALLEL[args.sequence_parallel],
                                example_inputs=(x,), example_targets=y, world_size=world_size,
@@ -147,7 +161,7 @@ def train(args, program: autopar.ParallelProgram | None = None):
     start, root = 0, Path(args.ckpt_dir)
     if args.resume and (root / "latest").exists():
         start, _ = engine.load(str(root), opt, sched)
-    out = {"start": start, "losses": [], "evals": [], "times": [], "grads": None}
+    out = {"start": start, "losses": [], "evals": [], "times": [], "grads": None, "load": {}}
     stop, pending, eval_loss = min(args.steps, args.stop_at or args.steps), None, float("nan")
     tokens = step_tokens(args)  # rows * engine.dp_size * CFG.seq_len: the last line's count too
     with _bar(dist.get_rank() == 0) as bar:
@@ -176,6 +190,7 @@ def train(args, program: autopar.ParallelProgram | None = None):
                 pending = engine.save(str(root), opt, step=step + 1, scheduler=sched,
                                       extra={"data": data.position(step + 1)}, async_save=True)
             bar.update(task, advance=1, loss=out["losses"][-1], eval=eval_loss, tps=throughput(tokens, out["times"]))
+            out["load"] = engine.expert_load()  # rows routed to each expert this step (layers of this stage)
     if pending is not None:
         pending.wait()
     return out
@@ -183,6 +198,11 @@ def train(args, program: autopar.ParallelProgram | None = None):
 
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt", choices=["gpt", "moe"],
+                    help="the GPT, or the GPT with a mixture of experts in every layer (8 experts, top-2)")
+    ap.add_argument("--ep", type=int, default=None,
+                    help="expert parallelism inside dp (--model moe): each rank holds 8/ep experts; default 2 "
+                         "when dp is even, else 1")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--dp", type=int, default=2)
@@ -211,6 +231,8 @@ def _args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.pp == 1:
         args.vp = 1
+    if args.ep is None:
+        args.ep = 2 if args.model == "moe" and args.dp % 2 == 0 else 1
     return args
 
 
@@ -219,9 +241,13 @@ def check_parity(args, out) -> None:
     x, y = global_batch(args, 0)
     first_lr = args.lr * lr_factor(0, args.steps)  # the schedule's lr at step 0
     optimizer = lambda ps: torch.optim.AdamW(ps, lr=first_lr, weight_decay=0.01)  # noqa: E731
-    ref_losses, ref_grads = single_device_run(make_model(), [((x,), (y,))], autopar.lm_cross_entropy,
+    model = make_model(args.model)
+    loss = losses(args.model, model)  # a mixture of experts' auxiliary losses are per microbatch, as trained:
+    chunks = args.dp * args.microbatches if args.model == "moe" else 1  # the batch in the engine's microbatches
+    ref_losses, ref_grads = single_device_run(model, [((x,), (y,))], loss.get("loss_fn", autopar.lm_cross_entropy),
                                               optimizer=optimizer, clip_grad_norm=args.clip,
-                                              precision=args.precision)
+                                              precision=args.precision, output_fn=loss.get("output_fn"),
+                                              chunks=chunks)
     tol = FP32_TOLERANCE if args.precision == "fp32" else {"rtol": 2e-2, "atol": 1e-3, "rel_norm": 5e-2}
     assert_parity(ref_losses, ref_grads[0], out["losses"][:1], out["grads"], label="step 0", **tol)
     print(f"parity: step 0's loss ({ref_losses[0]:.6f}) and all {len(ref_grads[0])} gradients match "
@@ -260,6 +286,9 @@ def main() -> None:
     median = statistics.median(out["times"])
     evals = ", ".join(f"{loss:.3f} (step {s})" for s, loss in out["evals"])
     print(f"held-out loss: {evals}")
+    for layer, rows in out["load"].items():  # rank 0's stage: its layers' experts
+        print(f"expert load at the last step, {layer}: {rows} rows per expert (max/mean "
+              f"{max(rows) / statistics.mean(rows):.2f})")
     print(f"final loss {out['losses'][-1]:.3f} at step {out['start'] + len(out['losses'])} "
           f"(first {out['losses'][0]:.3f}); median step {median * 1e3:.0f} ms, "
           f"{throughput(step_tokens(args), out['times'])}")

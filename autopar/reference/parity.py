@@ -30,10 +30,15 @@ def single_device_run(
     output_fn: Callable | None = None,
     clip_grad_norm: float | None = None,
     precision: str = "fp32",
+    chunks: int = 1,
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Train a deep copy of ``model`` on ``batches``; return the losses and each step's gradients.
 
     ``precision='bf16'`` runs the forward under bf16 autocast (fp32 parameters and gradients), as the engine does.
+    ``chunks``: each batch cut into that many equal parts along its rows, each part's loss divided by
+    ``chunks`` and backpropagated: the engine's mean over its replicas' microbatches (``dp x m`` of
+    them) for a loss that is not a token mean, such as one with a mixture of experts' auxiliary losses,
+    which are computed per forward.
     """
     model = copy.deepcopy(model)
     model.train()
@@ -41,12 +46,16 @@ def single_device_run(
     opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-2)))(list(model.parameters()))
     losses, grads = [], []
     for inputs, targets in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = loss_fn(output_fn(model(*inputs)), *targets)
-        loss.backward()
+        total = 0.0
+        for c in range(chunks):
+            part = lambda t: t.chunk(chunks)[c] if chunks > 1 else t  # noqa: E731
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = loss_fn(output_fn(model(*map(part, inputs))), *map(part, targets)) / chunks
+            loss.backward()
+            total += float(loss.detach())
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-        losses.append(float(loss.detach()))
+        losses.append(total)
         grads.append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
                       for n, p in model.named_parameters(remove_duplicate=False)})
         opt.step()

@@ -84,6 +84,17 @@ def same_as_input(ctx: Ctx, node: fx.Node, pl: Placements) -> Decision:
     return Decision(p, kind="sharded")
 
 
+NEW_OF_SIZE = (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
+"""Tensors made with a size given as an argument: their input gives only a dtype and a device."""
+
+
+@register_rule(*NEW_OF_SIZE)
+def new_of_size(ctx: Ctx, node: fx.Node, pl: Placements) -> Decision:
+    """``x.new_zeros(size)`` and the like: the same whole tensor whatever ``x``'s placement (nothing of
+    ``x`` is read but its dtype), so a split ``x`` is not gathered for it."""
+    return Decision(R)
+
+
 @register_rule(aten.cat.default, aten.stack.default)
 def concatenate(ctx: Ctx, node: fx.Node, pl: Placements) -> Decision:
     """cat/stack of values split alike, along another dim."""
