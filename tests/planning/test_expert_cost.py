@@ -271,7 +271,7 @@ def test_a_dense_model_searches_ep_1_only_and_the_config_carries_ep():
                                                                           recompute=("layer",),
                                                                           distributed_optimizer=(False,))))
     assert sorted((lay.ep, lay.expert_dispatch) for lay in moe) == [
-        (1, "allgather"), (2, "allgather"), (2, "alltoall"), (4, "allgather"), (4, "alltoall"),
+        (1, "alltoall"), (2, "allgather"), (2, "alltoall"), (4, "allgather"), (4, "alltoall"),
         (8, "allgather"), (8, "alltoall")]
     cfg = ParallelConfig(dp=4, ep=2, expert_dispatch="alltoall")
     lay = Layout.from_config(cfg, 1)

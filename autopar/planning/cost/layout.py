@@ -84,7 +84,7 @@ class Layout:
     as ``core.mesh`` builds it: ranks t apart) splits every mixture-of-experts layer's E experts,
     E/ep whole experts per rank, and exchanges the routed tokens so that each row is computed by
     the rank holding its expert. Divides d (and E); 1: every replica holds every expert."""
-    expert_dispatch: str = "allgather"
+    expert_dispatch: str = "alltoall"
     """How the routed rows travel with ep > 1 (``core.config.EXPERT_DISPATCHERS``): 'allgather' (every
     rank all-gathers the ep S rows of its group and reduce-scatters the results: static shapes,
     ep times the rows) or 'alltoall' (each rank sends each peer exactly the rows of its experts)."""
@@ -154,7 +154,7 @@ class Layout:
                    schedule=config.schedule, recompute=config.recompute, scatter_gather=config.scatter_gather,
                    dp_overlap=True, sequence_parallel=_sequence_parallel(config),
                    distributed_optimizer=bool(getattr(config, "distributed_optimizer", False)),
-                   ep=getattr(config, "ep", 1), expert_dispatch=getattr(config, "expert_dispatch", "allgather"),
+                   ep=getattr(config, "ep", 1), expert_dispatch=getattr(config, "expert_dispatch", "alltoall"),
                    precision=precision)
 
     @property

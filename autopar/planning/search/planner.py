@@ -273,9 +273,9 @@ def _expert_choices(spec: ModelSpec, d: int, space: SearchSpace) -> list[tuple[i
     space's ep (or every divisor of d that divides E), each ep > 1 with each of the space's
     dispatchers. An ep the space names that does not fit is tried, and rejected by its rule."""
     if not spec.is_moe:
-        return [(1, "allgather")] if space.ep is None else [(ep, "allgather") for ep in space.ep]
+        return [(1, "alltoall")] if space.ep is None else [(ep, "alltoall") for ep in space.ep]
     eps = space.ep or tuple(k for k in _divisors(d) if spec.experts % k == 0)
-    return [(ep, disp) for ep in eps for disp in (("allgather",) if ep == 1 else space.expert_dispatch)]
+    return [(ep, disp) for ep in eps for disp in (("alltoall",) if ep == 1 else space.expert_dispatch)]
 
 
 def _chunks_per_stage(spec: ModelSpec, p: int, space: SearchSpace) -> tuple[int, ...]:
