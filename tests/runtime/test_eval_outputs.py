@@ -241,13 +241,21 @@ def test_one_device_logits(one_device):
 
 
 def test_what_cannot_be_returned_fails_first(one_device):
-    """``output_fn`` returning no tensor, or ``to`` naming no rank of the world: a ValueError that
-    says what and how to fix it, raised before the step runs."""
+    """``output_fn`` returning no tensor autopar can find the logits in (an object of its own), or ``to``
+    naming no rank of the world: a ValueError that says what and how to fix it, raised before the step
+    runs. In a tuple beside other values the logits are found (``default_logits``) and returned."""
+    from types import SimpleNamespace
+
     model = _dropout_gpt(True)
     (x,), (y,) = token_batches(VOCAB, steps=1, rows=M * MB, seed=5, seq=SEQ)[0]
+    in_tuple = autopar.parallelize(model, example_inputs=(x[:MB],), example_targets=(y[:MB],), microbatches=M,
+                                   world_size=1, output_fn=lambda out: (out, out.sum()),
+                                   loss_fn=lambda out, t: F.cross_entropy(out[0].flatten(0, 1), t.flatten()))
+    loss, logits = in_tuple.materialize().eval_step(x, y, outputs=True)
+    assert logits.shape == (M * MB, SEQ, VOCAB)
     program = autopar.parallelize(model, example_inputs=(x[:MB],), example_targets=(y[:MB],), microbatches=M,
-                                  world_size=1, output_fn=lambda out: (out,),
-                                  loss_fn=lambda out, t: F.cross_entropy(out[0].flatten(0, 1), t.flatten()))
+                                  world_size=1, output_fn=lambda out: SimpleNamespace(scores=out),
+                                  loss_fn=lambda out, t: F.cross_entropy(out.scores.flatten(0, 1), t.flatten()))
     engine = program.materialize()
     with pytest.raises(ValueError, match="output_fn did not return a tensor"):
         engine.eval_step(x, y, outputs=True)
