@@ -236,3 +236,18 @@ def test_a_moe_traced_on_the_meta_device_counts_its_rows_on_cpu():
     engine = program.materialize(state_dict=cpu.state_dict())
     want = F.cross_entropy(cpu(x).logits.flatten(0, 1), y.flatten()).item()
     assert engine.train_step(x, y) == pytest.approx(want, rel=1e-6)
+
+
+def test_a_router_stays_whole_under_tp_even_beside_a_z_loss():
+    """The reference MoE's router feeds a top-k and a z-loss's logsumexp (which could end a vocabulary-
+    parallel region): it is found as a router and kept whole, so nothing falls back to gathers."""
+    from autopar.reference.models import build, moe_outputs
+
+    torch.manual_seed(0)
+    model = build("gpt-moe", vocab_size=VOCAB, seq_len=8, n_layer=2, n_head=2, d_model=H, n_experts=E, top_k=2,
+                  d_expert=FF, z_loss_coef=0.01)
+    program = _program(model, tp=2, loss_fn=model.loss, output_fn=moe_outputs)
+    assert program.fallbacks() == []
+    routers = [r for r in program.plan.rejected if "a router" in r.reason]
+    assert [r.module for r in routers] == [f"h.{i}.mlp.router" for i in range(LAYERS)]
+    assert all(f"its {E} output features" in r.reason and "topk" in r.reason for r in routers)
