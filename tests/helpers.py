@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from families import SEQ, assert_steps_match, batches
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import autopar
 from autopar.reference.models import build
@@ -30,7 +31,7 @@ from autopar.reference.parity import single_device_run
 
 __all__ = ["seeded", "token_batches", "parallelize_on", "compiled", "tiny_gpt_program", "reference_run", "spawn_ranks",
            "assert_ranks_match", "assert_same_grads", "assert_bitwise_equal", "meta_model_from",
-           "write_contract_checkpoint"]
+           "write_contract_checkpoint", "dcp_tensors"]
 
 Batches = list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
 
@@ -212,3 +213,16 @@ def write_contract_checkpoint(model: nn.Module, root: Path, step: int = 3) -> di
     (root / "latest").write_text(step_dir.name)
     (root / f"step-{step + 10:08d}.partial").mkdir()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def dcp_tensors(step_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint directory whose key starts with one of ``prefixes``, in its full
+    shape, read without a process group."""
+    metadata = dcp.FileSystemReader(step_dir).read_metadata()
+    state = {key: torch.full(md.size, float("nan"), dtype=md.properties.dtype)
+             for key, md in metadata.state_dict_metadata.items()
+             if key.startswith(prefixes) and isinstance(md, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # DCP notes that it assumes one process: that is the point here
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir), no_dist=True)
+    return state

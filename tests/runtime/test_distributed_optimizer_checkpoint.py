@@ -29,14 +29,12 @@ never overlap and cover each moment exactly once.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_bitwise_equal, on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from helpers import assert_bitwise_equal, dcp_tensors, on_rank0, parallelize_on, seeded, spawn_ranks, token_batches
 
 from autopar.reference.models import build
 from autopar.runtime.checkpoint.description import resolve
@@ -139,18 +137,6 @@ def sharded_runs(tmp_path_factory):
     return {"root": root, "saved": saved, "loaded": loaded}
 
 
-def _tensors(step_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Every tensor key starting with one of ``prefixes``, in its full shape, read without a process group."""
-    metadata = dcp.FileSystemReader(step_dir).read_metadata()
-    state = {key: torch.full(md.size, float("nan"), dtype=md.properties.dtype)
-             for key, md in metadata.state_dict_metadata.items()
-             if key.startswith(prefixes) and isinstance(md, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # DCP notes that it assumes one process: that is the point here
-        warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir), no_dist=True)
-    return state
-
-
 # ------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_at_the_same_layout_is_exact(sharded_runs, precision):
@@ -171,8 +157,8 @@ def test_reshard_keeps_weights_and_optimizer_state(sharded_runs, case):
     assert_bitwise_equal(sharded_runs["loaded"][0][case]["loaded"], sharded_runs["saved"][source]["saved"],
                     f"{case} loaded")
     root = sharded_runs["root"]
-    before = _tensors(resolve(root / source), ("optim.", "model."))
-    after = _tensors(resolve(root / "resaved" / case), ("optim.", "model."))
+    before = dcp_tensors(resolve(root / source), ("optim.", "model."))
+    after = dcp_tensors(resolve(root / "resaved" / case), ("optim.", "model."))
     assert sum(k.endswith(".exp_avg_sq") for k in before) == sum(k.startswith("model.") for k in before)
     assert_bitwise_equal(after, before, f"{case} state")
 

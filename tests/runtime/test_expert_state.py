@@ -32,14 +32,11 @@ exports are what ``from_pretrained`` reads back, every tensor equal.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from helpers import assert_bitwise_equal, assert_ranks_match, on_rank0, parallelize_on, spawn_ranks, token_batches
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from helpers import assert_bitwise_equal, assert_ranks_match, dcp_tensors, on_rank0, parallelize_on, spawn_ranks, token_batches
 
 import autopar
 import autopar.runtime.hf.weights_in as weights_in
@@ -260,18 +257,6 @@ def expert_runs(tmp_path_factory):
     return {"root": root, "hub": hub, "four": four, "two": two, "one": _load_in_process(str(root))}
 
 
-def _tensors(step_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Every tensor key starting with one of ``prefixes``, in its full shape, read without a process group."""
-    metadata = dcp.FileSystemReader(step_dir).read_metadata()
-    state = {key: torch.full(md.size, float("nan"), dtype=md.properties.dtype)
-             for key, md in metadata.state_dict_metadata.items()
-             if key.startswith(prefixes) and isinstance(md, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # DCP notes that it assumes one process: that is the point here
-        warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir), no_dist=True)
-    return state
-
-
 # ------------------------------------------------------------------- the distributed optimizer
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", sorted(PARITY))
@@ -310,8 +295,8 @@ def test_checkpoint_across_ep_keeps_weights_and_optimizer_state(expert_runs, cas
     loaded = _loading_ranks(expert_runs, case)[0][f"{case}-{optimizer}"]
     assert_bitwise_equal(loaded["loaded"], saved, f"{case} {optimizer} loaded")
     root = expert_runs["root"]
-    before = _tensors(resolve(root / f"{source}-{optimizer}"), ("optim.", "model."))
-    after = _tensors(resolve(root / "resaved" / f"{case}-{optimizer}"), ("optim.", "model."))
+    before = dcp_tensors(resolve(root / f"{source}-{optimizer}"), ("optim.", "model."))
+    after = dcp_tensors(resolve(root / "resaved" / f"{case}-{optimizer}"), ("optim.", "model."))
     assert before[f"optim.{GATE_UP}.exp_avg_sq"].shape[0] == EXPERTS
     assert not any(bool(t.isnan().any()) for t in before.values())  # every entry written by some rank
     assert_bitwise_equal(after, before, f"{case} {optimizer} state")

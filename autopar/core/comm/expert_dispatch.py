@@ -177,31 +177,24 @@ def _scatter_rows(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     return out
 
 
-class _GatherRows(torch.autograd.Function):
-    """All-gather along rows; backward: reduce-scatter of the gradient (each rank's rows summed), times
-    ``scale``."""
+def _scaled_conjugates(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd Function running ``forward(x, group)``, and in the backward ``backward(grad, group)``
+    times ``scale`` (its conjugate: an all-gather's is a reduce-scatter, and the converse)."""
 
-    @staticmethod
-    def forward(ctx, x, group, scale):
+    def fwd(ctx, x, group, scale):
         ctx.group, ctx.scale = group, scale
-        return _gather_rows(x, group)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _scatter_rows(grad, ctx.group) * ctx.scale, None, None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group) * ctx.scale, None, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ScatterRows(torch.autograd.Function):
-    """Reduce-scatter along rows; backward: all-gather of the gradient, times ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x, group, scale):
-        ctx.group, ctx.scale = group, scale
-        return _scatter_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_rows(grad, ctx.group) * ctx.scale, None, None
+_GatherRows = _scaled_conjugates("_GatherRows", _gather_rows, _scatter_rows)
+"""All-gather along rows; backward: reduce-scatter of the gradient (each rank's rows summed), times scale."""
+_ScatterRows = _scaled_conjugates("_ScatterRows", _scatter_rows, _gather_rows)
+"""Reduce-scatter along rows; backward: all-gather of the gradient, times scale."""
 
 
 def _all_to_all(x: torch.Tensor, group: TPGroup, out_rows: list[int], in_rows: list[int]) -> torch.Tensor:
