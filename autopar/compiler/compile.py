@@ -98,6 +98,13 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
         split = _split(traced, rank_module, config, layers, schedule.chunk_stages)
         param_names = tuple(traced.param_of[n.name] for n in traced.gm.graph.nodes if n.name in traced.param_of)
         param_stages = _param_stages(split, traced.param_of, schedule, param_names)
+        shared = [(n, param_stages[n]) for n in expert_split if len(param_stages[n]) > 1]
+        if shared:  # its gradient would be summed over stages and averaged over every replica, not its own
+            name, stages = shared[0]
+            raise ExpertError(f"ep={config.ep}: the stacked expert weight {name} is read by chunks on pipeline "
+                              f"stages {list(stages)}: expert parallelism does not split expert weights shared "
+                              f"across stages. Fix: use ep=1, or a pipeline cut (pp, virtual_stages) that keeps "
+                              f"the layers sharing it on one stage")
         return program_type(
             model=model, config=config, traced=traced, layers=layers, plan=plan, rank_module=rank_module,
             split=split, schedule=schedule, eval_schedule=eval_schedule, param_names=param_names,

@@ -251,3 +251,21 @@ def test_a_router_stays_whole_under_tp_even_beside_a_z_loss():
     routers = [r for r in program.plan.rejected if "a router" in r.reason]
     assert [r.module for r in routers] == [f"h.{i}.mlp.router" for i in range(LAYERS)]
     assert all(f"its {E} output features" in r.reason and "topk" in r.reason for r in routers)
+
+
+class SharedExperts(TinyMoE):
+    """Two blocks calling one mixture-of-experts block: its stacked weights are read by both."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([self.blocks[0], self.blocks[0]])
+
+
+def test_expert_weights_shared_across_stages_are_refused():
+    """Each stage would sum the shared expert weight's gradient with the other's and average it over every
+    replica, mixing the different experts of an expert group: refused, naming the weight and the stages."""
+    model = _bf16(SharedExperts())
+    with pytest.raises(ExpertError, match=r"the stacked expert weight blocks.0.w_up is read by chunks on pipeline "
+                                          r"stages \[0, 1\].*Fix: use ep=1"):
+        _program(model, pp=2, dp=2, world_size=4, ep=2)
+    assert _program(model, pp=2, dp=2, world_size=4).tied_params  # without ep: a tied weight like any other

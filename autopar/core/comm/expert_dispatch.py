@@ -103,9 +103,16 @@ def expert_route(tp: TPGroup, offs: torch.Tensor, experts: int, ep: int, site: s
     if group.pg is None:
         return offs.expand(ep, experts).clone()
     route = all_gather_dim(offs, group, 0)
-    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-        EXPERT_LOAD.add(site, _counts(route).sum(0))  # training forwards only: not a recomputation, not an eval
+    _count_load(site, route)
     return route
+
+
+@torch.compiler.disable(reason="expert load: counted on the host at every run of a compiled chunk too")
+def _count_load(site: str, route: torch.Tensor) -> None:
+    """Add the route's rows per expert to ``EXPERT_LOAD``: in training forwards only (not in a
+    recomputation, which runs inside the backward, nor in an evaluation, which runs without grad)."""
+    if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        EXPERT_LOAD.add(site, _counts(route).sum(0))
 
 
 def _counts(route: torch.Tensor) -> torch.Tensor:
