@@ -158,7 +158,16 @@ def join_from_env(timeout_s: float = 1800.0) -> bool:
     return True
 
 
+def _stop_watches() -> None:
+    """Stop the engines' failure watches before the process group goes (each thread may be reading
+    the group's store): the board's module is asked only if an engine loaded it."""
+    board = sys.modules.get("autopar.runtime.engine.failure_board")
+    if board is not None:
+        board.close_watches()
+
+
 def _leave() -> None:
+    _stop_watches()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -197,6 +206,7 @@ def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeou
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
                      getattr(e, "root_rank", rank)))
     finally:
+        _stop_watches()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -225,6 +235,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
             out = fn(*args)
             dist.barrier()  # leave together: a rank exiting early closes its peers' connections
         finally:
+            _stop_watches()
             if dist.is_initialized():  # a failed engine under NCCL aborted (and removed) its groups
                 dist.destroy_process_group()
         return [out]

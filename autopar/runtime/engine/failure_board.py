@@ -40,6 +40,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -51,7 +52,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import forget_groups
 from autopar.runtime.engine.errors import EngineUsageError
 
-__all__ = ["Failure", "FailureBoard", "EngineFailedError", "stop_communication", "failure_timeout",
+__all__ = ["Failure", "FailureBoard", "EngineFailedError", "stop_communication", "failure_timeout", "close_watches",
            "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
 
 TIMEOUT_ENV = "AUTOPAR_FAILURE_TIMEOUT"
@@ -244,6 +245,17 @@ class FailureBoard:
         return self._watch.over(timeout_s, progress, on_timeout)
 
 
+_WATCHES: "weakref.WeakSet[Watch]" = weakref.WeakSet()
+"""The live watches of this process (engines that ran a step), closed at exit."""
+
+
+def close_watches() -> None:
+    """At exit (before the launcher's handler destroys the process group, registered earlier and so
+    run later): stop every watch thread, so none is inside a store call while the store goes."""
+    for watch in list(_WATCHES):
+        watch.close()
+
+
 def _wait_for_readers() -> None:
     """At exit of the store's host: wait until every rank has read each failure it holds (bounded)."""
     for store, key, world, seconds in _READERS:
@@ -269,8 +281,18 @@ class Watch:
         """What the watch found published (a peer's failure, or this rank's timeout)."""
         self._step: tuple[float, Callable[[], float], Callable[[float], Failure]] | None = None
         """(timeout_s, progress, on_timeout) while a step runs."""
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="autopar-failure-watch", daemon=True)
         self._thread.start()
+        if not _WATCHES:
+            atexit.register(close_watches)
+        _WATCHES.add(self)
+
+    def close(self) -> None:
+        """Stop the thread and wait for it (bounded): at exit, before the process group and its store
+        go, so the thread is never inside a store call while they are torn down."""
+        self._closing = True
+        self._thread.join(timeout=2 * self.board.poll_s + 5.0)
 
     @contextlib.contextmanager
     def over(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure]):
@@ -282,10 +304,10 @@ class Watch:
 
     def _run(self) -> None:
         try:
-            while self.seen is None:
+            while self.seen is None and not self._closing:
                 time.sleep(self.board.poll_s)
                 step = self._step
-                if step is None:
+                if step is None or self._closing:
                     continue
                 timeout_s, progress, on_timeout = step
                 seen = self.board.read()
