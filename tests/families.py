@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -68,6 +69,20 @@ FAMILIES = {
     "hf-gpt2": (_hf_gpt2, 257),
     "hf-llama": (_hf_llama, 320),
 }
+
+
+def tiny_mixtral(seed: int | None = 0, device: str | None = None, **config) -> nn.Module:
+    """A small HuggingFace Mixtral (4 experts, top-2, one layer of width 16 unless ``config`` says
+    otherwise), seeded first unless ``seed`` is None, built on ``device`` (e.g. 'meta') if given."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(**{**dict(vocab_size=64, hidden_size=16, intermediate_size=24,
+                                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                                  num_local_experts=4, num_experts_per_tok=2), **config})
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return transformers.MixtralForCausalLM(cfg)
 
 
 def make(family: str, seed: int = 0, layers: int = 2) -> tuple[nn.Module, int]:

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
+from families import tiny_mixtral
 from autopar.core.comm import TPGroup
 from autopar.core.comm import expert_dispatch as xd
 from autopar.core.errors import ConfigError
@@ -27,13 +28,7 @@ H, E, FF, VOCAB, LAYERS = 16, 4, 32, 64, 2
 
 
 def _mixtral(experts=E, layers=LAYERS):
-    import transformers as T
-
-    torch.manual_seed(0)
-    return T.MixtralForCausalLM(T.MixtralConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=24,
-                                                num_hidden_layers=layers, num_attention_heads=2,
-                                                num_key_value_heads=2, num_local_experts=experts,
-                                                num_experts_per_tok=2))
+    return tiny_mixtral(vocab_size=VOCAB, hidden_size=H, num_hidden_layers=layers, num_local_experts=experts)
 
 
 def _batch():

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from families import tiny_mixtral
 from helpers import assert_bitwise_equal, assert_ranks_match, dcp_tensors, on_rank0, parallelize_on, spawn_ranks, token_batches
 
 import autopar
@@ -61,17 +62,9 @@ GATE_UP, DOWN = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.e
 
 
 def _mixtral(device: str | None = None, seed: int = 0):
-    import transformers
-
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=2, max_position_embeddings=64,
-        bos_token_id=0, eos_token_id=0, pad_token_id=None)
-    torch.manual_seed(seed)
-    if device is None:
-        return transformers.MixtralForCausalLM(config)
-    with torch.device(device):
-        return transformers.MixtralForCausalLM(config)
+    return tiny_mixtral(seed, device, vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_local_experts=EXPERTS, max_position_embeddings=64,
+                        bos_token_id=0, eos_token_id=0, pad_token_id=None)
 
 
 def _data():

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from families import BATCH, SEQ, _hf_llama, batches
+from families import BATCH, SEQ, _hf_llama, batches, tiny_mixtral
 from helpers import compiled, meta_model_from, spawn_ranks, write_contract_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -254,11 +254,7 @@ def test_legacy_gamma_beta_names_load(tmp_path):
 
 
 def _mixtral():
-    import transformers
-
-    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=2, num_local_experts=4)
-    return transformers.MixtralForCausalLM(cfg)
+    return tiny_mixtral(seed=None)  # the caller's random state decides the weights
 
 
 def test_stacked_experts_read_as_slices_of_each_expert(tmp_path, monkeypatch):
