@@ -55,7 +55,10 @@ process in a full run)."""
 
 def _meta(factory, *args, **kwargs) -> nn.Module:
     with torch.device("meta"):
-        return factory(*args, **kwargs)
+        model = factory(*args, **kwargs)
+    off = {n: t.device.type for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta}
+    assert not off, f"built under torch.device('meta') but not on meta: {off}"  # the factory, not autopar
+    return model
 
 
 def _init_gpt(n_layer=4):
