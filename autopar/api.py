@@ -88,6 +88,7 @@ def parallelize(
     overlap: bool | set[str] | None = None,
     ep: int = 1,
     expert_dispatch: str | None = None,
+    expert_tp: int | None = None,
 ) -> ParallelProgram:
     """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
 
@@ -133,7 +134,10 @@ def parallelize(
     to the rank holding their expert and back. ``expert_dispatch``: 'alltoall' (each rank sends only
     the rows its peers' experts take; the default) or 'allgather' (static shapes: every rank gathers
     the group's rows, the results are reduce-scattered; the default with ``compile``). Exact either way
-    (``docs/experts.md``).
+    (``docs/experts.md``). ``expert_tp``: with tp > 1, each expert split tp ways like the dense MLPs
+    (None, the default), or 1: each expert whole on the rank holding it, the tp ranks of a replica
+    sharing its token rows, and the expert groups made of ep ranks of the stage's tp x dp (ep divides
+    tp x dp: ep=tp needs no data parallelism).
     """
     if example_inputs is None:
         raise ArgumentError("parallelize() needs example_inputs: one microbatch with the real shapes")
@@ -144,7 +148,7 @@ def parallelize(
         schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,
         scatter_gather=scatter_gather, recompute=recompute, precision=precision,
         sequence_parallel=sequence_parallel, loss_reduction=loss_reduction, compile=compile, overlap=overlap,
-        ep=ep, expert_dispatch=expert_dispatch)
+        ep=ep, expert_dispatch=expert_dispatch, expert_tp=expert_tp)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     return compile_program(model, config, example_inputs, example_targets, loss_fn, output_fn,

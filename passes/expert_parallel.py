@@ -16,8 +16,16 @@ router, the sort, the weighting and the sum per token stay as they are, on
 this rank's own tokens, so the auxiliary load-balancing loss and any z-loss
 are the model's own. Tensor parallelism inside the region (each expert's
 MLP split over tp) is untouched: the exchange runs over the expert group of
-ranks with the same tp rank. See ``comm/expert_dispatch.py`` for the two
-dispatchers and why both are exact.
+ranks with the same tp rank. With whole experts (``expert_tp=1``, the region
+left unsplit by the sharding analysis) the tp ranks of a replica share its
+rows first:
+
+    rows_t = scatter_to_tp(rows, tp, 0)                 this tp rank's block of the sorted rows
+    offs_t = expert_tp_offsets(tp, offs, block)         the offsets cut to that block
+    ... route, dispatch, region, combine as above, on rows_t and offs_t ...
+    out    = gather_from_tp(out_t, tp, 0, size=S)       every block back on every tp rank
+
+See ``comm/expert_dispatch.py`` for the two dispatchers and why both are exact.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autopar.core.comm import expert_dispatch as xd
+from autopar.core.comm.tp_mappings import gather_from_tp, scatter_to_tp
 from passes.experts import LOOKED_FOR, ExpertError, ExpertLayer
 
 __all__ = ["apply_expert_parallel", "expert_params", "expert_parallel_errors"]
@@ -59,15 +68,18 @@ def expert_parallel_errors(layers: list[ExpertLayer], ep: int, model_name: str, 
     return errs
 
 
-def apply_expert_parallel(gm: fx.GraphModule, layers: list[ExpertLayer], ep: int, dispatcher: str) -> None:
+def apply_expert_parallel(gm: fx.GraphModule, layers: list[ExpertLayer], ep: int, dispatcher: str,
+                          rows_split: int = 1) -> None:
     """Rewrite ``gm`` (a rank graph whose first placeholder is ``tp``) in place, as the module docstring
-    shows, for every layer; nothing for ep=1. ``expert_parallel_errors`` must have passed."""
+    shows, for every layer; nothing for ep=1. ``rows_split``: t when the experts are whole under
+    tensor parallelism (the tp ranks share the rows), else 1. ``expert_parallel_errors`` must have
+    passed."""
     if ep == 1:
         return
     nodes = {n.name: n for n in gm.graph.nodes}
     tp = next(n for n in gm.graph.nodes if n.op == "placeholder")
     for layer in layers:
-        _rewrite(gm.graph, nodes, tp, layer, ep, dispatcher)
+        _rewrite(gm.graph, nodes, tp, layer, ep, dispatcher, rows_split)
     gm.graph.lint()
     gm.recompile()
 
@@ -78,14 +90,20 @@ def _first_user_in(node: fx.Node, region: set[fx.Node]) -> fx.Node:
 
 
 def _rewrite(graph: fx.Graph, nodes: dict[str, fx.Node], tp: fx.Node, layer: ExpertLayer, ep: int,
-             dispatcher: str) -> None:
+             dispatcher: str, split: int) -> None:
     region = {nodes[n] for n in layer.region}
     offs, out = nodes[layer.offsets], nodes[layer.output]
     first = nodes[layer.grouped[0]]
-    with graph.inserting_after(offs):
-        route = graph.call_function(xd.expert_route, (tp, offs, layer.experts, ep, layer.module))
+    block = -(-layer.rows // split)  # this tp rank's rows (the last block padded with zero rows)
+    offs_in = offs
+    if split > 1:
+        with graph.inserting_after(offs):
+            offs_in = graph.call_function(xd.expert_tp_offsets, (tp, offs, block))
+        _copy_meta(offs_in, offs, "expert_tp_offsets")
+    with graph.inserting_after(offs_in):
+        route = graph.call_function(xd.expert_route, (tp, offs_in, layer.experts, ep, layer.module))
     with graph.inserting_before(first):
-        local_offs = graph.call_function(xd.expert_offsets, (tp, route, ep, dispatcher, layer.rows))
+        local_offs = graph.call_function(xd.expert_offsets, (tp, route, ep, dispatcher, block))
     _copy_meta(route, offs, "expert_route")
     _copy_meta(local_offs, offs, "expert_offsets")
     swaps = {offs: local_offs}
@@ -93,7 +111,11 @@ def _rewrite(graph: fx.Graph, nodes: dict[str, fx.Node], tp: fx.Node, layer: Exp
         x = nodes[name]
         user = _first_user_in(x, region)
         with graph.inserting_before(user):
-            swaps[x] = graph.call_function(xd.expert_dispatch, (tp, x, route, ep, dispatcher))
+            rows = x
+            if split > 1:
+                rows = graph.call_function(scatter_to_tp, (x, tp, 0, (block * split,)))
+                _copy_meta(rows, user, "expert_tp_scatter")
+            swaps[x] = graph.call_function(xd.expert_dispatch, (tp, rows, route, ep, dispatcher, split))
         _copy_meta(swaps[x], user, "expert_dispatch")
     for n in region:
         for old, new in swaps.items():
@@ -101,8 +123,13 @@ def _rewrite(graph: fx.Graph, nodes: dict[str, fx.Node], tp: fx.Node, layer: Exp
                 n.replace_input_with(old, new)
     outside = [u for u in out.users if u not in region]
     with graph.inserting_after(out):
-        back = graph.call_function(xd.expert_combine, (tp, out, route, ep, dispatcher, layer.rows))
+        back = graph.call_function(xd.expert_combine, (tp, out, route, ep, dispatcher, block, split))
     _copy_meta(back, out, "expert_combine")
+    if split > 1:
+        with graph.inserting_after(back):
+            gathered = graph.call_function(gather_from_tp, (back, tp, 0, (block * split,), layer.rows))
+        _copy_meta(gathered, out, "expert_tp_gather")
+        back = gathered
     for u in outside:
         u.replace_input_with(out, back)
 

@@ -196,8 +196,11 @@ def _describe(ctx: Ctx, node: fx.Node) -> str:
     return f"node {node.name} ({node.target}) in module '{mod}'" + (f" at {where}" if where else "")
 
 
-def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
+def analyze_sharding(traced: TracedModel, tp: int, keep_whole: dict[str, str] | None = None) -> ShardingPlan:
     """Decide the tensor-parallel placement of every value and parameter for ``tp`` ranks.
+
+    ``keep_whole``: linear-like node -> why it stays whole (never tried split: whole experts under
+    ``expert_tp=1``); they are listed in the plan's replicated linears with that reason.
 
     When the trials fail or leave a linear whole, the plan the model's structure allows
     (``ideal_decisions``) says whether ``tp`` is to blame: a ``tp`` that does not divide a
@@ -212,35 +215,43 @@ def analyze_sharding(traced: TracedModel, tp: int) -> ShardingPlan:
         return _finish(traced, ctx, state, [])
     ctx = Ctx.build(traced, tp)
     try:
-        state, rejected = _run_trials(traced, ctx)
+        state, rejected = _run_trials(traced, ctx, keep_whole=keep_whole)
     except ShardingError:
         state, rejected = None, []
     if state is None or rejected:
-        ideal = ideal_decisions(traced)
+        ideal = ideal_decisions(traced, keep_whole)
         splits = model_splits(ideal)
         if splits.failing(tp):
             raise ShardingError(tp_error(splits, tp, traced.model_name)) from None
         if state is None:
             ctx = Ctx.build(traced, tp)
-            state, rejected = _run_trials(traced, ctx, {n.name for n, d in ideal.items() if d.kind == "column"})
+            state, rejected = _run_trials(traced, ctx, {n.name for n, d in ideal.items() if d.kind == "column"},
+                                          keep_whole)
     _unsplit_tables_read_whole(state, ctx, rejected)
     return _finish(traced, ctx, state, rejected)
 
 
-def ideal_decisions(traced: TracedModel) -> dict[fx.Node, Decision]:
+def ideal_decisions(traced: TracedModel, keep_whole: dict[str, str] | None = None) -> dict[fx.Node, Decision]:
     """The decisions of the analysis when every divisibility holds (t = 1, vocabulary split):
     the plan the model's structure allows, whose split sizes any degree must divide."""
-    state, _ = _run_trials(traced, Ctx.build(traced, 1, split_vocabulary=True), must_split=set())
+    state, _ = _run_trials(traced, Ctx.build(traced, 1, split_vocabulary=True), must_split=set(),
+                           keep_whole=keep_whole)
     return dict(state.dec)
 
 
-def _run_trials(traced: TracedModel, ctx: Ctx, must_split: set[str] | None = None) -> tuple[_State, list[Rejected]]:
+def _run_trials(traced: TracedModel, ctx: Ctx, must_split: set[str] | None = None,
+                keep_whole: dict[str, str] | None = None) -> tuple[_State, list[Rejected]]:
     """Every candidate linear tried column-parallel (with those it goes with), in graph order;
-    a divisibility error raised for the linears in ``must_split`` (None: any)."""
+    a divisibility error raised for the linears in ``must_split`` (None: any); those in
+    ``keep_whole`` never tried."""
     state = _State(traced.gm, ctx, must_split)
     state.run_all()
     rejected: list[Rejected] = []
     tried: set[fx.Node] = set()
+    by_name = {n.name: n for n in state.nodes}
+    for name, reason in (keep_whole or {}).items():
+        tried.add(by_name[name])
+        state.reject([by_name[name]], reason, [], rejected)
     for router, topk in _routers(state, ctx).items():  # before any trial: never a member of a group
         tried.add(router)
         state.reject([router], f"its {out_features(ctx, router)} output features are the scores {topk.name} "

@@ -71,7 +71,7 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
     with gc_paused():  # the passes build graphs and tables that live on in the program (gc_paused.py)
         normalize(traced.gm, set(traced.param_of))
         layers = find_layers(traced.gm)
-        plan = analyze_sharding(traced, config.tp)
+        plan = analyze_sharding(traced, config.tp, _whole_experts(traced, config))
         rank_module = apply_tensor_parallel(traced, plan)
         local_shape = _param_local_shapes(traced, plan, config.tp).__getitem__
         annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
@@ -89,7 +89,7 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
             raise ExpertError("\n".join(errs))
         expert_split = expert_params(experts, traced.param_of, config.ep)
         if expert_split:
-            apply_expert_parallel(rank_module, experts, config.ep, config.expert_dispatch)
+            apply_expert_parallel(rank_module, experts, config.ep, config.expert_dispatch, config.mesh.rows_split)
             shapes = _param_local_shapes(traced, plan, config.tp)
             for name, _ in expert_split.items():
                 shapes[name] = (shapes[name][0] // config.ep, *shapes[name][1:])
@@ -110,6 +110,16 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
             split=split, schedule=schedule, eval_schedule=eval_schedule, param_names=param_names,
             param_stages=param_stages, tied_params={n: s for n, s in param_stages.items() if len(s) > 1},
             sequence=sequence, async_tp=async_tp, experts=tuple(experts), expert_params=expert_split)
+
+
+def _whole_experts(traced, config: ParallelConfig) -> dict[str, str]:
+    """With ``expert_tp=1`` under tensor parallelism: each expert grouped matmul -> why the sharding
+    analysis leaves it whole ({} otherwise)."""
+    if config.mesh.rows_split == 1:
+        return {}
+    return {g: f"expert_tp=1: the experts of {layer.module or 'the model'} stay whole on the ranks holding them "
+               f"(the tp ranks share the token rows instead)"
+            for layer in find_experts(traced.gm, traced.param_of) for g in layer.grouped}
 
 
 def _param_local_shapes(traced, plan: ShardingPlan, tp: int) -> dict[str, tuple[int, ...]]:

@@ -27,17 +27,24 @@ def exchange_bytes(program: Program, layer: ExpertLayer) -> dict[str, int]:
     """Bytes one rank moves over its expert group for ``layer`` per microbatch, forward and backward:
     'allgather' receives (ep-1) x S rows of the region's inputs and reduce-scatters ep x S rows of its
     output (the backward the same, conjugated); 'alltoall' sends and receives the rows of the other
-    ranks' experts, (ep-1)/ep of its S rows on average each way when the load is balanced."""
+    ranks' experts, (ep-1)/ep of its S rows on average each way when the load is balanced. With whole
+    experts under tensor parallelism (``expert_tp=1``) a rank sends its 1/t block of the S rows, and
+    the results are all-gathered over tp ((t-1)/t of S rows of the output; the backward all-gathers
+    the rows' gradient instead)."""
     ep = program.ep
     if ep == 1:
         return {"forward": 0, "backward": 0}
     nodes = {n.name: n for n in program.rank_module.graph.nodes}
     row_in = sum(_row_bytes(nodes[n]) for n in layer.rows_in if n in nodes)
     row_out = _row_bytes(nodes[layer.output]) if layer.output in nodes else 0
+    split = program.config.mesh.rows_split
+    rows = -(-layer.rows // split)
     if program.config.expert_dispatch == "allgather":
-        moved = (ep - 1) * layer.rows * (row_in + row_out)
+        moved = (ep - 1) * rows * (row_in + row_out)
     else:
-        moved = (ep - 1) * layer.rows * (row_in + row_out) // ep
+        moved = (ep - 1) * rows * (row_in + row_out) // ep
+    if split > 1:
+        return {"forward": moved + (split - 1) * rows * row_out, "backward": moved + (split - 1) * rows * row_in}
     return {"forward": moved, "backward": moved}
 
 
@@ -67,11 +74,14 @@ def expert_lines(program: Program) -> list[str]:
                 lines.append(f"  {layer.module}: ep could not split it: {layer.refusal}")
         return lines
     per = first.experts // program.ep
-    lines.append(f"  expert parallelism ep={program.ep} ({cfg.expert_dispatch} dispatcher): {per} whole experts per "
-                 f"rank" + (f", each split over tp={mesh.tp}" if mesh.tp > 1 else ""))
+    split = (f", each split over tp={mesh.tp}" if mesh.etp > 1 else
+             f", whole (expert_tp=1): the tp={mesh.tp} ranks of a replica each send 1/{mesh.tp} of its rows, "
+             f"the results gathered back over tp" if mesh.tp > 1 else "")
+    lines.append(f"  expert parallelism ep={program.ep} ({cfg.expert_dispatch} dispatcher): {per} experts per "
+                 f"rank{split}")
     lines.append(f"  expert groups (exchange tokens): {_groups(mesh.ep_groups())}")
-    if mesh.dp > program.ep:
-        lines.append(f"  expert replicas (average expert gradients, {mesh.dp // program.ep} ranks): "
+    if mesh.edp > 1:
+        lines.append(f"  expert replicas (average expert gradients, {mesh.edp} ranks): "
                      f"{_groups(mesh.expert_dp_groups())}")
     lines.append("  experts held: " + ", ".join(f"ep rank {r}: {r * per}-{(r + 1) * per - 1}"
                                                 for r in range(program.ep)))

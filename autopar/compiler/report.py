@@ -165,8 +165,10 @@ def _header(program: Program) -> str:
 
 
 def _ep_text(mesh) -> str:
-    """The expert-parallel degree inside dp, when there is one."""
-    return f" (ep={mesh.ep} inside dp)" if mesh.ep > 1 else ""
+    """The expert-parallel degree and what its groups are cut from, when there is one."""
+    if mesh.ep == 1:
+        return ""
+    return f" (ep={mesh.ep} inside dp)" if mesh.etp == mesh.tp else f" (ep={mesh.ep} over tp x dp, whole experts)"
 
 
 def _trace_line(program: Program) -> str:

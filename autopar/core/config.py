@@ -196,23 +196,41 @@ EXPERT_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
 """How tokens travel to their experts under expert parallelism (``ParallelConfig.expert_dispatch``)."""
 
 
-def expert_errors(ep: int, dispatcher: str, dp: int, tp: int, pp: int, dp_known: bool) -> list[str]:
-    """What keeps expert parallelism ``ep`` from fitting the data-parallel size, with the numbers and
-    the fix ([] when it fits). Expert groups are made of data-parallel replicas, so ep divides dp."""
+def expert_errors(ep: int, dispatcher: str, dp: int, tp: int, pp: int, dp_known: bool,
+                  expert_tp: int | None = None) -> list[str]:
+    """What keeps expert parallelism ``ep`` (and ``expert_tp``) from fitting the mesh, with the numbers
+    and the fix ([] when it fits). With experts split by tp (the default) an expert group is made of
+    data-parallel replicas, so ep divides dp; with whole experts (expert_tp=1) it is made of the
+    stage's tp x dp ranks, so ep divides tp x dp."""
     errs = size_errors(ep=ep)
     if errs:
         return errs
     if dispatcher not in EXPERT_DISPATCHERS:
         errs.append(f"expert_dispatch must be one of {list(EXPERT_DISPATCHERS)}, got {dispatcher!r}")
-    if ep > 1 and dp % ep:
-        if not dp_known:
+    if expert_tp is not None and expert_tp not in (1, tp):
+        errs.append(f"expert_tp={expert_tp}: each expert is split by tensor parallelism tp={tp} ways (expert_tp="
+                    f"{tp}, the default) or kept whole on its rank (expert_tp=1). Fix: expert_tp in {sorted({1, tp})}")
+        return errs
+    whole = expert_tp == 1 and tp > 1
+    if whole and ep == 1:
+        errs.append(f"expert_tp=1 keeps each expert whole instead of splitting it tp={tp} ways, and that needs "
+                    f"expert parallelism to place them: the tp ranks then share a replica's tokens and exchange "
+                    f"them with the ranks holding their experts. Fix: ep > 1 (a divisor of tp x dp = {tp * dp}), "
+                    f"or leave expert_tp unset (experts split by tp like the dense MLPs)")
+        return errs
+    grid, over = (tp * dp, "tp x dp") if whole else (dp, "dp")
+    if ep > 1 and grid % ep:
+        if not dp_known and not whole:
             errs.append(f"ep={ep} groups {ep} data-parallel replicas, and no dp or world size is given (dp=1). "
-                        f"Fix: pass dp= (a multiple of {ep}) or world_size= ({ep * tp * pp} ranks or a multiple)")
+                        f"Fix: pass dp= (a multiple of {ep}) or world_size= ({ep * tp * pp} ranks or a multiple)"
+                        + ("" if tp == 1 else f", or expert_tp=1 (whole experts: ep divides tp x dp)"))
         else:
-            fits = [e for e in range(1, dp + 1) if dp % e == 0]
-            errs.append(f"ep={ep} must divide dp={dp}: an expert group is made of ep data-parallel replicas "
-                        f"(tp={tp} x pp={pp} x dp={dp}). Fix: ep in {fits}, or dp a multiple of {ep} "
-                        f"({ep * tp * pp} ranks or a multiple)")
+            fits = [e for e in range(1, grid + 1) if grid % e == 0]
+            what = ("an expert group is made of ep data-parallel replicas" if not whole
+                    else "with whole experts (expert_tp=1) an expert group is made of ep of a stage's tp x dp ranks")
+            errs.append(f"ep={ep} must divide {over}={grid}: {what} (tp={tp} x pp={pp} x dp={dp}). Fix: ep in "
+                        f"{fits}, or dp a multiple of {ep} ({ep * tp * pp} ranks or a multiple)"
+                        + ("" if whole or tp == 1 else ", or expert_tp=1 (whole experts: ep divides tp x dp)"))
     return errs
 
 
@@ -281,6 +299,14 @@ class ParallelConfig:
     held). None (the default): 'alltoall', or 'allgather' with compiled chunks, whose graphs want static
     shapes. On CPU gloo ranks 'alltoall' measured faster at ep=4 (``bench/experts.py``): 'allgather' runs
     the experts' element-wise ops on ep x the rows."""
+    expert_tp: int | None = None
+    """How many ways tensor parallelism splits each expert under expert parallelism: tp (None, the
+    default: every expert's MLP split like a dense one, expert groups made of e data-parallel replicas at
+    one tp rank) or 1 (each expert whole on the rank holding it: the tp ranks of a replica share its
+    token rows, each sends its share to the ranks holding their experts, and the results are gathered
+    back over tp; expert groups are then e consecutive ranks of the stage's tp x dp, e divides tp x dp,
+    so ep can grow with tp alone). Whole experts run each expert's GEMMs on its full width
+    (``docs/experts.md``)."""
     loss_reduction: str = "tokens"
     """How the step's loss is made of its microbatches' (``docs/training.md``). 'tokens': when the traced
     loss is a mean-reduced cross-entropy / nll over targets with an ignore_index, microbatch i's loss
@@ -327,7 +353,7 @@ class ParallelConfig:
         if self.expert_dispatch is None:
             object.__setattr__(self, "expert_dispatch", "allgather" if self.compile else "alltoall")
         errs = expert_errors(self.ep, self.expert_dispatch, self.data_parallel, self.tp, self.pp,
-                             self.dp is not None or self.world_size is not None)
+                             self.dp is not None or self.world_size is not None, self.expert_tp)
         if errs:
             raise ConfigError("; ".join(errs))
 
@@ -351,4 +377,5 @@ class ParallelConfig:
 
     @property
     def mesh(self) -> MeshShape:
-        return MeshShape(self.tp, self.pp, self.data_parallel, self.ep)
+        return MeshShape(self.tp, self.pp, self.data_parallel, self.ep,
+                         None if self.expert_tp in (None, self.tp) else self.expert_tp)

@@ -1,4 +1,4 @@
-"""The 3D mesh: rank <-> (pp, dp, tp) coordinates and the process groups (expert groups inside dp).
+"""The 3D mesh: rank <-> (pp, dp, tp) coordinates and the process groups (expert groups inside a stage).
 
 Megatron's order: tp varies fastest, then dp, then pp,
 
@@ -8,11 +8,17 @@ so a tensor-parallel group is t consecutive ranks (inside one node) and a
 pipeline group strides by t*d. With t=2, p=4 on 16 GPUs (d=2): TP groups
 [0,1],[2,3],...; PP groups [0,4,8,12],[1,5,9,13],...
 
-Expert parallelism (e, dividing d) lives inside data parallelism, as in
-Megatron-Core: e consecutive replicas form an expert group whose ranks hold
-different experts and exchange tokens; the d/e replicas at the same place in
-their groups hold the same experts and average those experts' gradients. With
-t=1, d=4, e=2: expert groups [0,1],[2,3]; expert replicas [0,2],[1,3].
+Expert parallelism (e) cuts a stage's ranks into expert groups whose ranks
+hold different experts and exchange tokens; the ranks at the same place in
+their groups hold the same experts and average those experts' gradients (the
+expert replicas, 'edp'). Where the experts are split over tensor parallelism
+as the dense layers are (expert tp = t, the default), the groups lie inside
+data parallelism, at one tp rank: e consecutive replicas, e dividing d. With
+t=1, d=4, e=2: expert groups [0,1],[2,3]; expert replicas [0,2],[1,3]. Where
+each expert stays whole (expert tp = 1), the groups run over the stage's t*d
+ranks in rank order (tp fastest), e dividing t*d, and the tp ranks of a
+replica split its token rows among them before the exchange: with t=2, d=2,
+e=2 the expert groups are the tp groups [0,1],[2,3] and the replicas [0,2],[1,3].
 
 ``MeshShape`` is pure arithmetic (no process group); ``Mesh.create`` makes
 every group once (all ranks must call it, in the same order) and keeps this
@@ -31,6 +37,7 @@ rank runs them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,16 +66,66 @@ class MeshShape:
     dp: int = 1
     """Data-parallel replicas d."""
     ep: int = 1
-    """Expert-parallel degree e: groups of e consecutive data-parallel replicas hold different experts
-    (e divides d); the replicas with the same place in their groups hold the same experts."""
+    """Expert-parallel degree e: groups of e ranks of a stage hold different experts; the ranks with the
+    same place in their groups hold the same experts."""
+    expert_tp: int | None = None
+    """How many ways each expert is split by tensor parallelism: t (None, the default: expert groups of e
+    data-parallel replicas at one tp rank, e divides d) or 1 (whole experts: expert groups of e
+    consecutive ranks of the stage's t*d, e divides t*d)."""
 
     def __post_init__(self):
         for axis in ("tp", "pp", "dp", "ep"):
             if getattr(self, axis) < 1:
                 raise ConfigError(f"{axis} must be >= 1, got {axis}={getattr(self, axis)}")
-        if self.dp % self.ep:
-            raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert parallelism groups ep data-parallel "
-                              f"replicas. Fix: dp a multiple of {self.ep}, or ep a divisor of {self.dp}")
+        if self.expert_tp is not None and self.expert_tp not in (1, self.tp):
+            raise ConfigError(f"expert_tp={self.expert_tp}: each expert is split tp={self.tp} ways or kept whole. "
+                              f"Fix: expert_tp in {sorted({1, self.tp})}")
+        if self.expert_grid % self.ep:
+            over = "dp" if self.etp == self.tp else "tp x dp"
+            raise ConfigError(f"ep={self.ep} must divide {over}={self.expert_grid}: expert parallelism groups ep "
+                              f"ranks of {over}. Fix: ep a divisor of {self.expert_grid}")
+
+    @property
+    def etp(self) -> int:
+        """Ways each expert is split by tensor parallelism: t, or 1 (whole experts)."""
+        return self.tp if self.expert_tp is None else self.expert_tp
+
+    @property
+    def expert_grid(self) -> int:
+        """Ranks of a stage the expert groups are cut from: d (experts split by tp), or t*d (whole)."""
+        return self.dp if self.etp == self.tp else self.tp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (an expert's gradient is averaged over them)."""
+        return self.expert_grid // self.ep
+
+    @property
+    def rows_split(self) -> int:
+        """Ways a replica's token rows are split before the expert exchange: t with whole experts
+        under tensor parallelism (each tp rank sends its share), else 1."""
+        return self.tp if self.etp != self.tp else 1
+
+    @property
+    def replicas_with_every_expert(self) -> int:
+        """The fewest leading data-parallel replicas whose ranks make whole expert groups and whole tp
+        groups: together they hold every expert (an export gathers the experts over them)."""
+        if self.ep == 1:
+            return 1
+        if self.etp == self.tp:
+            return self.ep
+        return math.lcm(self.ep, self.tp) // self.tp
+
+    def _expert_grids(self) -> list[list[int]]:
+        """Each list of ranks the expert groups are cut from, in expert order."""
+        if self.etp == self.tp:
+            return [[self.rank(s, d, j) for d in range(self.dp)] for s in range(self.pp) for j in range(self.tp)]
+        return [[self.rank(s, d, j) for d in range(self.dp) for j in range(self.tp)] for s in range(self.pp)]
+
+    def expert_index(self, rank: int) -> int:
+        """A rank's place in its stage's expert grid (its ep rank is this modulo e)."""
+        _, d, j = self.coords(rank)
+        return d if self.etp == self.tp else d * self.tp + j
 
     @property
     def world(self) -> int:
@@ -88,18 +145,16 @@ class MeshShape:
         return [[self.rank(s, d, j) for d in range(self.dp)] for s in range(self.pp) for j in range(self.tp)]
 
     def ep_groups(self) -> list[list[int]]:
-        """Expert-parallel groups: e consecutive dp replicas at each (pp, tp) position; the tokens
-        of a mixture-of-experts layer travel inside one to the rank holding their expert."""
+        """Expert-parallel groups: e consecutive ranks of each expert grid; the tokens of a
+        mixture-of-experts layer travel inside one to the rank holding their expert."""
         e = self.ep
-        return [[self.rank(s, b * e + i, j) for i in range(e)]
-                for s in range(self.pp) for j in range(self.tp) for b in range(self.dp // e)]
+        return [grid[b * e:(b + 1) * e] for grid in self._expert_grids() for b in range(len(grid) // e)]
 
     def expert_dp_groups(self) -> list[list[int]]:
-        """The replicas holding the same experts (the same place in their expert groups): expert
-        gradients are averaged over these, d / e ranks."""
+        """The ranks holding the same experts (the same place in their expert groups): expert
+        gradients are averaged over these, ``edp`` ranks."""
         e = self.ep
-        return [[self.rank(s, b * e + i, j) for b in range(self.dp // e)]
-                for s in range(self.pp) for j in range(self.tp) for i in range(e)]
+        return [grid[i::e] for grid in self._expert_grids() for i in range(e)]
 
     def pp_groups(self) -> list[list[int]]:
         return [[self.rank(s, d, j) for s in range(self.pp)] for d in range(self.dp) for j in range(self.tp)]
@@ -136,12 +191,16 @@ class Mesh:
     @property
     def ep_rank(self) -> int:
         """This rank's place in its expert-parallel group: it holds experts [ep_rank * E/e, (ep_rank + 1) * E/e)."""
-        return self.dp_rank % self.shape.ep
+        return self.shape.expert_index(self.rank) % self.shape.ep
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's place among the ranks holding its experts (the expert replicas)."""
+        return self.shape.expert_index(self.rank) // self.shape.ep
 
     def ep_members(self) -> list[int]:
         """Global ranks of this rank's expert-parallel group, in ep order."""
-        first = self.dp_rank - self.ep_rank
-        return [self.shape.rank(self.pp_rank, first + i, self.tp_rank) for i in range(self.shape.ep)]
+        return next(g for g in self.shape.ep_groups() if self.rank in g)
 
     def tp_members(self) -> list[int]:
         """Global ranks of this rank's tensor-parallel group, in tp order."""

@@ -10,7 +10,11 @@ and OLMoE.
 Layouts (the 4 models spread over them, each at least twice, each dispatcher
 several times): ep=2 (dp2), ep=4 (dp4), ep2 x dp4 (two replicas hold each
 expert), ep2 x tp2 with sequence parallelism, ep2 x pp2 interleaved
-(virtual_stages=2) and zero-bubble (zb-h1), recompute='layer', bf16.
+(virtual_stages=2) and zero-bubble (zb-h1), recompute='layer', bf16; and
+whole experts under tensor parallelism (``expert_tp=1``: the tp ranks share
+the token rows, the expert groups run over tp x dp): ep2 = tp2 with no data
+parallelism, ep4 over tp2 x dp2 with sequence parallelism, and ep2 inside
+tp4 (two ranks hold each expert, each with half the replica's rows).
 Each layout's loss and every gradient over 3 AdamW steps match the
 single-device run (``assert_ranks_match``: fp32, the first step element-wise
 rtol 1e-5 / atol 1e-6, later steps per tensor; bf16 as test_training_features:
@@ -86,11 +90,15 @@ CASES = {
     "moe-gpt-aux ep2": ("moe-gpt-aux", 2, dict(dp=2, ep=2, expert_dispatch=AG)),
     "moe-gpt-aux ep2 a2a": ("moe-gpt-aux", 2, dict(dp=2, ep=2, expert_dispatch=A2A)),
     "moe-gpt ep2 recompute": ("moe-gpt", 2, dict(dp=2, ep=2, recompute="layer", expert_dispatch=A2A)),
+    "moe-gpt ep2 tp2 whole": ("moe-gpt", 2, dict(tp=2, dp=1, ep=2, expert_tp=1, expert_dispatch=AG)),
     # 4 ranks
     "qwen2-moe ep4": ("qwen2-moe", 2, dict(dp=4, ep=4, expert_dispatch=A2A)),
     "olmoe ep2 dp4": ("olmoe", 2, dict(dp=4, ep=2, expert_dispatch=A2A)),
     "moe-gpt ep2 tp2 sp": ("moe-gpt", 2, dict(tp=2, dp=2, ep=2, sequence_parallel=True, expert_dispatch=AG)),
     "mixtral ep2 tp2 sp": ("mixtral", 2, dict(tp=2, dp=2, ep=2, sequence_parallel=True, expert_dispatch=A2A)),
+    "mixtral ep4 tp2 whole sp": ("mixtral", 2, dict(tp=2, dp=2, ep=4, expert_tp=1, sequence_parallel=True,
+                                                    expert_dispatch=A2A)),
+    "moe-gpt ep2 tp4 whole": ("moe-gpt", 2, dict(tp=4, dp=1, ep=2, expert_tp=1, expert_dispatch=AG)),
     "moe-gpt-dense ep2 pp2 v2": ("moe-gpt-dense", 4, dict(pp=2, virtual_stages=2, dp=2, ep=2, microbatches=2,
                                                           expert_dispatch=AG)),
     "olmoe ep2 pp2 zb-h1": ("olmoe", 2, dict(pp=2, dp=2, ep=2, microbatches=2, schedule="zb-h1")),
@@ -99,9 +107,10 @@ CASES = {
 }
 
 
-CLIP = {"olmoe ep2 dp4": 0.05, "moe-gpt ep2 tp2 sp": 0.05}
+CLIP = {"olmoe ep2 dp4": 0.05, "moe-gpt ep2 tp2 sp": 0.05, "mixtral ep4 tp2 whole sp": 0.05, "moe-gpt ep2 tp4 whole": 0.05}
 """Cases whose gradients are clipped to this total norm every step (below the gradients' norm, so it
-acts): the expert weights' part of the norm is summed over the expert group."""
+acts): the expert weights' part of the norm is summed over the expert group (with whole experts, whose
+groups run over tp, counted once per tp group)."""
 
 
 def _world(layout: dict) -> int:
@@ -280,6 +289,8 @@ def test_experts_found_and_held_e_over_ep_per_rank(ep_runs):
             for pname, (shape, local_shape, first, count, diff) in held.items():
                 assert count == E // ep and shape[0] == E // ep, (label, rank, pname, shape, first, count)
                 assert shape == local_shape, (label, rank, pname, shape, local_shape)
+                if layout.get("expert_tp") == 1:  # whole experts: every dim but the experts' as the model's
+                    assert diff is not None, (label, rank, pname, shape)
                 if diff is not None:  # not split by tp: the values are exactly the model's experts
                     assert diff == 0.0, (label, rank, pname, first, count, diff)
                 firsts.setdefault(pname, set()).add(first)

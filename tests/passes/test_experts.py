@@ -133,6 +133,45 @@ def test_ep_with_tp_splits_experts_both_ways_and_the_summary_shows_the_groups():
     assert "experts: E/ep = 2 of 4 per rank" in text
 
 
+def test_whole_experts_under_tp_share_the_rows_and_group_over_tp():
+    """expert_tp=1: the sharding analysis leaves the experts whole (E/ep of them, every other dim the
+    model's), each tp rank cuts its block of the sorted rows before the exchange and gathers the
+    results back over tp; the expert groups run over tp x dp in rank order."""
+    program = _program(_mixtral(), tp=2, dp=2, world_size=4, ep=2, expert_tp=1)
+    assert program.local_shape("model.layers.0.mlp.experts.gate_up_proj") == (E // 2, 48, H)  # E/ep, no tp split
+    assert program.local_shape("model.layers.0.mlp.experts.down_proj") == (E // 2, H, 24)
+    assert program.local_shape("model.layers.0.mlp.gate.weight") == (E, H)  # the router whole, as ever
+    targets = Counter(getattr(n.target, "__name__", "") for n in program.rank_module.graph.nodes
+                      if n.op == "call_function")
+    rows_in = len(program.experts[0].rows_in)
+    assert targets["expert_tp_offsets"] == LAYERS and targets["expert_dispatch"] == LAYERS * rows_in
+    assert targets["scatter_to_tp"] >= LAYERS * rows_in and targets["gather_from_tp"] >= LAYERS
+    rows = {tuple(n.meta["local_val"].shape)[0] for n in program.rank_module.graph.nodes
+            if n.op == "call_function" and n.target is xd.expert_dispatch}
+    assert rows == {32 // 2}  # alltoall: this tp rank's half of the 32 sorted rows
+    text = program.summary()
+    assert "mesh: tp=2 x pp=1 x dp=2 (ep=2 over tp x dp, whole experts) = 4 ranks" in text
+    assert "expert groups (exchange tokens): [0,1] [2,3]" in text  # the tp groups
+    assert "expert replicas (average expert gradients, 2 ranks): [0,2] [1,3]" in text
+    assert "whole (expert_tp=1)" in text
+    shape = autopar.core.mesh.MeshShape(tp=4, pp=2, dp=2, ep=2, expert_tp=1)
+    assert shape.ep_groups()[:3] == [[0, 1], [2, 3], [4, 5]] and shape.edp == 4
+    assert shape.expert_dp_groups()[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert shape.replicas_with_every_expert == 1
+    assert autopar.core.mesh.MeshShape(tp=2, dp=3, ep=3, expert_tp=1).replicas_with_every_expert == 3
+
+
+def test_whole_experts_refused_without_ep_or_when_ep_does_not_divide_tp_x_dp():
+    with pytest.raises(ConfigError, match=r"expert_tp=1 keeps each expert whole.*Fix: ep > 1 \(a divisor of tp x dp = 4\)"):
+        _program(_mixtral(), tp=2, dp=2, world_size=4, expert_tp=1)
+    with pytest.raises(ConfigError, match=r"ep=3 must divide tp x dp=4: with whole experts.*Fix: ep in \[1, 2, 4\]"):
+        _program(_mixtral(), tp=2, dp=2, world_size=4, ep=3, expert_tp=1)
+    with pytest.raises(ConfigError, match=r"expert_tp=3: each expert is split by tensor parallelism tp=2 ways"):
+        _program(_mixtral(), tp=2, dp=2, world_size=4, ep=2, expert_tp=3)
+    with pytest.raises(ConfigError, match=r"ep=4 must divide dp=2.*or expert_tp=1 \(whole experts"):
+        _program(_mixtral(), tp=2, dp=2, world_size=4, ep=4)
+
+
 def test_mesh_expert_groups():
     shape = autopar.core.mesh.MeshShape(tp=2, pp=2, dp=4, ep=2)
     assert shape.ep_groups()[:2] == [[0, 2], [4, 6]]  # dp replicas 0,1 and 2,3 at tp 0 of stage 0

@@ -5,13 +5,17 @@ weights ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] split E/ep per
 rank. Two spawns, run once for the module (``expert_runs``):
 
 1. *4 ranks*: the distributed AdamW at dp=4 x ep=2 (the expert weights'
-   flat buckets shared by the 2 replicas of the same experts, mesh 'edp'),
-   3 clipped steps; at dp=4 x ep=4 (each rank alone with its experts) and at
-   tp=2 x dp=2 x ep=2 (tp's split inside each rank's experts), the plain and
-   the distributed AdamW trained 3 steps, saved, and trained on to 5 steps.
+   flat buckets shared by the 2 replicas of the same experts, mesh 'edp') and
+   at tp=2 x dp=2 x ep=2 with whole experts (``expert_tp=1``: the expert
+   groups are the tp groups), 3 clipped steps each; at dp=4 x ep=4 (each rank
+   alone with its experts), at tp=2 x dp=2 x ep=2 (tp's split inside each
+   rank's experts) and at tp=2 x dp=2 x ep=4 with whole experts (one expert
+   per rank), the plain and the distributed AdamW trained 3 steps, saved, and
+   trained on to 5 steps.
 2. *2 ranks*: the distributed AdamW at dp=2 x ep=2, 3 clipped steps; the
    same saves at ep=2 (plain and distributed); the ep=4 checkpoints loaded at
-   ep=2, saved again right after the load and trained on; a Mixtral written by
+   ep=2, and the whole-expert ep=4 ones at tp=2 x ep=2 with whole experts,
+   each saved again right after the load and trained on; a Mixtral written by
    ``save_pretrained`` (one tensor per expert) loaded with
    ``materialize(checkpoint=...)``, every byte each rank reads counted,
    evaluated, and exported with ``engine.save_pretrained``.
@@ -50,12 +54,15 @@ from autopar.runtime.weights.shards import assemble
 VOCAB, ROWS, STEPS, SAVE_AT, LR, CLIP, EXPERTS = 64, 8, 5, 3, 1e-3, 0.5, 4
 SMALL_BUCKETS = 4096
 """Flat buckets of 4 KiB: several per chunk, parameters straddling the replicas' ranges."""
-PARITY = {"ep2dp4": dict(dp=4, ep=2, world_size=4), "ep2": dict(dp=2, ep=2, world_size=2)}
-"""The distributed optimizer against one device: layout -> config."""
+PARITY = {"ep2dp4": dict(dp=4, ep=2, world_size=4), "ep2": dict(dp=2, ep=2, world_size=2),
+          "ep2tp2-whole": dict(tp=2, dp=2, ep=2, expert_tp=1, world_size=4)}
+"""The distributed optimizer against one device: layout -> config ('whole': each expert whole on its
+rank, the expert groups over tp)."""
 SAVES = {"ep4": dict(dp=4, ep=4, world_size=4), "ep2tp2": dict(tp=2, dp=2, ep=2, world_size=4),
-         "ep2": dict(dp=2, ep=2, world_size=2)}
+         "ep4tp2-whole": dict(tp=2, dp=2, ep=4, expert_tp=1, world_size=4), "ep2": dict(dp=2, ep=2, world_size=2)}
 """Checkpoint layouts, each saved with the plain and the distributed AdamW."""
-LOADS = {"ep4-to-ep2": ("ep4", SAVES["ep2"]), "ep2-to-ep1": ("ep2", {}), "ep2tp2-to-ep1": ("ep2tp2", {})}
+LOADS = {"ep4-to-ep2": ("ep4", SAVES["ep2"]), "ep2-to-ep1": ("ep2", {}), "ep2tp2-to-ep1": ("ep2tp2", {}),
+         "ep4tp2-whole-to-ep2tp2-whole": ("ep4tp2-whole", dict(tp=2, ep=2, expert_tp=1, world_size=2))}
 """Case -> (the checkpoint's layout, the layout loading it)."""
 OPTIMIZERS = ("plain", "distributed")
 GATE_UP, DOWN = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"
@@ -86,7 +93,7 @@ def _hub_program():
 
 def _compile_every_program() -> None:
     """Every program the spawns build, compiled here once: the ranks inherit them."""
-    for layout in (*PARITY.values(), *SAVES.values()):
+    for layout in (*PARITY.values(), *SAVES.values(), *(layout for _, layout in LOADS.values() if layout)):
         _program(layout)
     _hub_program()
 
@@ -217,18 +224,19 @@ def _from_hub(hub: str, export: str) -> dict:
 
 
 def _four_ranks(root: str) -> dict:
-    out = {"parity": _distributed_parity(PARITY["ep2dp4"])}
+    out = {f"parity-{layout}": _distributed_parity(PARITY[layout]) for layout in ("ep2dp4", "ep2tp2-whole")}
     for optimizer in OPTIMIZERS:
-        for name in ("ep4", "ep2tp2"):
+        for name in ("ep4", "ep2tp2", "ep4tp2-whole"):
             out[f"{name}-{optimizer}"] = _save(root, name, SAVES[name], optimizer)
     return out
 
 
 def _two_ranks(root: str, hub: str) -> dict:
-    out = {"parity": _distributed_parity(PARITY["ep2"])}
+    out = {"parity-ep2": _distributed_parity(PARITY["ep2"])}
     for optimizer in OPTIMIZERS:
         out[f"ep2-{optimizer}"] = _save(root, "ep2", SAVES["ep2"], optimizer)
-        out[f"ep4-to-ep2-{optimizer}"] = _load(root, "ep4-to-ep2", LOADS["ep4-to-ep2"][1], optimizer)
+        for case in ("ep4-to-ep2", "ep4tp2-whole-to-ep2tp2-whole"):
+            out[f"{case}-{optimizer}"] = _load(root, case, LOADS[case][1], optimizer)
     out["hub"] = _from_hub(hub, f"{root}/exported")
     return out
 
@@ -256,10 +264,12 @@ def expert_runs(tmp_path_factory):
 def test_distributed_optimizer_with_experts_equals_one_device(expert_runs, reference, layout):
     """Losses and clipped gradients over 3 AdamW steps equal the single-device run's; the expert
     weights have buckets of their own over their d/ep replicas (whole on a rank when d = ep)."""
-    ranks = [r["parity"] for r in expert_runs["four" if PARITY[layout]["world_size"] == 4 else "two"]]
+    ranks = [r[f"parity-{layout}"] for r in expert_runs["four" if PARITY[layout]["world_size"] == 4 else "two"]]
     one_device = reference("tiny mixtral, 3 steps", _mixtral, lambda: _data()[:3], lr=LR, clip_grad_norm=CLIP)
     assert_ranks_match(one_device, [(r["losses"], r["grads"]) for r in ranks], layout)
-    replicas = PARITY[layout]["dp"] // PARITY[layout]["ep"]
+    # each expert's replicas: d/ep when tp splits the experts; tp x d / ep when they are whole
+    whole = PARITY[layout].get("expert_tp") == 1
+    replicas = PARITY[layout].get("tp", 1) ** whole * PARITY[layout]["dp"] // PARITY[layout]["ep"]
     for r in ranks:
         assert min(r["norms"]) > CLIP  # the clipping scaled every step
         assert ("edp", replicas) in r["axes"] and ("dp", PARITY[layout]["dp"]) in r["axes"], r["axes"]

@@ -17,14 +17,22 @@ expert (``passes/expert_parallel.py`` rewrites the graph around it):
 - ``expert_combine(tp, y, route, ...)`` the results sent back to the ranks the rows came
                                         from, in their sorted order.
 
-Gradients: an expert weight's gradient sums the whole expert group's tokens,
-and is then averaged over the d/ep replicas holding the same experts; to be
-the mean over all d replicas, as a dense weight's, it is divided by ep. The
-combine's backward divides the gradient entering the expert region by ep and
-the dispatch's backward multiplies the rows' gradient leaving it by ep, so
-only the expert weights (which the region alone reads) keep the 1/ep (exact
-for ep a power of two). Inside the region nothing else changes, so this holds
-under ``torch.compile`` and with the backward split into B and W.
+Whole experts under tensor parallelism (``expert_tp=1``): the t ranks of a
+replica hold the same sorted rows; each keeps its 1/t block of them
+(``scatter_to_tp``, zero rows padding the last), its offsets cut to the block
+(``expert_tp_offsets``), and sends those; the results are gathered back over
+tp (``gather_from_tp``). The expert groups then run over the stage's t*d ranks.
+
+Gradients: an expert weight's gradient sums the rows its expert group sent,
+and is then averaged over the ``edp`` ranks holding the same experts; to be
+the mean over all d replicas, as a dense weight's, it is scaled by
+``split / ep``, where ``split`` is how many ranks share a replica's rows (1, or
+t with whole experts): the holders together saw every replica's rows once,
+and are ``split * d / ep`` in number. The combine's backward scales the
+gradient entering the expert region by that and the dispatch's backward by
+its inverse, so only the expert weights (which the region alone reads) keep
+it (exact for powers of two). Inside the region nothing else changes, so this
+holds under ``torch.compile`` and with the backward split into B and W.
 
 Two dispatchers (``dispatcher``):
 
@@ -56,7 +64,8 @@ import torch.distributed as dist
 from autopar.core.comm.group import TPGroup, all_gather_dim
 from autopar.core.collectives import CollectiveError
 
-__all__ = ["expert_route", "expert_dispatch", "expert_offsets", "expert_combine", "ExpertLoad", "EXPERT_LOAD"]
+__all__ = ["expert_route", "expert_dispatch", "expert_offsets", "expert_combine", "expert_tp_offsets", "ExpertLoad",
+           "EXPERT_LOAD"]
 
 
 def _group(tp: TPGroup, ep: int) -> TPGroup:
@@ -93,6 +102,13 @@ EXPERT_LOAD = ExpertLoad()
 
 
 # ----------------------------------------------------------------------------- the route
+
+
+def expert_tp_offsets(tp: TPGroup, offs: torch.Tensor, block: int) -> torch.Tensor:
+    """The group offsets of this tp rank's block of the sorted rows (rows [rank * block, (rank + 1) *
+    block), as ``scatter_to_tp`` cuts them): each cumulative count shifted to the block and clamped
+    to it, in ``offs``' dtype."""
+    return (offs - tp.first_index(block)).clamp(0, block).to(offs.dtype)
 
 
 def expert_route(tp: TPGroup, offs: torch.Tensor, experts: int, ep: int, site: str = "") -> torch.Tensor:
@@ -230,21 +246,23 @@ class _Exchange(torch.autograd.Function):
 
 
 @torch.compiler.disable(reason="expert dispatch: the rows each rank holds depend on the routing")
-def expert_dispatch(tp: TPGroup, x: torch.Tensor, route: torch.Tensor, ep: int, dispatcher: str) -> torch.Tensor:
+def expert_dispatch(tp: TPGroup, x: torch.Tensor, route: torch.Tensor, ep: int, dispatcher: str,
+                    split: int = 1) -> torch.Tensor:
     """The rows of this rank's experts from every rank of the expert group, grouped by local expert
     (then by source rank). ``x``: this rank's S rows sorted by expert. 'allgather': (ep*S, ...), the
-    held rows first, zeros after; 'alltoall': exactly the held rows."""
+    held rows first, zeros after; 'alltoall': exactly the held rows. ``split``: ranks sharing a
+    replica's rows (the gradient scale, module docstring)."""
     group = _group(tp, ep)
     rows = x.shape[0]
     if group.pg is None:
         return x.new_zeros((rows * ep if dispatcher == "allgather" else rows, *x.shape[1:]))
     plan = _plan(route, group, rows, dispatcher)
     if dispatcher == "allgather":
-        gathered = _GatherRows.apply(x, group, float(ep))
+        gathered = _GatherRows.apply(x, group, ep / split)
         held = gathered.index_select(0, plan.order)
         return torch.cat([held, held.new_zeros((ep * rows - plan.held, *x.shape[1:]))])
     sent = x.narrow(0, 0, sum(plan.send))  # rows past the last offset go to no expert
-    return _Exchange.apply(sent, group, plan.recv, plan.send, float(ep)).index_select(0, plan.order)
+    return _Exchange.apply(sent, group, plan.recv, plan.send, ep / split).index_select(0, plan.order)
 
 
 @torch.compiler.disable(reason="expert dispatch: the rows each rank holds depend on the routing")
@@ -259,7 +277,7 @@ def expert_offsets(tp: TPGroup, route: torch.Tensor, ep: int, dispatcher: str, r
 
 @torch.compiler.disable(reason="expert dispatch: the rows each rank holds depend on the routing")
 def expert_combine(tp: TPGroup, y: torch.Tensor, route: torch.Tensor, ep: int, dispatcher: str,
-                   rows: int) -> torch.Tensor:
+                   rows: int, split: int = 1) -> torch.Tensor:
     """This rank's experts' results ``y`` (rows as ``expert_dispatch`` gave them) sent back to the
     ranks their rows came from: (S, ...) in this rank's sorted order, zeros on rows no expert took."""
     group = _group(tp, ep)
@@ -269,7 +287,7 @@ def expert_combine(tp: TPGroup, y: torch.Tensor, route: torch.Tensor, ep: int, d
     held = y.narrow(0, 0, plan.held)
     if dispatcher == "allgather":
         spread = held.new_zeros((ep * rows, *y.shape[1:])).index_copy(0, plan.order, held)
-        return _ScatterRows.apply(spread, group, 1.0 / ep)
+        return _ScatterRows.apply(spread, group, split / ep)
     back = held.new_zeros((sum(plan.recv), *y.shape[1:])).index_copy(0, plan.order, held)
-    mine = _Exchange.apply(back, group, plan.send, plan.recv, 1.0 / ep)
+    mine = _Exchange.apply(back, group, plan.send, plan.recv, split / ep)
     return torch.cat([mine, mine.new_zeros((rows - mine.shape[0], *y.shape[1:]))])

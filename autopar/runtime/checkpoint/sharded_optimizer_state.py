@@ -114,10 +114,12 @@ def _in_region(box: torch.Tensor, offsets: tuple[int, ...], region_offsets, dim:
 
 
 def _writes(holdings, name: str) -> bool:
-    """Whether this rank writes parameter ``name``'s ranges: every tp rank a split parameter's, tp rank 0
-    a replicated one's; the first stage holding it (a tied weight)."""
+    """Whether this rank writes parameter ``name``'s ranges: every tp rank a split parameter's (and a
+    whole expert weight's, whose tp ranks hold different experts), tp rank 0 a replicated one's; the
+    first stage holding it (a tied weight)."""
     program = holdings.program
-    if not isinstance(program.param_spec(name), Shard) and holdings.mesh.tp_rank != 0:
+    whole_expert = name in program.expert_params and holdings.mesh.shape.rows_split > 1
+    if not isinstance(program.param_spec(name), Shard) and holdings.mesh.tp_rank != 0 and not whole_expert:
         return False
     return program.param_stages[name][0] == holdings.stage
 

@@ -78,7 +78,7 @@ def save_pretrained(path: str, rank: RankHoldings) -> list[str]:
     writer = mesh.dp_rank == 0 and mesh.tp_rank == 0
     _raise_if_any(check_output_dir(path) if writer else None, CheckpointError)
     written, error = [], None
-    if mesh.dp_rank < mesh.shape.ep:  # replica 0, with the other experts' ranks of its expert group
+    if mesh.dp_rank < mesh.shape.replicas_with_every_expert:  # replica 0, with the rest of its expert group
         file = files[mesh.pp_rank]
         error = _write_file(os.path.join(path, file.name), file, _file_values(rank, file, values), writer)
         written = [file.name] if writer and error is None else []

@@ -167,11 +167,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (shared by the d/ep replicas holding the same experts, mesh 'edp'), then the tied parameters
         (final at the step's end)."""
         bucket_bytes, d, r = self.grads.bucket_bytes, self.mesh.shape.dp, self.mesh.dp_rank
-        experts, ep = self.grads.program.expert_params, self.mesh.shape.ep
+        experts = self.grads.program.expert_params
         buckets = []
         for names in gradient_groups:
             for cut in bucket_names([n for n in names if n in experts], self.params, bucket_bytes):
-                buckets.append(FlatBucket(self.params, cut, d // ep, r // ep, share_params=True, axis="edp"))
+                buckets.append(FlatBucket(self.params, cut, self.mesh.shape.edp, self.mesh.edp_rank,
+                                          share_params=True, axis="edp"))
             for cut in bucket_names([n for n in names if n not in experts], self.params, bucket_bytes):
                 buckets.append(FlatBucket(self.params, cut, d, r, share_params=True))
         tied = [n for n in self.grads.program.tied_params if n in self.params]

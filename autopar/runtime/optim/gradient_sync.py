@@ -115,10 +115,10 @@ class GradientSync:
         """Launch the averaging all-reduce (or reduce-scatter) of these parameters' gradients, in
         buckets, asynchronously (partial sums over tp summed first)."""
         self.tp_partial.sum(names)
-        if not names or (self.mesh.shape.dp == 1 and self.sharded is None):
+        if not names or (self.mesh.shape.dp == 1 and self.mesh.shape.edp == 1 and self.sharded is None):
             return
         experts = [n for n in names if n in self.program.expert_params]
-        if experts:  # each expert's replicas are the d/ep ranks holding it (mesh 'edp'), not all of dp
+        if experts:  # each expert's replicas are the ranks holding it (mesh 'edp'), not all of dp
             names = [n for n in names if n not in self.program.expert_params]
             replicas = self.mesh.groups.get("edp")
             for names_in_bucket in bucket_names(experts, self.params, self.bucket_bytes):
@@ -130,7 +130,9 @@ class GradientSync:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                 if replicas is not None:
-                    self._launch(bucket, replicas, self.mesh.shape.dp // self.mesh.shape.ep)
+                    self._launch(bucket, replicas, self.mesh.shape.edp)
+        if self.mesh.shape.dp == 1 and self.sharded is None:  # whole experts' replicas over tp alone
+            return
         group = self.mesh.groups.get("dp")
         for names_in_bucket in bucket_names(names, self.params, self.bucket_bytes):
             if self.sharded is not None:
@@ -247,7 +249,9 @@ class GradientSync:
         reduce-scatter mode each replica counts and scales the range it owns).
 
         Expert weights: in all-reduce mode every rank holds its experts' whole reduced gradient, so
-        their part is summed over the expert group ('ep') only. In reduce-scatter mode each of the
+        their part is summed over the expert group ('ep') only (with whole experts, ``expert_tp=1``,
+        each tp rank holds other experts, all counted, and the group's sum is divided by t before the
+        sum over tp). In reduce-scatter mode each of the
         d/ep replicas of an expert owns a distinct range of its bucket, and the ep ranks of a group
         hold distinct experts: the sum over all of dp (ep x edp) counts every expert entry once.
         """
@@ -259,6 +263,8 @@ class GradientSync:
                 into += grad.detach().double().pow(2).sum()
         if self.sharded is None and self.mesh.groups.get("ep") is not None:  # the other experts: the group's
             dist.all_reduce(experts, group=self.mesh.groups["ep"])
+            if self.mesh.shape.rows_split > 1:  # whole experts: every tp rank now holds the same sum, which
+                experts /= self.mesh.shape.tp   # the all-reduce over tp below adds t times
         sq += experts
         axes = ("tp", "pp", "dp") if self.sharded is not None else ("tp", "pp")
         for axis in axes:
@@ -283,8 +289,13 @@ class GradientSync:
             for piece in bucket.pieces:
                 yield piece.name, bucket.grad[piece.at : piece.at + piece.length]
 
+    def _whole_expert(self, name: str) -> bool:
+        """A stacked expert weight left whole by tensor parallelism (``expert_tp=1``): the tp ranks hold
+        different experts of it, not copies."""
+        return name in self.program.expert_params and self.mesh.shape.rows_split > 1
+
     def _counts_once(self, name: str, tp_rank: int, stage: int) -> bool:
         """Whether this rank counts parameter ``name`` in the global norm (see ``clip_norm_``)."""
-        if not isinstance(self.program.param_spec(name), Shard) and tp_rank != 0:
+        if not isinstance(self.program.param_spec(name), Shard) and tp_rank != 0 and not self._whole_expert(name):
             return False
         return self.program.param_stages[name][0] == stage
