@@ -69,9 +69,9 @@ Traffic per rank per layer and microbatch (``ring_attention_bytes``):
 forward (cp-1) * 2 * B*Hkv*Sl*D elements of the input dtype; backward the same
 again plus (cp-1) * 2 * B*Hkv*Sl*D fp32 elements of gradient accumulators.
 
-Blocks run in plain fp32 matmuls (bf16 inputs are upcast per block): every
-merge and accumulation is fp32, outputs and gradients are rounded to the input
-dtype once at the end. A fused kernel returning the log-sum-exp could replace
+Blocks run in plain fp32 matmuls (bf16 and fp16 inputs are upcast per block;
+fp64 inputs stay fp64): every merge and accumulation is at least fp32, and
+outputs and gradients are rounded to the input dtype once, at the end. A fused kernel returning the log-sum-exp could replace
 ``block_attention`` and ``block_attention_backward`` without touching the ring.
 
 Not supported yet: attention dropout (``dropout_p > 0`` is refused, not
@@ -209,14 +209,14 @@ def _fold_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hq, R, C) fp32
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hq, R, C), fp32 or fp64 (``_wide``)
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of queries ``q`` (B, Hq, R, D) over one block of keys/values (B, Hkv, C, D) in
-    fp32: (O (B, Hq, R, D), L (B, Hq, R)), the output normalised over this block and its log-sum-exp.
+    fp32 (fp64 for fp64): (O (B, Hq, R, D), L (B, Hq, R)), the output normalised over this block and its log-sum-exp.
     ``mask`` (R, C), True where visible, must leave each row at least one key."""
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(_wide(k), groups), _repeat_kv(_wide(v), groups)
@@ -238,7 +238,7 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 def block_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              lse: torch.Tensor, delta: torch.Tensor, scale: float, mask: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's part of the attention gradients, fp32: (dQ (B, Hq, R, D), dK, dV (B, Hkv, C, D)), given
+    """One block's part of the attention gradients, fp32 (fp64 for fp64): (dQ (B, Hq, R, D), dK, dV (B, Hkv, C, D)), given
     the output gradient ``grad_out`` and the whole attention's log-sum-exp ``lse`` and
     ``delta`` = sum(dO * O, -1) (B, Hq, R) of these rows."""
     groups = q.shape[1] // k.shape[1]
@@ -261,7 +261,7 @@ def _all_positions(cp: int, local_seq: int, balanced: bool) -> list[torch.Tensor
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, links: RingLinks, rank: int, cp: int, *,
                  causal: bool, balanced: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's attention over the whole ring: (O (B, Hq, Sl, D), L (B, Hq, Sl)), both fp32. Passes the
+    """This rank's attention over the whole ring: (O (B, Hq, Sl, D), L (B, Hq, Sl)), both fp32 (fp64 for fp64 inputs). Passes the
     key/value blocks around the ring (cp-1 exchanges over ``links``), each block's transfer in flight while
     the block before it is computed."""
     positions = _all_positions(cp, q.shape[2], balanced)
@@ -290,7 +290,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, links: RingL
 def ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, links: RingLinks, rank: int, cp: int, *, causal: bool, balanced: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients (dQ, dK, dV) of this rank's blocks, fp32, from the forward's output ``out`` and
+    """The gradients (dQ, dK, dV) of this rank's blocks, fp32 (fp64 for fp64 inputs), from the forward's output ``out`` and
     log-sum-exp ``lse``. The key/value blocks travel the ring again; each block's dK/dV accumulator
     follows it one rank behind and ends at its owner (cp-1 hops each)."""
     positions = _all_positions(cp, q.shape[2], balanced)
@@ -390,7 +390,8 @@ class RingTraffic:
     forward: int
     """The key/value blocks: (cp-1) messages of 2*B*Hkv*Sl*D elements of the input dtype."""
     backward: int
-    """The key/value blocks again, and (cp-1) fp32 dK/dV accumulators of 2*B*Hkv*Sl*D elements."""
+    """The key/value blocks again, and (cp-1) dK/dV accumulators of 2*B*Hkv*Sl*D elements, fp32 (fp64
+    for fp64 inputs)."""
 
     @property
     def total(self) -> int:
