@@ -174,7 +174,8 @@ def test_merged_blocks_equal_softmax_attention():
 def test_merge_takes_rows_a_block_leaves_empty():
     out, lse = torch.ones(1, 1, 2, 3), torch.tensor([[[0.0, float("-inf")]]])
     got, merged = merge_partial(out, lse, torch.full((1, 1, 2, 3), 2.0), torch.tensor([[[float("-inf"), 1.0]]]))
-    assert torch.equal(got, torch.tensor([[[[1.0] * 3, [2.0] * 3]]])) and torch.equal(merged, torch.tensor([[[0.0, 1.0]]]))
+    assert torch.equal(got, torch.tensor([[[[1.0] * 3, [2.0] * 3]]]))  # row 0 from the first side, row 1 the second
+    assert torch.equal(merged, torch.tensor([[[0.0, 1.0]]]))
 
 
 def test_block_backward_equals_autograd_of_softmax_attention():
@@ -226,7 +227,9 @@ def _ring_in_threads(q, k, v, dout, cp: int, causal: bool, balanced: bool):
 
     with ThreadPoolExecutor(cp) as pool:
         grads = list(pool.map(backward, range(cp)))
-    unshard = lambda pieces: cp_unshard(pieces, SEQ_DIM, cp, balanced)  # noqa: E731
+    def unshard(pieces):
+        return cp_unshard(pieces, SEQ_DIM, cp, balanced)
+
     results = (unshard([o for o, _ in outs]), *(unshard([g[i] for g in grads]) for i in range(3)))
     return results, [(sum(f), sum(b)) for f, b in zip(sent_fwd, sent_bwd)]
 

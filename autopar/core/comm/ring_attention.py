@@ -71,8 +71,9 @@ again plus (cp-1) * 2 * B*Hkv*Sl*D fp32 elements of gradient accumulators.
 
 Blocks run in plain fp32 matmuls (bf16 and fp16 inputs are upcast per block;
 fp64 inputs stay fp64): every merge and accumulation is at least fp32, and
-outputs and gradients are rounded to the input dtype once, at the end. A fused kernel returning the log-sum-exp could replace
-``block_attention`` and ``block_attention_backward`` without touching the ring.
+outputs and gradients are rounded to the input dtype once, at the end. A fused
+kernel returning the log-sum-exp could replace ``block_attention`` and
+``block_attention_backward`` without touching the ring.
 
 Not supported yet: attention dropout (``dropout_p > 0`` is refused, not
 ignored), and ``torch.compile`` tracing (Dynamo cannot trace the point-to-point
@@ -238,8 +239,8 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 def block_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              lse: torch.Tensor, delta: torch.Tensor, scale: float, mask: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's part of the attention gradients, fp32 (fp64 for fp64): (dQ (B, Hq, R, D), dK, dV (B, Hkv, C, D)), given
-    the output gradient ``grad_out`` and the whole attention's log-sum-exp ``lse`` and
+    """One block's part of the attention gradients, fp32 (fp64 for fp64): (dQ (B, Hq, R, D), dK, dV
+    (B, Hkv, C, D)), given the output gradient ``grad_out`` and the whole attention's log-sum-exp ``lse`` and
     ``delta`` = sum(dO * O, -1) (B, Hq, R) of these rows."""
     groups = q.shape[1] // k.shape[1]
     q, grad_out = _wide(q), _wide(grad_out)
@@ -261,9 +262,9 @@ def _all_positions(cp: int, local_seq: int, balanced: bool) -> list[torch.Tensor
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, links: RingLinks, rank: int, cp: int, *,
                  causal: bool, balanced: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's attention over the whole ring: (O (B, Hq, Sl, D), L (B, Hq, Sl)), both fp32 (fp64 for fp64 inputs). Passes the
-    key/value blocks around the ring (cp-1 exchanges over ``links``), each block's transfer in flight while
-    the block before it is computed."""
+    """This rank's attention over the whole ring: (O (B, Hq, Sl, D), L (B, Hq, Sl)), both fp32 (fp64 for
+    fp64 inputs). Passes the key/value blocks around the ring (cp-1 exchanges over ``links``), each block's
+    transfer in flight while the block before it is computed."""
     positions = _all_positions(cp, q.shape[2], balanced)
     kv = torch.stack((k, v))  # (2, B, Hkv, Sl, D): one message per hop
     out = lse = None
@@ -290,9 +291,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, links: RingL
 def ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, links: RingLinks, rank: int, cp: int, *, causal: bool, balanced: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients (dQ, dK, dV) of this rank's blocks, fp32 (fp64 for fp64 inputs), from the forward's output ``out`` and
-    log-sum-exp ``lse``. The key/value blocks travel the ring again; each block's dK/dV accumulator
-    follows it one rank behind and ends at its owner (cp-1 hops each)."""
+    """The gradients (dQ, dK, dV) of this rank's blocks, fp32 (fp64 for fp64 inputs), from the forward's
+    output ``out`` and log-sum-exp ``lse``. The key/value blocks travel the ring again; each block's dK/dV
+    accumulator follows it one rank behind and ends at its owner (cp-1 hops each)."""
     positions = _all_positions(cp, q.shape[2], balanced)
     delta = (_wide(grad_out) * _wide(out)).sum(dim=-1)  # (B, Hq, Sl)
     wide = delta.dtype
