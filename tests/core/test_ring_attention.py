@@ -13,6 +13,8 @@ Three tiers:
     against ``F.scaled_dot_product_attention`` and its autograd, and the bytes
     passed against ``ring_attention_bytes``. fp64 (blocks compute in fp64 for
     fp64 inputs): the ring only reorders sums, so 1e-10 is rounding alone.
+    And the order of one rank's forward: each exchange posted before the
+    block it holds is computed, awaited after.
 (c) real gloo ranks (cp=2 and cp=4, one spawn each, several cases per spawn):
     ``ring_attention`` over a process group with autograd, against
     single-process sdpa. fp32: rtol/atol 1e-5, the merges and accumulators
@@ -244,6 +246,43 @@ def test_the_ring_in_threads_equals_sdpa(cp, causal, balanced):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
     traffic = ring_attention_bytes(2, 2, seq // cp, 8, torch.float64, cp)
     assert sent == [(traffic.forward, traffic.backward)] * cp
+
+
+class LoggedRing(QueueRing):
+    """A ``QueueRing`` that logs when each message is posted and awaited."""
+
+    def __init__(self, *args, log: list[str]):
+        super().__init__(*args)
+        self.log = log
+
+    def pass_right(self, x: torch.Tensor, tag: int) -> int:
+        self.log.append("post")
+        return super().pass_right(x, tag)
+
+    def arrived(self, tag: int) -> torch.Tensor:
+        self.log.append("wait")
+        return super().arrived(tag)
+
+
+def test_each_transfer_is_in_flight_while_the_block_before_it_is_computed(monkeypatch):
+    """One rank of cp=3 alone, its neighbours' messages queued in advance: the forward posts each exchange
+    before computing the block it holds and waits for it after."""
+    import autopar.core.comm.ring_attention as ring
+
+    log: list[str] = []
+
+    def logged_block(*args):
+        log.append("compute")
+        return block_attention(*args)
+
+    monkeypatch.setattr(ring, "block_attention", logged_block)
+    q, k, v, _ = _attention_inputs(2, 2, 12)
+    boxes: defaultdict = defaultdict(queue.Queue)
+    for _ in range(2):
+        boxes[(0, ring._KV_TAG)].put(torch.stack((k[:, :, :4], v[:, :, :4])))  # what rank 2 would pass to rank 0
+    links = LoggedRing(0, 3, boxes, [], log=log)
+    ring_forward(q[:, :, :4], k[:, :, :4], v[:, :, :4], links, 0, 3, causal=False, balanced=False, scale=0.5)
+    assert log == ["post", "compute", "wait"] * 2 + ["compute"]
 
 
 def test_one_rank_and_the_inspection_group_compute_locally():
