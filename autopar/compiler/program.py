@@ -25,6 +25,7 @@ from autopar.compiler.tp_traffic import tp_traffic
 from autopar.core.activation_recompute import Checkpointed
 from autopar.core.chunks import PipelineSplit
 from autopar.core.collectives import collective_of
+from autopar.core.comm.cp_layout import ContextSplit
 from passes.experts import ExpertLayer
 from autopar.core.config import ParallelConfig
 from autopar.core.errors import AutoparError
@@ -122,6 +123,9 @@ class Program:
     expert_params: dict[str, int] = field(default_factory=dict)
     """With expert parallelism (ep > 1): each stacked expert weight -> its expert count E; this rank holds
     experts ``expert_range(name, ep_rank)`` of it (its first dim cut ep ways), tp's split inside."""
+    context: ContextSplit | None = None
+    """With context parallelism (cp > 1): how the sequence is split over the cp ranks, and which batch
+    tensors carry it (``passes/context_parallel.py``); None otherwise."""
     batch_roles: BatchRoles | None = field(default=None)
     """What the batch tensors are to the traced graph: ids and the tables they index, the token-mean
     loss (``compiler/batch_roles.py``); read from the traced graph when the program is built."""

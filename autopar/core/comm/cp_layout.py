@@ -30,16 +30,44 @@ A sequence that does not divide into the layout's chunks is refused with a
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from autopar.core.errors import AutoparError
 
-__all__ = ["ContextParallelError", "cp_chunks", "cp_positions", "cp_shard", "cp_unshard", "check_cp_divisible"]
+__all__ = ["ContextParallelError", "ContextSplit", "cp_chunks", "cp_positions", "cp_shard", "cp_unshard",
+           "check_cp_divisible"]
 
 
 class ContextParallelError(AutoparError, ValueError):
     """A sequence, tensor or option that context parallelism cannot split or run: the message names the
     numbers and the fix."""
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """How a program splits the sequence over context-parallel ranks (``program.context``): what the
+    compiler decided and the runtime follows."""
+
+    cp: int
+    """Context-parallel ranks the sequence is split over."""
+    balanced: bool
+    """The load-balanced layout (causal attention: chunks r and 2cp-1-r) or the contiguous one."""
+    seq_len: int
+    """Tokens of a whole sequence (the example microbatch's)."""
+    seq_dims: dict[str, int] = field(default_factory=dict)
+    """Batch tensor (a graph input or target placeholder name) -> its sequence dim. The runtime hands
+    each rank its tokens of these (``cp_shard``); a batch tensor not named here has no sequence dim
+    and reaches every cp rank whole."""
+
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        """The global positions rank ``rank`` holds (``cp_positions``)."""
+        return cp_positions(rank, self.cp, self.seq_len, self.balanced, device)
+
+    def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s tokens of ``x`` along ``dim`` (``cp_shard``)."""
+        return cp_shard(x, dim, rank, self.cp, self.balanced)
 
 
 def _layout_name(balanced: bool) -> str:
