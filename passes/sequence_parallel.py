@@ -61,7 +61,7 @@ from passes.rules.context import operand
 from passes.tensor_parallel import random_on_shard, set_operand
 from passes.vocab_parallel import copy_meta
 
-__all__ = ["SequenceParallelError", "SequenceParallelPlan", "SequenceGather", "apply_sequence_parallel",
+__all__ = ["SequenceParallelError", "SequenceParallelPlan", "SequenceGather", "apply_sequence_parallel", "local_shapes_as_val",
            "SPLIT_META"]
 
 SPLIT_META = "sequence_split"
@@ -126,7 +126,7 @@ def apply_sequence_parallel(gm: fx.GraphModule, param_of: dict[str, str], param_
     nodes = list(gm.graph.nodes)
     tp_split = _tp_split_values(nodes, param_specs)
     ctx = Ctx(tp, dict(param_of), _requires_grad(nodes, param_of), set())
-    with _local_shapes_as_val(nodes):
+    with local_shapes_as_val(nodes):
         seeds, problems = _seeds(nodes, tp)
         if problems and (required or not seeds):
             if required:
@@ -156,7 +156,7 @@ def apply_sequence_parallel(gm: fx.GraphModule, param_of: dict[str, str], param_
 
 
 @contextlib.contextmanager
-def _local_shapes_as_val(nodes: list[fx.Node]):
+def local_shapes_as_val(nodes: list[fx.Node]):
     """The rules read ``meta["val"]``: one rank's values while the analysis runs, restored after."""
     saved = {n: n.meta.get("val") for n in nodes}
     try:

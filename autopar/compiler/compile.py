@@ -9,6 +9,8 @@ none patches the program afterwards:
     analyze_sharding       a placement for every value                   passes/sharding.py
     apply_tensor_parallel  the rank graph with f/g and vocab ops         passes/tensor_parallel.py
     annotate_local_shapes  one rank's shapes in meta["local_val"]        compiler/local_shapes.py
+    context_parallel       with cp > 1: every layer on 1/cp of the       passes/context_parallel.py
+                           tokens, attention around the ring; shapes again
     sequence_parallel      norms, dropout, residuals on 1/t of the tokens passes/sequence_parallel.py
                            (g -> reduce-scatter, f -> all-gather); shapes annotated again
     async_tp               with overlap 'tp': those collectives fused     passes/async_tp.py
@@ -44,6 +46,7 @@ from autopar.core.gc_paused import gc_paused
 from autopar.core.tensor_placement import Replicate
 from autopar.schedules import Schedule, forward_only, generate, lower, receives_early, validate
 from passes.async_tp import apply_async_tp, async_tp_refusal
+from passes.context_parallel import apply_context_parallel, context_inputs
 from passes.eval_mode import eval_graph
 from passes.expert_parallel import apply_expert_parallel, expert_parallel_errors, expert_params
 from passes.experts import ExpertError, expert_candidates, find_experts
@@ -58,7 +61,7 @@ from passes.tensor_parallel import apply_tensor_parallel
 __all__ = ["compile_program", "PASSES"]
 
 PASSES: tuple[str, ...] = ("trace", "normalize", "find_layers", "analyze_sharding", "apply_tensor_parallel",
-                           "annotate_local_shapes", "sequence_parallel", "async_tp", "find_experts", "expert_parallel",
+                           "annotate_local_shapes", "context_parallel", "sequence_parallel", "async_tp", "find_experts", "expert_parallel",
                            "split_pipeline", "recompute", "eval_mode", "schedule")
 """The pipeline's passes, in the order they run."""
 
@@ -75,14 +78,19 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
         rank_module = apply_tensor_parallel(traced, plan)
         local_shape = _param_local_shapes(traced, plan, config.tp).__getitem__
         annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
+        context = apply_context_parallel(rank_module, traced.param_of, [*traced.input_names, *traced.target_names],
+                                         getattr(config, "cp", 1), type(model).__name__)
+        inputs = {} if context is None else context_inputs(traced, rank_module, context.split)
+        if context is not None:
+            annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape, inputs)
         sequence = apply_sequence_parallel(rank_module, traced.param_of, plan.param_specs, config.tp,
                                            config.sequence_parallel)
         if sequence is not None:
-            annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
+            annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape, inputs)
         async_tp = None
         if async_tp_refusal(config, sequence is not None) is None:
             async_tp = apply_async_tp(rank_module)
-            annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
+            annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape, inputs)
         experts = find_experts(rank_module, traced.param_of)
         errs = expert_parallel_errors(experts, config.ep, type(model).__name__, expert_candidates(traced, model))
         if errs:
@@ -93,7 +101,7 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
             shapes = _param_local_shapes(traced, plan, config.tp)
             for name, _ in expert_split.items():
                 shapes[name] = (shapes[name][0] // config.ep, *shapes[name][1:])
-            annotate_local_shapes(rank_module, config.tp, traced.param_of, shapes.__getitem__)
+            annotate_local_shapes(rank_module, config.tp, traced.param_of, shapes.__getitem__, inputs)
         schedule, eval_schedule = _schedules(config)
         split = _split(traced, rank_module, config, layers, schedule.chunk_stages)
         param_names = tuple(traced.param_of[n.name] for n in traced.gm.graph.nodes if n.name in traced.param_of)
@@ -109,7 +117,8 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
             model=model, config=config, traced=traced, layers=layers, plan=plan, rank_module=rank_module,
             split=split, schedule=schedule, eval_schedule=eval_schedule, param_names=param_names,
             param_stages=param_stages, tied_params={n: s for n, s in param_stages.items() if len(s) > 1},
-            sequence=sequence, async_tp=async_tp, experts=tuple(experts), expert_params=expert_split)
+            sequence=sequence, async_tp=async_tp, experts=tuple(experts), expert_params=expert_split,
+            context=None if context is None else context.split, context_plan=context)
 
 
 def _whole_experts(traced, config: ParallelConfig) -> dict[str, str]:

@@ -55,19 +55,23 @@ class _FakeRun(fx.Interpreter):
 
 
 def propagate_local_shapes(rank_gm: fx.GraphModule, tp_rank: int, tp: int, param_of: dict[str, str],
-                           local_shape: Callable[[str], tuple[int, ...]]) -> dict[str, Any]:
+                           local_shape: Callable[[str], tuple[int, ...]],
+                           inputs: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
     """Every node's value on tensor-parallel rank ``tp_rank`` (fake tensors), by node name.
 
     ``param_of``: placeholder -> parameter name; ``local_shape(name)`` gives a
-    parameter's local shape. Other placeholders (inputs, buffers) are whole.
+    parameter's local shape. Other placeholders (inputs, buffers) are whole, but for those in
+    ``inputs`` (placeholder -> its shape on one rank: a batch tensor split along its sequence by
+    context parallelism).
     """
+    inputs = inputs or {}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args: list[Any] = [TPGroup(tp_rank, tp, None)]
     for node in list(rank_gm.graph.nodes)[1:]:
         if node.op != "placeholder":
             break
         val = node.meta["val"]
-        shape = local_shape(param_of[node.name]) if node.name in param_of else tuple(val.shape)
+        shape = local_shape(param_of[node.name]) if node.name in param_of else inputs.get(node.name, tuple(val.shape))
         args.append(new_fake(mode, shape, val.dtype, torch.device("meta" if val.device.type == "meta" else "cpu")))
     run = _FakeRun(rank_gm, mode)
     run.run(*args)
@@ -75,9 +79,10 @@ def propagate_local_shapes(rank_gm: fx.GraphModule, tp_rank: int, tp: int, param
 
 
 def annotate_local_shapes(rank_gm: fx.GraphModule, tp: int, param_of: dict[str, str],
-                          local_shape: Callable[[str], tuple[int, ...]]) -> fx.GraphModule:
+                          local_shape: Callable[[str], tuple[int, ...]],
+                          inputs: dict[str, tuple[int, ...]] | None = None) -> fx.GraphModule:
     """Store rank 0's local value of every node as ``meta["local_val"]`` (shapes equal on every rank)."""
-    values = propagate_local_shapes(rank_gm, 0, tp, param_of, local_shape)
+    values = propagate_local_shapes(rank_gm, 0, tp, param_of, local_shape, inputs)
     for node in rank_gm.graph.nodes:
         if node.name in values:
             node.meta["local_val"] = values[node.name]

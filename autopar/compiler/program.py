@@ -27,6 +27,7 @@ from autopar.core.chunks import PipelineSplit
 from autopar.core.collectives import collective_of
 from autopar.core.comm.cp_layout import ContextSplit
 from passes.experts import ExpertLayer
+from passes.context_parallel import ContextPlan, context_inputs
 from autopar.core.config import ParallelConfig
 from autopar.core.errors import AutoparError
 from autopar.core.flops import node_bytes
@@ -126,6 +127,8 @@ class Program:
     context: ContextSplit | None = None
     """With context parallelism (cp > 1): how the sequence is split over the cp ranks, and which batch
     tensors carry it (``passes/context_parallel.py``); None otherwise."""
+    context_plan: ContextPlan | None = None
+    """What the context-parallel pass rewrote (its attentions, the values cut to the rank's positions)."""
     batch_roles: BatchRoles | None = field(default=None)
     """What the batch tensors are to the traced graph: ids and the tables they index, the token-mean
     loss (``compiler/batch_roles.py``); read from the traced graph when the program is built."""
@@ -268,8 +271,9 @@ class Program:
         Fake-tensor propagation: no memory, no communication, no change to the
         graph's metadata; works for a meta-device model of any size.
         """
+        inputs = {} if self.context is None else context_inputs(self.traced, self.rank_module, self.context)
         vals = propagate_local_shapes(self.rank_module, rank % self.tp, self.tp, self.traced.param_of,
-                                      self.local_shape)
+                                      self.local_shape, inputs)
         return {name: tuple(v.shape) for name, v in vals.items() if isinstance(v, torch.Tensor)}
 
     def replicated_weights(self) -> list[tuple[str, int, str]]:
