@@ -37,10 +37,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar.compiler.batch_roles import BatchRoles, find_batch_roles
 from autopar.compiler.local_shapes import annotate_local_shapes, param_local_shape
 from autopar.compiler.program import Program
 from autopar.compiler.trace_reuse import traced as trace_once
 from autopar.core.chunks import PipelineSplit
+from autopar.core.comm.cp_layout import ContextParallelError
 from autopar.core.config import ParallelConfig
 from autopar.core.gc_paused import gc_paused
 from autopar.core.tensor_placement import Replicate
@@ -78,6 +80,8 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
         rank_module = apply_tensor_parallel(traced, plan)
         local_shape = _param_local_shapes(traced, plan, config.tp).__getitem__
         annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
+        roles = find_batch_roles(traced)
+        _check_context_loss(getattr(config, "cp", 1), config.loss_reduction, roles)
         context = apply_context_parallel(rank_module, traced.param_of, [*traced.input_names, *traced.target_names],
                                          getattr(config, "cp", 1), type(model).__name__)
         inputs = {} if context is None else context_inputs(traced, rank_module, context.split)
@@ -118,7 +122,23 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
             split=split, schedule=schedule, eval_schedule=eval_schedule, param_names=param_names,
             param_stages=param_stages, tied_params={n: s for n, s in param_stages.items() if len(s) > 1},
             sequence=sequence, async_tp=async_tp, experts=tuple(experts), expert_params=expert_split,
-            context=None if context is None else context.split, context_plan=context)
+            context=None if context is None else context.split, context_plan=context, batch_roles=roles)
+
+
+def _check_context_loss(cp: int, loss_reduction: str, roles: BatchRoles) -> None:
+    """Context parallelism computes the loss on each rank's tokens; the step's is the mean over every
+    counted target, which needs a token-mean loss weighted by the counts ('tokens')."""
+    if cp == 1:
+        return
+    if roles.loss is None:
+        raise ContextParallelError(f"cp={cp} computes the loss on each rank's 1/cp of the tokens, and joins the "
+                                   f"ranks' losses as a mean over every counted target: that needs a token-mean "
+                                   f"loss (a mean-reduced cross-entropy or nll over the targets), and this loss is "
+                                   f"not one ({roles.why_not_tokens}). Fix: such a loss, or cp=1")
+    if loss_reduction != "tokens":
+        raise ContextParallelError(f"cp={cp} joins the ranks' losses weighted by their counted targets, and "
+                                   f"loss_reduction={loss_reduction!r} weighs microbatches equally without counting "
+                                   f"them. Fix: loss_reduction='tokens' (the default), or cp=1")
 
 
 def _whole_experts(traced, config: ParallelConfig) -> dict[str, str]:

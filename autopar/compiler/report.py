@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autopar.compiler.context_report import context_lines
 from autopar.compiler.expert_report import expert_lines
 from autopar.compiler.overlap_report import overlap_lines
 from autopar.compiler.sequence_report import sequence_parallel_lines
@@ -138,6 +139,8 @@ def render_summary(program: Program, width: int = PIPED_WIDTH) -> str:
     for line in overlap_lines(program):
         console.print(line, highlight=False, markup=False)
     for line in expert_lines(program):
+        console.print(line, highlight=False, markup=False)
+    for line in context_lines(program):
         console.print(line, highlight=False, markup=False)
     console.print(_fallbacks_table(program))
     for table in (_unsplit_weights_table(program), _rejected_table(program)):
