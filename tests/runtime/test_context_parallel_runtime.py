@@ -299,6 +299,9 @@ def test_config_world_is_tp_cp_pp_dp():
         ParallelConfig(cp=2, ep=2, dp=2)
     with pytest.raises(ConfigError, match=r"cp must be >= 1"):
         ParallelConfig(cp=0)
+    x = torch.zeros((2, SEQ), dtype=torch.long)
+    program = autopar.parallelize(_model(), example_inputs=(x,), example_targets=x, cp=2, world_size=8)
+    assert (program.config.cp, program.config.data_parallel, program.config.mesh.world) == (2, 4, 8)
 
 
 def test_batch_cut_into_each_cp_rank_tokens():

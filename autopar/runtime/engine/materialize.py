@@ -56,8 +56,8 @@ def materialize(program: Program, state_dict: dict[str, torch.Tensor] | None = N
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != shape.world:
         cp = f" * cp({shape.cp})" if shape.cp > 1 else ""
-        raise EngineUsageError(f"the program needs tp({shape.tp}){cp} * pp({shape.pp}) * dp({shape.dp}) = {shape.world} "
-                               f"ranks, but {_world_hint(world, shape.world)}")
+        raise EngineUsageError(f"the program needs tp({shape.tp}){cp} * pp({shape.pp}) * dp({shape.dp}) = "
+                               f"{shape.world} ranks, but {_world_hint(world, shape.world)}")
     # every rank checks the same inputs, but a file one node lacks fails one rank only: all stop
     weights = _on_every_rank("checking its weights", lambda: plan_weights(program, state_dict, checkpoint))
     mesh = Mesh.create(shape, sorted(set(program.tied_params.values())))
