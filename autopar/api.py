@@ -89,8 +89,9 @@ def parallelize(
     ep: int = 1,
     expert_dispatch: str | None = None,
     expert_tp: int | None = None,
+    cp: int = 1,
 ) -> ParallelProgram:
-    """Compile ``model`` (with ``loss_fn``) into a tp x pp x dp parallel program.
+    """Compile ``model`` (with ``loss_fn``) into a tp x cp x pp x dp parallel program.
 
     ``example_inputs``/``example_targets``: one microbatch (it fixes the
     shapes). ``loss_fn(logits, *targets) -> scalar``; ``F.cross_entropy`` (the
@@ -138,6 +139,13 @@ def parallelize(
     (None, the default), or 1: each expert whole on the rank holding it, the tp ranks of a replica
     sharing its token rows, and the expert groups made of ep ranks of the stage's tp x dp (ep divides
     tp x dp: ep=tp needs no data parallelism).
+
+    ``cp``: context parallelism. Every activation's sequence dim is split over cp ranks (S/cp tokens of
+    each sequence on each, in the load-balanced layout under causal attention), attention exchanging
+    keys and values around a ring of them (``docs/context-parallel.md``). The cp ranks hold the same
+    weights and take the same rows of the batch, each its own tokens; gradients are averaged over the
+    dp x cp ranks. The world is tp x cp x pp x dp ranks (dp inferred from the world as world /
+    (tp x cp x pp)). Needs a token loss with ``loss_reduction='tokens'``; not combined with ep yet.
     """
     if example_inputs is None:
         raise ArgumentError("parallelize() needs example_inputs: one microbatch with the real shapes")
@@ -148,7 +156,7 @@ def parallelize(
         schedule=schedule or ("interleaved" if virtual_stages > 1 else "1f1b"), dp=dp, world_size=world_size,
         scatter_gather=scatter_gather, recompute=recompute, precision=precision,
         sequence_parallel=sequence_parallel, loss_reduction=loss_reduction, compile=compile, overlap=overlap,
-        ep=ep, expert_dispatch=expert_dispatch, expert_tp=expert_tp)
+        ep=ep, expert_dispatch=expert_dispatch, expert_tp=expert_tp, cp=cp)
     if loss_fn is None or loss_fn is F.cross_entropy:
         loss_fn = lm_cross_entropy
     return compile_program(model, config, example_inputs, example_targets, loss_fn, output_fn,

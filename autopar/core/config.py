@@ -54,33 +54,39 @@ def size_errors(**sizes: int) -> list[str]:
             for key, value in sizes.items() if not isinstance(value, int) or value < 1]
 
 
-def mesh_errors(tp: int, pp: int, dp: int | None, world_size: int | None) -> list[str]:
-    """What keeps tp x pp x dp from filling ``world_size`` ranks, with the numbers and the fix
-    ([] when the world is unknown or filled). ``dp`` None is inferred as world / (tp x pp), which
-    needs the world to be a multiple of tp x pp."""
-    errs = size_errors(**{k: v for k, v in (("tp", tp), ("pp", pp), ("dp", dp), ("world_size", world_size))
+def mesh_errors(tp: int, pp: int, dp: int | None, world_size: int | None, cp: int = 1) -> list[str]:
+    """What keeps tp x cp x pp x dp from filling ``world_size`` ranks, with the numbers and the fix
+    ([] when the world is unknown or filled). ``dp`` None is inferred as world / (tp x cp x pp), which
+    needs the world to be a multiple of tp x cp x pp."""
+    errs = size_errors(**{k: v for k, v in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("world_size", world_size))
                           if v is not None})
     if errs or world_size is None:
         return errs
-    block, w = tp * pp, world_size
+    block, w = tp * cp * pp, world_size
+    names = f"tp={tp} x cp={cp} x pp={pp}" if cp > 1 else f"tp={tp} x pp={pp}"
+    axes = "tp x cp x pp" if cp > 1 else "tp x pp"
     if dp is None and w % block == 0:
         return []
     if dp is not None and block * dp == w:
         return []
     if dp is not None and w % block == 0:
-        return [f"tp={tp} x pp={pp} x dp={dp} needs {block * dp} ranks, the world has {w}. Fix: dp={w // block} "
-                f"(or leave dp unset: it is inferred as world / (tp x pp)), or start {block * dp} ranks"]
+        return [f"{names} x dp={dp} needs {block * dp} ranks, the world has {w}. Fix: dp={w // block} "
+                f"(or leave dp unset: it is inferred as world / ({axes})), or start {block * dp} ranks"]
     multiples = ", ".join(str(block * k) for k in range(1, 4))
-    return [f"tp={tp} x pp={pp} needs a multiple of {block} ranks, the world has {w} (tp x pp x dp ranks: one "
+    return [f"{names} needs a multiple of {block} ranks, the world has {w} ({axes} x dp ranks: one "
             f"group of {block} per data-parallel replica). Fix: start {multiples}, ... ranks, or use a layout "
-            f"that divides {w} ranks: {_layouts_for(w, tp, pp)}"]
+            f"that divides {w} ranks: {_layouts_for(w, tp, pp, cp)}"]
 
 
-def _layouts_for(world: int, tp: int, pp: int) -> str:
-    """A few tp x pp that divide ``world``, the largest and closest to (tp, pp) first."""
-    fits = [(t, p) for t in range(1, world + 1) for p in range(1, world + 1) if world % (t * p) == 0]
+def _layouts_for(world: int, tp: int, pp: int, cp: int = 1) -> str:
+    """A few tp x pp that divide ``world`` (at the given cp), the largest and closest to (tp, pp) first."""
+    if world % cp:
+        cp = 1
+    rest = world // cp
+    fits = [(t, p) for t in range(1, rest + 1) for p in range(1, rest + 1) if rest % (t * p) == 0]
     fits.sort(key=lambda f: (-f[0] * f[1], abs(f[0] - tp) + abs(f[1] - pp)))
-    return ", ".join(f"tp={t} x pp={p} (dp={world // (t * p)})" for t, p in fits[:4])
+    at = f" x cp={cp}" if cp > 1 else ""
+    return ", ".join(f"tp={t}{at} x pp={p} (dp={rest // (t * p)})" for t, p in fits[:4])
 
 
 def microbatch_errors(schedule: str, p: int, v: int, m: int, names: tuple[str, str, str] = ("p", "v", "m")) -> list[str]:
@@ -254,9 +260,9 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """'gpipe', '1f1b', 'interleaved', or the zero-bubble 'zb-h1' and 'zbv' (v=2, a V)."""
     dp: int | None = None
-    """Data-parallel replicas d; None: world size / (tp * pp) when the world is known, else 1."""
+    """Data-parallel replicas d; None: world size / (tp * cp * pp) when the world is known, else 1."""
     world_size: int | None = None
-    """Ranks that will run the program (checked against tp * pp * dp when known)."""
+    """Ranks that will run the program (checked against tp * cp * pp * dp when known)."""
     scatter_gather: bool = True
     """Send stage boundaries as 1/tp slices and all-gather them on arrival."""
     recompute: Recompute | str = Recompute.NONE
@@ -313,6 +319,12 @@ class ParallelConfig:
     is weighted by n_i / N (its counted targets over those of the whole global batch, every replica's),
     which is the one-device loss and gradient of the global batch whatever the padding; any other loss
     weights the microbatches equally. 'microbatch': always equally (the mean of the microbatch means)."""
+    cp: int = 1
+    """Context-parallel degree c: every activation's sequence dim split over c ranks, each holding S/c
+    tokens of every sequence (the load-balanced layout under causal attention), attention exchanging
+    keys and values around a ring of them (``docs/context-parallel.md``). The c ranks hold the same
+    weights and the same rows of the batch; gradients are averaged over the d x c ranks, as over
+    replicas. 1: off. Not combined with ep > 1 yet."""
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -324,7 +336,7 @@ class ParallelConfig:
                              f"global batch, as one device does; 'microbatch' averages the microbatch means")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
-        for name in ("tp", "pp", "virtual_stages", "microbatches"):
+        for name in ("tp", "cp", "pp", "virtual_stages", "microbatches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {name}={getattr(self, name)}")
         if self.schedule not in SCHEDULE_NAMES:
@@ -347,9 +359,14 @@ class ParallelConfig:
         if errs:
             raise ConfigError("; ".join(errs))
         object.__setattr__(self, "compile", "inductor" if self.compile is True else (self.compile or None))
-        errs = mesh_errors(self.tp, self.pp, self.dp, self.world_size)
+        errs = mesh_errors(self.tp, self.pp, self.dp, self.world_size, self.cp)
         if errs:
             raise ConfigError("; ".join(errs))
+        if self.cp > 1 and self.ep > 1:
+            raise ConfigError(f"cp={self.cp} with ep={self.ep}: context parallelism and expert parallelism do not "
+                              f"combine yet (expert groups are cut from the data-parallel replicas, and the cp "
+                              f"ranks of a replica would each route their own tokens). Fix: cp=1 (ep alone) or "
+                              f"ep=1 (cp alone)")
         if self.expert_dispatch is None:
             object.__setattr__(self, "expert_dispatch", "allgather" if self.compile else "alltoall")
         errs = expert_errors(self.ep, self.expert_dispatch, self.data_parallel, self.tp, self.pp,
@@ -362,20 +379,21 @@ class ParallelConfig:
         """Where the data-parallel size comes from, for the summary."""
         if self.dp is not None:
             return "given (dp=)"
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
         if self.world_size is not None:
-            return f"inferred from the world size, {self.world_size} ranks / (tp {self.tp} x pp {self.pp})"
+            return f"inferred from the world size, {self.world_size} ranks / (tp {self.tp}{cp} x pp {self.pp})"
         return (f"by default: no dp and no world size at compile time, so materialize() needs exactly "
-                f"{self.tp * self.pp} ranks (compile with dp= or world_size= for more replicas)")
+                f"{self.tp * self.cp * self.pp} ranks (compile with dp= or world_size= for more replicas)")
 
     @property
     def data_parallel(self) -> int:
         if self.dp is not None:
             return self.dp
         if self.world_size is not None:
-            return self.world_size // (self.tp * self.pp)
+            return self.world_size // (self.tp * self.cp * self.pp)
         return 1
 
     @property
     def mesh(self) -> MeshShape:
         return MeshShape(self.tp, self.pp, self.data_parallel, self.ep,
-                         None if self.expert_tp in (None, self.tp) else self.expert_tp)
+                         None if self.expert_tp in (None, self.tp) else self.expert_tp, cp=self.cp)

@@ -1,12 +1,22 @@
-"""The 3D mesh: rank <-> (pp, dp, tp) coordinates and the process groups (expert groups inside a stage).
+"""The mesh: rank <-> (pp, dp, cp, tp) coordinates and the process groups (expert groups inside a stage).
 
-Megatron's order: tp varies fastest, then dp, then pp,
+Megatron's order: tp varies fastest, then cp (context parallelism), then dp,
+then pp,
 
-    rank = tp_rank + dp_rank * t + pp_rank * t * d
+    rank = tp_rank + t * (cp_rank + c * (dp_rank + d * pp_rank))
 
-so a tensor-parallel group is t consecutive ranks (inside one node) and a
-pipeline group strides by t*d. With t=2, p=4 on 16 GPUs (d=2): TP groups
-[0,1],[2,3],...; PP groups [0,4,8,12],[1,5,9,13],...
+so a tensor-parallel group is t consecutive ranks (inside one node), a
+context-parallel group strides by t, and a pipeline group by t*c*d. With t=2,
+p=4 on 16 GPUs (c=1, d=2): TP groups [0,1],[2,3],...; PP groups
+[0,4,8,12],[1,5,9,13],... With t=2, c=2, d=2, p=1: TP [0,1],[2,3],[4,5],[6,7];
+CP [0,2],[1,3],[4,6],[5,7]; DP [0,4],[1,5],[2,6],[3,7].
+
+Context parallelism splits each sequence's tokens over the c ranks of a cp
+group; they hold the same weights and see the same rows of the batch, so for
+the gradients they are replicas like the data-parallel ones: gradients are
+averaged over the d*c ranks with the same (pp, tp) coordinates, the 'dp_cp'
+group (the dp group itself when c = 1). Every group keeps "the same other
+coordinates": 'tp', 'cp', 'dp' and 'pp' vary their own axis only.
 
 Expert parallelism (e) cuts a stage's ranks into expert groups whose ranks
 hold different experts and exchange tokens; the ranks at the same place in
@@ -72,11 +82,18 @@ class MeshShape:
     """How many ways each expert is split by tensor parallelism: t (None, the default: expert groups of e
     data-parallel replicas at one tp rank, e divides d) or 1 (whole experts: expert groups of e
     consecutive ranks of the stage's t*d, e divides t*d)."""
+    cp: int = 1
+    """Context-parallel degree c: each sequence's tokens split over c ranks holding the same weights
+    and the same rows of the batch (last field: positional construction stays (tp, pp, dp, ep, expert_tp))."""
 
     def __post_init__(self):
-        for axis in ("tp", "pp", "dp", "ep"):
+        for axis in ("tp", "pp", "dp", "ep", "cp"):
             if getattr(self, axis) < 1:
                 raise ConfigError(f"{axis} must be >= 1, got {axis}={getattr(self, axis)}")
+        if self.ep > 1 and self.cp > 1:
+            raise ConfigError(f"ep={self.ep} with cp={self.cp}: expert parallelism and context parallelism do not "
+                              f"combine yet (the expert groups are cut from data-parallel ranks, which cp would "
+                              f"interleave). Fix: ep=1 or cp=1")
         if self.expert_tp is not None and self.expert_tp not in (1, self.tp):
             raise ConfigError(f"expert_tp={self.expert_tp}: each expert is split tp={self.tp} ways or kept whole. "
                               f"Fix: expert_tp in {sorted({1, self.tp})}")
@@ -129,20 +146,48 @@ class MeshShape:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks over which a gradient is averaged: the d data-parallel replicas times the c
+        context-parallel ranks of each (d when c = 1)."""
+        return self.dp * self.cp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp, dp, tp) of a rank."""
-        return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp
+        """(pp, dp, tp) of a rank (its cp coordinate: ``cp_of``)."""
+        t, c, d = self.tp, self.cp, self.dp
+        return rank // (t * c * d), (rank // (t * c)) % d, rank % t
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        return tp + dp * self.tp + pp * self.tp * self.dp
+    def cp_of(self, rank: int) -> int:
+        """The context-parallel coordinate of a rank: which of its sequence's token blocks it holds."""
+        return (rank // self.tp) % self.cp
+
+    def dp_cp_of(self, rank: int) -> int:
+        """A rank's place in its 'dp_cp' group: ``dp * c + cp`` (the group's ranks in rank order)."""
+        return self.coords(rank)[1] * self.cp + self.cp_of(rank)
+
+    def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank(s, d, j) for j in range(self.tp)] for s in range(self.pp) for d in range(self.dp)]
+        return [[self.rank(s, d, j, c) for j in range(self.tp)]
+                for s in range(self.pp) for d in range(self.dp) for c in range(self.cp)]
+
+    def cp_groups(self) -> list[list[int]]:
+        """The ranks holding one sequence's token blocks: same pp, dp and tp, cp rank 0..c-1."""
+        return [[self.rank(s, d, j, c) for c in range(self.cp)]
+                for s in range(self.pp) for d in range(self.dp) for j in range(self.tp)]
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank(s, d, j) for d in range(self.dp)] for s in range(self.pp) for j in range(self.tp)]
+        return [[self.rank(s, d, j, c) for d in range(self.dp)]
+                for s in range(self.pp) for c in range(self.cp) for j in range(self.tp)]
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """The ranks averaging each other's gradients: same pp and tp, every (dp, cp), in rank order
+        (dp major). The dp groups when c = 1."""
+        return [[self.rank(s, d, j, c) for d in range(self.dp) for c in range(self.cp)]
+                for s in range(self.pp) for j in range(self.tp)]
 
     def ep_groups(self) -> list[list[int]]:
         """Expert-parallel groups: e consecutive ranks of each expert grid; the tokens of a
@@ -157,11 +202,13 @@ class MeshShape:
         return [grid[i::e] for grid in self._expert_grids() for i in range(e)]
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank(s, d, j) for s in range(self.pp)] for d in range(self.dp) for j in range(self.tp)]
+        return [[self.rank(s, d, j, c) for s in range(self.pp)]
+                for d in range(self.dp) for c in range(self.cp) for j in range(self.tp)]
 
     def stage_groups(self, stages: tuple[int, ...]) -> list[list[int]]:
-        """For each (dp, tp) position, the ranks of the given pipeline stages (tied parameters)."""
-        return [[self.rank(s, d, j) for s in stages] for d in range(self.dp) for j in range(self.tp)]
+        """For each (dp, cp, tp) position, the ranks of the given pipeline stages (tied parameters)."""
+        return [[self.rank(s, d, j, c) for s in stages]
+                for d in range(self.dp) for c in range(self.cp) for j in range(self.tp)]
 
 
 @dataclass
@@ -171,8 +218,9 @@ class Mesh:
     shape: MeshShape
     rank: int
     groups: dict[str, Any] = field(default_factory=dict)
-    """'tp', 'dp', 'pp', and with expert parallelism 'ep' (the replicas holding different experts)
-    and 'edp' (those holding the same ones) -> this rank's process group (None when the axis has size 1)."""
+    """'tp', 'cp', 'dp', 'pp', 'dp_cp' (the dp x cp ranks averaging gradients: the dp group when c = 1),
+    and with expert parallelism 'ep' (the replicas holding different experts) and 'edp' (those holding
+    the same ones) -> this rank's process group (None when the axis has size 1)."""
     tied: dict[tuple[int, ...], Any] = field(default_factory=dict)
     """Stages sharing a parameter -> this rank's group over them (None if not a member)."""
 
@@ -187,6 +235,16 @@ class Mesh:
     @property
     def tp_rank(self) -> int:
         return self.shape.coords(self.rank)[2]
+
+    @property
+    def cp_rank(self) -> int:
+        """Which of its sequences' token blocks this rank holds (``cp_layout``), 0 .. c-1."""
+        return self.shape.cp_of(self.rank)
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in its 'dp_cp' group: ``dp_rank * c + cp_rank``."""
+        return self.shape.dp_cp_of(self.rank)
 
     @property
     def ep_rank(self) -> int:
@@ -204,11 +262,15 @@ class Mesh:
 
     def tp_members(self) -> list[int]:
         """Global ranks of this rank's tensor-parallel group, in tp order."""
-        return [self.shape.rank(self.pp_rank, self.dp_rank, j) for j in range(self.shape.tp)]
+        return [self.shape.rank(self.pp_rank, self.dp_rank, j, self.cp_rank) for j in range(self.shape.tp)]
+
+    def cp_members(self) -> list[int]:
+        """Global ranks of this rank's context-parallel group, in cp order (the ring's order)."""
+        return [self.shape.rank(self.pp_rank, self.dp_rank, self.tp_rank, c) for c in range(self.shape.cp)]
 
     def peer(self, stage: int) -> int:
-        """The global rank at pipeline stage ``stage`` with this rank's dp and tp coordinates."""
-        return self.shape.rank(stage, self.dp_rank, self.tp_rank)
+        """The global rank at pipeline stage ``stage`` with this rank's dp, cp and tp coordinates."""
+        return self.shape.rank(stage, self.dp_rank, self.tp_rank, self.cp_rank)
 
     @staticmethod
     def create(shape: MeshShape, tied_stage_sets: list[tuple[int, ...]] = ()) -> "Mesh":
@@ -216,13 +278,16 @@ class Mesh:
         if not dist.is_initialized():
             if shape.world != 1:
                 raise MeshError(f"a mesh of {shape.world} ranks needs an initialised process group")
-            return Mesh(shape, 0, {"tp": None, "dp": None, "pp": None, "ep": None, "edp": None})
+            return Mesh(shape, 0, {"tp": None, "cp": None, "dp": None, "dp_cp": None, "pp": None, "ep": None,
+                                   "edp": None})
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != shape.world:
-            raise ConfigError(f"tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world}, "
+            raise ConfigError(f"tp({shape.tp}) * cp({shape.cp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world}, "
                              f"but the world size is {world}")
         mesh = Mesh(shape, rank)
         axes = [("tp", shape.tp_groups()), ("dp", shape.dp_groups()), ("pp", shape.pp_groups())]
+        if shape.cp > 1:  # with c = 1 'cp' is None and 'dp_cp' is the dp group: no new groups
+            axes += [("cp", shape.cp_groups()), ("dp_cp", shape.dp_cp_groups())]
         if shape.ep > 1:  # expert groups only where there are experts to split: no new groups otherwise
             axes += [("ep", shape.ep_groups()), ("edp", shape.expert_dp_groups())]
         for axis, groups in axes:
@@ -231,6 +296,8 @@ class Mesh:
                 g = group_over(ranks)
                 if rank in ranks:
                     mesh.groups[axis] = g
+        if shape.cp == 1:
+            mesh.groups["cp"], mesh.groups["dp_cp"] = None, mesh.groups["dp"]
         for stages in tied_stage_sets:
             mesh.tied[stages] = None
             for ranks in shape.stage_groups(stages):

@@ -49,6 +49,10 @@ class TPGroup:
     ep: "TPGroup | None" = field(default=None, compare=False)
     """This rank's expert-parallel group (the data-parallel replicas holding different experts), for the
     expert dispatch (``comm.expert_dispatch``); None without expert parallelism or when inspecting."""
+    cp: "TPGroup | None" = field(default=None, compare=False)
+    """This rank's context-parallel group (the ranks holding the other token blocks of its sequences,
+    in ring order), for ring attention (``comm.ring_attention``); None without context parallelism or
+    when inspecting."""
 
     def own_slice(self, x: torch.Tensor, dim: int, segments: tuple[int, ...] | None = None) -> torch.Tensor:
         """This rank's piece of ``x`` along ``dim`` (``local_slice``), contiguous; the same captured

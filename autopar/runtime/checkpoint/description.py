@@ -19,7 +19,8 @@ never picks: ``latest`` still names the previous checkpoint.
 ``autopar.json`` (``FORMAT`` 1) is ``{"format", "step", "params": {name: full
 shape}, "aliases": {name: [every name the model uses for it]}, "buffers":
 {name: shape}, "hf_config": dict | null, "layout": {"tp", "pp", "dp",
-"virtual_stages"}}`` (and ``"ep"`` when a run splits its experts, ep > 1; the
+"virtual_stages"}}`` (and ``"cp"`` when a run splits its sequences, cp > 1,
+and ``"ep"`` when a run splits its experts, ep > 1; the
 stored tensors depend on none of them: a stacked expert weight is stored whole,
 E experts, each expert-parallel rank writing its own at their offsets on dim
 0); beside it, DCP's key ``model.<name>`` is each parameter

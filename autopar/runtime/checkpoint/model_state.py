@@ -14,6 +14,13 @@ Keys (DCP's flat state dict):
 - ``rng.<stage>.<replica>.<i>``  the engine's random stream (generator i: the
                      CPU's, then the GPU's), one per (pipeline stage, dp replica):
                      the t ranks of a stage draw alike, so tp rank 0 saves it.
+                     With context parallelism each cp rank has its own stream:
+                     ``rng.<stage>.<replica>.cp<c>.<i>``.
+
+Context parallelism does not change what the parameters are: the c ranks of a
+replica hold the same shards, as replicas do, so their identical pieces are
+written once (DCP keeps one of identical chunks) and a checkpoint saved at one
+cp loads at any other. ``autopar.json``'s layout names ``cp`` when it is > 1.
 
 The optimizer's keys are ``optimizer_state``'s. What is read of the engine is
 narrow: its ``holdings`` (``engine.holdings``: the program, the mesh, the
@@ -127,12 +134,14 @@ def buffer_entries(holdings, *, saving: bool) -> dict[str, torch.Tensor]:
 
 
 def _stream_keys(mesh, stream) -> list[str]:
-    """``rng.<stage>.<replica>.<i>`` of each generator of this rank's stream."""
-    return [f"rng.{mesh.pp_rank}.{mesh.dp_rank}.{i}" for i in range(len(stream.get_state()))]
+    """``rng.<stage>.<replica>.<i>`` of each generator of this rank's stream (``rng.<stage>.<replica>.cp<c>.<i>``
+    with context parallelism)."""
+    cp = f"cp{mesh.cp_rank}." if mesh.shape.cp > 1 else ""
+    return [f"rng.{mesh.pp_rank}.{mesh.dp_rank}.{cp}{i}" for i in range(len(stream.get_state()))]
 
 
 def rng_entries(holdings, stream) -> dict[str, torch.Tensor]:
-    """The random stream of this rank's (stage, replica), from tp rank 0 only, on the engine's device."""
+    """The random stream of this rank's (stage, replica, cp rank), from tp rank 0 only, on the engine's device."""
     if holdings.mesh.tp_rank != 0:
         return {}
     return {k: state.to(holdings.device, copy=True)
@@ -141,11 +150,12 @@ def rng_entries(holdings, stream) -> dict[str, torch.Tensor]:
 
 def same_streams(holdings, stream, layout: dict, saved_keys) -> bool:
     """Whether the checkpoint holds this rank's own stream: saved with as many pipeline stages and
-    replicas, and as many generators (a CPU run's stream does not continue on a GPU)."""
+    replicas and cp ranks, and as many generators (a CPU run's stream does not continue on a GPU)."""
     shape = holdings.mesh.shape
-    prefix = _stream_keys(holdings.mesh, stream)[0].rpartition(".")[0] + "."
-    saved = [k for k in saved_keys if k.startswith(prefix)]
-    return layout.get("pp") == shape.pp and layout.get("dp") == shape.dp and len(saved) == len(stream.get_state())
+    keys = set(_stream_keys(holdings.mesh, stream))
+    saved = [k for k in saved_keys if k in keys]
+    return (layout.get("pp") == shape.pp and layout.get("dp") == shape.dp and layout.get("cp", 1) == shape.cp
+            and len(saved) == len(stream.get_state()))
 
 
 def rng_targets(holdings, stream) -> dict[str, torch.Tensor]:
@@ -177,7 +187,8 @@ def describe(program: "Program", step: int) -> dict:
         "buffers": buffers,
         "hf_config": _hf_config(program.model),
         "layout": {"tp": config.tp, "pp": config.pp, "dp": config.data_parallel,
-                   "virtual_stages": config.virtual_stages, **({"ep": config.ep} if config.ep > 1 else {})},
+                   "virtual_stages": config.virtual_stages, **({"ep": config.ep} if config.ep > 1 else {}),
+                   **({"cp": config.cp} if config.cp > 1 else {})},
     }
 
 

@@ -19,7 +19,8 @@ Targets equal to the loss's ``ignore_index`` are allowed.
 **Every rank decides alike.** Given the global batch, every rank checks all
 of it; given its replica's own batch, each rank checks that, and the replicas
 exchange what they found (``agree``, one all-gather over dp of a few numbers,
-with the counted targets of the loss) so that every rank raises the same error.
+with the counted targets of the loss; over dp x cp with context parallelism) so
+that every rank raises the same error.
 """
 
 from __future__ import annotations
@@ -119,9 +120,12 @@ def find_id_problem(uses: tuple["IdUse", ...], tensors: dict[str, torch.Tensor])
     return None
 
 
-def agree(problem: IdProblem | None, count: int, group, dp_size: int, device: torch.device) -> tuple[IdProblem | None, int]:
-    """The first replica's problem (in replica order) and the sum of every replica's ``count``, on
-    every rank of the data-parallel ``group``: one all-gather of a few int64."""
+def agree(problem: IdProblem | None, count: int, group, dp_size: int, device: torch.device,
+          ranks_per_replica: int = 1) -> tuple[IdProblem | None, int]:
+    """The first replica's problem (in replica order) and the sum of every rank's ``count``, on
+    every rank of ``group`` (``dp_size`` ranks: the data-parallel replicas, or with context
+    parallelism the d x c ranks of 'dp_cp', ``ranks_per_replica`` = c consecutive ones per replica):
+    one all-gather of a few int64."""
     row = torch.full((4 + _MAX_DIMS,), -1, dtype=torch.int64, device=device)
     row[0] = count
     if problem is not None:
@@ -132,9 +136,9 @@ def agree(problem: IdProblem | None, count: int, group, dp_size: int, device: to
     dist.all_gather(rows, row, group=group)
     table = torch.stack(rows).cpu().tolist()
     total = sum(r[0] for r in table)
-    for replica, r in enumerate(table):
+    for index, r in enumerate(table):
         if r[1] >= 0 or r[1] == REFUSED:
-            return IdProblem(r[1], r[2], tuple(r[4:4 + r[3]]), replica), total
+            return IdProblem(r[1], r[2], tuple(r[4:4 + r[3]]), index // ranks_per_replica), total
     return None, total
 
 

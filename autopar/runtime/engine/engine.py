@@ -3,7 +3,8 @@
 ``train_step(*inputs, *targets)`` takes the global batch (the same on every
 rank; this data-parallel replica's slice is kept) or this replica's own batch
 (a data loader per replica, ``engine.dp_rank`` of ``engine.dp_size``), cuts it
-into microbatches (``micro_batches.py``) and runs this stage's actions from the
+into microbatches, and with context parallelism each into this rank's tokens
+(``micro_batches.py``) and runs this stage's actions from the
 lowered schedule (``autopar/schedules/``); ``eval_step`` runs the forward-only
 form of the schedule (``program.eval_schedule``) over each chunk's evaluation
 graph (dropout removed, training flags off; made at compile time) under
@@ -84,7 +85,7 @@ def _compile_turns(program: "Program", mesh: Mesh, token: int, timeout_s: float)
     if not program.config.compile or mesh.shape.tp == 1 or not dist.is_initialized():
         return None
     return CompileTurns(store=dist.distributed_c10d._get_default_store(),
-                        prefix=f"autopar/compile/{token:x}/{mesh.pp_rank}/{mesh.dp_rank}",
+                        prefix=f"autopar/compile/{token:x}/{mesh.pp_rank}/{mesh.dp_rank}/{mesh.cp_rank}",
                         first=mesh.tp_rank == 0, timeout_s=timeout_s)
 
 
@@ -103,6 +104,8 @@ class RankEngine(nn.Module):
         self.tp = TPGroup.of(mesh.groups.get("tp"), tuple(mesh.tp_members()))
         if mesh.shape.ep > 1:  # the expert dispatch's group rides on the tp group the rank program is given
             self.tp = dataclasses.replace(self.tp, ep=TPGroup.of(mesh.groups.get("ep"), tuple(mesh.ep_members())))
+        if mesh.shape.cp > 1:  # ring attention's group rides on the tp group too
+            self.tp = dataclasses.replace(self.tp, cp=TPGroup.of(mesh.groups.get("cp"), tuple(mesh.cp_members())))
         if program.config.compile and self.tp.size > 1:  # the rank as a graph input: one graph per stage
             self.tp = dataclasses.replace(self.tp, rank_tensor=torch.tensor(self.tp.rank, device=self.device))
         if nccl() and self.device.type != "cuda":
@@ -173,8 +176,15 @@ class RankEngine(nn.Module):
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel replicas: the ``num_replicas`` of each replica's ``DistributedSampler``."""
+        """Data-parallel replicas: the ``num_replicas`` of each replica's ``DistributedSampler``. The cp
+        ranks of a replica read the same rows (each keeps its own tokens of them)."""
         return self.mesh.shape.dp
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place among the context-parallel ranks of its replica: which token blocks of
+        each sequence it holds (``program.context``)."""
+        return self.mesh.cp_rank
 
     # ------------------------------------------------------------------ stepping
     def forward(self, *batch: torch.Tensor) -> float:
@@ -290,13 +300,13 @@ class RankEngine(nn.Module):
 
     def _reduce_loss(self, st: StepState) -> float:
         """The step's loss: the weighted sum of the microbatch losses (``runtime/engine/loss_weights.py``), from
-        the last stage to the others, summed over the replicas (their weights sum to one)."""
+        the last stage to the others, summed over the replicas and their cp ranks (their weights sum to one)."""
         loss = st.loss_sum.reshape(1)
         if self.mesh.shape.pp > 1:  # the stage of the last chunk (stage 0 in ZB-V's V)
             last = self.mesh.peer(self.program.stage_of_chunk(self.program.split.n - 1))
             dist.broadcast(loss, src=last, group=self.mesh.groups["pp"])
-        if self.mesh.shape.dp > 1:
-            dist.all_reduce(loss, group=self.mesh.groups["dp"])
+        if self.mesh.shape.dp_cp > 1:
+            dist.all_reduce(loss, group=self.mesh.groups["dp_cp"])
         return float(loss)
 
     def _refuse_if_failed(self, what: str, read_board: bool = False) -> None:

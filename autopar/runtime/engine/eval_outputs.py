@@ -15,9 +15,17 @@ the sequence-parallel plan's split), checked against the node's local shape.
    along each split dim (padding beyond the global size dropped, e.g. a
    vocabulary padded to a multiple of t), and the microbatches concatenated
    along the logits' first dim, in order: this replica's rows;
-2. sent point to point to each rank that asks, from the last-stage rank of the
-   replica with the asker's tp index (so the t ranks of the last stage share
-   the sending); with the global batch the asker gets every replica's rows,
+2. with context parallelism (``program.context``, c > 1), this replica's rows
+   all-gathered over the cp group and put back in global token order
+   (``cp_unshard``) along the logits' sequence dim: the sequence dim of the
+   first batch tensor the context names (the inputs first; ``input_ids``'
+   dim 1 for a language model's (B, S, V) logits). The logits are assumed to
+   keep that dim where the input has it, with this rank's S/c tokens there
+   (checked against the graph's shapes; a logits tensor of another layout,
+   e.g. flattened tokens, is refused naming the shapes);
+3. sent point to point to each rank that asks, from the last-stage rank of the
+   replica with the asker's tp index (and cp index: so the t x c ranks of the
+   last stage share the sending); with the global batch the asker gets every replica's rows,
    concatenated in replica order (the global batch's row order), with this
    replica's own batch only its replica's.
 
@@ -38,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.comm import whole_from_shards
+from autopar.core.comm.cp_layout import ContextSplit, cp_unshard
 from autopar.core.graph import LOGITS_META, local_val, module_path, source_line
 from autopar.core.tensor_placement import Replicate, Shard, local_size
 from autopar.runtime.engine.errors import EngineRuntimeError, EngineUsageError
@@ -58,7 +67,7 @@ class LogitsOutput:
     node: str
     """The node of the evaluation graph (the value ``output_fn`` returned)."""
     shape: tuple[int, ...]
-    """Whole, one microbatch."""
+    """Whole over tp, one microbatch (with context parallelism: this cp rank's S/c tokens)."""
     local_shape: tuple[int, ...]
     """On one tensor-parallel rank, one microbatch."""
     splits: tuple[Shard, ...]
@@ -66,6 +75,18 @@ class LogitsOutput:
     (the vocabulary), then sequence parallelism's split of the tokens."""
     where: str
     """The node's module path and source line, for messages."""
+    context: ContextSplit | None = None
+    """With context parallelism: the split of the sequence, gathered back along ``sequence_dim``."""
+    sequence_dim: int | None = None
+    """The logits' dim holding the tokens split over the cp ranks (None without context parallelism)."""
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """One microbatch's logits whole: over tp and over cp (the whole sequence)."""
+        if self.context is None:
+            return self.shape
+        dim = self.sequence_dim
+        return self.shape[:dim] + (self.context.seq_len,) + self.shape[dim + 1:]
 
     @staticmethod
     def of(program: "Program") -> "LogitsOutput":
@@ -90,6 +111,9 @@ class LogitsOutput:
         sequence = program.sequence.split.get(node.name) if program.sequence is not None else None
         splits = tuple(p for p in (placement, sequence) if isinstance(p, Shard))
         shape = tuple(int(s) for s in node.meta["val"].shape)
+        context, sequence_dim = _context_of(program), None
+        if context is not None:
+            sequence_dim, shape = _context_dim(program, context, shape, where)
         local = list(shape)
         for split in splits:
             local[split.dim] = local_size(shape[split.dim], split, program.config.tp)
@@ -101,7 +125,30 @@ class LogitsOutput:
         if not shape:
             raise EngineUsageError(f"the logits ({where}) are a scalar: output_fn must return a tensor with a batch "
                                    f"dim (microbatches are concatenated along the first dim)")
-        return LogitsOutput(node.name, shape, tuple(local), splits, where)
+        return LogitsOutput(node.name, shape, tuple(local), splits, where, context, sequence_dim)
+
+
+def _context_of(program: "Program") -> ContextSplit | None:
+    """The program's context split when it splits the sequence (c > 1)."""
+    context = program.context
+    return context if context is not None and context.cp > 1 else None
+
+
+def _context_dim(program: "Program", context: ContextSplit, shape: tuple[int, ...], where: str
+                 ) -> tuple[int, tuple[int, ...]]:
+    """(the logits' sequence dim, their shape with this cp rank's S/c tokens there): the dim of the
+    first batch tensor the context names (inputs before targets), which the logits are assumed to keep."""
+    names = [n for n in program.traced.input_names + program.traced.target_names if n in context.seq_dims]
+    local = context.seq_len // context.cp
+    if names:
+        dim = context.seq_dims[names[0]]
+        dim = dim % len(shape) if -len(shape) <= dim < len(shape) else None
+        if dim is not None and dim > 0 and shape[dim] in (local, context.seq_len):
+            return dim, shape[:dim] + (local,) + shape[dim + 1:]
+    raise EngineUsageError(f"the logits ({where}) of shape {shape} have no sequence dim where the batch's is "
+                           f"({dict(context.seq_dims)}, {context.seq_len} tokens, {local} on each of cp={context.cp} "
+                           f"ranks): eval_step(outputs=True) gathers them over the cp ranks along that dim. Fix: an "
+                           f"output_fn returning (batch, sequence, ...) logits, or outputs=False")
 
 
 def _missing(program: "Program", graph_module) -> LogitsOutput:
@@ -152,9 +199,11 @@ def gather_logits(holdings, spec: LogitsOutput, pieces: dict[int, torch.Tensor],
     mine = None
     if holdings.stage == last and any(mesh.dp_rank in replicas_of(r) for r in ranks):
         mine = _whole_rows(holdings, spec, pieces)
+        if spec.context is not None:  # every cp rank's tokens, in the sequence's order
+            mine = _whole_sequence(holdings, spec, mine)
     sends = [r for r in ranks if r != me and mine is not None and mesh.dp_rank in replicas_of(r)
-             and shape.coords(r)[2] == mesh.tp_rank]
-    sources = [] if me not in ranks else [shape.rank(last, d, mesh.tp_rank) for d in replicas_of(me)]
+             and shape.coords(r)[2] == mesh.tp_rank and shape.cp_of(r) == mesh.cp_rank]
+    sources = [] if me not in ranks else [shape.rank(last, d, mesh.tp_rank, mesh.cp_rank) for d in replicas_of(me)]
     receives = [s for s in sources if s != me]
     headers = _exchange([(r, torch.tensor([_DTYPES.index(mine.dtype)], device=holdings.device)) for r in sends],
                         [(s, torch.empty(1, dtype=torch.int64, device=holdings.device)) for s in receives])
@@ -164,7 +213,7 @@ def gather_logits(holdings, spec: LogitsOutput, pieces: dict[int, torch.Tensor],
     # every replica's rows received straight into their place in the result (no second copy)
     rows = program.microbatches * spec.shape[0]
     dtype = mine.dtype if mine is not None else _DTYPES[int(headers[0])]
-    out = torch.empty((len(sources) * rows, *spec.shape[1:]), dtype=dtype, device=holdings.device)
+    out = torch.empty((len(sources) * rows, *spec.global_shape[1:]), dtype=dtype, device=holdings.device)
     place = {s: out.narrow(0, k * rows, rows) for k, s in enumerate(sources)}
     _exchange([(r, mine) for r in sends], [(s, place[s]) for s in receives])
     if me in place:
@@ -188,6 +237,14 @@ def _whole_rows(holdings, spec: LogitsOutput, pieces: dict[int, torch.Tensor]) -
             out = torch.empty((m * b, *spec.shape[1:]), dtype=x.dtype, device=x.device)
         out.narrow(0, i * b, b).copy_(x)
     return out
+
+
+def _whole_sequence(holdings, spec: LogitsOutput, mine: torch.Tensor) -> torch.Tensor:
+    """This replica's logits over the whole sequence: every cp rank's tokens (``mine`` here)
+    all-gathered over the cp group and put back in global order along the sequence dim."""
+    pieces = [torch.empty_like(mine) for _ in range(spec.context.cp)]
+    dist.all_gather(pieces, mine.contiguous(), group=holdings.mesh.groups["cp"])
+    return cp_unshard(pieces, spec.sequence_dim, spec.context.cp, spec.context.balanced)
 
 
 def _exchange(sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:

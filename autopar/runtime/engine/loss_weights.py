@@ -16,6 +16,14 @@ backward is seeded with ``d * w_i``, since the data-parallel reduction averages
 gradients over the d replicas (``runtime/optim/gradient_sync.py``): the averaged
 gradient is then sum over every replica's microbatches of w_i * grad loss_i.
 
+With context parallelism (c > 1) each of the c ranks of a replica holds 1/c of
+every microbatch's tokens and its graph's loss is the mean over its own counted
+targets: n_i counts that rank's targets, N sums over all d x c ranks, the
+gradients are averaged over the d x c ranks ('dp_cp'), so the seed is
+``d c n_i / N``, and the reported loss is summed over the d x c ranks. Summed
+over the c ranks, the n_i / N weighted means are the microbatch's own share of
+the one-device mean: sum over its counted tokens / N.
+
 An empty microbatch (n_i = 0, its mean 0/0 = NaN) gets weight 0 and no
 backward at all (its gradients are zero), so it adds nothing instead of
 poisoning the step; the engine skips its loss and backward. When the whole
@@ -48,7 +56,7 @@ class StepWeights:
     counts: tuple[int, ...] | None = None
     """This replica's counted targets per microbatch (None: microbatches weighted equally)."""
     total: int | None = None
-    """N: counted targets of the global batch, every replica's."""
+    """N: counted targets of the global batch, every replica's (every cp rank's)."""
 
 
 def token_counts(loss: "TokenLoss", targets, micro: list[dict[str, torch.Tensor]]) -> list[int]:
@@ -64,7 +72,8 @@ def equal_weights(m: int, d: int) -> StepWeights:
 
 
 def step_weights(counts: list[int], total: int, d: int) -> StepWeights:
-    """n_i / N for the loss, d n_i / N for the seed; NaN loss and no backward when N = 0."""
+    """n_i / N for the loss, d n_i / N for the seed; NaN loss and no backward when N = 0. ``d``: the
+    ranks the gradients are averaged over (d x c with context parallelism)."""
     if total == 0:
         return StepWeights(loss=(float("nan"),) * len(counts), seed=(0.0,) * len(counts), counts=tuple(counts),
                            total=0)

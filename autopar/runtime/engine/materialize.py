@@ -55,8 +55,9 @@ def materialize(program: Program, state_dict: dict[str, torch.Tensor] | None = N
         join_from_env()
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != shape.world:
-        raise EngineUsageError(f"the program needs tp({shape.tp}) * pp({shape.pp}) * dp({shape.dp}) = {shape.world} "
-                               f"ranks, but {_world_hint(world, shape.world)}")
+        cp = f" * cp({shape.cp})" if shape.cp > 1 else ""
+        raise EngineUsageError(f"the program needs tp({shape.tp}){cp} * pp({shape.pp}) * dp({shape.dp}) = "
+                               f"{shape.world} ranks, but {_world_hint(world, shape.world)}")
     # every rank checks the same inputs, but a file one node lacks fails one rank only: all stop
     weights = _on_every_rank("checking its weights", lambda: plan_weights(program, state_dict, checkpoint))
     mesh = Mesh.create(shape, sorted(set(program.tied_params.values())))
@@ -102,7 +103,7 @@ def _rank0_seed(seed: int | None, device: torch.device) -> int:
 def _world_hint(world: int, want: int) -> str:
     if dist.is_initialized():
         return (f"the process group has {world}: start {want} ranks, or compile for this world "
-                f"(parallelize(..., world_size={world}) with tp * pp dividing {world})")
+                f"(parallelize(..., world_size={world}) with tp * cp * pp dividing {world})")
     return (f"this process is in no process group (it was not started by a launcher): start {want} ranks with "
             f"`autopar run --nproc {want} script.py` or `torchrun --nproc-per-node {want} script.py` "
             f"(materialize joins the group they set up), or run a function on {want} local ranks with "

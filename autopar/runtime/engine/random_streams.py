@@ -6,7 +6,13 @@ pipeline stage and data-parallel replica (``stream_seed``). So stage 1 does not
 repeat stage 0's masks on its own layers, replicas draw independent masks for
 their different samples (as one device drawing for the whole batch would), and
 the t ranks of a stage draw identically for the values they all hold (split
-values get per-rank streams from ``comm.tp_rng_call``). Recomputation replays
+values get per-rank streams from ``comm.tp_rng_call``). With context parallelism
+each cp rank of a replica has a stream of its own (its replica index is
+``dp_rank * c + cp_rank``): dropout on its S/c tokens draws masks independent
+of the other cp ranks', as one device draws independent masks for every token.
+These are not the masks one device would draw for the whole sequence (that
+would need one stream cut by token position), so dropout under cp matches one
+device in distribution, not bit for bit. Recomputation replays
 the same masks: the checkpoint saves and restores this stream's state
 (``get_state``/``set_state``: one state per generator, the CPU's, then the
 GPU's). An evaluation step puts the stream back as it found it
@@ -29,8 +35,9 @@ __all__ = ["RandomStream", "stream_seed"]
 
 
 def stream_seed(base: int, mesh: Mesh) -> int:
-    """The seed of this rank's stream: ``base`` (global rank 0's) offset by its (stage, replica)."""
-    replica = mesh.dp_rank + mesh.shape.dp * mesh.pp_rank
+    """The seed of this rank's stream: ``base`` (global rank 0's) offset by its (stage, replica, cp rank)
+    (with c = 1 the replica alone, as before context parallelism)."""
+    replica = mesh.dp_cp_rank + mesh.shape.dp_cp * mesh.pp_rank
     return (base + 1_000_003 * replica) % 2**63
 
 

@@ -144,7 +144,7 @@ def trace_metadata(program: Program, mesh: Mesh) -> dict[str, Any]:
     return {
         "format": TRACE_FORMAT, "schedule": sched.name, "p": sched.p, "v": sched.v, "m": sched.m,
         "grid": sched.format_grid(), "chunk_stages": list(sched.chunk_stages),
-        "tp": tp, "dp": shape.dp, "pp": shape.pp, "world": shape.world,
+        "tp": tp, "dp": shape.dp, "pp": shape.pp, "world": shape.world, **({"cp": shape.cp} if shape.cp > 1 else {}),
         "stage_of_rank": [shape.coords(r)[0] for r in range(shape.world)],
         "message_bytes": {"forward": {str(c.index): sent(c.outputs, False) for c in chunks
                                       if c.outputs and crosses(c.index, c.index + 1)},

@@ -75,10 +75,11 @@ def save_pretrained(path: str, rank: RankHoldings) -> list[str]:
     """Write the HuggingFace directory ``path``; the names of the files this rank wrote."""
     program, mesh, path = rank.program, rank.mesh, str(path)
     files, values = stage_files(program)
-    writer = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    writer = mesh.dp_rank == 0 and mesh.cp_rank == 0 and mesh.tp_rank == 0
     _raise_if_any(check_output_dir(path) if writer else None, CheckpointError)
     written, error = [], None
-    if mesh.dp_rank < mesh.shape.replicas_with_every_expert:  # replica 0, with the rest of its expert group
+    # replica 0, with the rest of its expert group; its cp rank 0 (the others hold the same weights)
+    if mesh.dp_rank < mesh.shape.replicas_with_every_expert and mesh.cp_rank == 0:
         file = files[mesh.pp_rank]
         error = _write_file(os.path.join(path, file.name), file, _file_values(rank, file, values), writer)
         written = [file.name] if writer and error is None else []

@@ -19,6 +19,9 @@ data-parallel replica:
   (or anything else that reads them), so the gathers overlap the next step's
   start. ``overlap_param_gather=False`` waits for them all inside ``step()``;
 - ``engine.clip_grad_norm_`` clips over the shards, with the same global norm;
+- with context parallelism the c cp ranks of each replica share the buckets
+  like replicas: each of the d x c ranks ('dp_cp') owns 1/(d c) of every
+  dense bucket;
 - with expert parallelism, the stacked expert weights get flat buckets of
   their own, shared by the d/ep replicas holding the same experts (mesh
   'edp'): reduce-scattered, owned and all-gathered over those, averaged by
@@ -166,7 +169,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         final after one chunk's last backward (``gradient_groups``), its stacked expert weights apart
         (shared by the d/ep replicas holding the same experts, mesh 'edp'), then the tied parameters
         (final at the step's end)."""
-        bucket_bytes, d, r = self.grads.bucket_bytes, self.mesh.shape.dp, self.mesh.dp_rank
+        # the dense buckets are shared by the d x c ranks averaging gradients ('dp_cp'; 'dp' when c = 1)
+        bucket_bytes, d, r = self.grads.bucket_bytes, self.mesh.shape.dp_cp, self.mesh.dp_cp_rank
+        axis = "dp" if self.mesh.shape.cp == 1 else "dp_cp"
         experts = self.grads.program.expert_params
         buckets = []
         for names in gradient_groups:
@@ -174,7 +179,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 buckets.append(FlatBucket(self.params, cut, self.mesh.shape.edp, self.mesh.edp_rank,
                                           share_params=True, axis="edp"))
             for cut in bucket_names([n for n in names if n not in experts], self.params, bucket_bytes):
-                buckets.append(FlatBucket(self.params, cut, d, r, share_params=True))
+                buckets.append(FlatBucket(self.params, cut, d, r, share_params=True, axis=axis))
         tied = [n for n in self.grads.program.tied_params if n in self.params]
         if any(n in experts for n in tied):
             raise OptimizerError(f"stacked expert weight(s) {[n for n in tied if n in experts]} are read by several "
@@ -182,7 +187,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  f"all of dp, expert weights over their d/ep replicas, not both. Fix: untie them, "
                                  f"or use a plain optimizer over engine.parameters()")
         for cut in bucket_names(tied, self.params, bucket_bytes) if tied else []:
-            buckets.append(FlatBucket(self.params, cut, d, r, tied=True, share_params=True))
+            buckets.append(FlatBucket(self.params, cut, d, r, tied=True, share_params=True, axis=axis))
         return buckets
 
     def _inner_groups(self, groups: list[tuple[list[str], dict]]) -> list[dict]:
@@ -314,7 +319,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         owned = sum(b.shard_numel for b in self.buckets)
         return (f"DistributedOptimizer({type(self.inner).__name__}, {len(self.buckets)} bucket(s), "
-                f"{owned} entries owned of {sum(b.padded for b in self.buckets)}, d={self.mesh.shape.dp})")
+                f"{owned} entries owned of {sum(b.padded for b in self.buckets)}, d={self.mesh.shape.dp}"
+                + (f", cp={self.mesh.shape.cp})" if self.mesh.shape.cp > 1 else ")"))
 
 
 def _short(layout) -> str:

@@ -86,11 +86,13 @@ class FlatBucket:
         self.padded = -(-total // dp) * dp
         """``numel`` rounded up to a multiple of d: every replica's range has the same length."""
         self.dp, self.dp_rank = dp, dp_rank
-        """The replicas sharing this bucket and this one's place among them: all of data parallelism,
-        or for expert weights the d/ep replicas holding the same experts."""
+        """The replicas sharing this bucket and this one's place among them: all of data parallelism
+        (times the cp ranks of each, with context parallelism), or for expert weights the d/ep
+        replicas holding the same experts."""
         self.axis = axis
-        """The mesh group the bucket is reduce-scattered and all-gathered over: 'dp', or 'edp' for
-        stacked expert weights (None in the mesh when each rank is alone with its experts)."""
+        """The mesh group the bucket is reduce-scattered and all-gathered over: 'dp', 'dp_cp' with
+        context parallelism (the d x c ranks averaging gradients), or 'edp' for stacked expert weights
+        (None in the mesh when each rank is alone with its experts)."""
         self.shard_numel = self.padded // dp
         self.owned = (dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel)
         """This replica's range of the flat vector."""

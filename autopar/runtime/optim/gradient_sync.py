@@ -2,7 +2,10 @@
 
 - Data-parallel averaging in buckets: ``start(names)`` flattens the named
   parameters' gradients into buckets of ``bucket_bytes`` and launches an
-  asynchronous all-reduce over the dp group for each; the engine calls it as
+  asynchronous all-reduce over the mesh's 'dp_cp' group for each (the d
+  replicas, times the c context-parallel ranks of each: they hold the same
+  weights and gradients of their own tokens, so they average like replicas;
+  the dp group itself when c = 1); the engine calls it as
   soon as the last backward that produces those gradients has run, so the
   reduction overlaps the rest of the backward. ``end_step`` waits and averages.
   Averaging is idempotent on gradients that replicas already agree on, so
@@ -115,7 +118,7 @@ class GradientSync:
         """Launch the averaging all-reduce (or reduce-scatter) of these parameters' gradients, in
         buckets, asynchronously (partial sums over tp summed first)."""
         self.tp_partial.sum(names)
-        if not names or (self.mesh.shape.dp == 1 and self.mesh.shape.edp == 1 and self.sharded is None):
+        if not names or (self.mesh.shape.dp_cp == 1 and self.mesh.shape.edp == 1 and self.sharded is None):
             return
         experts = [n for n in names if n in self.program.expert_params]
         if experts:  # each expert's replicas are the ranks holding it (mesh 'edp'), not all of dp
@@ -131,9 +134,9 @@ class GradientSync:
                         p.grad = torch.zeros_like(p)
                 if replicas is not None:
                     self._launch(bucket, replicas, self.mesh.shape.edp)
-        if self.mesh.shape.dp == 1 and self.sharded is None:  # whole experts' replicas over tp alone
+        if self.mesh.shape.dp_cp == 1 and self.sharded is None:  # whole experts' replicas over tp alone
             return
-        group = self.mesh.groups.get("dp")
+        group = self.mesh.groups.get("dp_cp")
         for names_in_bucket in bucket_names(names, self.params, self.bucket_bytes):
             if self.sharded is not None:
                 self._launch_reduce_scatter(self._flat_bucket(names_in_bucket), group)
@@ -146,10 +149,10 @@ class GradientSync:
 
     def _launch(self, params: list[nn.Parameter], group, replicas: int | None = None) -> None:
         """All-reduce one bucket: the gradients flattened into one 1-D tensor (on the device), averaged
-        over ``replicas`` (default: dp) at the end of the step."""
+        over ``replicas`` (default: d x c, the 'dp_cp' ranks) at the end of the step."""
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         work = dist.all_reduce(flat, group=group, async_op=True)
-        self._works.append((work, flat, params, replicas or self.mesh.shape.dp))
+        self._works.append((work, flat, params, replicas or self.mesh.shape.dp_cp))
         self.stats["dp_buckets"] = self.stats.get("dp_buckets", 0) + 1
 
     def _flat_bucket(self, names: list[str]) -> FlatBucket:
@@ -164,7 +167,7 @@ class GradientSync:
 
     def _launch_reduce_scatter(self, bucket: FlatBucket, group) -> None:
         """Reduce-scatter one bucket: its local gradients, flat and padded, summed over the replicas
-        (``group``: the bucket's, dp or the expert replicas) into each one's owned range
+        (``group``: the bucket's, 'dp_cp' or the expert replicas) into each one's owned range
         (``bucket.grad``); averaged in ``end_step``."""
         flat = bucket.flat_grads(self.params)
         if bucket.tied:
@@ -202,14 +205,14 @@ class GradientSync:
     def _end_sharded_step(self) -> None:
         """Reduce-scatter mode: reduce the tied buckets (their gradients are final only now), wait for
         every bucket and average its owned range."""
-        group = self.mesh.groups.get("dp")
+        group = self.mesh.groups.get("dp_cp")
         for bucket in self.sharded.values():
             if bucket.tied:
                 self._launch_reduce_scatter(bucket, group)
         for work, _, _ in self._works:
             work.wait()
         self._works = []
-        for bucket in self.sharded.values():  # dp, or an expert bucket's d/ep replicas
+        for bucket in self.sharded.values():  # d x c, or an expert bucket's d/ep replicas
             bucket.grad /= bucket.dp
 
     def reduced_grads(self) -> dict[str, torch.Tensor]:
@@ -233,9 +236,9 @@ class GradientSync:
             before = self._tied_before.get(name)
             delta = p.grad - before if before is not None else p.grad.clone()
             dist.all_reduce(delta, group=self.mesh.tied[stages])
-            if self.mesh.shape.dp > 1:
-                dist.all_reduce(delta, group=self.mesh.groups["dp"])
-                delta /= self.mesh.shape.dp
+            if self.mesh.shape.dp_cp > 1:
+                dist.all_reduce(delta, group=self.mesh.groups["dp_cp"])
+                delta /= self.mesh.shape.dp_cp
             p.grad.copy_(delta if before is None else before + delta)
 
     # ------------------------------------------------------------- clipping
@@ -245,8 +248,9 @@ class GradientSync:
         Each parameter counts once: a shard on every tensor-parallel rank (and each expert-parallel
         rank's experts of a stacked expert weight), a
         replicated parameter on tp rank 0, a parameter held by several stages
-        on the first of them; data-parallel replicas hold equal gradients (in
-        reduce-scatter mode each replica counts and scales the range it owns).
+        on the first of them; data-parallel replicas and the cp ranks of each hold equal gradients
+        (in reduce-scatter mode each of the d x c ranks counts and scales the range it owns, and
+        the sum runs over 'dp_cp').
 
         Expert weights: in all-reduce mode every rank holds its experts' whole reduced gradient, so
         their part is summed over the expert group ('ep') only (with whole experts, ``expert_tp=1``,
@@ -266,7 +270,7 @@ class GradientSync:
             if self.mesh.shape.rows_split > 1:  # whole experts: every tp rank now holds the same sum, which
                 experts /= self.mesh.shape.tp   # the all-reduce over tp below adds t times
         sq += experts
-        axes = ("tp", "pp", "dp") if self.sharded is not None else ("tp", "pp")
+        axes = ("tp", "pp", "dp_cp") if self.sharded is not None else ("tp", "pp")
         for axis in axes:
             if self.mesh.groups.get(axis) is not None:
                 dist.all_reduce(sq, group=self.mesh.groups[axis])

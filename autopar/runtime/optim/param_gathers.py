@@ -3,7 +3,8 @@
 After ``DistributedOptimizer.step()`` each replica holds the updated entries of
 its own 1/d range of every flat bucket; the parameters get the other
 replicas' ranges by one all-gather per bucket (over the bucket's ``axis``:
-all of dp, or for stacked expert weights the d/ep replicas of those experts). ``ParamGathers.launch`` starts
+all of dp, 'dp_cp' with context parallelism, or for stacked expert weights the d/ep
+replicas of those experts). ``ParamGathers.launch`` starts
 them all asynchronously and returns at once, so they overlap whatever comes
 next: the data loader, the next step's first forwards. A bucket is waited for
 (and copied into its parameters) only when something is about to read one of
