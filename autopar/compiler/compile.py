@@ -81,9 +81,9 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
         local_shape = _param_local_shapes(traced, plan, config.tp).__getitem__
         annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape)
         roles = find_batch_roles(traced)
-        _check_context_loss(getattr(config, "cp", 1), config.loss_reduction, roles)
+        _check_context_loss(config.cp, config.loss_reduction, roles)
         context = apply_context_parallel(rank_module, traced.param_of, [*traced.input_names, *traced.target_names],
-                                         getattr(config, "cp", 1), type(model).__name__)
+                                         config.cp, type(model).__name__)
         inputs = {} if context is None else context_inputs(traced, rank_module, context.split)
         if context is not None:
             annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape, inputs)

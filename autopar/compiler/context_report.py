@@ -63,7 +63,7 @@ def context_lines(program: Program) -> list[str]:
                      f"({', '.join(plan.narrowed[:4])}{', ...' if len(plan.narrowed) > 4 else ''}): position and "
                      f"rotary tables follow the rank's tokens")
     mesh = program.config.mesh
-    if getattr(mesh, "cp", 1) > 1 and hasattr(mesh, "cp_groups"):
+    if mesh.cp > 1:
         groups = mesh.cp_groups()
         shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:6])
         lines.append(f"  context-parallel groups: {shown}" + (f" ... ({len(groups)} groups)" if len(groups) > 6 else ""))

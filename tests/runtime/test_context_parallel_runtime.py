@@ -46,6 +46,7 @@ from helpers import assert_bitwise_equal, assert_ranks_match, on_rank0, referenc
 
 import autopar
 from autopar.core.comm.cp_layout import ContextSplit, cp_shard
+from autopar.reference.models import build
 from autopar.core.config import ParallelConfig
 from autopar.core.errors import ConfigError
 from autopar.core.mesh import Mesh, MeshShape
@@ -300,8 +301,10 @@ def test_config_world_is_tp_cp_pp_dp():
     with pytest.raises(ConfigError, match=r"cp must be >= 1"):
         ParallelConfig(cp=0)
     x = torch.zeros((2, SEQ), dtype=torch.long)
-    program = autopar.parallelize(_model(), example_inputs=(x,), example_targets=x, cp=2, world_size=8)
+    attention = build("gpt", vocab_size=VOCAB, seq_len=SEQ, n_layer=1, n_head=2, d_model=HIDDEN)
+    program = autopar.parallelize(attention, example_inputs=(x,), example_targets=x, cp=2, world_size=8)
     assert (program.config.cp, program.config.data_parallel, program.config.mesh.world) == (2, 4, 8)
+    assert program.context.cp == 2  # the compiler's split, which the runtime follows
 
 
 def test_batch_cut_into_each_cp_rank_tokens():

@@ -32,7 +32,7 @@ __all__ = ["cp_attention", "cp_tokens", "cp_group"]
 
 def cp_group(tp: TPGroup, cp: int) -> TPGroup:
     """The context-parallel group the rank program runs over: the engine's, or an inspection group of ``cp``."""
-    group = getattr(tp, "cp", None)
+    group = tp.cp
     if group is None:
         return TPGroup(0, cp, None)
     if group.size != cp:
@@ -41,6 +41,7 @@ def cp_group(tp: TPGroup, cp: int) -> TPGroup:
     return group
 
 
+@torch.compiler.disable(reason="ring attention: point-to-point messages posted and waited on around the blocks")
 def cp_attention(tp: TPGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, causal: bool,
                  balanced: bool, scale: float | None = None) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`` of this rank's queries over the
