@@ -489,8 +489,9 @@ def _rewrite(gm: fx.GraphModule, region: dict[str, object], decisions: dict[str,
             set_operand(node, path, inserted[key])
     for att in attention:
         node = att.out
+        k, v = _unrepeated(att.k, region), _unrepeated(att.v, region)
         with graph.inserting_before(node):
-            ring = copy_meta(graph.call_function(cp_attention, (tp, att.q, att.k, att.v, split.cp, causal[node],
+            ring = copy_meta(graph.call_function(cp_attention, (tp, att.q, k, v, split.cp, causal[node],
                                                                split.balanced, att.scale)), node)
         node.replace_all_uses_with(ring)
         inputs = list(node.all_input_nodes)
@@ -499,6 +500,25 @@ def _rewrite(gm: fx.GraphModule, region: dict[str, object], decisions: dict[str,
     graph.lint()
     gm.recompile()
     return [name for name, *_ in inserted]
+
+
+def _unrepeated(x: fx.Node, region: dict[str, object]) -> fx.Node:
+    """The key or value heads before grouped-query attention repeated them (``repeat_kv``: unsqueeze at
+    dim 2, expand n times, reshape to n x the heads), when ``x`` is that repeat: ring attention takes
+    the fewer heads and repeats them inside each block, so only those travel. Else ``x``."""
+    if x.target not in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        return x
+    expand = x.args[0]
+    if not isinstance(expand, fx.Node) or expand.target != aten.expand.default:
+        return x
+    unsqueeze = expand.args[0]
+    if not isinstance(unsqueeze, fx.Node) or unsqueeze.target != aten.unsqueeze.default or unsqueeze.args[1] != 2:
+        return x
+    heads = unsqueeze.args[0]
+    before, after = heads.meta["val"].shape, x.meta["val"].shape
+    if len(before) != 4 or len(after) != 4 or after[1] % before[1] or (after[0], *after[2:]) != (before[0], *before[2:]):
+        return x
+    return heads if isinstance(region.get(heads.name), Shard) else x
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:

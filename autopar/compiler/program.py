@@ -27,6 +27,7 @@ from autopar.core.chunks import PipelineSplit
 from autopar.core.collectives import collective_of
 from autopar.core.comm.cp_layout import ContextSplit
 from passes.experts import ExpertLayer
+from autopar.compiler.context_report import ring_bytes
 from passes.context_parallel import ContextPlan, context_inputs
 from autopar.core.config import ParallelConfig
 from autopar.core.errors import AutoparError
@@ -204,13 +205,18 @@ class Program:
             if self.stage_of_chunk(c.index - 1) != self.stage_of_chunk(c.index):  # a message, not a handover
                 label = f"chunk {c.index - 1} -> {c.index}"
                 out[(label, "p2p send", "activation fwd, gradient bwd" + (", 1/t each" if sg else ""))] = (fwd + bwd) * m
-        if self.config.data_parallel > 1:
-            d = self.config.data_parallel
+        if self.config.data_parallel * self.config.cp > 1:  # the cp ranks average their gradients with dp
+            d = self.config.data_parallel * self.config.cp
             stage_bytes = max(sum(math.prod(self.local_shape(n)) * 4 for n in self.param_names
                                   if s in self.param_stages.get(n, ()) and n not in self.expert_params)
                               for s in range(self.pp))
-            out[("dp", "all-reduce grads", f"ring: 2(d-1)/d of {stage_bytes / 2**20:.1f} MiB")] = \
+            axis, over = ("dp", "d") if self.config.cp == 1 else ("dp x cp", "d*cp")
+            out[(axis, "all-reduce grads", f"ring over {over}={d}: 2(d-1)/d of {stage_bytes / 2**20:.1f} MiB")] = \
                 2 * (d - 1) / d * stage_bytes
+        if self.context_plan is not None:
+            ring = ring_bytes(self)
+            out[("cp", "ring attention", f"K, V around {self.config.cp} ranks, fwd and bwd, every layer")] = \
+                (ring["forward"] + ring["backward"]) * m
             e = d // self.ep
             if self.expert_params and e > 1:  # each expert's gradient over the d/ep replicas holding it
                 expert_bytes = max(sum(math.prod(self.local_shape(n)) * 4 for n in self.expert_params

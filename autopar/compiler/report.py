@@ -57,7 +57,7 @@ def memory_per_rank(program: Program) -> list[dict[str, float]]:
     moments (12 bytes) per parameter over the d replicas. ``sequence_parallel`` and
     ``distributed_optimizer`` say which the program uses (``program.config``'s, off when absent).
     """
-    p, t, d = program.pp, program.tp, program.config.data_parallel
+    p, t, d = program.pp, program.tp, program.config.data_parallel * program.config.cp  # distopt shards over dp x cp
     seq = _seq_len(program)
     out = []
     for stage in range(p):
@@ -155,8 +155,7 @@ def _header(program: Program) -> str:
     return (
         f"[bold]autopar program[/bold]: {program.traced.model_name}, {total:,} parameters, "
         f"{layers.describe()}\n"
-        f"mesh: tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp}{_ep_text(mesh)} = {mesh.world} ranks "
-        f"(rank = tp + dp*{mesh.tp} + pp*{mesh.tp * mesh.dp})\n"
+        f"{_mesh_line(mesh)}\n"
         f"data-parallel size {mesh.dp}: {cfg.dp_source}\n"
         f"schedule {cfg.schedule}, virtual stages {cfg.virtual_stages}, {cfg.microbatches} microbatches per "
         f"replica; recompute {program.recompute}; precision {program.precision}\n"
@@ -239,12 +238,12 @@ def _stages_table(program: Program) -> Table:
     for s in range(mesh.pp):
         chunks = program.chunks_of_stage(s)
         desc = "; ".join(f"{c.index}: {_span(c.layers)}" for c in chunks)
-        ranks = [mesh.rank(s, d, j) for d in range(mesh.dp) for j in range(mesh.tp)]
+        ranks = sorted(mesh.rank(s, d, j, c) for d in range(mesh.dp) for j in range(mesh.tp) for c in range(mesh.cp))
         m = mem[s]
         opt = m["optimizer_distopt"] if m["distributed_optimizer"] else m["optimizer"]
         act = m["activations_sp"] if m["sequence_parallel"] else m["activations"]
         rows.append([str(s), _ranks(ranks), desc, f"{m['params']:,}", _gib(m["weights"]), _gib(m["grads"]),
-                     _gib(m["optimizer"]), _gib(m["optimizer_distopt"]) if mesh.dp > 1 else "-",
+                     _gib(m["optimizer"]), _gib(m["optimizer_distopt"]) if mesh.dp * mesh.cp > 1 else "-",
                      _gib(m["activations"]), str(m["in_flight"]), _gib(m["activations_sp"]) if mesh.tp > 1 else "-",
                      _gib(m["weights"] + m["grads"] + opt + act)])
     return compact_table("Pipeline stages: layers per chunk, memory per rank",
@@ -263,7 +262,7 @@ def _stage_notes(program: Program) -> list[str]:
             per_chunk += (f"; with each batch of sends and receives waited for whole (NCCL) "
                           f"{predicted_bubble(program, Sends.BATCHED):.1%}")
     lines = [per_chunk, "params: per rank; distopt: optimizer state with the distributed optimizer (fp32 master + "
-             "Adam's m, v: 12 bytes per parameter / d); act. peak: activations at the peak, with the microbatches "
+             "Adam's m, v: 12 bytes per parameter / d, or / (d x cp)); act. peak: activations at the peak, with the microbatches "
              "in flight; with SP: activations with sequence parallelism (values whole on every tensor-parallel "
              "rank split t ways); total: the program's own choices"]
     if program.tied_params:
@@ -401,6 +400,16 @@ def _span(layers: list[int]) -> str:
     if not layers:
         return "-"
     return f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+
+
+def _mesh_line(mesh) -> str:
+    """The axes, the world and how a rank is numbered (tp fastest, then cp, dp, pp)."""
+    if mesh.cp == 1:
+        return (f"mesh: tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp}{_ep_text(mesh)} = {mesh.world} ranks "
+                f"(rank = tp + dp*{mesh.tp} + pp*{mesh.tp * mesh.dp})")
+    t, c, d = mesh.tp, mesh.cp, mesh.dp
+    return (f"mesh: tp={t} x cp={c} x pp={mesh.pp} x dp={d} = {mesh.world} ranks "
+            f"(rank = tp + cp*{t} + dp*{t * c} + pp*{t * c * d})")
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -33,9 +33,10 @@ def test_the_program_is_frozen():
         program.schedule = None
     # every field was given at construction: none is left empty for a later step to fill in
     # (``sequence`` is None only where sequence parallelism is off, ``async_tp`` where overlap has no
-    # 'tp': the plans of passes that did not run)
+    # 'tp', ``context`` and ``context_plan`` where cp = 1: the plans of passes that did not run)
     did_not_run = {"sequence": program.config.sequence_parallel is False,
-                   "async_tp": "tp" not in program.config.overlap}
+                   "async_tp": "tp" not in program.config.overlap,
+                   "context": program.config.cp == 1, "context_plan": program.config.cp == 1}
     for f in dataclasses.fields(program):
         if not did_not_run.get(f.name, False):
             assert getattr(program, f.name) is not None, f.name
