@@ -17,7 +17,7 @@ from autopar.planning.measured.comparison import Comparison
 from autopar.planning.search.planner import Plan
 
 __all__ = ["make_console", "plan_row", "plan_table", "shows_context_parallelism", "breakdown_table", "ops_table",
-           "explain_rows",
+           "explain_rows", "context_table",
            "explain_table", "measured_table", "costs_table"]
 
 GiB = 2**30
@@ -85,6 +85,24 @@ def plan_table(plan: Plan, top: int) -> Table:
                 "(recomputation included, as the paper counts); peak: of the GPU's peak; GiB per GPU; comm: "
                 "exposed tensor-parallel, pipeline and data-parallel communication (s)" + experts,
         left=("sched", "recomp", "SP", "DO") + (("ep",) if moe else ()), styles=styles)
+
+
+def context_table(best: dict[int, Estimate | None]) -> Table:
+    """The fastest layout at each context-parallel degree (``planner.best_by_context_degree``): its
+    iteration time, memory per GPU (activations apart), the ring's exposed seconds, and whether it fits."""
+    rows = []
+    for cp, e in best.items():
+        if e is None:
+            rows.append([str(cp), "no valid layout", "-", "-", "-", "-", "-"])
+            continue
+        rows.append([str(cp), e.layout.short, f"{e.t_iter:.3f}", f"{e.memory.total / GiB:.1f}",
+                     f"{e.memory.activations / GiB:.1f}", f"{e.breakdown.get('cp_comm', 0.0):.3f}",
+                     "yes" if e.fits else "no"])
+    return compact_table("the fastest layout at each cp", ("cp", "layout", "iter s", "GiB", "act GiB", "ring s",
+                                                             "fits"), rows, left=("layout", "fits"),
+                         caption="GiB: memory per GPU; act: of which activations; ring: the ring attention's "
+                                 "exposed transfers per iteration (s); a layout that does not fit is the fastest "
+                                 "of those at that cp")
 
 
 def breakdown_table(e: Estimate) -> Table:

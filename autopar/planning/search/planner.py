@@ -44,7 +44,7 @@ from autopar.planning.search.sensitivity import flip_lines, memory_margin_line
 from autopar.planning.search.versus import term_lines
 
 __all__ = ["SearchSpace", "Plan", "search", "candidate_layouts", "why_differs", "paper_run_for",
-           "memory_line", "tensor_parallel_degrees", "context_parallel_degrees"]
+           "memory_line", "tensor_parallel_degrees", "context_parallel_degrees", "best_by_context_degree"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -232,7 +232,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
     ts = space.t or tensor_parallel_degrees(n, G)
     for t, cp in ((t, cp) for t in ts for cp in (space.cp or context_parallel_degrees(spec, n // t, space))):
         if n % (t * cp):
-            reject([f"t={t} does not divide n"] if n % t else [f"t*cp does not divide n (cp={cp})"])
+            reject([f"t={t} does not divide n"] if n % t else ["t*cp does not divide n"])
             continue
         ps = space.p or tuple(p for p in _divisors(n // (t * cp)) if p <= spec.layers)
         for p in ps:
@@ -393,6 +393,17 @@ def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace()
             reference = replace(run.layout(), dp_overlap=space.overlap_for(run.p))
     ref_est = _simulated(spec, cluster, reference, space) if reference is not None else None
     return Plan(spec, cluster, space, ranked, too_big, rejected, n_eval, time.perf_counter() - t0, ref_est)
+
+
+def best_by_context_degree(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> dict[int, Estimate | None]:
+    """For each cp of ``space.cp``: the fastest layout of the space at that cp that fits (the rest of
+    the space searched as ``search`` does), else the fastest that does not (``Estimate.fits`` False),
+    else None (no valid layout): what context parallelism buys, degree by degree."""
+    out: dict[int, Estimate | None] = {}
+    for cp in space.cp or ():
+        plan = search(spec, cluster, replace(space, cp=(cp,)), top=1, simulate_top=1)
+        out[cp] = plan.ranked[0] if plan.ranked else (plan.too_big[0] if plan.too_big else None)
+    return out
 
 
 def _simulated(spec: ModelSpec, cluster: Cluster, lay: Layout, space: SearchSpace) -> Estimate:
