@@ -191,7 +191,11 @@ def test_autopar_plan_cp_flag(capsys):
             "--gated-mlp", "--vocab", "32000", "--seq-len", "65536", "--gpus", "32", "--batch", "16",
             "--recompute", "layer", "--schedule", "1f1b", "--cp", "1,2,4", "--top", "40"]
     assert main(args + ["--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["ranked"]
+    out = json.loads(capsys.readouterr().out)
+    rows = out["ranked"]
+    by_cp = {entry["cp"]: entry["layout"] for entry in out["by_cp"]}  # the fastest layout at each cp named
+    assert sorted(by_cp) == [1, 2, 4] and all(by_cp[cp]["cp"] == cp for cp in by_cp)
+    assert min(r["iteration_s"] for r in rows) == pytest.approx(min(e["iteration_s"] for e in by_cp.values()))
     assert {r["cp"] for r in rows} <= {1, 2, 4} and any(r["cp"] > 1 for r in rows)
     assert all(r["t"] * r["cp"] * r["p"] * r["d"] == 32 for r in rows)
     assert main(args) == 0
