@@ -16,9 +16,8 @@ from autopar.planning.drawing.tables import PIPED_WIDTH, compact_table
 from autopar.planning.measured.comparison import Comparison
 from autopar.planning.search.planner import Plan
 
-__all__ = ["make_console", "plan_row", "plan_table", "shows_context_parallelism", "breakdown_table", "ops_table",
-           "explain_rows", "context_table",
-           "explain_table", "measured_table", "costs_table"]
+__all__ = ["make_console", "plan_row", "plan_table", "shows_context_parallelism", "context_table", "breakdown_table",
+           "ops_table", "explain_rows", "explain_table", "measured_table", "costs_table"]
 
 GiB = 2**30
 
