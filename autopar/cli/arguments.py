@@ -14,7 +14,7 @@ from autopar.core.config import SCHEDULE_NAMES, Recompute
 from autopar.planning.cost.hardware import PROFILES
 from autopar.planning.cost.layout import PRICED_RECOMPUTE
 
-__all__ = ["build_parser", "add_model_args", "FEATURES", "FEATURE_FLAG", "RECOMPUTE_FLAG"]
+__all__ = ["build_parser", "add_model_args", "degrees", "FEATURES", "FEATURE_FLAG", "RECOMPUTE_FLAG"]
 
 RECOMPUTE_FLAG: dict[str, tuple[Recompute, ...]] = {
     "layer": (Recompute.LAYER,),
@@ -35,6 +35,17 @@ FEATURES = (
 )
 """(flag, default for a model given by its dimensions, what it is): what the dimensions do not say
 (``ModelSpec``'s fields of the same names); the defaults fit current models (Llama, Mistral, Qwen)."""
+
+
+def degrees(text: str) -> tuple[int, ...]:
+    """``4`` or ``1,2,4``: the degrees a flag names, each a positive integer."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas (4 or 1,2,4), got {text!r}")
+    return tuple(dict.fromkeys(values))
 
 
 def add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -> None:
@@ -100,6 +111,10 @@ def add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -
                           "or 'search' both when d > 1")
     lay.add_argument("--ep", type=int, help="expert-parallel degree (a divisor of d and of the experts; "
                                             "default: every one is searched for a mixture-of-experts model)")
+    lay.add_argument("--cp", type=degrees, metavar="CP[,CP...]",
+                     help="context-parallel degrees to try (the sequence split over cp ranks, attention as ring "
+                          "attention), e.g. 4 or 1,2,4 (default: every one that cuts the sequence evenly when it "
+                          "has at least 8192 tokens, else 1; 1 when --tp and --pp fix the layout)")
     lay.add_argument("--expert-dispatch", choices=("allgather", "alltoall", "search"), default="search",
                      help="how routed tokens reach their experts with ep > 1: 'allgather' (all-gather and "
                           "reduce-scatter of the expert group's rows), 'alltoall', or 'search' both (default)")

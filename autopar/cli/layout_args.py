@@ -79,14 +79,25 @@ def search_space(args: argparse.Namespace) -> SearchSpace:
         distributed_optimizer=FEATURE_FLAG[args.distributed_optimizer],
         fused_kernels=getattr(args, "kernels", "fused") == "fused",
         ep=one(getattr(args, "ep", None)),
+        cp=_context_degrees(args),
         expert_dispatch=_DISPATCH_FLAG[getattr(args, "expert_dispatch", "search")],
     )
 
 
+def _context_degrees(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """``--cp``'s degrees; without it 1 when ``--tp`` and ``--pp`` fix the layout (so that d is
+    n / (t p), as they say), else None: the planner's own choice."""
+    named = getattr(args, "cp", None)
+    if named is not None:
+        return named
+    return (1,) if args.tp is not None and args.pp is not None else None
+
+
 def fixed_layout(args: argparse.Namespace, space: SearchSpace) -> Layout:
     """The layout ``--tp --pp --micro-batch`` (and ``--vp``, ``--schedule``, ``--ep``, ``--expert-dispatch``:
-    the all-gather one unless 'alltoall' is asked for) fix on ``--gpus`` GPUs."""
-    return Layout(t=args.tp, p=args.pp, d=args.gpus // (args.tp * args.pp), b=args.micro_batch,
+    the all-gather one unless 'alltoall' is asked for; ``--cp``: its first degree) fix on ``--gpus`` GPUs."""
+    cp = (space.cp or (1,))[0]
+    return Layout(t=args.tp, p=args.pp, d=args.gpus // (args.tp * args.pp * cp), b=args.micro_batch, cp=cp,
                   v=chunks_per_stage(args.schedule, args.vp), schedule=args.schedule or "",
                   recompute=RECOMPUTE_FLAG[args.recompute][0], scatter_gather=not args.no_scatter_gather,
                   dp_overlap=space.overlap_for(args.pp), fused_kernels=space.fused_kernels,

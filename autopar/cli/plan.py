@@ -2,7 +2,8 @@
 
 The ranked layouts, the rules that rejected the others, the notes, why the best beats the
 paper's layout (or the fastest of another (t, p)), the ``--vs-*`` layout's terms beside the
-best's, and with ``--explain`` the paper's formulas, the time's breakdown and one layer's kernels.
+best's, with ``--cp`` naming several degrees the fastest layout at each, and with ``--explain`` the
+paper's formulas, the time's breakdown and one layer's kernels.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from rich.console import Console
 
 from autopar.cli.layout_args import cluster, search_space, versus_estimate
 from autopar.cli.model_args import model_spec
-from autopar.cli.render import breakdown_table, explain_rows, explain_table, ops_table, plan_table
+from autopar.cli.render import breakdown_table, context_table, explain_rows, explain_table, ops_table, plan_table
 from autopar.planning.cost.step_estimate import Estimate
-from autopar.planning.search.planner import Plan, search
+from autopar.planning.search.planner import Plan, best_by_context_degree, search
 from autopar.planning.search.sensitivity import flip_points
 from autopar.planning.search.versus import term_lines, term_rows
 
@@ -37,7 +38,12 @@ def _versus_json(best: Estimate, other: Estimate) -> dict:
                       for r in term_rows(best, other)]}
 
 
-def _plan_json(args: argparse.Namespace, plan: Plan, other: Estimate | None) -> dict:
+def _by_cp_json(best: dict[int, Estimate | None]) -> list[dict]:
+    return [{"cp": cp, "layout": e.as_dict() if e is not None else None} for cp, e in best.items()]
+
+
+def _plan_json(args: argparse.Namespace, plan: Plan, other: Estimate | None,
+               by_cp: dict[int, Estimate | None]) -> dict:
     spec, cl = plan.spec, plan.cluster
     out = {
         "model": {"name": spec.label, "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads,
@@ -57,6 +63,8 @@ def _plan_json(args: argparse.Namespace, plan: Plan, other: Estimate | None) -> 
                          "shared_expert_ffn": spec.shared_expert_ffn, "moe_layers": spec.moe_layers}
     if other is not None and plan.ranked:
         out["versus"] = _versus_json(plan.best, other)
+    if by_cp:
+        out["by_cp"] = _by_cp_json(by_cp)
     if not plan.ranked:
         out["error"] = plan.no_fit_message()
     if args.explain and plan.ranked:
@@ -73,8 +81,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     space = search_space(args)
     plan = search(spec, cl, space, top=args.top)
     other = versus_estimate(args, spec, cl, space)
+    by_cp = best_by_context_degree(spec, cl, space) if len(space.cp or ()) > 1 else {}
     if args.json:
-        print(json.dumps(_plan_json(args, plan, other), indent=2))
+        print(json.dumps(_plan_json(args, plan, other, by_cp), indent=2))
         return 0 if plan.ranked else 1
     if not plan.ranked:
         console.print(f"[red]{plan.no_fit_message()}[/red]")
@@ -86,6 +95,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
                       highlight=False)
     for line in plan.notes():
         console.print(line, highlight=False)
+    if by_cp:
+        console.print(context_table(by_cp), crop=False)
     why = plan.why()
     if why:
         console.print("[bold]compared with the paper's layout[/bold]" if plan.reference is not None else

@@ -16,8 +16,8 @@ from autopar.planning.drawing.tables import PIPED_WIDTH, compact_table
 from autopar.planning.measured.comparison import Comparison
 from autopar.planning.search.planner import Plan
 
-__all__ = ["make_console", "plan_row", "plan_table", "breakdown_table", "ops_table", "explain_rows",
-           "explain_table", "measured_table", "costs_table"]
+__all__ = ["make_console", "plan_row", "plan_table", "shows_context_parallelism", "context_table", "breakdown_table",
+           "ops_table", "explain_rows", "explain_table", "measured_table", "costs_table"]
 
 GiB = 2**30
 
@@ -39,31 +39,42 @@ def make_console(width: int | None = None) -> Console:
     return console
 
 
-def plan_row(e: Estimate, experts: bool = False) -> list[str]:
-    """One ranked layout's cells after its rank (``PLAN_COLUMNS[1:]``; with ``experts`` the ep column
-    after d: ``4 a2a``, ``2 ag``, or ``1``)."""
+def plan_row(e: Estimate, experts: bool = False, context: bool = False) -> list[str]:
+    """One ranked layout's cells after its rank (``PLAN_COLUMNS[1:]``; with ``context`` the cp column
+    after t; with ``experts`` the ep column after d: ``4 a2a``, ``2 ag``, or ``1``)."""
     lay = e.layout
     sched = _SCHEDULE_LABELS[lay.schedule] if lay.p > 1 else "-"
     ep = [f"{lay.ep} {'a2a' if lay.expert_dispatch == 'alltoall' else 'ag'}" if lay.ep > 1 else "1"] if experts else []
-    return [str(lay.t), str(lay.p), str(lay.d), *ep, str(lay.v), str(lay.b), str(e.m),
+    cp = [str(lay.cp)] if context else []
+    return [str(lay.t), *cp, str(lay.p), str(lay.d), *ep, str(lay.v), str(lay.b), str(e.m),
             sched + ("*" if e.simulated else "") + ("" if e.runnable else "!"), str(lay.recompute),
             "on" if lay.sp else "-", "on" if lay.distopt else "-",
             f"{e.t_iter:.3f}", f"{e.tflops_per_gpu:.1f}", f"{e.frac_peak:.1%}", f"{e.memory.total / GiB:.1f}",
             f"{e.bubble:.1%}", f"{e.comm_time:.3f}"]
 
 
+def shows_context_parallelism(plan: Plan, top: int) -> bool:
+    """Whether the plan table has a cp column: for a long sequence (one the search tries cp > 1 for,
+    ``SearchSpace.long_sequence``), or when a row shown splits the sequence."""
+    shown = plan.ranked[:top] + ([plan.reference] if plan.reference is not None else [])
+    return plan.spec.seq_len >= plan.space.long_sequence or any(e.layout.cp > 1 for e in shown)
+
+
 def plan_table(plan: Plan, top: int) -> Table:
     """The ``top`` ranked layouts, and the paper's layout when there is one."""
     hw = plan.cluster.hardware
-    moe = plan.spec.is_moe
-    rows = [[str(k), *plan_row(e, moe)] for k, e in enumerate(plan.ranked[:top], 1)]
+    moe, context = plan.spec.is_moe, shows_context_parallelism(plan, top)
+    rows = [[str(k), *plan_row(e, moe, context)] for k, e in enumerate(plan.ranked[:top], 1)]
     styles: list[str | None] = [None] * len(rows)
     if plan.reference is not None:
-        rows.append(["paper", *plan_row(plan.reference, moe)])
+        rows.append(["paper", *plan_row(plan.reference, moe, context)])
         styles.append("yellow")
-    columns = PLAN_COLUMNS[:4] + ("ep",) + PLAN_COLUMNS[4:] if moe else PLAN_COLUMNS
+    columns = PLAN_COLUMNS[:2] + (("cp",) if context else ()) + PLAN_COLUMNS[2:4] + (("ep",) if moe else ()) \
+        + PLAN_COLUMNS[4:]
     experts = ("; ep: expert-parallel degree and dispatcher (ag = all-gather/reduce-scatter, a2a = all-to-all), "
                "whose exchanges comm includes" if moe else "")
+    experts += ("; cp: context-parallel degree (the sequence split over cp ranks, ring attention), whose exposed "
+                "ring transfers comm includes" if context else "")
     return compact_table(
         f"{plan.spec.label} on {plan.cluster.gpus} x {hw.gpu} ({hw.name}), global batch "
         f"{plan.cluster.global_batch}: {plan.evaluated} layouts in {plan.seconds:.2f} s", columns, rows,
@@ -73,6 +84,24 @@ def plan_table(plan: Plan, top: int) -> Table:
                 "(recomputation included, as the paper counts); peak: of the GPU's peak; GiB per GPU; comm: "
                 "exposed tensor-parallel, pipeline and data-parallel communication (s)" + experts,
         left=("sched", "recomp", "SP", "DO") + (("ep",) if moe else ()), styles=styles)
+
+
+def context_table(best: dict[int, Estimate | None]) -> Table:
+    """The fastest layout at each context-parallel degree (``planner.best_by_context_degree``): its
+    iteration time, memory per GPU (activations apart), the ring's exposed seconds, and whether it fits."""
+    rows = []
+    for cp, e in best.items():
+        if e is None:
+            rows.append([str(cp), "no valid layout", "-", "-", "-", "-", "-"])
+            continue
+        rows.append([str(cp), e.layout.short, f"{e.t_iter:.3f}", f"{e.memory.total / GiB:.1f}",
+                     f"{e.memory.activations / GiB:.1f}", f"{e.breakdown.get('cp_comm', 0.0):.3f}",
+                     "yes" if e.fits else "no"])
+    return compact_table("the fastest layout at each cp", ("cp", "layout", "iter s", "GiB", "act GiB", "ring s",
+                                                             "fits"), rows, left=("layout", "fits"),
+                         caption="GiB: memory per GPU; act: of which activations; ring: the ring attention's "
+                                 "exposed transfers per iteration (s); a layout that does not fit is the fastest "
+                                 "of those at that cp")
 
 
 def breakdown_table(e: Estimate) -> Table:
@@ -87,11 +116,12 @@ def ops_table(e: Estimate) -> Table:
     """One layer's forward kernels on one GPU (a mixture-of-experts model's expert layer): shapes,
     FLOPs, bytes and time."""
     hw, lay, moe = e.cluster.hardware, e.layout, e.spec.is_moe
-    ops = layer_ops(e.spec, lay.b, lay.t, moe=moe, ep=lay.ep, dispatch=lay.expert_dispatch)
+    ops = layer_ops(e.spec, lay.b, lay.t, moe=moe, ep=lay.ep, dispatch=lay.expert_dispatch, cp=lay.cp)
     rows = [[op.name, op.kind, str(op.gemm) if op.gemm else "", f"{op.flops / 1e9:.2f}", f"{op.bytes / 1e6:.1f}",
-             f"{op_time(op, hw, lay.t, lay.ep) * 1e6:.0f}"] for op in ops.forward]
+             f"{op_time(op, hw, lay.t, lay.ep, lay.cp) * 1e6:.0f}"] for op in ops.forward]
     what = f"one expert layer (ep={lay.ep})" if moe else "one layer"
-    return compact_table(f"{what}, forward, on one GPU (b={lay.b}, t={lay.t})",
+    ring = f", cp={lay.cp}: ring transfers end to end, before the overlap" if lay.cp > 1 else ""
+    return compact_table(f"{what}, forward, on one GPU (b={lay.b}, t={lay.t}{ring})",
                          ("op", "kind", "GEMM (batch, M, N, K)", "GFLOP", "MB", "time (us)"), rows,
                          left=("op", "kind", "GEMM (batch, M, N, K)"))
 

@@ -302,7 +302,7 @@ def test_cost_module_re_exports_the_model():
     import importlib
 
     homes = ("calibration", "step_estimate", "step_timelines", "formulas", "layout", "memory", "models", "network",
-             "op_costs", "op_times", "transformer")
+             "op_costs", "op_times", "ring_costs", "transformer")
     defined = {}
     for home in homes:
         mod = importlib.import_module(f"autopar.planning.cost.{home}")

@@ -9,6 +9,7 @@ One file per job:
 - ``transformer.py``: a layer, the embedding and the LM head as lists of Ops; FLOPs of an iteration;
 - ``op_times.py``: seconds of an Op (roofline) and of a layer's phases;
 - ``network.py``: all-reduce, all-gather and point-to-point times, and which link a group uses;
+- ``ring_costs.py``: context parallelism's ring attention: bytes per hop, the blocks' shares, what they hide;
 - ``layout.py``: ``Cluster``, ``Layout`` and the rules a layout must keep;
 - ``activations.py`` and ``memory.py``: activation bytes, and memory per GPU on the fullest stage;
 - ``zero_bubble_costs.py``: the zero-bubble schedules' B/W split, idle time and held memory;
@@ -43,6 +44,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
                  "elementwise_bytes", "layernorm_bytes", "layernorm_flops", "linear_bytes", "linear_flops",
                  "matmul_bytes", "matmul_flops", "softmax_bytes", "softmax_flops"),
     "op_times": ("gemm_efficiency", "op_time"),
+    "ring_costs": ("ring_traffic", "ring_exposed_time"),
     "transformer": ("PhaseOps", "embedding_ops", "graph_flops", "head_ops", "iteration_flops", "layer_ops",
                     "paper_flops"),
 }

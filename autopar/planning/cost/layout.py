@@ -1,6 +1,9 @@
 """Where and how to run: the ``Cluster`` (GPUs, node profile, global batch), a ``Layout``
-of it (t, p, d, v, micro-batch, schedule, recomputation, sequence parallelism, distributed
-optimizer, expert parallelism, byte sizes) and the rules a layout must keep."""
+of it (t, cp, p, d, v, micro-batch, schedule, recomputation, sequence parallelism, distributed
+optimizer, expert parallelism, context parallelism, byte sizes) and the rules a layout must keep.
+
+Ranks are laid out tensor-parallel fastest, then context-parallel, then data-parallel, then
+pipeline: the world is t cp p d GPUs."""
 
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.precision import MIXED, Precision
 from autopar.planning.errors import PlanError
 
-__all__ = ["Cluster", "Layout", "layout_errors", "runtime_errors", "expert_errors", "PRICED_RECOMPUTE"]
+__all__ = ["Cluster", "Layout", "layout_errors", "runtime_errors", "expert_errors", "context_errors",
+           "PRICED_RECOMPUTE"]
 
 PRICED_RECOMPUTE: tuple[Recompute, ...] = (Recompute.LAYER, Recompute.NONE)
 """The recomputation modes the cost model prices. ``chunk`` (the whole chunk re-materialised in
@@ -88,6 +92,12 @@ class Layout:
     """How the routed rows travel with ep > 1 (``core.config.EXPERT_DISPATCHERS``): 'allgather' (every
     rank all-gathers the ep S rows of its group and reduce-scatters the results: static shapes,
     ep times the rows) or 'alltoall' (each rank sends each peer exactly the rows of its experts)."""
+    cp: int = 1
+    """Context parallelism: the sequence of every activation split over ``cp`` ranks (t apart: a
+    context-parallel group follows the tensor-parallel one in rank order), s/cp tokens each, and
+    attention run as ring attention (``core.comm.ring_attention``). Parameters are replicated
+    over cp, their gradients averaged over the d cp ranks of a stage holding the same shard.
+    The sequence must cut into cp (bidirectional) or 2 cp (causal) equal chunks."""
     fused_kernels: bool = True
     """The element-wise kernels between the GEMMs fused (Megatron's fused kernels, as in the paper's
     runs; autopar with ``compile=True``), or False: one pass each, as a chunk run eagerly makes them
@@ -110,8 +120,8 @@ class Layout:
                             "changes its memory and time in ways it does not model")
         if min(self.t, self.p, self.d, self.b, self.v) < 1:
             raise PlanError(f"all degrees must be >= 1: {self}")
-        if self.ep < 1:
-            raise PlanError(f"ep must be >= 1, got {self.ep}")
+        if self.ep < 1 or self.cp < 1:
+            raise PlanError(f"ep and cp must be >= 1, got ep={self.ep}, cp={self.cp}")
         if self.expert_dispatch not in EXPERT_DISPATCHERS:
             raise PlanError(f"expert_dispatch must be one of {list(EXPERT_DISPATCHERS)}, got {self.expert_dispatch!r}")
         if self.schedule == "1f1b" and self.v != 1:
@@ -124,8 +134,20 @@ class Layout:
 
     @property
     def distopt(self) -> bool:
-        """The distributed optimizer in effect (asked for, and d > 1)."""
-        return self.distributed_optimizer and self.d > 1
+        """The distributed optimizer in effect (asked for, and d cp > 1: it shards over every rank
+        holding the same parameters)."""
+        return self.distributed_optimizer and self.dcp > 1
+
+    @property
+    def dcp(self) -> int:
+        """Ranks holding the same parameter shard, d cp: a dense gradient is averaged over them and
+        the distributed optimizer shards over them."""
+        return self.d * self.cp
+
+    @property
+    def world(self) -> int:
+        """GPUs the layout uses: t cp p d."""
+        return self.t * self.cp * self.p * self.d
 
     @property
     def edp(self) -> int:
@@ -155,11 +177,12 @@ class Layout:
                    dp_overlap=True, sequence_parallel=_sequence_parallel(config),
                    distributed_optimizer=bool(getattr(config, "distributed_optimizer", False)),
                    ep=getattr(config, "ep", 1), expert_dispatch=getattr(config, "expert_dispatch", "alltoall"),
-                   precision=precision)
+                   cp=getattr(config, "cp", 1) or 1, precision=precision)
 
     @property
     def short(self) -> str:
-        parts = [f"t={self.t}", f"p={self.p}", f"d={self.d}", f"b={self.b}"]
+        parts = [f"t={self.t}", *([f"cp={self.cp}"] if self.cp > 1 else []), f"p={self.p}", f"d={self.d}",
+                 f"b={self.b}"]
         if self.v > 1:
             parts.append(f"v={self.v}")
         if self.p > 1:
@@ -182,8 +205,9 @@ def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_laye
     ``runnable=False`` only those the cost model needs, not the schedule's (``runtime_errors``)."""
     errs = []
     hw = cluster.hardware
-    if lay.t * lay.p * lay.d != cluster.gpus:
-        errs.append(f"t({lay.t}) * p({lay.p}) * d({lay.d}) = {lay.t * lay.p * lay.d}, "
+    if lay.world != cluster.gpus:
+        cp = f" * cp({lay.cp})" if lay.cp > 1 else ""
+        errs.append(f"t({lay.t}){cp} * p({lay.p}) * d({lay.d}) = {lay.world}, "
                     f"but the cluster has {cluster.gpus} GPUs")
     G = hw.gpus_per_node
     if (lay.t < G and G % lay.t) or (lay.t > G and lay.t % G):
@@ -194,9 +218,13 @@ def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_laye
     if spec.ffn_size % lay.t:
         errs.append(f"ffn ({spec.ffn_size}) must be divisible by t={lay.t}")
     errs += expert_errors(spec, lay)
-    if lay.sp and spec.seq_len % lay.t:
-        errs.append(f"sequence parallelism splits the {spec.seq_len} tokens of a sequence over t={lay.t} ranks: "
-                    f"seq_len must be divisible by t (or turn sequence parallelism off)")
+    errs += context_errors(spec, lay)
+    local = spec.seq_len // lay.cp
+    if lay.sp and (spec.seq_len % lay.cp or local % lay.t):
+        held = f"the {local} tokens a context-parallel rank holds" if lay.cp > 1 else \
+            f"the {spec.seq_len} tokens of a sequence"
+        errs.append(f"sequence parallelism splits {held} over t={lay.t} ranks: "
+                    f"seq_len{'/cp' if lay.cp > 1 else ''} must be divisible by t (or turn sequence parallelism off)")
     chunks = lay.p * lay.v
     if spec.layers < chunks:
         errs.append(f"{spec.layers} layers cannot fill p*v = {lay.p}*{lay.v} = {chunks} chunks")
@@ -208,7 +236,28 @@ def layout_errors(spec: ModelSpec, cluster: Cluster, lay: Layout, divisible_laye
     if B % (lay.d * lay.b):
         errs.append(f"global batch {B} is not divisible by d*b = {lay.d}*{lay.b} = {lay.d * lay.b}")
     elif runnable:
-        errs += runtime_errors(cluster, lay)
+        errs += runtime_errors(cluster, lay, spec)
+    return errs
+
+
+def context_errors(spec: ModelSpec, lay: Layout) -> list[str]:
+    """The rules of context parallelism ``lay`` breaks for ``spec``, with the numbers and the fix: the
+    sequence cuts into 2 cp equal chunks (causal attention, the load-balanced layout) or cp
+    (bidirectional, contiguous); expert parallelism beside it is not priced."""
+    if lay.cp == 1:
+        return []
+    errs = []
+    chunks = 2 * lay.cp if spec.causal else lay.cp
+    if spec.seq_len % chunks:
+        how = "2*cp" if spec.causal else "cp"
+        fits = [k for k in range(2, spec.seq_len + 1) if spec.seq_len % ((2 if spec.causal else 1) * k) == 0][:8]
+        errs.append(f"context parallelism cp={lay.cp} cuts each sequence into {how} = {chunks} equal chunks "
+                    f"({'load-balanced, causal' if spec.causal else 'contiguous, bidirectional'} attention), "
+                    f"but seq_len is {spec.seq_len} ({spec.seq_len} % {chunks} = {spec.seq_len % chunks}). "
+                    f"Fix: cp in {fits}, or pad the sequences to a multiple of {chunks}")
+    if lay.ep > 1:
+        errs.append(f"expert parallelism (ep={lay.ep}) beside context parallelism (cp={lay.cp}) is not priced: "
+                    f"where the expert groups lie among the cp ranks is not decided. Fix: ep=1 or cp=1")
     return errs
 
 
@@ -237,10 +286,14 @@ def expert_errors(spec: ModelSpec, lay: Layout) -> list[str]:
     return errs
 
 
-def runtime_errors(cluster: Cluster, lay: Layout) -> list[str]:
-    """The rules of the schedule (``core.config.microbatch_errors``) that ``lay`` breaks: a layout
-    breaking only these can be priced (closed form) but not run by autopar's runtime."""
+def runtime_errors(cluster: Cluster, lay: Layout, spec: ModelSpec | None = None) -> list[str]:
+    """The rules of the schedule (``core.config.microbatch_errors``) that ``lay`` breaks, and with
+    ``spec`` those of ring attention (no attention dropout under cp > 1): a layout breaking only
+    these can be priced (closed form) but not run by autopar's runtime."""
     errs: list[str] = []
+    if spec is not None and lay.cp > 1 and spec.dropout:
+        errs.append(f"ring attention (cp={lay.cp}) has no attention dropout, and {spec.label} has dropout: "
+                    f"train it without dropout (ModelSpec.dropout=False, --no-dropout) or use cp=1")
     B = cluster.global_batch
     if B % (lay.d * lay.b):
         return errs

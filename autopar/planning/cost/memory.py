@@ -17,6 +17,12 @@ With expert parallelism a rank holds E/ep of each expert layer's experts
 experts' (the distributed optimizer shards their state over the d/ep replicas holding them);
 an expert layer keeps its routed rows (``activations.expert_rows_kept_bytes``): ep S of them
 with the all-gather dispatcher, S with the all-to-all one.
+
+Under context parallelism (``Layout.cp``) the parameters are replicated over the cp ranks, so a
+rank's weights and gradients do not shrink with cp; the d cp ranks holding the same parameters
+reduce the same gradients, and the distributed optimizer shards over all of them (d cp). Every
+activation is per token: a rank keeps those of its s/cp tokens (``activations.py``), and a
+layer's backward also holds the ring's buffers (``activations.ring_backward_buffers``).
 """
 
 from __future__ import annotations
@@ -155,11 +161,11 @@ def stage_memory(spec: ModelSpec, lay: Layout, r: int, units: int, held: Held | 
     P_exp = expert_params_per_stage(spec, lay.t, lay.p, lay.ep)[r] if lay.ep > 1 else 0
     sharded = lay.distopt
     # routed experts (ep > 1) are replicated over, and their optimizer state sharded over, d/ep replicas
-    dense = model_state_bytes(prec, P - P_exp, lay.d, lay.distributed_optimizer)
+    dense = model_state_bytes(prec, P - P_exp, lay.dcp, lay.distributed_optimizer)
     experts = model_state_bytes(prec, P_exp, lay.edp, lay.distributed_optimizer)
     weights, grads, state = (a + b for a, b in zip(dense, experts))
-    ddp = prec.grad * P if (lay.dp_overlap and lay.d > 1 and not sharded) else 0.0
-    owned = (P - P_exp) / lay.d + P_exp / lay.edp if sharded else P
+    ddp = prec.grad * P if (lay.dp_overlap and lay.dcp > 1 and not sharded) else 0.0
+    owned = (P - P_exp) / lay.dcp + P_exp / lay.edp if sharded else P
     copy = 4.0 * owned if prec.grad < 4 else 0.0
     kept, working = _activations(spec, lay, r, units, held)
     return Memory(weights, grads, state, max(kept + working, copy), r, buffers=ddp, kept=kept, step_copy=copy)
@@ -170,15 +176,15 @@ def _activations(spec: ModelSpec, lay: Layout, r: int, units: int,
     """(kept, working set) activation bytes of stage ``r`` holding ``units`` chunk-microbatches in
     flight: what they keep, and the larger working set (a layer's backward, or on the stage of
     the last chunk the loss)."""
-    t, p, b, sp, prec = lay.t, lay.p, lay.b, lay.sp, lay.precision
+    t, p, b, sp, prec, cp = lay.t, lay.p, lay.b, lay.sp, lay.precision, lay.cp
     last = stage_of_chunk(placement_of(lay.schedule), p, p * lay.v - 1)  # the loss's stage
-    T = b * spec.seq_len
+    T = b * spec.seq_len // cp  # this rank's tokens
     chunk_layers = math.ceil(spec.layers / (p * lay.v))
     moe_layers = min(max_moe_layers_per_chunk(spec, p * lay.v), chunk_layers)
     kinds = [(chunk_layers - moe_layers, False), (moe_layers, True)]  # (layers, mixture-of-experts)
-    full = {moe: activation_bytes_per_layer(spec, b, t, sp, prec, moe, lay.ep, lay.expert_dispatch)
+    full = {moe: activation_bytes_per_layer(spec, b, t, sp, prec, moe, lay.ep, lay.expert_dispatch, cp)
             for n, moe in kinds if n}
-    transient = {moe: layer_backward_transient(spec, b, t, sp, prec, moe, lay.ep, lay.expert_dispatch)
+    transient = {moe: layer_backward_transient(spec, b, t, sp, prec, moe, lay.ep, lay.expert_dispatch, cp)
                  for n, moe in kinds if n}
     ckpt = prec.activation * T * spec.hidden  # a layer's input or output, whole
     split = ckpt / (t if sp else 1)  # as kept between layers (1/t of the tokens with sequence parallelism)
@@ -197,12 +203,12 @@ def _activations(spec: ModelSpec, lay: Layout, r: int, units: int,
         kept -= split
     first_units = math.ceil(units / lay.v)  # microbatches in flight in the first chunk
     if r == 0:
-        kept += first_units * embedding_kept_bytes(spec, b, t, sp, prec)
+        kept += first_units * embedding_kept_bytes(spec, b, t, sp, prec, cp)
     if r == last:  # a microbatch's layers run backward after its loss has released the head's
-        head = head_kept_bytes(spec, b, t, sp, prec)
+        head = head_kept_bytes(spec, b, t, sp, prec, cp)
         # the last chunk's backward follows its forward at once, except in GPipe (all forwards first)
         kept += (first_units if lay.schedule == "gpipe" else 1) * head
-        working = max(working - head, loss_working_bytes(spec, b, t, prec) + ckpt)
+        working = max(working - head, loss_working_bytes(spec, b, t, prec, cp) + ckpt)
     return kept, working
 
 
@@ -212,10 +218,10 @@ def _awaiting_w_bytes(spec: ModelSpec, lay: Layout, chunk_layers: int, holds_hea
     gradient; counted for every unit there, as if each were the last chunk's: conservative for v > 1)."""
     prec = lay.precision
     moe = min(max_moe_layers_per_chunk(spec, lay.p * lay.v), chunk_layers)
-    layer = weight_grad_kept_elements(layer_ops(spec, lay.b, lay.t, lay.sp).backward)
+    layer = weight_grad_kept_elements(layer_ops(spec, lay.b, lay.t, lay.sp, cp=lay.cp).backward)
     layers = (chunk_layers - moe) * layer
     if moe:
-        ops = layer_ops(spec, lay.b, lay.t, lay.sp, moe=True, ep=lay.ep, dispatch=lay.expert_dispatch)
+        ops = layer_ops(spec, lay.b, lay.t, lay.sp, moe=True, ep=lay.ep, dispatch=lay.expert_dispatch, cp=lay.cp)
         layers += moe * weight_grad_kept_elements(ops.backward)
-    head = weight_grad_kept_elements(head_ops(spec, lay.b, lay.t).backward) if holds_head else 0.0
+    head = weight_grad_kept_elements(head_ops(spec, lay.b, lay.t, lay.cp).backward) if holds_head else 0.0
     return prec.activation * (layers + head)

@@ -69,6 +69,9 @@ class ModelSpec:
     1 every layer (Mixtral), 2 every other one (Switch, GShard). The others keep the dense MLP."""
     name: str = ""
     """Display name, e.g. ``gpt-39b``."""
+    causal: bool = True
+    """Causal (decoder) attention: under context parallelism the sequence is cut into 2 cp chunks
+    (the load-balanced layout); False for bidirectional attention (cp contiguous chunks)."""
 
     def __post_init__(self) -> None:
         if self.experts < 0 or self.moe_every < 1 or self.shared_expert_ffn < 0:

@@ -8,7 +8,10 @@ group spans nodes once d > GPUs per node / t, and adjacent pipeline stages are
 t d ranks apart (``stage_link``). An expert group (``Layout.ep``) is ep consecutive
 data-parallel replicas, ranks t apart: its collectives use the links a data-parallel group of
 ep would (``ep_collective_time``); the replicas holding the same experts are t ep ranks apart
-(``dp_link(hw, t * ep, d / ep)``).
+(``dp_link(hw, t * ep, d / ep)``). A context-parallel group (``Layout.cp``) sits between the
+tensor- and the data-parallel one: cp ranks t apart, inside a node while t cp <= G
+(``cp_ring_link``); the data-parallel peers are then t cp ranks apart, and the d cp ranks
+reducing the same gradients form one group of ranks t apart (``dp_link(hw, t, d * cp)``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from autopar.planning.cost.hardware import Hardware
 
 __all__ = ["intra_node_bw", "inter_node_bw", "allreduce_time", "allgather_time", "reduce_scatter_time", "p2p_time", "dp_link",
            "stage_link", "tp_allreduce_time", "tp_half_time", "flat_ring_allreduce_time",
-           "hierarchical_allreduce_time", "alltoall_time", "ep_collective_time", "EP_KINDS"]
+           "hierarchical_allreduce_time", "alltoall_time", "ep_collective_time", "EP_KINDS", "cp_ring_link"]
 
 
 def intra_node_bw(hw: Hardware) -> float:
@@ -158,3 +161,13 @@ def stage_link(hw: Hardware, t: int, d: int, p: int = 2) -> tuple[float, float]:
     if t * d * p > hw.gpus_per_node:
         return inter_node_bw(hw), hw.ib_latency
     return intra_node_bw(hw), hw.nvlink_latency
+
+
+def cp_ring_link(hw: Hardware, t: int, cp: int) -> tuple[float, float]:
+    """(bytes/s, latency) of one hop of a context-parallel ring: cp ranks t apart, so the ring stays
+    inside a node while t cp <= G (NVLink); beyond, some hops cross nodes, each through the sending
+    rank's own NIC (the t rings of a node's tensor-parallel ranks cross on t different NICs), and
+    every step of the ring waits for its slowest hop."""
+    if t * cp <= hw.gpus_per_node:
+        return intra_node_bw(hw), hw.nvlink_latency
+    return inter_node_bw(hw), hw.ib_latency

@@ -107,6 +107,9 @@ class Op:
     everything else of a backward is its B (``zero_bubble_costs.py``)."""
     elements: float = 0.0
     """Elements an element-wise kernel (``memory_op``) runs over: what ``transformer.op_by_op`` splits."""
+    attention: bool = False
+    """One of the attention core's kernels (scores, softmax, dropout, context, and their backward): the
+    work ring attention splits into blocks and hides its transfers behind (``ring_costs``)."""
 
 
 def gemm_op(name: str, batch: int, m: int, n: int, k: int, accumulate: bool = False) -> Op:

@@ -6,7 +6,9 @@ bandwidth; both pay a launch gap. A tensor-parallel all-reduce is a ring over
 NVLink inside a node, flat or hierarchical across nodes (``network.py``); an expert-parallel
 exchange is priced over the expert group's links (``network.ep_collective_time``). ``layer_times``
 caches the forward and backward of one layer (dense, and mixture-of-experts), the embedding and
-the LM head per (model, hardware, b, t, ep).
+the LM head per (model, hardware, b, t, ep, cp). A context-parallel ring's transfers
+(``CP_KINDS``) overlap the attention's block computations: ``phase_time`` counts only what they
+leave exposed (``ring_costs.ring_exposed_time``), over ``network.cp_ring_link``.
 """
 
 from __future__ import annotations
@@ -17,12 +19,25 @@ from functools import lru_cache
 
 from autopar.planning.cost.hardware import Hardware
 from autopar.planning.cost.models import ModelSpec
-from autopar.planning.cost.network import EP_KINDS, ep_collective_time, tp_allreduce_time, tp_half_time
+from autopar.planning.cost.network import (
+    EP_KINDS,
+    cp_ring_link,
+    ep_collective_time,
+    p2p_time,
+    tp_allreduce_time,
+    tp_half_time,
+)
 from autopar.planning.cost.op_costs import Op
+from autopar.planning.cost.ring_costs import ring_exposed_time
 from autopar.planning.cost.transformer import embedding_ops, head_ops, layer_ops
 from autopar.planning.errors import PlanError
 
-__all__ = ["GEMM_TILES", "tile_fill", "gemm_efficiency", "op_time", "PhaseTime", "phase_time", "layer_times"]
+__all__ = ["GEMM_TILES", "tile_fill", "gemm_efficiency", "op_time", "PhaseTime", "phase_time", "layer_times",
+           "CP_KINDS", "ring_hop_time"]
+
+CP_KINDS: tuple[str, ...] = ("cp_ring", "cp_ring_grad")
+"""Op kinds of ring attention's transfers (``transformer.py``): the key/value blocks, and the backward's
+dK/dV accumulators; each Op's bytes are all its cp-1 hops'."""
 
 
 GEMM_TILES: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128))
@@ -58,9 +73,17 @@ def gemm_efficiency(m: int, n: int, k: int, hw: Hardware, batch: int = 1) -> flo
     return hw.eff.gemm * fill * k / (k + hw.eff.gemm_k_overhead)
 
 
-def op_time(op: Op, hw: Hardware, t: int = 1, ep: int = 1) -> float:
-    """Seconds for one Op on one GPU of a tensor-parallel group of t and an expert group of ep
-    (roofline for GEMMs, bandwidth otherwise)."""
+def ring_hop_time(nbytes: float, hw: Hardware, t: int, cp: int) -> float:
+    """One hop of a ring transfer whose cp-1 hops carry ``nbytes`` together, over ``cp_ring_link``."""
+    if cp <= 1 or not nbytes:
+        return 0.0
+    return p2p_time(nbytes / (cp - 1), *cp_ring_link(hw, t, cp))
+
+
+def op_time(op: Op, hw: Hardware, t: int = 1, ep: int = 1, cp: int = 1) -> float:
+    """Seconds for one Op on one GPU of a tensor-parallel group of t, an expert group of ep and a
+    context-parallel group of cp (roofline for GEMMs, bandwidth otherwise; a ring transfer's cp-1 hops
+    end to end, none hidden: ``phase_time`` prices their overlap)."""
     e = hw.eff
     if op.kind == "gemm":
         b, m, n, k = op.gemm
@@ -74,6 +97,8 @@ def op_time(op: Op, hw: Hardware, t: int = 1, ep: int = 1) -> float:
         return tp_half_time(op.bytes, t, hw)
     if op.kind in EP_KINDS:
         return ep_collective_time(op.kind, op.bytes, ep, t, hw)
+    if op.kind in CP_KINDS:
+        return (cp - 1) * ring_hop_time(op.bytes, hw, t, cp)
     raise PlanError(f"unknown op kind {op.kind!r} for {op.name}")
 
 
@@ -88,23 +113,36 @@ class PhaseTime:
     """Tensor-parallel collectives."""
     ep: float = 0.0
     """Expert-parallel exchanges (the routed rows and their counts, over the expert group)."""
+    cp: float = 0.0
+    """Context-parallel ring transfers, the part the attention's blocks leave exposed."""
 
     @property
     def total(self) -> float:
-        return self.gemm + self.memory + self.comm + self.ep
+        return self.gemm + self.memory + self.comm + self.ep + self.cp
 
     def __add__(self, o: PhaseTime) -> PhaseTime:
-        return PhaseTime(self.gemm + o.gemm, self.memory + o.memory, self.comm + o.comm, self.ep + o.ep)
+        return PhaseTime(self.gemm + o.gemm, self.memory + o.memory, self.comm + o.comm, self.ep + o.ep,
+                         self.cp + o.cp)
 
     def __mul__(self, k: float) -> PhaseTime:
-        return PhaseTime(self.gemm * k, self.memory * k, self.comm * k, self.ep * k)
+        return PhaseTime(self.gemm * k, self.memory * k, self.comm * k, self.ep * k, self.cp * k)
 
 
-def phase_time(ops: tuple[Op, ...], hw: Hardware, t: int, ep: int = 1) -> PhaseTime:
-    """The Ops' seconds on one of t tensor-parallel GPUs (of an expert group of ep), summed by kind."""
-    g = m = c = x_ep = 0.0
+def phase_time(ops: tuple[Op, ...], hw: Hardware, t: int, ep: int = 1, cp: int = 1,
+               causal: bool = True) -> PhaseTime:
+    """The Ops' seconds on one of t tensor-parallel GPUs (of an expert group of ep), summed by kind.
+    A context-parallel ring's transfers (of a group of cp, ``causal`` or not) count what the phase's
+    attention kernels (``Op.attention``), split into the ring's blocks, leave exposed
+    (``ring_costs.ring_exposed_time``)."""
+    g = m = c = x_ep = attention = 0.0
+    ring = {kind: 0.0 for kind in CP_KINDS}
     for op in ops:
-        x = op_time(op, hw, t, ep)
+        if op.kind in CP_KINDS:
+            ring[op.kind] += op.bytes
+            continue
+        x = op_time(op, hw, t, ep, cp)
+        if op.attention:
+            attention += x
         if op.kind == "gemm":
             g += x
         elif op.kind == "memory":
@@ -113,24 +151,34 @@ def phase_time(ops: tuple[Op, ...], hw: Hardware, t: int, ep: int = 1) -> PhaseT
             x_ep += x
         else:
             c += x
-    return PhaseTime(g, m, c, x_ep)
+    x_cp = 0.0
+    if any(ring.values()):
+        x_cp = ring_exposed_time(ring_hop_time(ring["cp_ring"], hw, t, cp), attention, cp, causal,
+                                 ring_hop_time(ring["cp_ring_grad"], hw, t, cp))
+    return PhaseTime(g, m, c, x_ep, x_cp)
 
 
 @lru_cache(maxsize=8192)
 def layer_times(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
-                fused: bool = True, ep: int = 1, dispatch: str = "allgather") -> dict[str, PhaseTime]:
+                fused: bool = True, ep: int = 1, dispatch: str = "allgather", cp: int = 1) -> dict[str, PhaseTime]:
     """Forward and backward times of one layer (``layer_f``, ``layer_b``), the embedding
     (``emb_f``, ``emb_b``) and the LM head (``head_f``, ``head_b``) for micro-batch b at t,
     the layer's with or without sequence parallelism, its element-wise kernels fused or op by op;
     for a mixture-of-experts model also one of its expert layers (``moe_f``, ``moe_b``) on a rank
-    of an expert group of ``ep`` exchanging rows by ``dispatch``."""
-    lay, emb, head = layer_ops(spec, b, t, sequence_parallel, fused), embedding_ops(spec, b, t), head_ops(spec, b, t)
+    of an expert group of ``ep`` exchanging rows by ``dispatch``; each on a rank of a context-parallel
+    group of ``cp`` (s/cp tokens, ring attention)."""
+    lay = layer_ops(spec, b, t, sequence_parallel, fused, cp=cp)
+    emb, head = embedding_ops(spec, b, t, cp), head_ops(spec, b, t, cp)
+
+    def timed(ops: tuple[Op, ...], ep: int = 1) -> PhaseTime:
+        return phase_time(ops, hw, t, ep, cp, spec.causal)
+
     out = {
-        "layer_f": phase_time(lay.forward, hw, t), "layer_b": phase_time(lay.backward, hw, t),
-        "emb_f": phase_time(emb.forward, hw, t), "emb_b": phase_time(emb.backward, hw, t),
-        "head_f": phase_time(head.forward, hw, t), "head_b": phase_time(head.backward, hw, t),
+        "layer_f": timed(lay.forward), "layer_b": timed(lay.backward),
+        "emb_f": timed(emb.forward), "emb_b": timed(emb.backward),
+        "head_f": timed(head.forward), "head_b": timed(head.backward),
     }
     if spec.is_moe:
-        moe = layer_ops(spec, b, t, sequence_parallel, fused, moe=True, ep=ep, dispatch=dispatch)
-        out["moe_f"], out["moe_b"] = phase_time(moe.forward, hw, t, ep), phase_time(moe.backward, hw, t, ep)
+        moe = layer_ops(spec, b, t, sequence_parallel, fused, moe=True, ep=ep, dispatch=dispatch, cp=cp)
+        out["moe_f"], out["moe_b"] = timed(moe.forward, ep), timed(moe.backward, ep)
     return out

@@ -11,6 +11,13 @@ an all-gather of the parameters), the tied-embedding sync and the optimizer step
 (``transformer._Experts``: their row exchange over the expert group is ``ep_comm``) and its
 routed experts' gradients are all-reduced over the d/ep replicas holding the same experts. The zero-bubble schedules (ZB-H1, ZB-V) split each chunk's backward
 into B and W and have their own idle time (``zero_bubble_costs.py``).
+
+Context parallelism (``Layout.cp``): every chunk's work is on s/cp tokens per sequence, the ring
+attention's transfers it does not hide are ``cp_comm`` (``op_times.phase_time``), a pipeline send
+carries s/cp tokens (from a stage's rank to the same cp rank of the next stage, t cp d ranks
+away), and the gradients are reduced (or reduce-scattered and all-gathered) over the d cp ranks
+holding the same parameters, ranks t apart (``network.dp_link(hw, t, d cp)``). The FLOPs counted
+for throughput are the model's, independent of cp.
 """
 
 from __future__ import annotations
@@ -108,7 +115,8 @@ class Estimate:
     t_optimizer: float
     """Optimizer step (memory-bound)."""
     breakdown: dict[str, float]
-    """Critical-path seconds by cause: gemm, memory, tp_comm, ep_comm, imbalance, p2p, bubble, dp, optimizer."""
+    """Critical-path seconds by cause: gemm, memory, tp_comm, ep_comm, cp_comm, imbalance, p2p, bubble, dp,
+    optimizer."""
     memory: Memory
     flops: float
     """FLOPs of one iteration as the paper counts them."""
@@ -150,10 +158,10 @@ class Estimate:
 
     @property
     def comm_time(self) -> float:
-        """Exposed communication per iteration: TP all-reduces, expert-parallel exchanges, p2p, DP,
-        embedding sync."""
+        """Exposed communication per iteration: TP all-reduces, expert-parallel exchanges, the
+        context-parallel ring's exposed part, p2p, DP, embedding sync."""
         b = self.breakdown
-        return b["tp_comm"] + b.get("ep_comm", 0.0) + b["p2p"] + b["dp"]
+        return b["tp_comm"] + b.get("ep_comm", 0.0) + b.get("cp_comm", 0.0) + b["p2p"] + b["dp"]
 
     def as_dict(self) -> dict:
         lay = self.layout
@@ -163,7 +171,7 @@ class Estimate:
             "t": lay.t, "p": lay.p, "d": lay.d, "v": lay.v, "b": lay.b, "m": self.m,
             "schedule": lay.schedule, "recompute": str(lay.recompute), "scatter_gather": lay.scatter_gather,
             "dp_overlap": lay.dp_overlap, "sequence_parallel": lay.sp, "distributed_optimizer": lay.distopt,
-            "ep": lay.ep, "expert_dispatch": lay.expert_dispatch if lay.ep > 1 else None,
+            "ep": lay.ep, "expert_dispatch": lay.expert_dispatch if lay.ep > 1 else None, "cp": lay.cp,
             "iteration_s": self.t_iter, "tflops_per_gpu": self.tflops_per_gpu, "frac_peak": self.frac_peak,
             "bubble": self.bubble, "comm_s": self.comm_time, "memory_gib": self.memory.total / 2**30,
             "fits": self.fits, "runnable": self.runnable, "runtime_errors": list(self.runtime_errors),
@@ -197,7 +205,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
         raise PlanError(f"invalid layout {lay.short} for {spec.label} on {cluster.gpus} GPUs:\n  - "
                         + "\n  - ".join(errs))
     hw = cluster.hardware
-    unrunnable = tuple(runtime_errors(cluster, lay))
+    unrunnable = tuple(runtime_errors(cluster, lay, spec))
     simulate = simulate and not unrunnable  # the schedule cannot be generated
     m = cluster.global_batch // (lay.d * lay.b)
     chunk = _Chunk.of(spec, hw, lay)
@@ -206,8 +214,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     P_max, P_exp = _fullest_stage_params(spec, lay)
     t_dp, t_dp_exposed = (_dp_sharded if lay.distopt else _dp_allreduce)(hw, lay, P_max, chunk.t_B, P_exp)
     t_emb = _embedding_sync(spec, hw, lay)
-    # the distributed optimizer steps 1/d of the dense parameters, 1/(d/ep) of the experts'
-    owned = (P_max - P_exp) / lay.d + P_exp / lay.edp if lay.distopt else P_max
+    # the distributed optimizer steps 1/(d cp) of the dense parameters, 1/(d/ep) of the experts'
+    owned = (P_max - P_exp) / lay.dcp + P_exp / lay.edp if lay.distopt else P_max
     t_opt = owned * OPTIMIZER_STEP_TRAFFIC_PER_PARAM / (hw.hbm_bw * hw.eff.hbm)
     breakdown = _breakdown(chunk, lay, m, c, t_pipe, t_dp_exposed + t_emb, t_opt)
     peaks = sim.peak_in_flight if sim is not None else None  # a property that walks every stage's list
@@ -247,8 +255,8 @@ class _Chunk:
         expert layers any chunk holds, each priced as such (recomputation repeats its exchange)."""
         L = math.ceil(spec.layers / (lay.p * lay.v))
         M = min(max_moe_layers_per_chunk(spec, lay.p * lay.v), L)
-        tm = layer_times(spec, hw, lay.b, lay.t, lay.sp, lay.fused_kernels, lay.ep, lay.expert_dispatch)
-        wt = weight_grad_times(spec, hw, lay.b, lay.t, lay.sp, lay.ep, lay.expert_dispatch)
+        tm = layer_times(spec, hw, lay.b, lay.t, lay.sp, lay.fused_kernels, lay.ep, lay.expert_dispatch, lay.cp)
+        wt = weight_grad_times(spec, hw, lay.b, lay.t, lay.sp, lay.ep, lay.expert_dispatch, lay.cp)
         rc = 1.0 if lay.recompute is Recompute.LAYER else 0.0  # each layer's forward again in its backward
         last_stage = stage_of_chunk(placement_of(lay.schedule), lay.p, lay.p * lay.v - 1)
         fwd, bwd, w = tm["layer_f"] * (L - M), tm["layer_b"] * (L - M), wt["layer_w"] * (L - M)
@@ -306,13 +314,14 @@ class _Chunk:
 
 
 def _send_time(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
-    """One stage-to-stage send of b s h fp16: 1/t of it per GPU with scatter/gather, then
+    """One stage-to-stage send of b s h fp16 (b s/cp h under context parallelism: each cp rank sends
+    its tokens to its peer of the next stage): 1/t of it per GPU with scatter/gather, then
     an all-gather over NVLink; 0 without a pipeline."""
     if lay.p == 1:
         return 0.0
     t = lay.t
-    bw, lat = stage_link(hw, t, lay.d, lay.p)
-    msg = FP16 * lay.b * spec.seq_len * spec.hidden
+    bw, lat = stage_link(hw, t * lay.cp, lay.d, lay.p)
+    msg = FP16 * lay.b * spec.seq_len // lay.cp * spec.hidden
     if lay.scatter_gather and t > 1:
         return p2p_time(msg / t, bw, lat) + tp_half_time(msg, t, hw)
     return p2p_time(msg, bw, lat)
@@ -355,13 +364,13 @@ def _edp_link(hw: Hardware, lay: Layout) -> tuple[float, float]:
 
 
 def _dp_allreduce(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 0) -> tuple[float, float]:
-    """(the fullest stage's fp16 gradient all-reduce over d, the part of it not hidden behind
-    the last microbatch's backward).
+    """(the fullest stage's fp16 gradient all-reduce over d (d cp under context parallelism: the ranks
+    holding the same parameters), the part of it not hidden behind the last microbatch's backward).
 
     With expert parallelism (ep > 1) its ``P_exp`` routed-expert parameters are all-reduced over
     their own d/ep replicas (``_edp_link``), after the dense ones' all-reduce over d (the same
     NICs); with ep = 1 they are dense parameters like the others."""
-    d = lay.d
+    d = lay.dcp
     bw, lat = dp_link(hw, lay.t, d)
     dense = P_max - P_exp if lay.ep > 1 else P_max
     t_dp = allreduce_time(FP16 * dense, d, bw, lat)
@@ -380,8 +389,9 @@ def _dp_sharded(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 
     after the step, the updated parameters all-gathered: the all-reduce's two halves, the same
     bytes on the wire. The reduce-scatter overlaps the backward as the all-reduce does (bucket by
     bucket, as soon as a chunk's gradients are final); the all-gather follows the step and
-    is exposed. With ep > 1 the ``P_exp`` routed-expert parameters go over their d/ep replicas."""
-    d, prec = lay.d, lay.precision
+    is exposed. With ep > 1 the ``P_exp`` routed-expert parameters go over their d/ep replicas; under
+    context parallelism the group is the d cp ranks holding the same parameters."""
+    d, prec = lay.dcp, lay.precision
     bw, lat = dp_link(hw, lay.t, d)
     dense = P_max - P_exp if lay.ep > 1 else P_max
     t_rs = reduce_scatter_time(prec.grad * dense, d, bw, lat)
@@ -419,7 +429,7 @@ def _breakdown(chunk: _Chunk, lay: Layout, m: int, c: float, t_pipe: float, t_dp
     ends = chunk.ends_phases(1)  # head and embedding together
     work = (chunk.forward + chunk.backward) * (m * v) + ends * (m / p)
     return {
-        "gemm": work.gemm, "memory": work.memory, "tp_comm": work.comm, "ep_comm": work.ep,
+        "gemm": work.gemm, "memory": work.memory, "tp_comm": work.comm, "ep_comm": work.ep, "cp_comm": work.cp,
         "imbalance": m * (chunk.ends(p) - ends.total / p),
         "p2p": m * v * 2 * c, "bubble": max(t_pipe - pipe_work, 0.0),
         "dp": t_dp, "optimizer": t_opt,

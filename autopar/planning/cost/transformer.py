@@ -21,6 +21,14 @@ rows travel (ep > 1): ``allgather`` gathers the group's ep S rows and reduce-sca
 results (forward; the backward is the reverse), ``alltoall`` sends each peer the rows of its
 experts and gets the results back; both after all-gathering each rank's E counts per expert
 (``expert_route``). Those Ops are of the ``network.EP_KINDS``, priced over the expert group.
+
+Under context parallelism (``cp`` > 1) a rank holds s_l = s/cp tokens of each sequence: every GEMM
+and element-wise kernel runs on T = b s/cp tokens, and the attention is ring attention: its
+score-shaped kernels cover the rank's s/cp queries against all s keys (1/cp of the whole score
+matrix cp = 1 prices, causal or not: ``ring_costs``), and the key/value blocks travel the ring (``ring_kv``,
+kind ``cp_ring``: (cp-1) hops of 2 b kv_l s_l d, forward and again backward; the backward's dK/dV
+accumulators ``ring_grad``, kind ``cp_ring_grad``, fp32), priced with the overlap
+``op_times.phase_time`` gives them. The attention's kernels are marked ``Op.attention``.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+
+from dataclasses import replace
 
 from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.op_costs import (
@@ -41,6 +51,7 @@ from autopar.planning.cost.op_costs import (
     linear_op,
     memory_op,
 )
+from autopar.planning.cost.ring_costs import ring_traffic
 from autopar.planning.errors import PlanError
 
 __all__ = ["PhaseOps", "ExpertRows", "expert_rows", "layer_ops", "op_by_op", "embedding_ops", "head_ops", "graph_flops",
@@ -63,17 +74,23 @@ class _Layer:
 
     b: int
     s: int
+    """Tokens of a sequence this rank holds: s, or s/cp under context parallelism."""
     h: int
     n: int
     """Head dimension."""
     T: int
-    """Tokens, b s."""
+    """Tokens, b s (of this rank)."""
     a_l: int
     kv_l: int
     h_l: int
     f_l: int
     scores: int
-    """Attention scores, b a_l s^2."""
+    """Attention scores computed, b a_l s_q s: this rank's queries (s/cp of them) against all s keys."""
+    cp: int
+    ring: tuple[Op, ...]
+    """Ring attention's transfers, forward (the key/value blocks); empty at cp = 1."""
+    ring_bwd: tuple[Op, ...]
+    """Its backward's: the blocks again and the dK/dV accumulators."""
     gated: bool
     tp: bool
     gqa_repeat: bool
@@ -92,24 +109,42 @@ class _Layer:
     reduce-scatter and an all-gather."""
 
     @classmethod
-    def of(cls, spec: ModelSpec, b: int, t: int, sp: bool = False) -> _Layer:
-        s, h, n = spec.seq_len, spec.hidden, spec.head_dim
+    def of(cls, spec: ModelSpec, b: int, t: int, sp: bool = False, cp: int = 1) -> _Layer:
+        s, h, n = spec.seq_len // cp, spec.hidden, spec.head_dim
+        keys = spec.seq_len  # every key, for this rank's s/cp queries
         T = b * s
         a_l = spec.heads // t
+        ring, ring_bwd = _ring_ops(b, spec.kv // t, s, n, cp)
         qkv_l = (spec.heads + 2 * spec.kv) * n // t
         h_l = a_l * n
         f_l = spec.ffn_size // t
         return cls(
-            b=b, s=s, h=h, n=n, T=T, a_l=a_l, kv_l=spec.kv // t, h_l=h_l, f_l=f_l, scores=b * a_l * s * s,
+            b=b, s=s, h=h, n=n, T=T, a_l=a_l, kv_l=spec.kv // t, h_l=h_l, f_l=f_l, scores=b * a_l * s * keys,
+            cp=cp, ring=ring, ring_bwd=ring_bwd,
             gated=spec.gated_mlp, tp=t > 1, gqa_repeat=spec.heads != spec.kv, T_r=T / t if sp and t > 1 else T,
             qkv=linear_op("qkv", T, h, qkv_l),
-            qk=gemm_op("scores", b * a_l, s, s, n),
-            pv=gemm_op("context", b * a_l, s, n, s),
+            qk=_attention_op(gemm_op("scores", b * a_l, s, keys, n)),
+            pv=_attention_op(gemm_op("context", b * a_l, s, n, keys)),
             proj=linear_op("proj", T, h_l, h),
             fc1=linear_op("fc1", T, h, f_l * (2 if spec.gated_mlp else 1)),
             fc2=linear_op("fc2", T, f_l, h),
             allreduce=tp_reduction(T * h * FP16, sp and t > 1),
         )
+
+
+def _attention_op(op: Op) -> Op:
+    return replace(op, attention=True)
+
+
+def _ring_ops(b: int, kv_l: int, s_l: int, n: int, cp: int) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+    """(forward, backward) transfers of one ring attention on one rank (``ring_costs.ring_traffic``):
+    the key/value blocks, and in the backward also the fp32 dK/dV accumulators; none at cp = 1."""
+    if cp == 1:
+        return (), ()
+    traffic = ring_traffic(b, kv_l, s_l, n, cp, FP16)
+    kv = float(traffic.forward)
+    return ((Op("ring_kv", "cp_ring", 0.0, kv),),
+            (Op("ring_kv.bwd", "cp_ring", 0.0, kv), Op("ring_grad", "cp_ring_grad", 0.0, traffic.backward - kv)))
 
 
 ROUTE_COUNT_BYTES = 8
@@ -134,12 +169,13 @@ class ExpertRows:
     """E/ep."""
 
 
-def expert_rows(spec: ModelSpec, b: int, ep: int = 1, dispatch: str = "allgather") -> ExpertRows:
-    """The rows of one mixture-of-experts layer on one rank of an expert group of ``ep``."""
+def expert_rows(spec: ModelSpec, b: int, ep: int = 1, dispatch: str = "allgather", cp: int = 1) -> ExpertRows:
+    """The rows of one mixture-of-experts layer on one rank of an expert group of ``ep`` (holding s/cp
+    tokens of each sequence under context parallelism)."""
     if spec.experts % ep:
         raise PlanError(f"ep={ep} does not divide the {spec.experts} experts of {spec.label}: each rank of an expert "
                         f"group holds E/ep whole experts")
-    T = b * spec.seq_len
+    T = b * spec.seq_len // cp
     S = T * spec.top_k
     return ExpertRows(T, S, float(S), ep * S if ep > 1 and dispatch == "allgather" else S, spec.experts // ep)
 
@@ -175,7 +211,8 @@ def op_by_op(ops: tuple[Op, ...]) -> tuple[Op, ...]:
     for op in ops:
         pieces = _UNFUSED.get(op.name) if op.kind == "memory" else None
         if pieces:
-            out += [memory_op(n, op.elements, r, w, mask=m, flops_per=f) for n, r, w, m, f in pieces]
+            out += [replace(memory_op(n, op.elements, r, w, mask=m, flops_per=f), attention=op.attention)
+                    for n, r, w, m, f in pieces]
         else:
             out.append(op)
     return tuple(out)
@@ -183,7 +220,7 @@ def op_by_op(ops: tuple[Op, ...]) -> tuple[Op, ...]:
 
 @lru_cache(maxsize=4096)
 def layer_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False, fused: bool = True,
-              moe: bool = False, ep: int = 1, dispatch: str = "allgather") -> PhaseOps:
+              moe: bool = False, ep: int = 1, dispatch: str = "allgather", cp: int = 1) -> PhaseOps:
     """One transformer layer on one of t tensor-parallel GPUs, micro-batch b.
 
     Forward (Megatron-LM, 2021; T = b s tokens; "_l" = local to one rank):
@@ -199,9 +236,10 @@ def layer_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False, 
     ``fused=False``: the element-wise kernels as eager PyTorch runs them, one pass each
     (``op_by_op``): a chunk run eagerly rather than compiled. ``moe``: a mixture-of-experts
     layer of ``spec`` on a rank of an expert group of ``ep`` exchanging rows by ``dispatch``
-    (``_Experts``); ignored for a dense model.
+    (``_Experts``); ignored for a dense model. ``cp``: a rank of a context-parallel group of cp, s/cp
+    tokens, the attention a ring (the module's docstring).
     """
-    layer = _Layer.of(spec, b, t, sequence_parallel)
+    layer = _Layer.of(spec, b, t, sequence_parallel, cp)
     experts = _Experts.of(spec, layer, t, ep, dispatch) if moe and spec.is_moe else None
     fwd, bwd = tuple(_layer_forward(layer, experts)), tuple(_layer_backward(layer, experts))
     return PhaseOps(fwd, bwd) if fused else PhaseOps(op_by_op(fwd), op_by_op(bwd))
@@ -231,7 +269,7 @@ class _Experts:
 
     @classmethod
     def of(cls, spec: ModelSpec, layer: _Layer, t: int, ep: int, dispatch: str) -> _Experts:
-        rows = expert_rows(spec, layer.b, ep, dispatch)
+        rows = expert_rows(spec, layer.b, ep, dispatch, layer.cp)
         h, n_in = spec.hidden, 2 if spec.gated_mlp else 1
         fe_l, fs_l = spec.expert_ffn_size // t, spec.shared_expert_ffn // t
         per_expert = rows.computed / rows.local_experts  # rows per local expert, on average
@@ -320,9 +358,10 @@ def _layer_forward(x: _Layer, experts: _Experts | None = None) -> list[Op]:
     if x.gqa_repeat:
         fwd.append(memory_op("kv_repeat", x.b * x.s * 2 * x.a_l * x.n, 0.5 * x.kv_l / x.a_l, 1))
     fwd += [
+        *x.ring,
         x.qk,
-        memory_op("softmax", x.scores, 1, 1, flops_per=5),
-        memory_op("attn_dropout", x.scores, 1, 1, mask=1),
+        _attention_op(memory_op("softmax", x.scores, 1, 1, flops_per=5)),
+        _attention_op(memory_op("attn_dropout", x.scores, 1, 1, mask=1)),
         x.pv,
         memory_op("context_permute", T * x.h_l, 1, 1),
         x.proj,
@@ -362,10 +401,11 @@ def _layer_backward(x: _Layer, experts: _Experts | None = None) -> list[Op]:
         memory_op("bias_dropout_add1.bwd", Tr * h, 1, 1, mask=1),
         *gemm_backward(x.proj),
         memory_op("context_permute.bwd", T * x.h_l, 1, 1),
-        *gemm_backward(x.pv, weight=False),
-        memory_op("attn_dropout.bwd", x.scores, 1, 1, mask=1),
-        memory_op("softmax.bwd", x.scores, 2, 1, flops_per=4),
-        *gemm_backward(x.qk, weight=False),
+        *x.ring_bwd,
+        *map(_attention_op, gemm_backward(x.pv, weight=False)),
+        _attention_op(memory_op("attn_dropout.bwd", x.scores, 1, 1, mask=1)),
+        _attention_op(memory_op("softmax.bwd", x.scores, 2, 1, flops_per=4)),
+        *map(_attention_op, gemm_backward(x.qk, weight=False)),
     ]
     if x.gqa_repeat:
         bwd.append(memory_op("kv_repeat.bwd", x.b * x.s * 2 * x.a_l * x.n, 1, 0.5 * x.kv_l / x.a_l))
@@ -380,10 +420,10 @@ def _layer_backward(x: _Layer, experts: _Experts | None = None) -> list[Op]:
 
 
 @lru_cache(maxsize=1024)
-def embedding_ops(spec: ModelSpec, b: int, t: int) -> PhaseOps:
+def embedding_ops(spec: ModelSpec, b: int, t: int, cp: int = 1) -> PhaseOps:
     """Vocabulary-parallel word embedding + position embedding (with ``learned_positions``)
-    + dropout (stage 0)."""
-    T, h = b * spec.seq_len, spec.hidden
+    + dropout (stage 0), on the s/cp tokens of a context-parallel rank."""
+    T, h = b * spec.seq_len // cp, spec.hidden
     fwd = [memory_op("wte_lookup", T * h, 1, 1)]
     if t > 1:
         fwd.append(Op("wte_allreduce", "tp_allreduce", 0.0, T * h * FP16))
@@ -398,10 +438,10 @@ def embedding_ops(spec: ModelSpec, b: int, t: int) -> PhaseOps:
 
 
 @lru_cache(maxsize=1024)
-def head_ops(spec: ModelSpec, b: int, t: int) -> PhaseOps:
+def head_ops(spec: ModelSpec, b: int, t: int, cp: int = 1) -> PhaseOps:
     """Final LayerNorm, LM head (T, h) x (h, V/t), fp32 vocabulary-parallel
-    cross-entropy (three all-reduces of T floats, latency only), last stage."""
-    T, h = b * spec.seq_len, spec.hidden
+    cross-entropy (three all-reduces of T floats, latency only), last stage; T = b s/cp."""
+    T, h = b * spec.seq_len // cp, spec.hidden
     V_l = math.ceil(spec.vocab / t)
     logits = linear_op("lm_head", T, h, V_l)
     fwd = [

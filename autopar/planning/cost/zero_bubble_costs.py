@@ -53,17 +53,18 @@ def _weight_ops(ops: tuple[Op, ...]) -> tuple[Op, ...]:
 @lru_cache(maxsize=4096)
 def weight_grad_times(spec: ModelSpec, hw: Hardware, b: int, t: int,
                       sequence_parallel: bool = False, ep: int = 1,
-                      dispatch: str = "allgather") -> dict[str, PhaseTime]:
+                      dispatch: str = "allgather", cp: int = 1) -> dict[str, PhaseTime]:
     """The W part of one layer's backward (``layer_w``) and of the LM head's (``head_w``):
-    their weight-gradient GEMMs, as ``op_times.layer_times`` prices them. The embedding's
+    their weight-gradient GEMMs, as ``op_times.layer_times`` prices them (on s/cp tokens under
+    context parallelism; the ring's transfers are B's). The embedding's
     weight gradient (a scatter-add) runs in B, as in the runtime: it has no W part. A
     mixture-of-experts model adds its expert layer's (``moe_w``: router, shared and routed experts')."""
-    layer = layer_ops(spec, b, t, sequence_parallel)
-    head = head_ops(spec, b, t)
+    layer = layer_ops(spec, b, t, sequence_parallel, cp=cp)
+    head = head_ops(spec, b, t, cp)
     out = {"layer_w": phase_time(_weight_ops(layer.backward), hw, t),
            "head_w": phase_time(_weight_ops(head.backward), hw, t)}
     if spec.is_moe:
-        moe = layer_ops(spec, b, t, sequence_parallel, moe=True, ep=ep, dispatch=dispatch)
+        moe = layer_ops(spec, b, t, sequence_parallel, moe=True, ep=ep, dispatch=dispatch, cp=cp)
         out["moe_w"] = phase_time(_weight_ops(moe.backward), hw, t, ep)
     return out
 

@@ -1,16 +1,19 @@
 """Search over 3D-parallel layouts for a model on a cluster, ranked by the
 performance model (``autopar.planning.cost.step_estimate``).
 
-The space is (t, p, d, v, micro-batch b, schedule, recomputation, sequence
-parallelism (when t > 1), distributed optimizer (when d > 1), and for a
+The space is (t, cp, p, d, v, micro-batch b, schedule, recomputation, sequence
+parallelism (when t > 1), distributed optimizer (when d cp > 1), and for a
 mixture-of-experts model expert parallelism ep with its dispatcher):
 
 - t divides the GPUs of a node (tensor parallelism on NVLink) or is a power-of-two
   multiple of it (the group spans nodes), and divides the head count, key/value
   head count and MLP width;
-- p divides n / t and p * v chunks fit the layers (divide them, by default,
+- cp (context parallelism) divides n / t and cuts the sequence into equal chunks: s divisible by
+  2 cp (causal attention, the load-balanced layout) or cp (bidirectional); tried for sequences of
+  at least ``SearchSpace.long_sequence`` tokens unless named (``SearchSpace.cp``);
+- p divides n / (t cp) and p * v chunks fit the layers (divide them, by default,
   as Megatron requires);
-- d = n / (t p); b divides B / d, so m = B / (d b) microbatches;
+- d = n / (t cp p); b divides B / d, so m = B / (d b) microbatches;
 - 1F1B and GPipe run any m (with m < p stages idle: the bubble (p-1)/m); interleaved
   needs v > 1 and m a multiple of p; the zero-bubble ZB-H1 (v = 1) and ZB-V (v = 2,
   a V) need m >= p. A rejection names the schedule whose rule it is
@@ -41,7 +44,7 @@ from autopar.planning.search.sensitivity import flip_lines, memory_margin_line
 from autopar.planning.search.versus import term_lines
 
 __all__ = ["SearchSpace", "Plan", "search", "candidate_layouts", "why_differs", "paper_run_for",
-           "memory_line"]
+           "memory_line", "tensor_parallel_degrees", "context_parallel_degrees", "best_by_context_degree"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -81,6 +84,13 @@ class SearchSpace:
     """Sequence parallelism choices, tried when t > 1 (it changes nothing at t = 1)."""
     distributed_optimizer: tuple[bool, ...] = (False, True)
     """Distributed optimizer choices, tried when d > 1 (it changes nothing at d = 1)."""
+    cp: tuple[int, ...] | None = None
+    """Context-parallel degrees to try (None: for a sequence of at least ``long_sequence`` tokens every
+    divisor of n / t that cuts it into equal chunks, ``context_parallel_degrees``; cp = 1 below)."""
+    long_sequence: int = 8192
+    """The shortest sequence for which the search tries cp > 1 of its own accord. Below it a rank's
+    s/cp tokens are what a smaller micro-batch or a larger d gives without the ring, and the ranking
+    would fill with such near twins; name ``cp`` to price any length."""
     ep: tuple[int, ...] | None = None
     """Expert-parallel degrees to try for a mixture-of-experts model (None: every divisor of d that
     divides E); a dense model runs ep = 1."""
@@ -150,8 +160,8 @@ class Plan:
         (layouts that only change b or v are tuning, not a different decomposition)."""
         if not self.ranked:
             return None
-        key = (self.best.layout.t, self.best.layout.p, self.best.layout.ep)
-        return next((e for e in self.ranked[1:] if (e.layout.t, e.layout.p, e.layout.ep) != key), None)
+        key = (self.best.layout.t, self.best.layout.p, self.best.layout.ep, self.best.layout.cp)
+        return next((e for e in self.ranked[1:] if (e.layout.t, e.layout.p, e.layout.ep, e.layout.cp) != key), None)
 
     def compared_with(self) -> tuple[Estimate | None, str]:
         """What the best is explained against: the reference layout if there is one, else the runner-up."""
@@ -220,16 +230,16 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
         rej[key] = rej.get(key, 0) + 1
 
     ts = space.t or tensor_parallel_degrees(n, G)
-    for t in ts:
-        if n % t:
-            reject([f"t={t} does not divide n"])
+    for t, cp in ((t, cp) for t in ts for cp in (space.cp or context_parallel_degrees(spec, n // t, space))):
+        if n % (t * cp):
+            reject([f"t={t} does not divide n"] if n % t else ["t*cp does not divide n"])
             continue
-        ps = space.p or tuple(p for p in _divisors(n // t) if p <= spec.layers)
+        ps = space.p or tuple(p for p in _divisors(n // (t * cp)) if p <= spec.layers)
         for p in ps:
-            if (n // t) % p:
-                reject(["t*p does not divide n"])
+            if (n // (t * cp)) % p:
+                reject(["t*cp*p does not divide n"])
                 continue
-            d = n // (t * p)
+            d = n // (t * cp * p)
             if B % d:
                 reject([f"global batch {B} is not divisible by d*b"])
                 continue
@@ -237,12 +247,12 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, space: SearchSpace = Se
             vs = _chunks_per_stage(spec, p, space)
             for b, v in ((b, v) for b in bs for v in vs):
                 for sched, rc in ((s, rc) for s in _schedules_for(p, v, space) for rc in space.recompute):
-                    for (sp, zero), (ep, disp) in ((f, e) for f in _memory_features(t, d, space)
-                                                   for e in _expert_choices(spec, d, space)):
+                    for (sp, zero), (ep, disp) in ((f, e) for f in _memory_features(t, d * cp, space)
+                                                   for e in _expert_choices(spec, d, space, cp)):
                         lay = Layout(t=t, p=p, d=d, b=b, v=v, schedule=sched, recompute=rc,
                                      scatter_gather=space.scatter_gather, dp_overlap=space.overlap_for(p),
                                      sequence_parallel=sp, distributed_optimizer=zero, ep=ep,
-                                     expert_dispatch=disp, fused_kernels=space.fused_kernels)
+                                     expert_dispatch=disp, cp=cp, fused_kernels=space.fused_kernels)
                         errs = layout_errors(spec, cluster, lay, space.divisible_layers,
                                              runnable=not space.include_unrunnable)
                         if errs:
@@ -260,22 +270,40 @@ def tensor_parallel_degrees(n: int, G: int) -> tuple[int, ...]:
     return tuple(inside + across)
 
 
+def context_parallel_degrees(spec: ModelSpec, ranks: int,
+                             space: SearchSpace = SearchSpace()) -> tuple[int, ...]:
+    """The cp a search tries with ``ranks`` = n / t GPUs per tensor-parallel rank: the divisors of
+    ``ranks`` that cut the sequence into equal chunks (2 cp of them for causal attention, cp
+    bidirectional); cp = 1 always, and alone for a sequence shorter than ``space.long_sequence``."""
+    if spec.seq_len < space.long_sequence:
+        return (1,)
+    chunks = 2 if spec.causal else 1
+    return tuple(cp for cp in _divisors(ranks) if cp == 1 or spec.seq_len % (chunks * cp) == 0)
+
+
 def _memory_features(t: int, d: int, space: SearchSpace) -> list[tuple[bool, bool]]:
     """(sequence parallelism, distributed optimizer) pairs to try: each of the space's choices
-    where it can matter (t > 1, d > 1), off elsewhere."""
+    where it can matter (t > 1, d > 1; d: the ranks holding the same parameters, d cp), off
+    elsewhere."""
     sps = space.sequence_parallel if t > 1 else (False,)
     zeros = space.distributed_optimizer if d > 1 else (False,)
     return [(sp, zero) for sp in dict.fromkeys(sps) for zero in dict.fromkeys(zeros)]
 
 
-def _expert_choices(spec: ModelSpec, d: int, space: SearchSpace) -> list[tuple[int, str]]:
+def _expert_choices(spec: ModelSpec, d: int, space: SearchSpace, cp: int = 1) -> list[tuple[int, str]]:
     """(ep, dispatcher) pairs to try: ep = 1 for a dense model; for a mixture-of-experts one the
     space's ep (or every divisor of d that divides E), each ep > 1 with each of the space's
-    dispatchers. An ep the space names that does not fit is tried, and rejected by its rule."""
+    dispatchers. An ep the space names that does not fit is tried, and rejected by its rule. A cp > 1
+    the space does not name (the search's own) goes with ep = 1 only: expert parallelism beside
+    context parallelism is not priced (``layout.context_errors``)."""
     if not spec.is_moe:
-        return [(1, "alltoall")] if space.ep is None else [(ep, "alltoall") for ep in space.ep]
-    eps = space.ep or tuple(k for k in _divisors(d) if spec.experts % k == 0)
-    return [(ep, disp) for ep in eps for disp in (("alltoall",) if ep == 1 else space.expert_dispatch)]
+        choices = [(1, "alltoall")] if space.ep is None else [(ep, "alltoall") for ep in space.ep]
+    else:
+        eps = space.ep or tuple(k for k in _divisors(d) if spec.experts % k == 0)
+        choices = [(ep, disp) for ep in eps for disp in (("alltoall",) if ep == 1 else space.expert_dispatch)]
+    if cp > 1 and space.cp is None:
+        return [c for c in choices if c[0] == 1]
+    return choices
 
 
 def _chunks_per_stage(spec: ModelSpec, p: int, space: SearchSpace) -> tuple[int, ...]:
@@ -315,6 +343,9 @@ _RULES = (
     ("an expert group is made of", "d % ep != 0"),
     ("whole experts. Fix", "experts % ep != 0"),
     ("expert_ffn", "expert_ffn % t != 0"),
+    ("equal chunks", "seq_len % (2*cp) != 0 (causal; cp bidirectional)"),
+    ("beside context parallelism", "ep > 1 with cp > 1 (not priced)"),
+    ("ring attention", "cp > 1 with attention dropout (ring attention has none)"),
 )
 
 
@@ -364,6 +395,17 @@ def search(spec: ModelSpec, cluster: Cluster, space: SearchSpace = SearchSpace()
     return Plan(spec, cluster, space, ranked, too_big, rejected, n_eval, time.perf_counter() - t0, ref_est)
 
 
+def best_by_context_degree(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> dict[int, Estimate | None]:
+    """For each cp of ``space.cp``: the fastest layout of the space at that cp that fits (the rest of
+    the space searched as ``search`` does), else the fastest that does not (``Estimate.fits`` False),
+    else None (no valid layout): what context parallelism buys, degree by degree."""
+    out: dict[int, Estimate | None] = {}
+    for cp in space.cp or ():
+        plan = search(spec, cluster, replace(space, cp=(cp,)), top=1, simulate_top=1)
+        out[cp] = plan.ranked[0] if plan.ranked else (plan.too_big[0] if plan.too_big else None)
+    return out
+
+
 def _simulated(spec: ModelSpec, cluster: Cluster, lay: Layout, space: SearchSpace) -> Estimate:
     return estimate(spec, cluster, lay, simulate=True, divisible_layers=space.divisible_layers,
                     runnable=not space.include_unrunnable)
@@ -385,6 +427,7 @@ _PARTS = {
     "memory": "memory-bound kernels",
     "tp_comm": "tensor-parallel all-reduces",
     "ep_comm": "expert-parallel token exchange",
+    "cp_comm": "context-parallel ring attention (exposed transfers)",
     "imbalance": "stage imbalance (embedding, LM head and loss on the end stages)",
     "p2p": "pipeline sends",
     "bubble": "pipeline bubble",
@@ -421,6 +464,10 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
             return f"ep={lay.ep} {lay.expert_dispatch}" if lay.ep > 1 else "ep=1 (no exchange)"
         return (f"the routed rows (k b s of h per expert layer) travel to their experts and back: {what(a)} vs "
                 f"{what(b)} (all-gather/reduce-scatter: ep S rows; all-to-all: (ep-1)/ep of S)")
+    if part == "cp_comm":
+        return (f"the key/value blocks travel the ring, cp-1 hops forward and again with the fp32 dK/dV "
+                f"accumulators backward, hidden behind the attention's blocks where those take longer: "
+                f"cp={la.cp} vs {lb.cp}")
     if part == "tp_comm":
         return (f"2 all-reduces of b s h per layer in forward and backward (and recompute), "
                 f"t={la.t} b={la.b} vs t={lb.t} b={lb.b}")

@@ -21,6 +21,7 @@ TERMS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("imbalance", ("imbalance",)),
     ("tensor-parallel communication", ("tp_comm",)),
     ("expert-parallel communication", ("ep_comm",)),
+    ("context-parallel communication", ("cp_comm",)),
     ("pipeline communication", ("p2p",)),
     ("data-parallel communication", ("dp",)),
     ("optimizer", ("optimizer",)),
@@ -44,10 +45,12 @@ class TermRow:
 
 def term_rows(a: Estimate, b: Estimate) -> list[TermRow]:
     """The terms of ``a`` and ``b`` in ``TERMS``' order, and the whole iteration last; the
-    expert-parallel term only when one of them exchanges tokens (ep > 1)."""
+    expert-parallel term only when one of them exchanges tokens (ep > 1), the context-parallel one only
+    when one of them splits the sequence (cp > 1)."""
     rows = [TermRow(name, sum(a.breakdown.get(k, 0.0) for k in keys), sum(b.breakdown.get(k, 0.0) for k in keys))
             for name, keys in TERMS]
     rows = [r for r in rows if r.term != "expert-parallel communication" or max(a.layout.ep, b.layout.ep) > 1]
+    rows = [r for r in rows if r.term != "context-parallel communication" or max(a.layout.cp, b.layout.cp) > 1]
     return rows + [TermRow("iteration", a.t_iter, b.t_iter)]
 
 
