@@ -134,7 +134,7 @@ def test_what_cp_refuses_names_the_node_and_the_fix():
         def forward(self, ids):
             return self.m(input_ids=ids).logits.cumsum(1)
 
-    _refused(r"node cumsum in the model \(test_context_parallel.py:\d+ .*cumsum.*\) needs the whole sequence",
+    _refused(r"node cumsum in the model \(test_context_parallel_pass.py:\d+ .*cumsum.*\) needs the whole sequence",
              Cumulative())
 
 
