@@ -6,7 +6,7 @@ HF Llama (grouped-query attention, rotary positions, the causal mask it builds
 itself) and HF BERT (attention over every token: the contiguous layout).
 
 Layouts: cp=2 and cp=4; cp2 x tp2 with sequence parallelism; cp2 x pp2 with
-1F1B and with zero-bubble (zb-h1); cp2 x dp2 with the distributed optimizer
+1F1B, interleaved (2 virtual stages) and zero-bubble (zb-h1); cp2 x dp2 with the distributed optimizer
 and gradient clipping; recompute='layer'; bf16. Each layout's loss and every
 gradient over 3 AdamW steps match the single-device run on whole sequences
 (``assert_ranks_match``: fp32, the first step element-wise rtol 1e-5 / atol
@@ -63,6 +63,7 @@ CASES = {
     "llama cp4": ("llama", 2, dict(cp=4)),
     "llama cp2 tp2 sp": ("llama", 2, dict(cp=2, tp=2, sequence_parallel=True)),
     "gpt cp2 pp2": ("gpt", 4, dict(cp=2, pp=2, microbatches=2)),
+    "gpt cp2 pp2 interleaved": ("gpt", 4, dict(cp=2, pp=2, virtual_stages=2, microbatches=2)),
     "llama cp2 pp2 zb-h1": ("llama", 2, dict(cp=2, pp=2, microbatches=2, schedule="zb-h1")),
     "bert cp2 dp2": ("bert", 2, dict(cp=2, dp=2)),
 }
@@ -97,8 +98,13 @@ def _distributed_steps(engine, data):
     return losses, grads
 
 
-def _train(labels: list[str]) -> dict:
-    """In each rank: every case of this world size trained, and its evaluation of the first batch."""
+SAVED = "llama cp2"
+"""The case whose trained weights are saved (``engine.save``) and loaded again at cp=1 and cp=4."""
+
+
+def _train(labels: list[str], root: str) -> dict:
+    """In each rank: every case of this world size trained, and its evaluation of the first batch; the
+    SAVED case's weights saved under ``root`` after training, with the whole state rank 0 held."""
     out = {}
     for label in labels:
         engine = _program(label).materialize()
@@ -106,7 +112,24 @@ def _train(labels: list[str]) -> dict:
         evaluated = engine.eval_step(x, y, outputs=True)
         steps = _distributed_steps(engine, _data()) if label in DISTRIBUTED else train_steps(engine, _data(), LR)
         out[label] = (steps, dist.get_rank(), evaluated)
+        if label == SAVED:
+            engine.save(f"{root}/saved", step=STEPS).wait()
+            out["saved"] = engine.full_state_dict() if dist.get_rank() == 0 else None
     return out
+
+
+def _load_at_cp4(root: str) -> dict:
+    """In a rank of the 4-rank spawn: the SAVED checkpoint loaded at cp=4, its whole state and the
+    evaluation of the first batch."""
+    engine = _loading_program(4).materialize()
+    engine.load(f"{root}/saved")
+    (x,), (y,) = _data()[0]
+    return {"state": engine.full_state_dict() if dist.get_rank() == 0 else None, "eval": engine.eval_step(x, y)}
+
+
+def _loading_program(cp: int):
+    name, layers, _ = CASES[SAVED]
+    return parallelize_on(_model(name, layers), _data(), ROWS, cp=cp, world_size=cp)
 
 
 def _kept_data():
@@ -127,24 +150,29 @@ def _kept_program(cp: int):
     return parallelize_on(model, _kept_data(), 2, cp=cp, world_size=cp)
 
 
-def _four_ranks(labels: list[str]) -> dict:
-    return {**_train(labels), "kept": _kept_bytes(4)}
+def _four_ranks(labels: list[str], root: str) -> dict:
+    return {**_train(labels, root), "kept": _kept_bytes(4), "cp4": _load_at_cp4(root)}
+
+
+_EXTRA = ("kept", "saved", "cp4")
+"""What the spawns return beside the cases."""
 
 
 @pytest.fixture(scope="module")
-def cp_runs():
-    """label -> each rank's (steps, rank, evaluated); and the kept bytes at cp=1 and cp=4. Every program
-    is compiled here first (the ranks inherit it)."""
+def cp_runs(tmp_path_factory):
+    """label -> each rank's (steps, rank, evaluated); the kept bytes at cp=4; the SAVED case's state
+    and its checkpoint loaded at cp=4. Every program is compiled here first (the ranks inherit it)."""
+    root = str(tmp_path_factory.mktemp("cp"))
     for label in CASES:
         _program(label)
     _kept_program(4)
+    _loading_program(4)
     two = [label for label, (_, _, layout) in CASES.items() if _world(layout) == 2]
     four = [label for label, (_, _, layout) in CASES.items() if _world(layout) == 4]
-    runs = {}
-    for res in (spawn_ranks(_train, 2, two), spawn_ranks(_four_ranks, 4, four)):
-        runs.update({label: [r[label] for r in res] for label in res[0] if label != "kept"})
-        if "kept" in res[0]:
-            runs["kept"] = res[0]["kept"]
+    runs = {"root": root}
+    for res in (spawn_ranks(_train, 2, two, root), spawn_ranks(_four_ranks, 4, four, root)):
+        runs.update({label: [r[label] for r in res] for label in res[0] if label not in _EXTRA})
+        runs.update({key: res[0][key] for key in _EXTRA if key in res[0]})
     return runs
 
 
@@ -195,9 +223,8 @@ def test_every_layout_matches_one_device(cp_runs):
 def test_eval_step_gathers_the_logits_in_token_order(cp_runs):
     """``eval_step`` before training: the loss of the whole sequences, and the logits every rank holds
     in the global token order (the load-balanced layout put back)."""
-    for label, per_rank in cp_runs.items():
-        if label == "kept":
-            continue
+    for label in CASES:
+        per_rank = cp_runs[label]
         name, layers, layout = CASES[label]
         model = _model(name, layers).eval()
         (x,), (y,) = _data()[0]
@@ -220,3 +247,18 @@ def test_activations_kept_per_rank_fall_by_cp(cp_runs):
     ratio = cp_runs["kept"] / alone
     assert 0.22 < ratio < 0.30, (cp_runs["kept"], alone, ratio)
     print(f"kept per rank: cp=1 {alone} B, cp=4 {cp_runs['kept']} B, ratio {ratio:.3f}")
+
+
+def test_a_checkpoint_loads_at_another_cp(cp_runs):
+    """The weights saved at cp=2 after training load bit for bit at cp=1 (this process) and at cp=4
+    (4 ranks), and evaluate alike: the state does not depend on how the sequence was split."""
+    saved = cp_runs["saved"]
+    engine = _loading_program(1).materialize()
+    engine.load(f"{cp_runs['root']}/saved")
+    here = engine.full_state_dict()
+    assert set(here) == set(saved) == set(cp_runs["cp4"]["state"])
+    for name, value in saved.items():
+        assert torch.equal(here[name], value), name
+        assert torch.equal(cp_runs["cp4"]["state"][name], value), name
+    (x,), (y,) = _data()[0]
+    torch.testing.assert_close(cp_runs["cp4"]["eval"], engine.eval_step(x, y), rtol=1e-5, atol=1e-6)
