@@ -21,6 +21,7 @@ __all__ = [
     "TraceError",
     "RankError",
     "spawn",
+    "restart_count",
     "lm_cross_entropy",
     "init_weights",
     "InitError",
@@ -58,6 +59,7 @@ _WHERE = {
     "lm_cross_entropy": "autopar.compiler.trace",
     "RankError": "autopar.runtime.launch",
     "spawn": "autopar.runtime.launch",
+    "restart_count": "autopar.runtime.launch",
     "init_weights": "autopar.runtime.weights.initialize",
     "InitError": "autopar.runtime.weights.module_init",
     "CheckpointError": "autopar.runtime.checkpoint.errors",
@@ -97,7 +99,7 @@ if TYPE_CHECKING:
     from autopar.runtime.engine.errors import ActionError, EngineRuntimeError, EngineUsageError
     from autopar.runtime.engine.failure_board import EngineFailedError
     from autopar.runtime.hf.errors import ExportError
-    from autopar.runtime.launch import RankError, spawn
+    from autopar.runtime.launch import RankError, restart_count, spawn
     from autopar.runtime.optim.errors import OptimizerError
     from autopar.runtime.weights.initialize import init_weights
     from autopar.runtime.weights.module_init import InitError

@@ -8,6 +8,9 @@
     python examples/train_gpt.py --model moe     # a mixture of experts (8 experts, top-2, a shared
                                                  # expert), expert parallelism ep=2 inside dp
     autopar run --nproc 8 examples/train_gpt.py  # or torchrun --nproc-per-node 8 examples/train_gpt.py
+    autopar run --nproc 8 --max-restarts 3 examples/train_gpt.py --crash-at-step 30
+                                                 # a rank dies at step 30; the launcher restarts the
+                                                 # ranks, which resume from the newest checkpoint
 
 The model is compiled first (bad layouts fail here, before any process
 starts) and its plan printed; the local CPU ranks are forked from this
@@ -19,7 +22,9 @@ text; every --save-every steps a checkpoint is saved asynchronously (training
 goes on while the files are written; it becomes ``latest`` once every rank has
 finished). --resume continues from the newest complete checkpoint: parameters,
 AdamW moments, learning-rate schedule, random streams and data position, so
-the losses are those of an uninterrupted run. A run from step 0 checks its
+the losses are those of an uninterrupted run. A job restarted by its launcher
+(``autopar run --max-restarts``, torchrun's ``--max-restarts``: the restart count
+``autopar.restart_count()`` > 0) resumes the same way without the flag. A run from step 0 checks its
 first step against single-device training (same loss, same gradients). The
 last line reports the final training loss, the one the progress bar shows,
 and the throughput as the bar shows it (``throughput``): global tokens per
@@ -159,7 +164,7 @@ def train(args, program: autopar.ParallelProgram | None = None):
     data = ReplicaData("train", rows, engine.dp_size, engine.dp_rank)
     heldout = ReplicaData("heldout", rows, engine.dp_size, engine.dp_rank, shuffle=False)
     start, root = 0, Path(args.ckpt_dir)
-    if args.resume and (root / "latest").exists():
+    if _resuming(args) and (root / "latest").exists():
         start, _ = engine.load(str(root), opt, sched)
     out = {"start": start, "losses": [], "evals": [], "times": [], "grads": None, "load": {}}
     stop, pending, eval_loss = min(args.steps, args.stop_at or args.steps), None, float("nan")
@@ -172,6 +177,8 @@ def train(args, program: autopar.ParallelProgram | None = None):
             if step == start and args.compile != "none" and dist.get_rank() == 0:
                 bar.console.print(f"compiling each chunk with {args.compile} at its first run "
                                   "(Inductor: tens of seconds per chunk on CPU ranks)...")
+            if step == args.crash_at_step and autopar.restart_count() == 0 and dist.get_rank() == dist.get_world_size() - 1:
+                os._exit(17)  # the fault drill: this rank dies at this step of the first start, as a lost node would
             out["losses"].append(engine.train_step(*data.batch(step)))
             if step == start and args.compile != "none" and dist.get_rank() == 0:
                 for (mode, chunk), report in sorted(engine.compiled().items()):
@@ -228,12 +235,21 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
     ap.add_argument("--stop-at", type=int, default=None,
                     help="stop after this step, as an interrupted run would (the schedule still spans --steps)")
+    ap.add_argument("--crash-at-step", type=int, default=None,
+                    help="a fault drill: the last rank dies (exit code 17) at this step of the job's first start; "
+                         "run under autopar run --max-restarts (or torchrun --max-restarts) to see it resume")
     args = ap.parse_args()
     if args.pp == 1:
         args.vp = 1
     if args.ep is None:
         args.ep = 2 if args.model == "moe" and args.dp % 2 == 0 else 1
     return args
+
+
+def _resuming(args) -> bool:
+    """Continue from the newest checkpoint: asked for (--resume), or a restart by the launcher
+    (``autopar run --max-restarts`` or torchrun's), which resumes without a flag."""
+    return args.resume or autopar.restart_count() > 0
 
 
 def check_parity(args, out) -> None:
@@ -257,7 +273,7 @@ def check_parity(args, out) -> None:
 def main() -> None:
     args = _args()
     latest = Path(args.ckpt_dir) / "latest"
-    if latest.exists() and not args.resume:  # before any work: a new run would collide with its saves
+    if latest.exists() and not _resuming(args):  # before any work: a new run would collide with its saves
         raise SystemExit(f"{args.ckpt_dir} holds a run (newest checkpoint {latest.read_text().strip()}): add "
                          f"--resume to continue it, or --ckpt-dir DIR for a new run")
     world = args.tp * args.pp * args.dp

@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="start N local ranks of a training script (torchrun-style)")
     run.add_argument("--nproc", type=int, required=True, help="number of ranks")
     run.add_argument("--timeout", type=float, default=None, help="stop all ranks after this many seconds")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="when a rank fails, stop the others and start all ranks again, up to this many times "
+                          "(TORCHELASTIC_RESTART_COUNT counts the restarts, as under torchrun)")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     exp = sub.add_parser("export", help="convert a saved autopar checkpoint to a HuggingFace directory")

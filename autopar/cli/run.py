@@ -15,4 +15,4 @@ def run_ranks(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C while torch loads: no rank started yet
         print("autopar run: interrupted: stopped 0 ranks", file=sys.stderr)
         return 130
-    return run_script(args.nproc, args.script, args.script_args, args.timeout)
+    return run_script(args.nproc, args.script, args.script_args, args.timeout, args.max_restarts)

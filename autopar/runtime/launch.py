@@ -53,7 +53,8 @@ from multiprocessing import forkserver, reduction
 
 from autopar.core.errors import AutoparError
 
-__all__ = ["spawn", "RankError", "LaunchError", "init_from_env", "join_from_env", "launched_world", "free_port"]
+__all__ = ["spawn", "RankError", "LaunchError", "init_from_env", "join_from_env", "launched_world", "free_port",
+           "restart_count", "RESTART_VAR"]
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What ``autopar run`` and torchrun set for every rank they start."""
@@ -378,17 +379,47 @@ def _root_report(reported: dict[int, tuple[str, int]]) -> tuple[int, str]:
     return rank, text
 
 
-def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float | None = None) -> int:
+RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
+"""How many times the launcher restarted the ranks before this start (torchrun's variable, which
+``autopar run --max-restarts`` sets too): a script resumes from its newest checkpoint when it is > 0."""
+
+
+def restart_count() -> int:
+    """How many times ``autopar run --max-restarts`` or torchrun restarted this job's ranks (0: first start)."""
+    return int(os.environ.get(RESTART_VAR, "0") or 0)
+
+
+def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float | None = None,
+               max_restarts: int = 0) -> int:
     """``autopar run --nproc N script.py ...``: start N ranks of a script, torchrun-style.
 
     Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     (so ``autopar.spawn`` inside the script runs in place). When one rank
-    exits with an error, the others are stopped and its exit code returned.
-    Each rank runs in a process group of its own, so a terminal's Ctrl-C
-    reaches the launcher alone: it stops the ranks (SIGTERM to each group,
-    SIGKILL after ``STOP_GRACE_S``), prints ``interrupted: stopped N ranks``
-    and returns 130 (SIGTERM: 143).
+    exits with an error, the others are stopped and, while fewer than
+    ``max_restarts`` restarts were made, all N are started again (on a new
+    port, ``TORCHELASTIC_RESTART_COUNT`` counting the restarts, as torchrun
+    does); else its exit code is returned. Each rank runs in a process group of
+    its own, so a terminal's Ctrl-C reaches the launcher alone: it stops the
+    ranks (SIGTERM to each group, SIGKILL after ``STOP_GRACE_S``), prints
+    ``interrupted: stopped N ranks`` and returns 130 (SIGTERM: 143); it is never
+    restarted.
     """
+    if max_restarts < 0:
+        raise LaunchError(f"--max-restarts {max_restarts}: the number of restarts is 0 or more")
+    for restart in range(max_restarts + 1):
+        code, failed = _run_once(nproc, script, script_args, timeout_s, restart)
+        if failed is None or restart == max_restarts:
+            return code
+        rank, _ = failed
+        print(f"autopar run: rank {rank} of {nproc} exited with code {code}; stopped the others; restarting all "
+              f"{nproc} ranks ({restart + 1} of {max_restarts} restarts)", file=sys.stderr, flush=True)
+    return code
+
+
+def _run_once(nproc: int, script: str, script_args: list[str], timeout_s: float | None,
+              restart: int) -> tuple[int, tuple[int, int] | None]:
+    """One start of the N ranks: (the exit code to return, (rank, code) of the failed rank or None when
+    none failed or the launcher was interrupted)."""
     port = free_port()
     procs: list[subprocess.Popen] = []
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -398,7 +429,7 @@ def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float
             for rank in range(nproc):
                 env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                           OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{RESTART_VAR: str(restart)})
                 procs.append(subprocess.Popen([sys.executable, script, *script_args], env=env,
                                               start_new_session=True))
             while not caught:
@@ -408,7 +439,7 @@ def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float
                     failed = bad[0]
                     break
                 if all(c == 0 for c in codes):
-                    return 0
+                    return 0, None
                 if deadline is not None and time.monotonic() > deadline:
                     failed = (next(r for r, c in enumerate(codes) if c is None), 124)
                     break
@@ -417,10 +448,10 @@ def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float
             stopped = _stop_groups(procs, STOP_GRACE_S if caught else 10.0)
     if caught:
         print(f"autopar run: {_interrupted_line(caught[0], stopped)}", file=sys.stderr, flush=True)
-        return 128 + caught[0]
+        return 128 + caught[0], None
     rank, code = failed
     print(f"autopar run: rank {rank} of {nproc} exited with code {code}; stopped the others", file=sys.stderr)
-    return code
+    return code, failed
 
 
 def _stop_groups(procs: list[subprocess.Popen], grace_s: float) -> int:

@@ -1,7 +1,9 @@
 """The main job (examples/train_gpt.py) as a user runs it: interrupted, resumed, the same run.
 
 A run of 4 steps against one stopped after step 2 and resumed from its
-checkpoint in new processes: the same held-out loss and the same final loss.
+checkpoint in new processes, and against one whose last rank dies at step 3
+under ``autopar run --max-restarts 1``, restarted by the launcher and resumed
+without a flag: the same held-out loss and the same final loss.
 The final line's loss is the one the progress bar shows; step 0 matches
 single-device training (the script checks it and says so).
 """
@@ -30,8 +32,13 @@ def _final(text: str) -> str:
     return re.search(r"^final loss (\d+\.\d+) at step 4", text, re.M).group(1)
 
 
-def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
-    whole = _run_example("--ckpt-dir", str(tmp_path / "whole"))
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> str:
+    """The uninterrupted run's output."""
+    return _run_example("--ckpt-dir", str(tmp_path_factory.mktemp("whole")))
+
+
+def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path, whole):
     assert "parity: step 0's loss" in whole
     bar = re.findall(r"step 4/4 .* loss (\d+\.\d+) ", whole)
     assert bar and bar[-1] == _final(whole)  # the last line says what the progress bar showed
@@ -45,3 +52,18 @@ def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
     assert _final(resumed) == _final(whole)
     held_out = re.compile(r"(\d+\.\d+) \(step 4\)")
     assert held_out.search(resumed).group(1) == held_out.search(whole).group(1)
+
+
+def test_a_rank_lost_mid_run_is_restarted_and_resumes_by_itself(tmp_path, whole):
+    """The last rank exits (code 17) at step 3 of the first start; the launcher stops the other, starts
+    both again, and they resume from step 2's checkpoint: the final and held-out losses are the
+    uninterrupted run's (same layout: bitwise, as the printed digits show)."""
+    out = subprocess.run([sys.executable, "-m", "autopar.cli", "run", "--nproc", "2", "--max-restarts", "1", str(SCRIPT),
+                          *LAYOUT, "--ckpt-dir", str(tmp_path / "crash"), "--crash-at-step", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "rank 1 of 2 exited with code 17" in out.stderr and "restarting all 2 ranks (1 of 1 restarts)" in out.stderr
+    assert "resumed from" in out.stdout and "at step 2" in out.stdout
+    assert _final(out.stdout) == _final(whole)
+    held_out = re.compile(r"(\d+\.\d+) \(step 4\)")
+    assert held_out.search(out.stdout).group(1) == held_out.search(whole).group(1)
