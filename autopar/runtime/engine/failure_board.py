@@ -24,6 +24,14 @@ progress for ``timeout_s`` (``engine.failure_timeout_s``, default
 ``AUTOPAR_FAILURE_TIMEOUT`` or 300 s, well under torch's 30 minutes) is
 published as this rank's failure, a ``TimeoutError`` naming the action.
 
+While a step runs, each rank's watch also writes a *heartbeat* on the board
+every poll (``beat``: the wall-clock time and the action it runs). A rank
+that stops answering (stopped with SIGSTOP, its host frozen) stops beating
+while its threads stand still; the rank whose wait times out reads every
+heartbeat and names, in its failure, the ranks silent for longer than
+``silent_s`` and what each was last running, or, when every rank still
+answers (one stuck in another collective), what each of them is running.
+
 A failed engine refuses every further step (``EngineFailedError``): its
 state (sends in flight, partial gradients) and its process groups are gone.
 
@@ -236,13 +244,66 @@ class FailureBoard:
                 atexit.register(_wait_for_readers)
             _READERS.append((self.store, self.key + "/read", self.world, self.exit_wait_s))
 
-    def watch(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure]):
+    def watch(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure],
+              doing: Callable[[], str] = lambda: ""):
         """A watch over one step (a context manager): ``progress()`` is the ``time.monotonic()`` of
         the step's last progress, ``on_timeout(seconds)`` this rank's failure after ``timeout_s``
-        without any."""
+        without any, ``doing()`` what this rank runs (its heartbeat says it)."""
         if self._watch is None:
             self._watch = Watch(self)
-        return self._watch.over(timeout_s, progress, on_timeout)
+        return self._watch.over(timeout_s, progress, on_timeout, doing)
+
+    @property
+    def silent_s(self) -> float:
+        """A rank whose last heartbeat is older than this has stopped answering (beats come every poll)."""
+        return max(2.0, 10 * self.poll_s)
+
+    def beat(self, doing: str) -> None:
+        """This rank's heartbeat: now (wall clock) and what it runs."""
+        if self.store is None:
+            return
+        try:
+            self.store.set(f"{self.key}/beat/{dist.get_rank()}", json.dumps([time.time(), doing]))
+        except Exception:  # noqa: BLE001 - the store's host is gone: the failure path says so
+            pass
+
+    def heartbeats(self) -> dict[int, tuple[float, str] | None]:
+        """Every rank's last heartbeat (seconds since it, what it ran then), None for a rank never heard
+        from in this engine's steps."""
+        out: dict[int, tuple[float, str] | None] = {}
+        now = time.time()
+        for rank in range(self.world):
+            key = f"{self.key}/beat/{rank}"
+            try:
+                if not self.store.check([key]):
+                    out[rank] = None
+                    continue
+                at, doing = json.loads(self.store.get(key))
+            except Exception:  # noqa: BLE001 - the store's host is gone
+                continue
+            out[rank] = (max(0.0, now - at), doing)
+        return out
+
+    def silence(self, me: int, coords: Callable[[int], tuple[int, int, int]]) -> str:
+        """What the heartbeats say when a wait timed out on rank ``me``: the ranks that stopped
+        answering and what each last ran; else (every rank answers) what each runs now."""
+        if self.store is None:
+            return ""
+        beats = self.heartbeats()
+        silent = [(r, b) for r, b in beats.items() if r != me and (b is None or b[0] > self.silent_s)]
+
+        def who(r: int) -> str:
+            pp, dp, tp = coords(r)
+            return f"rank {r} (pp={pp}, dp={dp}, tp={tp})"
+
+        if silent:
+            parts = [f"{who(r)} never answered in this engine's steps" if b is None else
+                     f"{who(r)} has not answered for {b[0]:.0f} s (last heard while running {b[1] or 'its step'})"
+                     for r, b in silent[:8]]
+            more = f" and {len(silent) - 8} more" if len(silent) > 8 else ""
+            return "; ".join(parts) + more + ": stopped or hung (SIGSTOP, a frozen host, a hung kernel)"
+        running = [f"rank {r}: {b[1] or '-'}" for r, b in sorted(beats.items()) if b is not None][:8]
+        return "every rank still answers, each waiting in: " + "; ".join(running)
 
 
 _WATCHES: "weakref.WeakSet[Watch]" = weakref.WeakSet()
@@ -279,8 +340,8 @@ class Watch:
         self.board = board
         self.seen: Failure | None = None
         """What the watch found published (a peer's failure, or this rank's timeout)."""
-        self._step: tuple[float, Callable[[], float], Callable[[float], Failure]] | None = None
-        """(timeout_s, progress, on_timeout) while a step runs."""
+        self._step: tuple[float, Callable[[], float], Callable[[float], Failure], Callable[[], str]] | None = None
+        """(timeout_s, progress, on_timeout, doing) while a step runs."""
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="autopar-failure-watch", daemon=True)
         self._thread.start()
@@ -295,8 +356,10 @@ class Watch:
         self._thread.join(timeout=2 * self.board.poll_s + 5.0)
 
     @contextlib.contextmanager
-    def over(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure]):
-        self._step = (timeout_s, progress, on_timeout)
+    def over(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure],
+             doing: Callable[[], str] = lambda: ""):
+        self.board.beat(doing())  # once at the step's start: a step shorter than a poll is heard too
+        self._step = (timeout_s, progress, on_timeout, doing)
         try:
             yield self
         finally:
@@ -309,7 +372,8 @@ class Watch:
                 step = self._step
                 if step is None or self._closing:
                     continue
-                timeout_s, progress, on_timeout = step
+                timeout_s, progress, on_timeout, doing = step
+                self.board.beat(doing())
                 seen = self.board.read()
                 idle = time.monotonic() - progress()
                 if seen is None and idle > timeout_s and self._step is step:

@@ -66,7 +66,9 @@ class StepFailures:
                                  lambda idle: self.own_failure(st, st.at, TimeoutError(
                                      f"no progress for {idle:.0f} s (engine.failure_timeout_s = "
                                      f"{timeout_s:g} s): a peer stopped communicating, or "
-                                     f"this rank's work hangs")))
+                                     f"this rank's work hangs; "
+                                     + self.board.silence(self.mesh.rank, self.mesh.shape.coords))),
+                                 lambda: self.doing(st))
         try:
             with watch:
                 yield
@@ -77,6 +79,14 @@ class StepFailures:
             raise
         except Exception as e:
             raise self.failure(e, list(st.at), st) from e
+
+    def doing(self, st: "StepState") -> str:
+        """What this rank runs now, for its heartbeat: ``F0.1 (stage 0, step 3 of the step 7)``."""
+        try:
+            own = self.own_failure(st, list(st.at), None)
+        except Exception:  # noqa: BLE001 - read from the watch thread while the step moves on
+            return ""
+        return f"{own.what}{f' ({own.where})' if own.where else ''} of {own.kind} {own.step}"
 
     def own_failure(self, st: "StepState", steps: list[int], e: BaseException | None) -> Failure:
         """This rank's failure: at ``steps`` of its action list (or in ``st.phase``), raising ``e``."""
