@@ -36,6 +36,7 @@ checkpoint saves not).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -196,6 +197,10 @@ def train(args, program: autopar.ParallelProgram | None = None):
                     pending.wait()
                 pending = engine.save(str(root), opt, step=step + 1, scheduler=sched,
                                       extra={"data": data.position(step + 1)}, async_save=True)
+            if args.loss_log and dist.get_rank() == 0:  # every step's loss, appended as it is known
+                with open(args.loss_log, "a") as log:
+                    log.write(json.dumps({"step": step + 1, "loss": out["losses"][-1],
+                                          "restart": autopar.restart_count()}) + "\n")
             bar.update(task, advance=1, loss=out["losses"][-1], eval=eval_loss, tps=throughput(tokens, out["times"]))
             out["load"] = engine.expert_load()  # rows routed to each expert this step (layers of this stage)
     if pending is not None:
@@ -235,6 +240,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
     ap.add_argument("--stop-at", type=int, default=None,
                     help="stop after this step, as an interrupted run would (the schedule still spans --steps)")
+    ap.add_argument("--loss-log", default=None,
+                    help="append each step's loss to this file as a JSON line ({step, loss, restart}), rank 0")
     ap.add_argument("--crash-at-step", type=int, default=None,
                     help="a fault drill: the last rank dies (exit code 17) at this step of the job's first start; "
                          "run under autopar run --max-restarts (or torchrun --max-restarts) to see it resume")
