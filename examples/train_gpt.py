@@ -16,8 +16,8 @@ The model is compiled first (bad layouts fail here, before any process
 starts) and its plan printed; the local CPU ranks are forked from this
 process and run that same program (GPU ranks start fresh and compile their
 own). Each data-parallel replica reads its own batches
-of the training text (a DistributedSampler set up from engine.dp_rank and
-engine.dp_size); every --eval-every steps the model is evaluated on held-out
+of the training text (its 1/dp of each global batch, read from one order of the
+corpus per epoch that no layout changes); every --eval-every steps the model is evaluated on held-out
 text; every --save-every steps a checkpoint is saved asynchronously (training
 goes on while the files are written; it becomes ``latest`` once every rank has
 finished). --resume continues from the newest complete checkpoint: parameters,
@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DistributedSampler
 
 import autopar
 from autopar.core.config import SCHEDULE_NAMES
@@ -86,29 +85,40 @@ def lr_factor(step: int, steps: int) -> float:
 
 
 class ReplicaData:
-    """One data-parallel replica's batches: a DistributedSampler over the corpus windows, reshuffled each
-    epoch. ``batch(step)`` is a pure function of the step, so a resumed run reads what it would have."""
+    """One data-parallel replica's rows of each global batch. Every epoch has one order of the corpus
+    windows (a permutation seeded by the epoch, the same whatever the layout); global batch ``b`` of an
+    epoch is the ``global_rows`` windows at ``b * global_rows`` of that order, and replica ``r`` of ``d``
+    reads its ``r``-th 1/d of them. ``batch(step)`` is a pure function of the step, and which samples a
+    step reads does not depend on d: a run resumed on another number of replicas sees every sample
+    once, as the uninterrupted run does."""
 
-    def __init__(self, split: str, rows: int, dp_size: int, dp_rank: int, shuffle: bool = True):
+    def __init__(self, split: str, global_rows: int, dp_size: int, dp_rank: int, shuffle: bool = True):
+        if global_rows % dp_size:
+            raise SystemExit(f"a global batch of {global_rows} sequences does not split over {dp_size} replicas")
         self.data = CorpusWindows(CFG.seq_len, split)
-        self.sampler = DistributedSampler(self.data, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=0)
-        self.rows = rows
-        self.per_epoch = len(self.sampler) // rows
+        self.global_rows, self.rows, self.dp_rank, self.shuffle = global_rows, global_rows // dp_size, dp_rank, shuffle
+        self.per_epoch = len(self.data) // global_rows
 
     def position(self, step: int) -> dict:
-        """Where step ``step`` reads: the epoch and the batch within it (saved with checkpoints)."""
-        return {"epoch": step // self.per_epoch, "batch": step % self.per_epoch}
+        """Where step ``step`` reads: the epoch, the global batch within it and its size (saved with
+        checkpoints: a position in the global order, not in a replica's)."""
+        return {"epoch": step // self.per_epoch, "batch": step % self.per_epoch, "global_rows": self.global_rows}
+
+    def samples(self, step: int) -> list[int]:
+        """The corpus windows of step ``step``'s global batch, every replica's, in replica order."""
+        at = self.position(step)
+        order = (torch.randperm(len(self.data), generator=torch.Generator().manual_seed(at["epoch"]))
+                 if self.shuffle else torch.arange(len(self.data)))
+        return order[at["batch"] * self.global_rows: (at["batch"] + 1) * self.global_rows].tolist()
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        at = self.position(step)
-        self.sampler.set_epoch(at["epoch"])
-        indices = list(self.sampler)[at["batch"] * self.rows: (at["batch"] + 1) * self.rows]
+        indices = self.samples(step)[self.dp_rank * self.rows: (self.dp_rank + 1) * self.rows]
         xs, ys = zip(*(self.data[i] for i in indices))
         return torch.stack(xs), torch.stack(ys)
 
 
 def compile_program(args, world_size=None) -> autopar.ParallelProgram:
-    x, y = ReplicaData("train", args.micro_batch, 1, 0).batch(0)
+    x, y = ReplicaData("train", args.micro_batch, 1, 0).batch(0)  # one microbatch: the shapes
     model = make_model(args.model)
     return autopar.parallelize(model, tp=args.tp, pp=args.pp, dp=args.dp, virtual_stages=args.vp,
                                ep=args.ep, **losses(args.model, model),
@@ -118,10 +128,14 @@ def compile_program(args, world_size=None) -> autopar.ParallelProgram:
                                compile=None if args.compile == "none" else args.compile)
 
 
+def global_rows(args) -> int:
+    """Sequences of one step over every replica."""
+    return args.micro_batch * args.microbatches * args.dp
+
+
 def global_batch(args, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every replica's batch of ``step``, in replica order: what one device would train on."""
-    parts = [ReplicaData("train", args.micro_batch * args.microbatches, args.dp, r).batch(step) for r in range(args.dp)]
-    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+    return ReplicaData("train", global_rows(args), 1, 0).batch(step)
 
 
 def evaluate(engine, heldout: ReplicaData) -> float:
@@ -161,7 +175,7 @@ def train(args, program: autopar.ParallelProgram | None = None):
     else:
         opt = torch.optim.AdamW(engine.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, args.steps))
-    rows = args.micro_batch * args.microbatches  # this replica's sequences per step
+    rows = global_rows(args)  # every replica's sequences per step
     data = ReplicaData("train", rows, engine.dp_size, engine.dp_rank)
     heldout = ReplicaData("heldout", rows, engine.dp_size, engine.dp_rank, shuffle=False)
     start, root = 0, Path(args.ckpt_dir)
