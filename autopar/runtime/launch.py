@@ -378,8 +378,10 @@ def _root_report(reported: dict[int, tuple[str, int]]) -> tuple[int, str]:
     return rank, text
 
 
-def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float | None = None) -> int:
-    """``autopar run --nproc N script.py ...``: start N ranks of a script, torchrun-style.
+def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float | None = None,
+               module: bool = False) -> int:
+    """``autopar run --nproc N script.py ...``: start N ranks of a script, torchrun-style (of a module,
+    ``python -m script``, with ``module``: how ``autopar tune --nproc N`` starts its ranks).
 
     Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     (so ``autopar.spawn`` inside the script runs in place). When one rank
@@ -399,7 +401,8 @@ def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float
                 env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-                procs.append(subprocess.Popen([sys.executable, script, *script_args], env=env,
+                target = ["-m", script] if module else [script]
+                procs.append(subprocess.Popen([sys.executable, *target, *script_args], env=env,
                                               start_new_session=True))
             while not caught:
                 codes = [p.poll() for p in procs]

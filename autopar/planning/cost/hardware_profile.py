@@ -143,20 +143,25 @@ class HardwareProfile:
 
 
 def fit_alpha_beta(sizes: list[float] | tuple[float, ...], seconds: list[float] | tuple[float, ...]) -> tuple[float, float]:
-    """(alpha seconds, beta bytes/s) of time = alpha + bytes / beta, least squares over the timed sizes.
+    """(alpha seconds, beta bytes/s) of time = alpha + bytes / beta, by least squares on the relative
+    error (each timing weighted by 1 / time^2, so the small sizes set alpha and the large ones beta).
 
     Noise can make the fitted intercept negative (then the line goes through the origin) or the slope
     non-positive (then the sizes cost nothing measurable: beta = inf is reported as 1e18 B/s)."""
     n = len(sizes)
-    if n != len(seconds) or n < 2:
-        raise ProfileFieldError(f"fitting a collective needs two or more timed sizes, got sizes {list(sizes)} "
-                                f"and times {list(seconds)}")
-    mx, my = sum(sizes) / n, sum(seconds) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx if sxx else 0.0
-    alpha = my - slope * mx
+    if n != len(seconds) or n < 2 or min(seconds) <= 0:
+        raise ProfileFieldError(f"fitting a collective needs two or more timed sizes with positive times, got "
+                                f"sizes {list(sizes)} and times {list(seconds)}")
+    w = [1 / y**2 for y in seconds]
+    sw = sum(w)
+    sx, sy = sum(wi * x for wi, x in zip(w, sizes)), sum(wi * y for wi, y in zip(w, seconds))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, seconds))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det else 0.0
+    alpha = (sy - slope * sx) / sw
     if alpha < 0:
-        alpha, slope = 0.0, sum(x * y for x, y in zip(sizes, seconds)) / sum(x * x for x in sizes)
+        alpha, slope = 0.0, sxy / sxx
     return alpha, (1.0 / slope if slope > 0 else 1e18)
 
 
