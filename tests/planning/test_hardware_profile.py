@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from autopar.cli import main
-from autopar.planning.cost.hardware import PROFILES, get_hardware
+from autopar.planning.cost.hardware import PROFILES
 from autopar.planning.cost.hardware_profile import (
     VERSION_KEY,
     GemmFigure,
@@ -27,6 +27,7 @@ from autopar.planning.cost.hardware_profile import (
     fit_alpha_beta,
     load_hardware,
     load_profile,
+    resolve_hardware,
     to_hardware,
     write_profile,
 )
@@ -80,10 +81,11 @@ def test_round_trip_keeps_every_number(tmp_path):
 def test_a_preset_and_a_path_both_name_hardware(tmp_path):
     path = tmp_path / "hw.json"
     write_profile(_profile(), path)
-    assert get_hardware("dgx-a100-80gb") is PROFILES["dgx-a100-80gb"] and not PROFILES["dgx-a100-80gb"].tuned
+    assert resolve_hardware("dgx-a100-80gb") is PROFILES["dgx-a100-80gb"] and not PROFILES["dgx-a100-80gb"].tuned
+    assert resolve_hardware(str(path)) == load_hardware(str(path))
     assert Cluster.of(2, str(path), 8).hardware == load_hardware(str(path))  # what autopar.plan(hardware=...) uses
     with pytest.raises(PlanError, match="known: dgx-a100-80gb.*or the path of a JSON profile"):
-        get_hardware("dgx-z900")
+        resolve_hardware("dgx-z900")
 
 
 def test_another_version_is_refused_with_the_command_to_measure_again(tmp_path):

@@ -22,7 +22,6 @@ Units: FLOP/s, bytes, bytes/s, seconds.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 
 from autopar.planning.errors import PlanError
@@ -184,14 +183,11 @@ PROFILES: dict[str, Hardware] = {
 
 
 def get_hardware(name: str) -> Hardware:
-    """The preset called ``name``, or the tuned profile in the JSON file ``name`` (``autopar tune``
-    wrote it; ``hardware_profile.load_hardware``); the error lists the presets."""
-    if name in PROFILES:
+    """The preset called ``name``; the error lists the presets. (``hardware_profile.resolve_hardware``
+    also takes the path of a profile ``autopar tune`` wrote.)"""
+    try:
         return PROFILES[name]
-    if name.endswith(".json") or os.path.isfile(name):
-        from autopar.planning.cost.hardware_profile import load_hardware  # noqa: PLC0415  (it imports this file)
-
-        return load_hardware(name)
-    known = ", ".join(sorted(PROFILES))
-    raise PlanError(f"unknown hardware profile {name!r}; known: {known}, or the path of a JSON profile "
-                    f"`autopar tune` wrote (no file {name!r})")
+    except KeyError:
+        known = ", ".join(sorted(PROFILES))
+        raise PlanError(f"unknown hardware profile {name!r}; known: {known}, or the path of a JSON profile "
+                        f"`autopar tune` wrote (no file {name!r})") from None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,11 +42,13 @@ from autopar.planning.cost.hardware import (
     Hardware,
     MeasuredGemm,
     MeasuredLink,
+    get_hardware,
 )
 from autopar.planning.errors import ProfileFieldError, ProfileVersionError
 
 __all__ = ["PROFILE_VERSION", "VERSION_KEY", "GemmFigure", "LinkFigure", "HardwareProfile", "fit_alpha_beta",
-           "load_profile", "write_profile", "to_hardware", "load_hardware", "nearest_preset", "DTYPE_BYTES"]
+           "load_profile", "write_profile", "to_hardware", "load_hardware", "resolve_hardware", "nearest_preset",
+           "DTYPE_BYTES"]
 
 PROFILE_VERSION = 1
 """The format version this autopar writes and reads."""
@@ -314,6 +317,15 @@ def to_hardware(profile: HardwareProfile, name: str = "tuned", dtype: str | None
 def load_hardware(path: str | Path, dtype: str | None = None) -> Hardware:
     """The tuned profile in the JSON file ``path`` as the planner's ``Hardware``, named by its path."""
     return to_hardware(load_profile(path), name=str(path), dtype=dtype)
+
+
+def resolve_hardware(hardware: str | Hardware) -> Hardware:
+    """``hardware`` itself, the preset it names, or the tuned profile in the JSON file it names."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if hardware not in PROFILES and (hardware.endswith(".json") or os.path.isfile(hardware)):
+        return load_hardware(hardware)
+    return get_hardware(hardware)
 
 
 def nearest_preset(hw: Hardware) -> str:
