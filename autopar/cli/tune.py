@@ -94,8 +94,8 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
 
     rank, world = init_from_env() if launched_world() is not None else (0, 1)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    device = torch.device(f"cuda:{torch.cuda.current_device()}") if (
-        world > 1 and dist.get_backend() == "nccl") or (world == 1 and torch.cuda.is_available()) else torch.device("cpu")
+    on_gpu = dist.get_backend() == "nccl" if world > 1 else torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     facts = compute.device_facts(device, per_node if device.type == "cpu" else 1)
     budget = 0.03 if args.quick else 0.2
     start = time.perf_counter()
@@ -107,6 +107,10 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
     if unknown:
         raise SystemExit(f"autopar tune: --dtypes {','.join(unknown)}: known {', '.join(DTYPE_BYTES)}")
     dtypes = [d for d in wanted if compute.dtype_works(d, device)]
+    if len(dtypes) < len(wanted):
+        _say(rank, console, f"skipped {', '.join(d for d in wanted if d not in dtypes)}: {device} does not run it")
+    if not dtypes:
+        raise SystemExit(f"autopar tune: none of --dtypes {','.join(wanted)} runs on {device}; try fp32")
     shapes = _gemm_shapes(args, per_node)
     gemm: list[GemmFigure] = []
     for dtype in dtypes:
