@@ -29,6 +29,7 @@ from autopar.compiler.program import Program
 from autopar.compiler.trace import lm_cross_entropy
 from autopar.core.config import ParallelConfig
 from autopar.core.errors import AutoparError
+from autopar.planning.cost.hardware import Hardware
 from autopar.planning.cost.layout import Cluster, Layout
 from autopar.planning.search.planner import Plan, SearchSpace, search
 from autopar.runtime.engine import RankEngine
@@ -163,12 +164,13 @@ def parallelize(
                            program_type=ParallelProgram)
 
 
-def plan(model, example_inputs, gpus: int, global_batch: int, hardware: str = "dgx-a100-80gb",
+def plan(model, example_inputs, gpus: int, global_batch: int, hardware: str | Hardware = "dgx-a100-80gb",
          space: SearchSpace | None = None, example_targets=None, loss_fn=None, top: int = 10,
          reference: Layout | None = None) -> Plan:
     """Plan for a user's model: its dimensions are read from its traced graph
     (``autopar.compiler.model_spec``; a model on the meta device costs no memory), then
-    ``search`` ranks the layouts for ``gpus`` GPUs of ``hardware`` and a global batch
+    ``search`` ranks the layouts for ``gpus`` GPUs of ``hardware`` (a preset's name, the path of a
+    profile ``autopar tune`` wrote, or a ``Hardware``) and a global batch
     of ``global_batch`` sequences of the example inputs' length. ``Plan.spec`` says
     what was read."""
     space = space if space is not None else SearchSpace()

@@ -1,7 +1,8 @@
-"""The ``autopar`` command line's parsers: ``plan``, ``simulate``, ``run`` and ``export``.
+"""The ``autopar`` command line's parsers: ``plan``, ``simulate``, ``tune``, ``run`` and ``export``.
 
 ``build_parser`` is the whole command line; the flags that describe a model, a cluster and a
-layout are shared by ``plan`` and ``simulate`` (``add_model_args``). The tables here map a
+layout are shared by ``plan`` and ``simulate`` (``add_model_args``), the model's by ``tune`` too
+(``add_model_flags``). The tables here map a
 flag's words to what the planner takes (``RECOMPUTE_FLAG``, ``FEATURE_FLAG``) and name the
 model features its dimensions do not say (``FEATURES``).
 """
@@ -9,12 +10,13 @@ model features its dimensions do not say (``FEATURES``).
 from __future__ import annotations
 
 import argparse
+import os
 
 from autopar.core.config import SCHEDULE_NAMES, Recompute
 from autopar.planning.cost.hardware import PROFILES
 from autopar.planning.cost.layout import PRICED_RECOMPUTE
 
-__all__ = ["build_parser", "add_model_args", "degrees", "FEATURES", "FEATURE_FLAG", "RECOMPUTE_FLAG"]
+__all__ = ["build_parser", "add_model_args", "add_model_flags", "hardware_name", "degrees", "FEATURES", "FEATURE_FLAG", "RECOMPUTE_FLAG"]
 
 RECOMPUTE_FLAG: dict[str, tuple[Recompute, ...]] = {
     "layer": (Recompute.LAYER,),
@@ -48,8 +50,8 @@ def degrees(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(values))
 
 
-def add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -> None:
-    """The model, cluster and layout flags of ``plan`` and ``simulate``."""
+def add_model_flags(ap: argparse.ArgumentParser) -> None:
+    """The flags that describe a model (``model_args.model_spec`` reads them): ``plan``, ``simulate``, ``tune``."""
     g = ap.add_argument_group("model (a preset, a HuggingFace config, or dimensions)")
     g.add_argument("--model", help="preset: gpt-1.7b, gpt-3.6b, gpt-7.5b, gpt-18b, gpt-39b, gpt-76b, "
                                    "gpt-145b, gpt-310b, gpt-530b, gpt-1t")
@@ -76,10 +78,25 @@ def add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -
         g.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
                        help=f"{what} (dimensions: default {'on' if default else 'off'}, as current models; "
                             f"--model: the preset's; --hf-config reads it from the model)")
+
+
+def hardware_name(text: str) -> str:
+    """``--hardware``: a preset's name, or the path of a JSON profile ``autopar tune`` wrote."""
+    if text in PROFILES or text.endswith(".json") or os.path.isfile(text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a preset ({', '.join(sorted(PROFILES))}) nor a JSON "
+                                     f"profile file; `autopar tune --out {text}.json` writes one")
+
+
+def add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -> None:
+    """The model, cluster and layout flags of ``plan`` and ``simulate``."""
+    add_model_flags(ap)
     c = ap.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, required=required_cluster)
     c.add_argument("--batch", type=int, required=required_cluster, help="global batch (sequences)")
-    c.add_argument("--hardware", default="dgx-a100-80gb", choices=sorted(PROFILES))
+    c.add_argument("--hardware", default="dgx-a100-80gb", type=hardware_name, metavar="PRESET|PROFILE.json",
+                   help=f"a preset ({', '.join(sorted(PROFILES))}; default dgx-a100-80gb) or a hardware profile "
+                        f"`autopar tune` measured on the machines in hand (docs/hardware-profile.md)")
     c.add_argument("--memory-headroom", type=float, default=None,
                    help="fraction of each GPU's HBM a layout may use (default: the profile's, 0.90); "
                         "lower it to keep a margin for fragmentation and buffers the model does not count")
@@ -163,6 +180,21 @@ def build_parser() -> argparse.ArgumentParser:
                           "(TORCHELASTIC_RESTART_COUNT counts the restarts, as under torchrun)")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
+    tune = sub.add_parser("tune", help="measure the machines in hand: a hardware profile for plan and simulate")
+    add_model_flags(tune)
+    tune.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch of the GEMMs timed (default 1)")
+    tune.add_argument("--tp", type=degrees, metavar="T[,T...]",
+                      help="tensor-parallel degrees whose GEMM shapes to time (default: every divisor of the "
+                           "ranks on a node)")
+    tune.add_argument("--dtypes", default=None, metavar="DTYPE[,DTYPE...]",
+                      help="GEMM dtypes to time: fp32, bf16, fp16 (default: fp32,bf16, those the device runs)")
+    tune.add_argument("--nproc", type=int, default=None,
+                      help="start this many local ranks (as `autopar run` does) to time collectives; without it "
+                           "the ranks are the launch's (torchrun -m autopar.cli tune), or one process")
+    tune.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a few seconds; a coarser fit)")
+    tune.add_argument("--compiled", action="store_true",
+                      help="also time a call of a tiny compiled function (compiles one: seconds more)")
+    tune.add_argument("--out", default="autopar-hardware.json", help="the profile to write (rank 0)")
     exp = sub.add_parser("export", help="convert a saved autopar checkpoint to a HuggingFace directory")
     exp.add_argument("checkpoint", help="a checkpoint root (the step its 'latest' file names) or one step directory")
     exp.add_argument("--to-hf", required=True, metavar="DIR",

@@ -16,7 +16,8 @@ from dataclasses import replace
 
 from autopar.cli.arguments import FEATURE_FLAG, RECOMPUTE_FLAG
 from autopar.cli.errors import CliError
-from autopar.planning.cost.hardware import Hardware, get_hardware
+from autopar.planning.cost.hardware import Hardware
+from autopar.planning.cost.hardware_profile import resolve_hardware
 from autopar.planning.cost.layout import Cluster, Layout
 from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.step_estimate import Estimate
@@ -44,8 +45,8 @@ def chunks_per_stage(schedule: str | None, vp: int | None) -> int:
 
 
 def hardware(args: argparse.Namespace) -> Hardware:
-    """``--hardware``'s profile, with ``--memory-headroom`` when given."""
-    hw = get_hardware(args.hardware)
+    """``--hardware``'s preset or tuned profile, with ``--memory-headroom`` when given."""
+    hw = resolve_hardware(args.hardware)
     if args.memory_headroom is None:
         return hw
     if not 0 < args.memory_headroom <= 1:

@@ -1,6 +1,7 @@
 """The runtime: what runs a compiled program on a rank, in rooms.
 
 - ``launch``: starting ranks (``spawn``, ``autopar run``, torchrun).
+- ``tuning/``: timing this machine's kernels and collectives (what ``autopar tune`` measures).
 - ``optim/``: gradient sync, the distributed optimizer, the split backward.
 - ``checkpoint/``: training state saved, resumed and resharded.
 - ``hf/``: HuggingFace checkpoints read and written.

@@ -390,8 +390,9 @@ def restart_count() -> int:
 
 
 def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float | None = None,
-               max_restarts: int = 0) -> int:
-    """``autopar run --nproc N script.py ...``: start N ranks of a script, torchrun-style.
+               max_restarts: int = 0, module: bool = False) -> int:
+    """``autopar run --nproc N script.py ...``: start N ranks of a script, torchrun-style (of a module,
+    ``python -m script``, with ``module``: how ``autopar tune --nproc N`` starts its ranks).
 
     Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     (so ``autopar.spawn`` inside the script runs in place). When one rank
@@ -407,7 +408,7 @@ def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float
     if max_restarts < 0:
         raise LaunchError(f"--max-restarts {max_restarts}: the number of restarts is 0 or more")
     for restart in range(max_restarts + 1):
-        code, failed = _run_once(nproc, script, script_args, timeout_s, restart)
+        code, failed = _run_once(nproc, script, script_args, timeout_s, restart, module)
         if failed is None or restart == max_restarts:
             return code
         rank, _ = failed
@@ -416,8 +417,8 @@ def run_script(nproc: int, script: str, script_args: list[str], timeout_s: float
     return code
 
 
-def _run_once(nproc: int, script: str, script_args: list[str], timeout_s: float | None,
-              restart: int) -> tuple[int, tuple[int, int] | None]:
+def _run_once(nproc: int, script: str, script_args: list[str], timeout_s: float | None, restart: int,
+              module: bool) -> tuple[int, tuple[int, int] | None]:
     """One start of the N ranks: (the exit code to return, (rank, code) of the failed rank or None when
     none failed or the launcher was interrupted)."""
     port = free_port()
@@ -430,7 +431,8 @@ def _run_once(nproc: int, script: str, script_args: list[str], timeout_s: float 
                 env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{RESTART_VAR: str(restart)})
-                procs.append(subprocess.Popen([sys.executable, script, *script_args], env=env,
+                target = ["-m", script] if module else [script]
+                procs.append(subprocess.Popen([sys.executable, *target, *script_args], env=env,
                                               start_new_session=True))
             while not caught:
                 codes = [p.poll() for p in procs]

@@ -1,7 +1,7 @@
 """Hardware profiles for the performance model: facts about a node, plus the
 few efficiencies that turn peak numbers into achieved ones.
 
-A profile is split in two on purpose:
+A preset is split in two on purpose:
 
 - ``Hardware`` holds *facts* from data sheets (peak FLOP/s, HBM size and
   bandwidth, SM count, link rates) and two *measured* link efficiencies taken
@@ -10,6 +10,12 @@ A profile is split in two on purpose:
   GEMM and a memory-bound kernel come to the peaks, fitted on the six
   calibration rows of the paper (see docs/performance-model.md, which lists
   each constant, its value and why). Everything else is first principles.
+
+A *measured* profile (``autopar tune``, read by ``hardware_profile.py``) fills the same
+``Hardware`` with the machine's own figures: GEMM rates per shape (``gemms``), the memory-bound
+bandwidth, the eager per-op overhead, and each collective's fitted latency and bandwidth per
+group size and placement (``links``). The cost model prices with those where a profile has them
+(``op_times.op_time``, ``network.measured_link``); presets have none and price as before.
 
 Units: FLOP/s, bytes, bytes/s, seconds.
 """
@@ -20,7 +26,8 @@ from dataclasses import dataclass, field, replace
 
 from autopar.planning.errors import PlanError
 
-__all__ = ["Efficiency", "Hardware", "PROFILES", "get_hardware"]
+__all__ = ["Efficiency", "Hardware", "MeasuredGemm", "MeasuredLink", "PLACEMENTS", "LINK_OPS", "PROFILES",
+           "get_hardware"]
 
 GB = 1e9
 GiB = 2**30
@@ -44,6 +51,48 @@ class Efficiency:
     stages of 32-deep k-tiles), not fitted."""
     kernel_overhead: float = 4e-6
     """Seconds of launch/tail gap per kernel (typical CUDA launch gap). Fixed."""
+
+
+LINK_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+"""The communication a tuned profile measures, by the names its JSON uses."""
+
+PLACEMENTS: tuple[str, ...] = ("intra", "inter")
+"""Where a group's ranks sit: all in one node (``intra``), or spread over nodes (``inter``)."""
+
+
+@dataclass(frozen=True)
+class MeasuredGemm:
+    """One GEMM shape timed on the machine: C (batch, M, N) = A (batch, M, K) B (batch, K, N)."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    flops: float
+    """Achieved FLOP/s, 2 batch M N K / median seconds."""
+
+
+@dataclass(frozen=True)
+class MeasuredLink:
+    """One collective fitted on the machine: time(nbytes) = alpha + nbytes / beta.
+
+    ``nbytes`` is what the network model's functions take for that op: an all-reduce's tensor, an
+    all-gather's whole output, a reduce-scatter's whole input, the bytes each rank holds before an
+    all-to-all, one point-to-point message."""
+
+    op: str
+    """One of ``LINK_OPS``."""
+    ranks: int
+    """Group size (2 for ``p2p``)."""
+    placement: str
+    """One of ``PLACEMENTS``."""
+    alpha: float
+    """Seconds of a call that carries no bytes (latency, per-call overhead)."""
+    beta: float
+    """Bytes/s the call's time grows by (its effective bandwidth for ``nbytes``)."""
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + nbytes / self.beta
 
 
 @dataclass(frozen=True)
@@ -82,6 +131,22 @@ class Hardware:
     buffers, allocator fragmentation take the rest)."""
     eff: Efficiency = field(default_factory=Efficiency)
     """The model's free constants for this hardware."""
+    tuned: bool = False
+    """Measured by ``autopar tune`` (``hardware_profile.to_hardware``): its collectives are priced by
+    ``links`` alone, and a group they lack is refused rather than priced from data-sheet figures."""
+    gemms: tuple[MeasuredGemm, ...] = ()
+    """Measured GEMM rates (a tuned profile): a GEMM is priced at the rate of the nearest measured
+    shape times ``eff.gemm`` (1 for a tuned profile) instead of peak x ``op_times.gemm_efficiency``.
+    Empty for a preset."""
+    links: tuple[MeasuredLink, ...] = ()
+    """Measured collectives (a tuned profile): each collective of a layout is priced by the fit of
+    its op, group size and placement (``network.measured_link``). Empty for a preset."""
+    links_measured_at: tuple[float, float] = (0.0, 0.0)
+    """(``nvlink_bw``, ``ib_bw``) when ``links`` were measured: a copy with another ``nvlink_bw`` or
+    ``ib_bw`` (the planner's sensitivity knobs) scales the measured bandwidths by the same factor."""
+    tune_command: str = ""
+    """The ``autopar tune`` flags that measured this profile (the model, the micro-batch, the output
+    file), for the error that asks for a group size it lacks. Empty for a preset."""
 
     @property
     def usable_bytes(self) -> float:
@@ -118,9 +183,11 @@ PROFILES: dict[str, Hardware] = {
 
 
 def get_hardware(name: str) -> Hardware:
-    """The profile called ``name``; the error lists the known ones."""
+    """The preset called ``name``; the error lists the presets. (``hardware_profile.resolve_hardware``
+    also takes the path of a profile ``autopar tune`` wrote.)"""
     try:
         return PROFILES[name]
     except KeyError:
         known = ", ".join(sorted(PROFILES))
-        raise PlanError(f"unknown hardware profile {name!r}; known: {known}") from None
+        raise PlanError(f"unknown hardware profile {name!r}; known: {known}, or the path of a JSON profile "
+                        f"`autopar tune` wrote (no file {name!r})") from None

@@ -17,7 +17,8 @@ from autopar.core.config import (
     Recompute,
     microbatch_errors,
 )
-from autopar.planning.cost.hardware import Hardware, get_hardware
+from autopar.planning.cost.hardware import Hardware
+from autopar.planning.cost.hardware_profile import resolve_hardware
 from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.precision import MIXED, Precision
 from autopar.planning.errors import PlanError
@@ -44,9 +45,9 @@ class Cluster:
 
     @classmethod
     def of(cls, gpus: int, hardware: str | Hardware, global_batch: int) -> Cluster:
-        """``hardware`` by profile name (``hardware.PROFILES``) or given."""
-        hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
-        return cls(gpus, hw, global_batch)
+        """``hardware`` by preset name (``hardware.PROFILES``), by the path of a tuned profile
+        (``hardware_profile.resolve_hardware``), or given."""
+        return cls(gpus, resolve_hardware(hardware), global_batch)
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,74 @@ ep would (``ep_collective_time``); the replicas holding the same experts are t e
 tensor- and the data-parallel one: cp ranks t apart, inside a node while t cp <= G
 (``cp_ring_link``); the data-parallel peers are then t cp ranks apart, and the d cp ranks
 reducing the same gradients form one group of ranks t apart (``dp_link(hw, t, d * cp)``).
+
+A tuned profile (``Hardware.links``, measured by ``autopar tune``) replaces the links' data-sheet
+figures by what its collectives measured: each function here then prices a call with the fit of
+its op over its group size and placement, time = alpha + nbytes / beta (``measured_link``), and a
+group the profile did not measure is refused (``ProfileCoverageError``, naming the command that
+measures it). The ring formulas' (bandwidth, per-step latency) a caller gets from ``dp_link``,
+``stage_link`` and ``cp_ring_link`` are then the fit's, rewritten so that the formula gives the fit's time
+back (``_as_ring``).
 """
 
 from __future__ import annotations
 
-from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, wire_factor
-from autopar.planning.cost.hardware import Hardware
+import math
+from dataclasses import replace
+
+from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, wire_factor
+from autopar.planning.cost.hardware import Hardware, MeasuredLink
+from autopar.planning.errors import ProfileCoverageError
 
 __all__ = ["intra_node_bw", "inter_node_bw", "allreduce_time", "allgather_time", "reduce_scatter_time", "p2p_time", "dp_link",
            "stage_link", "tp_allreduce_time", "tp_half_time", "flat_ring_allreduce_time",
-           "hierarchical_allreduce_time", "alltoall_time", "ep_collective_time", "EP_KINDS", "cp_ring_link"]
+           "hierarchical_allreduce_time", "alltoall_time", "ep_collective_time", "EP_KINDS", "cp_ring_link",
+           "measured_link", "embedding_link", "RING_OPS"]
+
+RING_OPS: dict[str, str] = {ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
+"""The collective registry's kinds -> the names a tuned profile's links use."""
+
+
+def measured_link(hw: Hardware, op: str, ranks: int, inter: bool) -> MeasuredLink | None:
+    """The profile's fit of ``op`` over ``ranks`` ranks placed inside a node or across nodes (its
+    bandwidth scaled as ``nvlink_bw`` / ``ib_bw`` were since it was measured); None for a preset,
+    which measured nothing. A group the profile lacks is a ``ProfileCoverageError`` that says
+    which groups it has and how to measure the missing one (a profile tuned in one process has none)."""
+    if not hw.tuned:
+        return None
+    placement = "inter" if inter else "intra"
+    for link in hw.links:
+        if link.op == op and link.ranks == ranks and link.placement == placement:
+            return replace(link, beta=link.beta * _link_scale(hw, inter))
+    raise ProfileCoverageError(_coverage_message(hw, op, ranks, inter))
+
+
+def _link_scale(hw: Hardware, inter: bool) -> float:
+    now, then = (hw.ib_bw, hw.links_measured_at[1]) if inter else (hw.nvlink_bw, hw.links_measured_at[0])
+    return now / then if then > 0 else 1.0
+
+
+def _coverage_message(hw: Hardware, op: str, ranks: int, inter: bool) -> str:
+    had = sorted({(link.ranks, link.placement) for link in hw.links if link.op == op})
+    where = "across nodes" if inter else "inside one node"
+    measured = ", ".join(f"{n} ranks {pl}-node" for n, pl in had) or "none"
+    G = hw.gpus_per_node
+    flags = hw.tune_command or "--model <the model>"
+    if inter:
+        how = (f"measure it across nodes: `torchrun --nnodes {max(2, math.ceil(ranks / G))} --nproc-per-node {G} "
+               f"-m autopar.cli tune {flags}` (a layout puts a group across nodes once it outgrows a node's {G} "
+               f"devices; on one bigger node run `autopar tune --nproc {ranks} {flags}` there instead)")
+    else:
+        how = f"measure it on one node: `autopar tune --nproc {ranks} {flags}`"
+    return (f"hardware profile {hw.name!r} has no {op} over {ranks} ranks {where}, which this layout needs "
+            f"(it measured {op} over: {measured}); {how}")
+
+
+def _as_ring(link: MeasuredLink, op: str, n: int) -> tuple[float, float]:
+    """(bus bandwidth, per-step latency) that make the ring formula of ``op`` over n ranks
+    (wire factor x nbytes / bw + steps x latency) equal the fit alpha + nbytes / beta."""
+    steps = 2 * (n - 1) if op == ALL_REDUCE else n - 1
+    return wire_factor(op, n) * link.beta, link.alpha / steps
 
 
 def intra_node_bw(hw: Hardware) -> float:
@@ -63,10 +121,12 @@ def alltoall_time(nbytes: float, n: int, hw: Hardware, t: int = 1) -> float:
     NVLink, the n-k others through the rank's own NIC (one per GPU, the t ranks of a node's
     tensor-parallel groups running their own exchanges on their own NICs), both at once:
     max((k-1)/n bytes / NVLink bus bandwidth, (n-k)/n bytes / NIC bandwidth), plus n-1 steps of
-    latency (pairwise exchange)."""
+    latency (pairwise exchange). A tuned profile: its measured all-to-all over n ranks."""
     if n <= 1:
         return 0.0
     k = min(n, max(1, hw.gpus_per_node // t))
+    if (link := measured_link(hw, "all_to_all", n, n > k)) is not None:
+        return link.time(nbytes)
     inside = (k - 1) / n * nbytes / intra_node_bw(hw)
     across = (n - k) / n * nbytes / inter_node_bw(hw)
     return max(inside, across) + (n - 1) * (hw.ib_latency if n > k else hw.nvlink_latency)
@@ -84,7 +144,7 @@ def ep_collective_time(kind: str, nbytes: float, ep: int, t: int, hw: Hardware) 
         return 0.0
     if kind == "ep_alltoall":
         return alltoall_time(nbytes, ep, hw, t)
-    bw, lat = dp_link(hw, t, ep)
+    bw, lat = dp_link(hw, t, ep, ALL_GATHER if kind == "ep_allgather" else REDUCE_SCATTER)
     return allgather_time(nbytes, ep, bw, lat)
 
 
@@ -121,30 +181,38 @@ def tp_allreduce_time(nbytes: float, t: int, hw: Hardware) -> float:
     all-reduce (NCCL's tuner picks, per call, the algorithm its own cost model says is fastest).
     The flat ring wins for large tensors at a few nodes (all links busy at once); the
     hierarchical one when the NICs are the bottleneck or latency dominates (2 (N-1) slow steps
-    instead of 2 (t-1))."""
+    instead of 2 (t-1)). A tuned profile: the measured all-reduce over t ranks."""
+    if t > 1 and (link := measured_link(hw, "all_reduce", t, t > hw.gpus_per_node)) is not None:
+        return link.time(nbytes)
     if t <= hw.gpus_per_node:
         return allreduce_time(nbytes, t, intra_node_bw(hw), hw.nvlink_latency)
     return min(flat_ring_allreduce_time(nbytes, t, hw), hierarchical_allreduce_time(nbytes, t, hw))
 
 
-def tp_half_time(nbytes: float, t: int, hw: Hardware) -> float:
-    """A tensor-parallel reduce-scatter or all-gather of a tensor of ``nbytes`` (sequence
-    parallelism, scatter/gather sends): half of ``tp_allreduce_time``'s bytes and steps."""
+def tp_half_time(nbytes: float, t: int, hw: Hardware, kind: str = ALL_GATHER) -> float:
+    """A tensor-parallel reduce-scatter or all-gather (``kind``) of a tensor of ``nbytes`` (sequence
+    parallelism, scatter/gather sends): half of ``tp_allreduce_time``'s bytes and steps; a tuned
+    profile: the measured ``kind`` over t ranks."""
+    if t > 1 and (link := measured_link(hw, RING_OPS[kind], t, t > hw.gpus_per_node)) is not None:
+        return link.time(nbytes)
     if t <= hw.gpus_per_node:
         return allgather_time(nbytes, t, intra_node_bw(hw), hw.nvlink_latency)
     return tp_allreduce_time(nbytes, t, hw) / 2
 
 
-def dp_link(hw: Hardware, t: int, d: int) -> tuple[float, float]:
-    """(bytes/s, latency) of one data-parallel group's ring.
+def dp_link(hw: Hardware, t: int, d: int, kind: str = ALL_REDUCE) -> tuple[float, float]:
+    """(bytes/s, latency) of one data-parallel group's ring, for a ``kind`` collective.
 
     Ranks are laid out tp fastest, then dp: a node holds k = G / t members of a
     DP group. If the whole group fits in a node it runs over NVLink; otherwise
     each ring crosses nodes through the group's k NICs (k x ib_bw), and NVLink
-    is never the bottleneck.
+    is never the bottleneck. A tuned profile: the measured ``kind`` over d ranks, as a ring's
+    (bandwidth, latency) (``_as_ring``).
     """
     G = hw.gpus_per_node
     k = max(1, G // t)
+    if d > 1 and (link := measured_link(hw, RING_OPS[kind], d, d > k)) is not None:
+        return _as_ring(link, kind, d)
     if d <= k:
         return intra_node_bw(hw), hw.nvlink_latency
     return min(intra_node_bw(hw), k * inter_node_bw(hw)), hw.ib_latency
@@ -157,7 +225,10 @@ def stage_link(hw: Hardware, t: int, d: int, p: int = 2) -> tuple[float, float]:
     t d < G several stages share a node, but a pipeline of t d p > G ranks still
     crosses a node boundary between some stages, and with sends that block their
     sender (Megatron-LM 2021) every stage waits, in the steady state, for the
-    slowest boundary: the pipeline is paced by the InfiniBand hop."""
+    slowest boundary: the pipeline is paced by the InfiniBand hop. A tuned profile: its measured
+    point-to-point message inside or across nodes."""
+    if (link := measured_link(hw, "p2p", 2, t * d * p > hw.gpus_per_node)) is not None:
+        return link.beta, link.alpha
     if t * d * p > hw.gpus_per_node:
         return inter_node_bw(hw), hw.ib_latency
     return intra_node_bw(hw), hw.nvlink_latency
@@ -167,7 +238,19 @@ def cp_ring_link(hw: Hardware, t: int, cp: int) -> tuple[float, float]:
     """(bytes/s, latency) of one hop of a context-parallel ring: cp ranks t apart, so the ring stays
     inside a node while t cp <= G (NVLink); beyond, some hops cross nodes, each through the sending
     rank's own NIC (the t rings of a node's tensor-parallel ranks cross on t different NICs), and
-    every step of the ring waits for its slowest hop."""
+    every step of the ring waits for its slowest hop. A tuned profile: its measured point-to-point
+    message inside or across nodes."""
+    if (link := measured_link(hw, "p2p", 2, t * cp > hw.gpus_per_node)) is not None:
+        return link.beta, link.alpha
     if t * cp <= hw.gpus_per_node:
         return intra_node_bw(hw), hw.nvlink_latency
+    return inter_node_bw(hw), hw.ib_latency
+
+
+def embedding_link(hw: Hardware, t: int, d: int, p: int) -> tuple[float, float]:
+    """(bytes/s, latency) of the tied embedding's gradient all-reduce between the first and the last
+    stage: across nodes (a NIC) on the data sheet; a tuned profile: its measured all-reduce over 2
+    ranks, placed as the pipeline's stages are (``stage_link``), as a ring's (bandwidth, latency)."""
+    if (link := measured_link(hw, "all_reduce", 2, t * d * p > hw.gpus_per_node)) is not None:
+        return _as_ring(link, ALL_REDUCE, 2)
     return inter_node_bw(hw), hw.ib_latency

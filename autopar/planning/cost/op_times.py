@@ -1,7 +1,8 @@
 """How long kernels take: a roofline per Op, and the per-phase sums of the model's pieces.
 
 A GEMM runs at ``peak * gemm_efficiency(M, N, K)`` unless its bytes take
-longer at the achieved HBM rate; every other kernel is bytes / achieved HBM
+longer at the achieved HBM rate (on a tuned profile: at the measured rate of the nearest shape,
+``measured_gemm_rate``); every other kernel is bytes / achieved HBM
 bandwidth; both pay a launch gap. A tensor-parallel all-reduce is a ring over
 NVLink inside a node, flat or hierarchical across nodes (``network.py``); an expert-parallel
 exchange is priced over the expert group's links (``network.ep_collective_time``). ``layer_times``
@@ -17,7 +18,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autopar.planning.cost.hardware import Hardware
+from autopar.core.collectives import ALL_GATHER, REDUCE_SCATTER
+from autopar.planning.cost.hardware import Hardware, MeasuredGemm
 from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.network import (
     EP_KINDS,
@@ -32,7 +34,7 @@ from autopar.planning.cost.ring_costs import ring_exposed_time
 from autopar.planning.cost.transformer import embedding_ops, head_ops, layer_ops
 from autopar.planning.errors import PlanError
 
-__all__ = ["GEMM_TILES", "tile_fill", "gemm_efficiency", "op_time", "PhaseTime", "phase_time", "layer_times",
+__all__ = ["GEMM_TILES", "tile_fill", "gemm_efficiency", "measured_gemm_rate", "op_time", "PhaseTime", "phase_time", "layer_times",
            "CP_KINDS", "ring_hop_time"]
 
 CP_KINDS: tuple[str, ...] = ("cp_ring", "cp_ring_grad")
@@ -73,6 +75,19 @@ def gemm_efficiency(m: int, n: int, k: int, hw: Hardware, batch: int = 1) -> flo
     return hw.eff.gemm * fill * k / (k + hw.eff.gemm_k_overhead)
 
 
+def measured_gemm_rate(hw: Hardware, shape: tuple[int, int, int, int]) -> float:
+    """FLOP/s of a GEMM (batch, M, N, K) on a tuned profile: the rate of the measured shape nearest to
+    it, distance |log(batch M / batch' M')| + |log(N / N')| + |log(K / K')| (``autopar tune`` measures the
+    shapes of the model it is given, so the planner's shapes at the tuned micro-batch and tensor-parallel
+    degrees are found as measured)."""
+    b, m, n, k = shape
+
+    def distance(g: MeasuredGemm) -> float:
+        return abs(math.log(b * m / (g.batch * g.m))) + abs(math.log(n / g.n)) + abs(math.log(k / g.k))
+
+    return min(hw.gemms, key=distance).flops
+
+
 def ring_hop_time(nbytes: float, hw: Hardware, t: int, cp: int) -> float:
     """One hop of a ring transfer whose cp-1 hops carry ``nbytes`` together, over ``cp_ring_link``."""
     if cp <= 1 or not nbytes:
@@ -85,6 +100,8 @@ def op_time(op: Op, hw: Hardware, t: int = 1, ep: int = 1, cp: int = 1) -> float
     context-parallel group of cp (roofline for GEMMs, bandwidth otherwise; a ring transfer's cp-1 hops
     end to end, none hidden: ``phase_time`` prices their overlap)."""
     e = hw.eff
+    if op.kind == "gemm" and hw.gemms:  # a tuned profile: the measured rate, memory traffic included
+        return op.flops / (measured_gemm_rate(hw, op.gemm) * e.gemm) + e.kernel_overhead
     if op.kind == "gemm":
         b, m, n, k = op.gemm
         compute = op.flops / (hw.peak_flops * gemm_efficiency(m, n, k, hw, b))
@@ -94,7 +111,7 @@ def op_time(op: Op, hw: Hardware, t: int = 1, ep: int = 1, cp: int = 1) -> float
     if op.kind == "tp_allreduce":
         return tp_allreduce_time(op.bytes, t, hw)
     if op.kind in ("tp_reduce_scatter", "tp_allgather"):  # each half of an all-reduce
-        return tp_half_time(op.bytes, t, hw)
+        return tp_half_time(op.bytes, t, hw, REDUCE_SCATTER if op.kind == "tp_reduce_scatter" else ALL_GATHER)
     if op.kind in EP_KINDS:
         return ep_collective_time(op.kind, op.bytes, ep, t, hw)
     if op.kind in CP_KINDS:

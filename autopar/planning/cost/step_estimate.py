@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, Recompute
 from autopar.planning.cost.hardware import Hardware
 from autopar.planning.cost.layout import Cluster, Layout, layout_errors, runtime_errors
@@ -39,8 +40,8 @@ from autopar.planning.cost.network import (
     allgather_time,
     allreduce_time,
     dp_link,
+    embedding_link,
     reduce_scatter_time,
-    inter_node_bw,
     p2p_time,
     stage_link,
     tp_half_time,
@@ -357,10 +358,10 @@ def _fullest_stage_params(spec: ModelSpec, lay: Layout) -> tuple[int, int]:
     return total[r], experts[r]
 
 
-def _edp_link(hw: Hardware, lay: Layout) -> tuple[float, float]:
+def _edp_link(hw: Hardware, lay: Layout, kind: str = ALL_REDUCE) -> tuple[float, float]:
     """(bytes/s, latency) of the ring over the d/ep replicas holding the same experts: t ep ranks
-    apart, so a node holds G / (t ep) of them (``dp_link`` with t ep)."""
-    return dp_link(hw, lay.t * lay.ep, lay.edp)
+    apart, so a node holds G / (t ep) of them (``dp_link`` with t ep), for a ``kind`` collective."""
+    return dp_link(hw, lay.t * lay.ep, lay.edp, kind)
 
 
 def _dp_allreduce(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 0) -> tuple[float, float]:
@@ -392,16 +393,15 @@ def _dp_sharded(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 
     is exposed. With ep > 1 the ``P_exp`` routed-expert parameters go over their d/ep replicas; under
     context parallelism the group is the d cp ranks holding the same parameters."""
     d, prec = lay.dcp, lay.precision
-    bw, lat = dp_link(hw, lay.t, d)
+    rs_link, ag_link = dp_link(hw, lay.t, d, REDUCE_SCATTER), dp_link(hw, lay.t, d, ALL_GATHER)
     dense = P_max - P_exp if lay.ep > 1 else P_max
-    t_rs = reduce_scatter_time(prec.grad * dense, d, bw, lat)
-    t_ag = allgather_time(prec.weight * dense, d, bw, lat)
+    t_rs = reduce_scatter_time(prec.grad * dense, d, *rs_link)
+    t_ag = allgather_time(prec.weight * dense, d, *ag_link)
     if lay.ep > 1:
-        ebw, elat = _edp_link(hw, lay)
-        t_rs += reduce_scatter_time(prec.grad * P_exp, lay.edp, ebw, elat)
-        t_ag += allgather_time(prec.weight * P_exp, lay.edp, ebw, elat)
+        t_rs += reduce_scatter_time(prec.grad * P_exp, lay.edp, *_edp_link(hw, lay, REDUCE_SCATTER))
+        t_ag += allgather_time(prec.weight * P_exp, lay.edp, *_edp_link(hw, lay, ALL_GATHER))
     if lay.dp_overlap:
-        last = reduce_scatter_time(min(DDP_BUCKET_BYTES, prec.grad * P_max), d, bw, lat)
+        last = reduce_scatter_time(min(DDP_BUCKET_BYTES, prec.grad * P_max), d, *rs_link)
         return t_rs + t_ag, max(t_rs - lay.v * t_B, last) + t_ag
     return t_rs + t_ag, t_rs + t_ag
 
@@ -412,7 +412,7 @@ def _embedding_sync(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
     if lay.p == 1 or not spec.tied_head:
         return 0.0
     V_l = math.ceil(spec.vocab / lay.t)
-    return allreduce_time(FP16 * V_l * spec.hidden, 2, inter_node_bw(hw), hw.ib_latency)
+    return allreduce_time(FP16 * V_l * spec.hidden, 2, *embedding_link(hw, lay.t, lay.d, lay.p))
 
 
 def _breakdown(chunk: _Chunk, lay: Layout, m: int, c: float, t_pipe: float, t_dp: float,

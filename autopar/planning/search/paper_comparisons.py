@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.planning.cost.hardware import Hardware, get_hardware
+from autopar.planning.cost.hardware import Hardware
+from autopar.planning.cost.hardware_profile import resolve_hardware
 from autopar.planning.cost.layout import Cluster
 from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.step_estimate import Estimate
@@ -112,7 +113,7 @@ def _estimate(comp: Comparison, cand: Candidate, batch: int, hw: Hardware) -> Es
 
 def rank(comp: Comparison, batch: int, hardware: str | Hardware = "dgx-a100-80gb") -> Ranked:
     """The planner's estimate of every candidate of ``comp`` at ``batch``."""
-    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    hw = resolve_hardware(hardware)
     return Ranked(comp, batch, tuple(_estimate(comp, c, batch, hw) for c in comp.candidates))
 
 

@@ -1,0 +1,221 @@
+"""``autopar tune``: measure the machines in hand and write a hardware profile the planner prices with.
+
+    autopar tune --model gpt-1.7b --nproc 2                 # two local ranks, as `autopar run` starts them
+    torchrun --nnodes 2 --nproc-per-node 8 -m autopar.cli tune --model gpt-1.7b   # across nodes
+    autopar tune --layers 2 --hidden 64 --heads 4 --seq-len 64 --vocab 256 --quick   # one process: compute only
+
+Every rank times, at once (as they will train): the GEMMs the model runs (``tune_plan.model_gemm_shapes``,
+at the micro-batch and each tensor-parallel degree, per dtype), a large copy, a tiny eager op and, with
+``--compiled``, a compiled call; then the ranks time every collective over each group size that divides
+the world, inside a node and across nodes (``tune_plan.tune_groups``), over a few sizes, and a
+point-to-point message between two ranks. Rank 0 fits each collective's alpha and beta
+(``hardware_profile.fit_alpha_beta``), writes the profile (``--out``) and prints what it measured beside
+the nearest preset. ``autopar plan --hardware PROFILE.json`` and ``autopar simulate`` price with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.cli.model_args import model_spec
+from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, wire_factor
+from autopar.planning.cost.hardware import PROFILES, Hardware
+from autopar.planning.cost.hardware_profile import (
+    DTYPE_BYTES,
+    GemmFigure,
+    HardwareProfile,
+    LinkFigure,
+    fit_alpha_beta,
+    nearest_preset,
+    to_hardware,
+    write_profile,
+)
+from autopar.planning.cost.network import inter_node_bw, intra_node_bw
+from autopar.planning.cost.tune_plan import divisors, model_gemm_shapes, tune_groups
+
+__all__ = ["run_tune", "tune_flags"]
+
+_SQUARES = (256, 1024, 2048)
+"""Square GEMM sides timed when no model is given."""
+
+_GROUP_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def tune_flags(argv: list[str]) -> str:
+    """The flags after ``tune`` in ``argv``, less ``--nproc``: what measures alike on other ranks."""
+    out, skip = [], False
+    for a in argv[argv.index("tune") + 1:] if "tune" in argv else argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return shlex.join(out)
+
+
+def _say(rank: int, console: Console, text: str) -> None:
+    if rank == 0:
+        console.print(f"autopar tune: {text}", highlight=False)
+
+
+def _gemm_shapes(args: argparse.Namespace, per_node: int) -> list[tuple[str, tuple[int, int, int, int]]]:
+    spec = model_spec(args)
+    if spec is None:
+        return [(f"square {s}", (1, s, s, s)) for s in _SQUARES]
+    tps = args.tp or tuple(divisors(per_node))
+    return model_gemm_shapes(spec, args.micro_batch, tps)
+
+
+def _sizes(device_kind: str, quick: bool) -> list[int]:
+    """Bytes each collective is timed at: 4 KiB .. 16 MiB on a CPU, 64 KiB .. 256 MiB on a GPU."""
+    lo, hi = (12, 24) if device_kind == "cpu" else (16, 28)
+    step = 4 if quick else 2
+    return [1 << e for e in range(lo, hi + 1, step)]
+
+
+def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
+    """``autopar tune``: 0 when the profile was written."""
+    from autopar.runtime.launch import init_from_env, launched_world, run_script  # noqa: PLC0415  (loads torch)
+
+    if args.nproc is not None and launched_world() is None:
+        return run_script(args.nproc, "autopar.cli", ["tune", *shlex.split(tune_flags(argv))], module=True)
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from autopar.runtime.tuning import compute  # noqa: PLC0415
+
+    rank, world = init_from_env() if launched_world() is not None else (0, 1)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    on_gpu = dist.get_backend() == "nccl" if world > 1 else torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    facts = compute.device_facts(device, per_node if device.type == "cpu" else 1)
+    budget = 0.03 if args.quick else 0.2
+    start = time.perf_counter()
+    _say(rank, console, f"{world} rank(s), {per_node} per node, on {facts['name']}"
+                        f"{' (' + dist.get_backend() + ')' if world > 1 else ''}")
+
+    wanted = (args.dtypes or "fp32,bf16").split(",")
+    unknown = [d for d in wanted if d not in DTYPE_BYTES]
+    if unknown:
+        raise SystemExit(f"autopar tune: --dtypes {','.join(unknown)}: known {', '.join(DTYPE_BYTES)}")
+    dtypes = [d for d in wanted if compute.dtype_works(d, device)]
+    if len(dtypes) < len(wanted):
+        _say(rank, console, f"skipped {', '.join(d for d in wanted if d not in dtypes)}: {device} does not run it")
+    if not dtypes:
+        raise SystemExit(f"autopar tune: none of --dtypes {','.join(wanted)} runs on {device}; try fp32")
+    shapes = _gemm_shapes(args, per_node)
+    gemm: list[GemmFigure] = []
+    for dtype in dtypes:
+        for i, (name, shape) in enumerate(shapes):
+            sec = compute.time_gemm(shape, dtype, device, budget)
+            b, m, n, k = shape
+            gemm.append(GemmFigure(dtype, name, b, m, n, k, 2 * b * m * n * k / sec, sec))
+        rates = sorted(g.flops_per_s for g in gemm if g.dtype == dtype)
+        _say(rank, console, f"GEMM {dtype}: {len(shapes)} shapes, {rates[0] / 1e9:.3g} .. {rates[-1] / 1e9:.4g} GFLOP/s")
+    copy_bytes = (1 << 30) if device.type == "cuda" else (64 << 20)  # well beyond the caches
+    memory_bw = compute.copy_bandwidth(copy_bytes, device, budget)
+    eager = compute.eager_op_seconds(device)
+    compiled = compute.compiled_call_seconds(device) if args.compiled else None
+    _say(rank, console, f"copy {memory_bw / 1e9:.3g} GB/s, eager op {eager * 1e6:.3g} us"
+                        + (f", compiled call {compiled * 1e6:.3g} us" if compiled is not None else ""))
+
+    links = _time_collectives(rank, world, per_node, device, args.quick, console) if world > 1 else []
+    if world == 1:
+        _say(rank, console, "one process: collectives need ranks; run `autopar tune --nproc N "
+                            f"{tune_flags(argv)}` or start it under torchrun to time them")
+    if rank != 0:
+        return 0
+    backend = dist.get_backend() if world > 1 else "none"
+    profile = HardwareProfile(
+        device_kind=facts["kind"], device_name=facts["name"], devices_per_node=per_node, nodes=world // per_node,
+        memory_bytes=facts["memory_bytes"], sm_count=facts["sm_count"], gemm=tuple(gemm), memory_bw=memory_bw,
+        eager_op_s=eager, compiled_call_s=compiled, collectives=tuple(links),
+        sources=_sources(device, copy_bytes, budget, backend, world), tune_flags=tune_flags(argv),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__)
+    write_profile(profile, args.out)
+    console.print(_table(profile, to_hardware(profile, name=args.out)), crop=False)
+    _say(rank, console, f"wrote {args.out} in {time.perf_counter() - start:.1f} s; price with it: "
+                        f"`autopar plan --hardware {args.out} ...`")
+    return 0
+
+
+def _time_collectives(rank: int, world: int, per_node: int, device, quick: bool, console: Console) -> list[LinkFigure]:
+    """Every group of ``tune_groups`` timed and fitted (rank 0's figures; [] elsewhere)."""
+    from autopar.runtime.tuning.collectives import time_group, time_pair  # noqa: PLC0415
+
+    sizes = _sizes(device.type, quick)
+    out: list[LinkFigure] = []
+    for group in tune_groups(world, per_node):
+        if group.p2p:
+            timed = {"p2p": time_pair(group.ranks[0], group.ranks[1], sizes, device)}
+        else:
+            timed = time_group(_GROUP_OPS, group.ranks, sizes, device, rounds=3, calls=2 if quick else 4)
+        for op, (nbytes, seconds) in timed.items():
+            alpha, beta = fit_alpha_beta(nbytes, seconds)
+            out.append(LinkFigure(op, group.size, group.placement, alpha, beta, tuple(nbytes), tuple(seconds)))
+            _say(rank, console, f"{op} over {group.size} ranks {group.placement}-node: alpha {alpha * 1e6:.3g} us, "
+                                f"beta {beta / 1e9:.3g} GB/s")
+    return out
+
+
+def _sources(device, copy_bytes: int, budget: float, backend: str, world: int) -> dict[str, str]:
+    return {
+        "gemm": f"torch.matmul on {device}, median seconds of repeats filling {budget} s per shape, every rank "
+                f"timing at once (rank 0's clock); FLOP/s = 2 batch M N K / seconds",
+        "memory_bw_bytes_per_s": f"a copy of {copy_bytes >> 20} MiB of fp32: read + write bytes / median seconds",
+        "eager_op_s": "100 eager adds of 8 elements in a row, per add, median",
+        "compiled_call_s": "a call of torch.compile(lambda x: x * 2 + 1) on 8 elements, median (--compiled)",
+        "collectives": (f"{backend} over {world} ranks: per size the median of 3 rounds of back-to-back calls "
+                        f"(rank 0's clock); p2p half a send/recv round trip; alpha and beta fitted to time = "
+                        f"alpha + bytes / beta, least squares on the relative error") if world > 1
+        else "none: one process",
+    }
+
+
+# ------------------------------------------------------------------------------ the table
+
+
+def _preset_link(hw: Hardware, op: str, n: int, inter: bool) -> tuple[float, float]:
+    """(alpha, beta) a preset's ring formulas give ``op`` over n ranks inside a node or across nodes."""
+    bw, lat = (inter_node_bw(hw), hw.ib_latency) if inter else (intra_node_bw(hw), hw.nvlink_latency)
+    if op == "p2p":
+        return lat, bw
+    if op == "all_reduce":
+        return 2 * (n - 1) * lat, bw / wire_factor(ALL_REDUCE, n)
+    return (n - 1) * lat, bw / wire_factor(ALL_GATHER, n)  # all-gather, reduce-scatter, all-to-all: (n-1)/n leaves
+
+
+def _table(profile: HardwareProfile, hw: Hardware) -> Table:
+    """What was measured, beside the nearest preset's figures."""
+    name = nearest_preset(hw)
+    preset = PROFILES[name]
+    tab = Table(title=f"measured on {profile.device_name} x {profile.world}, beside the nearest preset {name} "
+                      f"({preset.gpu})", title_justify="left")
+    for col in ("what", "measured", name):
+        tab.add_column(col, justify="left" if col == "what" else "right")
+    for dtype in profile.dtypes():
+        rates = sorted(g.flops_per_s for g in profile.gemm if g.dtype == dtype)
+        tab.add_row(f"GEMM {dtype}, best (median) of {len(rates)} shapes",
+                    f"{rates[-1] / 1e12:.3g} ({rates[len(rates) // 2] / 1e12:.3g}) TFLOP/s",
+                    f"{preset.peak_flops * preset.eff.gemm / 1e12:.3g} TFLOP/s" if dtype != "fp32" else "-")
+    tab.add_row("memory-bound (copy)", f"{profile.memory_bw / 1e9:.3g} GB/s",
+                f"{preset.hbm_bw * preset.eff.hbm / 1e9:.4g} GB/s")
+    tab.add_row("eager op overhead", f"{profile.eager_op_s * 1e6:.3g} us", f"{preset.eff.kernel_overhead * 1e6:.3g} us")
+    if profile.compiled_call_s is not None:
+        tab.add_row("compiled call overhead", f"{profile.compiled_call_s * 1e6:.3g} us", "-")
+    for c in profile.collectives:
+        alpha, beta = _preset_link(preset, c.op, c.ranks, c.placement == "inter")
+        tab.add_row(f"{c.op} {c.ranks} ranks {c.placement}: alpha, beta",
+                    f"{c.alpha_s * 1e6:.3g} us, {c.beta_bytes_per_s / 1e9:.3g} GB/s",
+                    f"{alpha * 1e6:.3g} us, {beta / 1e9:.3g} GB/s")
+    if not profile.collectives:
+        tab.add_row("collectives", "not timed (one process)", "-")
+    return tab

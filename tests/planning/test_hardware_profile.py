@@ -1,0 +1,195 @@
+"""Hardware profiles: the JSON ``autopar tune`` writes, read back as the planner's ``Hardware``.
+
+Tier (a): the format's round trip, its refusals (version, missing field, a group size it lacks), the
+alpha/beta fit on synthetic timings, and ``autopar plan --hardware PROFILE.json`` pricing by the
+profile's numbers. Tier (c): ``autopar tune --nproc 2 --quick`` on real gloo ranks writes a valid
+profile that the planner reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar.cli import main
+from autopar.planning.cost.hardware import PROFILES
+from autopar.planning.cost.hardware_profile import (
+    VERSION_KEY,
+    GemmFigure,
+    HardwareProfile,
+    LinkFigure,
+    fit_alpha_beta,
+    load_hardware,
+    load_profile,
+    resolve_hardware,
+    to_hardware,
+    write_profile,
+)
+from autopar.planning.cost.layout import Cluster, Layout
+from autopar.planning.cost.models import ModelSpec, params_per_stage
+from autopar.planning.cost.op_costs import gemm_op
+from autopar.planning.cost.op_times import op_time
+from autopar.planning.cost.step_estimate import estimate
+from autopar.planning.cost.tune_plan import model_gemm_shapes
+from autopar.planning.errors import PlanError, ProfileCoverageError, ProfileFieldError, ProfileVersionError
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_FLAGS = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "64", "--vocab", "256"]
+SPEC = ModelSpec(layers=2, hidden=64, heads=4, seq_len=64, vocab=256, fused_attention=True, dropout=False,
+                 tied_head=False, learned_positions=False)
+"""The model ``MODEL_FLAGS`` describe (the command line's defaults for a model given by its dimensions)."""
+
+
+def _profile(beta: float = 1e9, ranks: tuple[int, ...] = (2,), per_node: int = 2, ops=None) -> HardwareProfile:
+    """A profile of made-up but plausible CPU figures: each collective alpha 100 us, bandwidth ``beta``."""
+    ops = ops if ops is not None else ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+    shapes = model_gemm_shapes(SPEC, 4, (1, 2))
+    gemm = tuple(GemmFigure("fp32", name, *shape, flops_per_s=5e10 + 1e9 * i, seconds=1e-4)
+                 for i, (name, shape) in enumerate(shapes))
+    links = tuple(LinkFigure(op, 2 if op == "p2p" else n, "intra", 1e-4, beta, (4096, 1 << 20), (1e-4, 1e-3))
+                  for op in ops for n in (ranks if op != "p2p" else (2,)))
+    return HardwareProfile(device_kind="cpu", device_name="test CPU", devices_per_node=per_node, nodes=1,
+                           memory_bytes=8 * 2**30, gemm=gemm, memory_bw=1e10, eager_op_s=2e-6, collectives=links,
+                           sources={"gemm": "made up"}, tune_flags=" ".join(MODEL_FLAGS))
+
+
+def test_round_trip_keeps_every_number(tmp_path):
+    prof = _profile()
+    path = tmp_path / "hw.json"
+    write_profile(prof, path)
+    assert json.loads(path.read_text())[VERSION_KEY] == 1
+    assert load_profile(path) == prof
+    hw = load_hardware(str(path))
+    assert hw.name == str(path) and hw.tuned and hw.gpus_per_node == 2
+    assert [g.flops for g in hw.gemms] == [g.flops_per_s for g in prof.gemm]
+    # an fp32 profile halves bandwidths: the model counts 2-byte elements, the runs move 4
+    assert hw.hbm_bw == prof.memory_bw / 2
+    assert all(link.beta == 1e9 / 2 and link.alpha == 1e-4 for link in hw.links)
+    # a GEMM of a measured shape costs its FLOPs at the measured rate, plus the eager per-op overhead
+    name, shape = model_gemm_shapes(SPEC, 4, (1,))[2]
+    rate = next(g.flops_per_s for g in prof.gemm if (g.batch, g.m, g.n, g.k) == shape)
+    op = gemm_op(name, *shape)
+    assert op_time(op, hw) == pytest.approx(op.flops / rate + 2e-6, rel=1e-12)
+
+
+def test_a_preset_and_a_path_both_name_hardware(tmp_path):
+    path = tmp_path / "hw.json"
+    write_profile(_profile(), path)
+    assert resolve_hardware("dgx-a100-80gb") is PROFILES["dgx-a100-80gb"] and not PROFILES["dgx-a100-80gb"].tuned
+    assert resolve_hardware(str(path)) == load_hardware(str(path))
+    assert Cluster.of(2, str(path), 8).hardware == load_hardware(str(path))  # what autopar.plan(hardware=...) uses
+    with pytest.raises(PlanError, match="known: dgx-a100-80gb.*or the path of a JSON profile"):
+        resolve_hardware("dgx-z900")
+
+
+def test_another_version_is_refused_with_the_command_to_measure_again(tmp_path):
+    data = _profile().as_json() | {VERSION_KEY: 2}
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileVersionError, match=r"is version 2; this autopar reads version 1: measure again with "
+                                                  r"`autopar tune --layers 2 --hidden 64"):
+        load_profile(path)
+    path.write_text(json.dumps({"gemm": []}))
+    with pytest.raises(ProfileVersionError, match="not an autopar hardware profile"):
+        load_profile(path)
+
+
+def test_a_missing_field_is_named(tmp_path):
+    data = _profile().as_json()
+    del data["collectives"][3]["beta_bytes_per_s"]
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileFieldError, match=r"collectives\[3\]\.beta_bytes_per_s is missing"):
+        load_profile(path)
+    data = _profile().as_json()
+    data["device"]["per_node"] = "two"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileFieldError, match="device.per_node is 'two', not a int"):
+        load_profile(path)
+
+
+def test_a_group_size_the_profile_lacks_says_how_to_measure_it():
+    lay = Layout(t=1, p=1, d=4, b=2, recompute="none")
+    # one node of 4 devices, collectives timed over 2 ranks only: the 4-rank all-reduce is missing
+    hw = to_hardware(_profile(per_node=4), name="hw.json")
+    with pytest.raises(ProfileCoverageError, match=r"no all_reduce over 4 ranks inside one node.*measured "
+                                                   r"all_reduce over: 2 ranks intra-node\); measure it on one node: "
+                                                   r"`autopar tune --nproc 4 --layers 2"):
+        estimate(SPEC, Cluster(4, hw, 8), lay)
+    # a node of 2: a group of 4 crosses nodes, which one node could not measure
+    hw = to_hardware(_profile(per_node=2), name="hw.json")
+    with pytest.raises(ProfileCoverageError, match=r"no all_reduce over 4 ranks across nodes.*`torchrun --nnodes 2 "
+                                                   r"--nproc-per-node 2 -m autopar.cli tune --layers 2"):
+        estimate(SPEC, Cluster(4, hw, 8), lay)
+    # a profile tuned in one process has no collective at all: a layout of 2 ranks is refused, 1 is priced
+    hw = to_hardware(_profile(ops=()), name="hw.json")
+    with pytest.raises(ProfileCoverageError, match=r"all_reduce over: none"):
+        estimate(SPEC, Cluster(2, hw, 8), Layout(t=1, p=1, d=2, b=4, recompute="none"))
+    assert estimate(SPEC, Cluster(1, hw, 8), Layout(t=1, p=1, d=1, b=8, recompute="none")).t_iter > 0
+
+
+def test_alpha_beta_fit_recovers_known_values():
+    sizes = [1 << e for e in range(12, 25, 2)]
+    alpha, beta = 73e-6, 2.5e9
+    fit = fit_alpha_beta(sizes, [alpha + s / beta for s in sizes])
+    assert fit == pytest.approx((alpha, beta), rel=1e-9)
+    # 2% multiplicative noise, alternating: still within a few percent of both (the fit weighs relative error)
+    noisy = [(alpha + s / beta) * (1.02 if i % 2 else 0.98) for i, s in enumerate(sizes)]
+    a, b = fit_alpha_beta(sizes, noisy)
+    assert a == pytest.approx(alpha, rel=0.05) and b == pytest.approx(beta, rel=0.05)
+
+
+def _plan_json(capsys, hardware: str) -> dict:
+    code = main(["plan", *MODEL_FLAGS, "--gpus", "2", "--batch", "8", "--tp", "1", "--pp", "1", "--micro-batch",
+                 "4", "--recompute", "none", "--json", "--hardware", hardware])
+    assert code == 0
+    return json.loads(capsys.readouterr().out)["ranked"][0]
+
+
+def test_plan_prices_with_the_profile(tmp_path, capsys):
+    """t=1 p=1 d=2: the gradient all-reduce is the profile's fit, alpha + bytes / beta, with the fp32
+    profile's beta halved (2-byte counts): its time is alpha + 4 P / beta for the P parameters."""
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    write_profile(_profile(beta=4e9), fast)
+    write_profile(_profile(beta=1e9), slow)
+    preset, f, s = (_plan_json(capsys, h) for h in ("dgx-a100-80gb", str(fast), str(slow)))
+    P = params_per_stage(SPEC, 1, 1)[0]
+    assert f["breakdown_s"]["dp"] == pytest.approx(1e-4 + 4 * P / 4e9, rel=1e-9)
+    assert s["breakdown_s"]["dp"] == pytest.approx(1e-4 + 4 * P / 1e9, rel=1e-9)
+    assert s["iteration_s"] - f["iteration_s"] == pytest.approx(4 * P * (1 / 1e9 - 1 / 4e9), rel=1e-9)
+    assert preset["breakdown_s"]["dp"] < f["breakdown_s"]["dp"] / 10  # NVLink: far faster than the CPU link
+    assert f["hardware"] == str(fast) and preset["hardware"] == "dgx-a100-80gb"
+
+
+def test_hardware_flag_refuses_an_unknown_name(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", *MODEL_FLAGS, "--gpus", "2", "--batch", "8", "--hardware", "dgx-z900"])
+    assert "neither a preset" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, capsys):
+    out = tmp_path / "tuned.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-m", "autopar.cli", "tune", "--nproc", "2", "--quick", "--dtypes", "fp32",
+                          *MODEL_FLAGS, "--out", str(out)], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "nearest preset" in run.stdout
+    prof = load_profile(out)
+    assert (prof.world, prof.devices_per_node, prof.device_kind) == (2, 2, "cpu")
+    assert {(c.op, c.ranks, c.placement) for c in prof.collectives} == {
+        (op, 2, "intra") for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
+    assert all(c.alpha_s >= 0 and c.beta_bytes_per_s > 0 and len(c.sizes_bytes) >= 3 for c in prof.collectives)
+    # the GEMMs timed are the model's, at micro-batch 1 and t = 1 and 2 (the divisors of the 2 ranks on a node)
+    assert [(g.batch, g.m, g.n, g.k) for g in prof.gemm] == [s for _, s in model_gemm_shapes(SPEC, 1, (1, 2))]
+    assert all(g.flops_per_s > 0 for g in prof.gemm) and prof.memory_bw > 0 and prof.eager_op_s > 0
+    assert prof.tune_flags.startswith("--quick --dtypes fp32 --layers 2")
+    plan = _plan_json(capsys, str(out))
+    assert plan["hardware"] == str(out) and math.isfinite(plan["iteration_s"]) and plan["breakdown_s"]["dp"] > 0
