@@ -212,9 +212,10 @@ def train(args, program: autopar.ParallelProgram | None = None):
                 pending = engine.save(str(root), opt, step=step + 1, scheduler=sched,
                                       extra={"data": data.position(step + 1)}, async_save=True)
             if args.loss_log and dist.get_rank() == 0:  # every step's loss, appended as it is known
+                Path(args.loss_log).parent.mkdir(parents=True, exist_ok=True)
                 with open(args.loss_log, "a") as log:
-                    log.write(json.dumps({"step": step + 1, "loss": out["losses"][-1],
-                                          "restart": autopar.restart_count()}) + "\n")
+                    log.write(json.dumps({"step": step + 1, "loss": out["losses"][-1], "restart": autopar.restart_count(),
+                                          "world": dist.get_world_size(), "samples": data.samples(step)}) + "\n")
             bar.update(task, advance=1, loss=out["losses"][-1], eval=eval_loss, tps=throughput(tokens, out["times"]))
             out["load"] = engine.expert_load()  # rows routed to each expert this step (layers of this stage)
     if pending is not None:
@@ -255,7 +256,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--stop-at", type=int, default=None,
                     help="stop after this step, as an interrupted run would (the schedule still spans --steps)")
     ap.add_argument("--loss-log", default=None,
-                    help="append each step's loss to this file as a JSON line ({step, loss, restart}), rank 0")
+                    help="append each step's loss to this file as a JSON line ({step, loss, restart, world, samples: "
+                         "the corpus windows of the global batch}), rank 0")
     ap.add_argument("--crash-at-step", type=int, default=None,
                     help="a fault drill: the last rank dies (exit code 17) at this step of the job's first start; "
                          "run under autopar run --max-restarts (or torchrun --max-restarts) to see it resume")
@@ -291,17 +293,46 @@ def check_parity(args, out) -> None:
           f"single-device training (rtol {tol['rtol']:g}, atol {tol['atol']:g})")
 
 
+def fit_layout(args, world: int) -> str | None:
+    """Started on another number of ranks than ``--tp x --pp x --dp`` (a job resumed on fewer or more
+    machines): the planner's fastest layout of ``world`` ranks that fits in memory, for the same global
+    batch (so the run continues the same optimisation, and the global sample order reads on where it
+    stopped), written into ``args``; what changed, or None when the layout stays."""
+    if world == args.tp * args.pp * args.dp:
+        return None
+    from autopar.planning.search.planner import SearchSpace
+
+    rows = global_rows(args)
+    x, _ = ReplicaData("train", args.micro_batch, 1, 0).batch(0)
+    space = SearchSpace(schedules=("1f1b", "interleaved"), cp=(1,), ep=None if args.model == "moe" else (1,),
+                        distributed_optimizer=(args.distributed_optimizer,))
+    best = autopar.plan(make_model(args.model), (x,), gpus=world, global_batch=rows, space=space, top=3).best
+    lay, before = best.layout, f"tp={args.tp} x pp={args.pp} x dp={args.dp}"
+    args.tp, args.pp, args.dp, args.vp = lay.t, lay.p, lay.d, lay.v
+    args.micro_batch, args.microbatches = lay.b, rows // (lay.d * lay.b)
+    args.schedule, args.recompute = lay.schedule or None, str(getattr(lay.recompute, "value", lay.recompute))
+    args.ep = lay.ep
+    args.sequence_parallel = "on" if lay.sequence_parallel else "off"
+    return (f"{world} ranks, not the {before} asked for: the planner's layout for {world} ranks and the same "
+            f"{rows} sequences a step is tp={lay.t} x pp={lay.p} x dp={lay.d} (v={lay.v}, {args.microbatches} "
+            f"microbatches of {lay.b}, {lay.schedule or '1f1b'}), {best.memory.total / 2**30:.2f} GiB per rank "
+            f"predicted")
+
+
 def main() -> None:
     args = _args()
     latest = Path(args.ckpt_dir) / "latest"
     if latest.exists() and not _resuming(args):  # before any work: a new run would collide with its saves
         raise SystemExit(f"{args.ckpt_dir} holds a run (newest checkpoint {latest.read_text().strip()}): add "
                          f"--resume to continue it, or --ckpt-dir DIR for a new run")
-    world = args.tp * args.pp * args.dp
     launched = "RANK" in os.environ  # under torchrun / autopar run this process is one rank
+    refit = fit_layout(args, int(os.environ["WORLD_SIZE"])) if launched else None
+    world = args.tp * args.pp * args.dp
     is_main = os.environ.get("RANK", "0") == "0"
     program = compile_program(args, world_size=world)
     if is_main:
+        if refit:
+            print(f"elastic: {refit}")
         print(program.summary())
         print(program.schedule.wrapped(min(shutil.get_terminal_size().columns, 120)))
         tokens = step_tokens(args)
