@@ -24,7 +24,10 @@ finished). --resume continues from the newest complete checkpoint: parameters,
 AdamW moments, learning-rate schedule, random streams and data position, so
 the losses are those of an uninterrupted run. A job restarted by its launcher
 (``autopar run --max-restarts``, torchrun's ``--max-restarts``: the restart count
-``autopar.restart_count()`` > 0) resumes the same way without the flag. A run from step 0 checks its
+``autopar.restart_count()`` > 0) resumes the same way without the flag; one
+started on another number of ranks than its layout asks for takes the
+planner's layout for that world and the same global batch, and reads on in
+the same global order of samples. A run from step 0 checks its
 first step against single-device training (same loss, same gradients). The
 last line reports the final training loss, the one the progress bar shows,
 and the throughput as the bar shows it (``throughput``): global tokens per
