@@ -17,9 +17,12 @@ of the training text (a DistributedSampler set up from engine.dp_rank and
 engine.dp_size); every --eval-every steps the model is evaluated on held-out
 text; every --save-every steps a checkpoint is saved asynchronously (training
 goes on while the files are written; it becomes ``latest`` once every rank has
-finished). --resume continues from the newest complete checkpoint: parameters,
-AdamW moments, learning-rate schedule, random streams and data position, so
-the losses are those of an uninterrupted run. A run from step 0 checks its
+finished). A step whose loss or gradient norm is NaN or infinite is skipped
+and logged (engine.optimizer_step); three in a row stop the run, and a
+checkpoint is never written with non-finite weights. --resume continues from
+the newest complete checkpoint: parameters, AdamW moments, learning-rate
+schedule, random streams and data position, so the losses are those of an
+uninterrupted run. A run from step 0 checks its
 first step against single-device training (same loss, same gradients). The
 last line reports the final training loss, the one the progress bar shows,
 and the throughput as the bar shows it (``throughput``): global tokens per
@@ -179,7 +182,7 @@ def train(args, program: autopar.ParallelProgram | None = None):
             engine.clip_grad_norm_(args.clip)
             if step == 0:
                 out["grads"] = engine.full_grads()
-            opt.step(), sched.step(), opt.zero_grad()
+            engine.optimizer_step(opt, sched)  # skips a step whose loss or gradient norm is not finite
             out["times"].append(time.perf_counter() - t0)
             if (step + 1) % args.eval_every == 0 or step + 1 == stop:
                 eval_loss = evaluate(engine, heldout)

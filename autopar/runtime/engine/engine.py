@@ -25,12 +25,16 @@ export read those two, never the engine.
 After the last backward, gradients of parameters that several stages hold (a
 tied embedding and LM head) are summed across those stages
 (``runtime/optim/gradient_sync.py``). Gradients accumulate into ``.grad`` as
-with ``loss.backward()``: call ``optimizer.step()`` and ``zero_grad()`` around.
+with ``loss.backward()``: call ``optimizer.step()`` and ``zero_grad()`` around,
+or ``engine.optimizer_step(optimizer, scheduler)``, which skips a step whose
+loss or gradient norm is not finite (``step_health.py``; ``engine.last_step``
+says what and where; a distributed optimizer's own ``step()`` skips it too).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -49,6 +53,8 @@ from autopar.runtime.engine.errors import EngineUsageError
 from autopar.runtime.engine.eval_outputs import LogitsOutput, askers, gather_logits
 from autopar.runtime.engine.failure_board import FailureBoard, failure_timeout
 from autopar.runtime.engine.step_failures import StepFailures
+from autopar.runtime.engine.step_health import (DEFAULT_MAX_NONFINITE_STEPS, SkipPolicy, StepHealth, locate_grads,
+                                                locate_loss)
 from autopar.runtime.engine.holdings import Holdings, nccl, rank_device, shard_key
 from autopar.runtime.engine.micro_batches import MicroBatches
 from autopar.runtime.engine.p2p import PointToPoint, wait_sends
@@ -134,9 +140,27 @@ class RankEngine(nn.Module):
         """Seconds an action may make no progress (waiting for a peer) before this rank fails the step
         with a ``TimeoutError`` its peers raise too: ``AUTOPAR_FAILURE_TIMEOUT``, default 300."""
         self._steps = 0
+        """Steps started (train and eval)."""
         self._expert_load: dict[str, list[int]] = {}
         self._held_placeholders = {ph for c in self.chunks.values() for ph in c.params}
-        """Steps started (train and eval)."""
+        self.max_nonfinite_steps = DEFAULT_MAX_NONFINITE_STEPS
+        """Non-finite training steps in a row that stop the run (``NonFiniteError`` on every rank,
+        raised by ``optimizer_step`` or a distributed optimizer's ``step()``); the ones before are
+        skipped. 1: the first non-finite step stops it. Default 3."""
+        self.last_step: StepHealth | None = None
+        """The last training step's ``StepHealth``: whether its loss and gradient norm were finite,
+        and if not, what, in which microbatch, on which stage and rank. Set by ``train_step`` (the
+        loss), completed by ``clip_grad_norm_`` or ``optimizer_step`` (the gradient norm)."""
+        self.skips = SkipPolicy()
+        """The non-finite steps skipped: ``skips.skipped`` in all, ``skips.in_row`` since the last finite one."""
+        self._train_steps = 0
+        """Training steps run (from a loaded checkpoint's step on): ``StepHealth.step``."""
+        self._bad_loss: StepHealth | None = None
+        """The first non-finite loss since the optimizer was last stepped (or skipped)."""
+        self._grads_checked: StepHealth | None = None
+        """This training step's gradient norm, once computed (``clip_grad_norm_`` or the policy)."""
+        self._settled: tuple[int, bool] | None = None
+        """(training step, whether the optimizer steps after it), once decided: the policy runs once per step."""
         self.grads = GradientSync(program, mesh, {n: self.holdings.shard(n) for n in local_params},
                                   bucket_bytes, device=self.device)
         self.split_backward = program.schedule.splits_backward
@@ -200,8 +224,10 @@ class RankEngine(nn.Module):
         global batch, the same on every rank), or (m * b, ...): this replica's own batch. On any
         device (what this replica uses is moved to the engine's).
         """
+        self._report_failed_save()
         self._refuse_if_failed("train_step", read_board=True)
         st = self._new_step(batch, self.schedule, training=True)
+        self._train_steps += 1
         with self.failures.together(st, self.failure_timeout_s):
             self.grads.begin_step(st.stats)
             run_actions(st, self.stage, self.mesh.rank, self._handlers(), self.p2p.post, self.failures)
@@ -212,7 +238,73 @@ class RankEngine(nn.Module):
             self.grads.end_step()
             loss = self._reduce_loss(st)
             self._expert_load = self._step_expert_load()
+            self._check_loss(st, loss)
         return loss
+
+    def _check_loss(self, st: StepState, loss: float) -> None:
+        """``last_step`` after the loss (agreed on every rank): finite, or where the first non-finite
+        microbatch loss is (one all-reduce over the world, only when the loss is not finite). A
+        global batch that counts no target has a NaN loss by definition: not a bad number."""
+        self._grads_checked = None
+        health = StepHealth(self._train_steps, True)
+        if not math.isfinite(loss) and st.weights.total != 0:
+            found = locate_loss(st.losses, st.m, self.device)
+            rank, micro, value = found if found is not None else (None, None, loss)
+            stage = None if rank is None else self.mesh.shape.coords(rank)[0]
+            health = StepHealth(self._train_steps, False, "loss", micro, stage, rank, value)
+            self._bad_loss = self._bad_loss or health
+        self.last_step = health
+
+    def _check_grads(self, norm: float) -> None:
+        """This step's gradient norm into ``last_step``: where the non-finite gradients are when it is
+        not finite (one all_gather_object over the world, only then and only after a finite loss)."""
+        health = dataclasses.replace(self.last_step or StepHealth(self._train_steps, True), grad_norm=norm)
+        if not math.isfinite(norm) and health.finite:
+            found = locate_grads(self.grads.nonfinite_grads())
+            rank, params = found if found is not None else (None, ())
+            stage = None if rank is None else self.mesh.shape.coords(rank)[0]
+            health = dataclasses.replace(health, finite=False, what="grad norm", stage=stage, rank=rank, value=norm,
+                                         params=params)
+        self.last_step = self._grads_checked = health
+
+    def _settle_step(self) -> bool:
+        """Whether the optimizer steps after this training step: the skip policy applied once per step
+        (``step_health.SkipPolicy``) to the first non-finite loss since the last optimizer step, else
+        to the gradient norm (computed here unless ``clip_grad_norm_`` did). Collective."""
+        if self._settled is not None and self._settled[0] == self._train_steps:
+            return self._settled[1]
+        health = self._bad_loss
+        if health is None:
+            if self._grads_checked is None:
+                self._check_grads(self.grads.global_norm(self.tp.rank, self.stage))
+            health = self._grads_checked
+        self._bad_loss = None
+        self._settled = (self._train_steps, False)  # stays False if the policy raises
+        self._settled = (self._train_steps, self.skips.apply(health, self.max_nonfinite_steps))
+        return self._settled[1]
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, scheduler=None) -> bool:
+        """Step ``optimizer`` (then ``scheduler``) unless this training step's numbers were not finite;
+        clear every gradient either way. Returns whether it stepped.
+
+        Collective: every rank calls it after ``train_step`` (and ``clip_grad_norm_``, if used). A step
+        whose microbatch loss or gradient norm is NaN or infinite (``last_step``) is skipped: neither
+        the optimizer nor the scheduler steps, so the weights, the optimizer's state and the learning
+        rate are those of a run without that step; a warning names the step, microbatch, stage and
+        rank. The ``max_nonfinite_steps``-th non-finite step in a row raises ``NonFiniteError`` on
+        every rank instead. Without ``clip_grad_norm_`` the gradient norm is computed here (one
+        all-reduce of a scalar per parallel axis). With gradient accumulation (several
+        ``train_step`` before it) any non-finite loss among them skips the step.
+        """
+        self._refuse_if_failed("optimizer_step")
+        stepped = self._settle_step()
+        if stepped:
+            optimizer.step()  # a distributed optimizer asks _settle_step again: the same answer
+            if scheduler is not None:
+                scheduler.step()
+        optimizer.zero_grad()
+        self.zero_grad()
+        return stepped
 
     def _step_expert_load(self) -> dict[str, list[int]]:
         """This step's rows per expert of each expert-parallel layer, over every replica (the expert
@@ -257,6 +349,7 @@ class RankEngine(nn.Module):
             last = self.program.stage_of_chunk(self.program.split.n - 1)
             ranks = askers(to, self.mesh.shape.world,
                            [r for r in range(self.mesh.shape.world) if self.mesh.shape.coords(r)[0] == last])
+        self._report_failed_save()
         self._refuse_if_failed("eval_step", read_board=True)
         self.wait_parameters("eval_step")
         st = self._new_step(batch, self.eval_schedule, training=False)
@@ -320,9 +413,13 @@ class RankEngine(nn.Module):
         return [list(names) for names in self.compute.ready_after.values()]
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip all gradients by their global 2-norm over every rank; returns the norm before clipping."""
+        """Clip all gradients by their global 2-norm over every rank; returns the norm before clipping.
+        A non-finite norm clips nothing and marks the step non-finite (``last_step``; ``optimizer_step``
+        skips it)."""
         self._refuse_if_failed("clip_grad_norm_")
-        return self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
+        norm = self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
+        self._check_grads(norm)
+        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the shards' gradients; reads no parameter, so the all-gathers in flight go on."""
@@ -348,7 +445,8 @@ class RankEngine(nn.Module):
         """
         optimizer = DistributedOptimizer(dict(self.named_local_parameters()), self.grads, self.gradient_groups(),
                                          optimizer_class, params, elementwise=elementwise,
-                                         overlap_param_gather=overlap_param_gather, **defaults)
+                                         overlap_param_gather=overlap_param_gather, step_guard=self._settle_step,
+                                         **defaults)
         self.holdings.gathers = optimizer.gathers
         return optimizer
 
@@ -462,7 +560,16 @@ class RankEngine(nn.Module):
         kept). The checkpoint becomes ``root/step-N`` and ``root/latest`` only once
         every rank finished writing. ``async_save``: return once the state is copied
         to host memory while a thread writes it; ``handle.wait()`` (or the next
-        save or load) waits for it. Wait before the process group is destroyed.
+        save or load) waits for it; its failure is raised at the next ``train_step``,
+        ``eval_step``, save, load or ``wait()``, on every rank. Wait before the process
+        group is destroyed.
+
+        Refused on every rank, before anything is written, when a parameter holds a NaN
+        or an infinity. A save that fails writing (a full disk, an I/O error, a file size
+        limit, a permission) raises ``CheckpointError`` on every rank naming the
+        directory and each rank's OS error; nothing is published (``root/latest`` still
+        names the previous checkpoint) and the partial directory is removed
+        (``docs/fault-tolerance.md``).
         """
         self._refuse_if_failed("save")
         self.wait_parameters("save")
@@ -481,7 +588,15 @@ class RankEngine(nn.Module):
         """
         self._refuse_if_failed("load")
         self.wait_parameters("load")  # a gather finishing after the load would overwrite what it read
-        return self._checkpoints().load(path, optimizer, scheduler)
+        step, extra = self._checkpoints().load(path, optimizer, scheduler)
+        self._train_steps, self._bad_loss, self._grads_checked, self._settled = step, None, None, None
+        return step, extra
+
+    def _report_failed_save(self) -> None:
+        """Raise here, on every rank, an asynchronous save that failed since it started (``CheckpointError``),
+        rather than at the next save. Collective while a save is in flight: one small all-reduce."""
+        if "_checkpointer" in self.__dict__:
+            self._checkpointer.report_failed_save(self.device)
 
     def _checkpoints(self) -> "Checkpointer":
         """This engine's checkpoints, made at the first save or load (collective: creates their group).
