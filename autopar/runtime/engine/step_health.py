@@ -13,7 +13,9 @@ extra communication while the numbers are finite:
   (``GradientSync.global_norm``: the same value on every rank); a loop that
   does not clip has it computed when the optimizer is stepped. Only when it is
   not finite one ``all_gather_object`` names the first rank holding
-  non-finite gradients and its parameters (``locate_grads``).
+  non-finite gradients of its own (with a distributed optimizer, the replica
+  they came from, not the one owning their reduced range) and its parameters
+  (``locate_grads``).
 
 A microbatch that counts no target (its mean 0/0, its weight 0) is not a bad
 number, nor a global batch that counts none: their loss is NaN by definition
@@ -110,17 +112,20 @@ def locate_loss(losses: dict[int, torch.Tensor], m: int, device: torch.device) -
     return at // m, at % m, _KINDS[kind]
 
 
-def locate_grads(nonfinite_here: list[str]) -> tuple[int, tuple[str, ...]] | None:
-    """(rank, its parameters) of the first rank whose gradients hold a non-finite value; None when no
-    rank's do. ``nonfinite_here``: this rank's such parameters. Collective: one all_gather_object."""
+def locate_grads(nonfinite_here: tuple[list[str], list[str]]) -> tuple[int, tuple[str, ...]] | None:
+    """(rank, its parameters) of the first rank whose own gradients hold a non-finite value (else the
+    first whose reduced ones do: the reduction itself overflowed); None when no rank's do.
+    ``nonfinite_here``: this rank's such parameters, (own, reduced) (``GradientSync.nonfinite_grads``).
+    Collective: one all_gather_object over the world."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         found: list = [None] * dist.get_world_size()
         dist.all_gather_object(found, nonfinite_here)
     else:
         found = [nonfinite_here]
-    for rank, names in enumerate(found):
-        if names:
-            return rank, tuple(names)
+    for which in (0, 1):
+        for rank, names in enumerate(found):
+            if names[which]:
+                return rank, tuple(names[which])
     return None
 
 

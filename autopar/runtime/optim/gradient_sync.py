@@ -289,13 +289,19 @@ class GradientSync:
                 dist.all_reduce(sq, group=self.mesh.groups[axis])
         return math.sqrt(float(sq))
 
-    def nonfinite_grads(self) -> list[str]:
-        """The parameters whose reduced gradient on this rank holds a NaN or an infinity, in order."""
-        pieces = [(name, torch.isfinite(grad).all()) for name, grad in self._reduced_pieces()]
-        if not pieces:
-            return []
-        finite = torch.stack([ok for _, ok in pieces]).tolist()  # one transfer from the device
-        return list(dict.fromkeys(name for (name, _), ok in zip(pieces, finite) if not ok))
+    def nonfinite_grads(self) -> tuple[list[str], list[str]]:
+        """The parameters whose gradient on this rank holds a NaN or an infinity, in order: (among this
+        replica's own gradients, among the reduced ones). In reduce-scatter mode the parameters' ``.grad``
+        stay this replica's own (where a bad value came from) and the reduced ones are the owned ranges;
+        in all-reduce mode both are the reduced ``.grad``."""
+        own = [(n, p.grad) for n, p in self.params.items() if p.grad is not None] if self.sharded is not None else []
+        reduced = list(self._reduced_pieces())
+        if not own and not reduced:
+            return [], []
+        finite = torch.stack([torch.isfinite(g).all() for _, g in own + reduced]).tolist()  # one transfer
+        own_bad = [name for (name, _), ok in zip(own, finite) if not ok]
+        reduced_bad = list(dict.fromkeys(name for (name, _), ok in zip(reduced, finite[len(own):]) if not ok))
+        return (own_bad if self.sharded is not None else reduced_bad), reduced_bad
 
     def _reduced_pieces(self):
         """(parameter name, its reduced gradient on this rank): whole ``.grad`` in all-reduce mode,
