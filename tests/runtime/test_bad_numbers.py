@@ -110,7 +110,7 @@ def _run(program, poison: str | None, steps: list[int], clip: float | None = Non
         stepped.append(engine.optimizer_step(optimizer, scheduler))
         healths.append(engine.last_step)
     return {"weights": on_rank0(engine.full_state_dict()), "healths": healths, "stepped": stepped,
-            "lr": scheduler.get_last_lr(), "skipped": engine.skips.skipped}
+            "lr": scheduler.get_last_lr(), "skipped": engine.step_checks.skipped}
 
 
 def _pipeline_runs(program) -> dict:

@@ -34,7 +34,6 @@ says what and where; a distributed optimizer's own ``step()`` skips it too).
 from __future__ import annotations
 
 import dataclasses
-import math
 import secrets
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -53,8 +52,7 @@ from autopar.runtime.engine.errors import EngineUsageError
 from autopar.runtime.engine.eval_outputs import LogitsOutput, askers, gather_logits
 from autopar.runtime.engine.failure_board import FailureBoard, failure_timeout
 from autopar.runtime.engine.step_failures import StepFailures
-from autopar.runtime.engine.step_health import (DEFAULT_MAX_NONFINITE_STEPS, SkipPolicy, StepHealth, locate_grads,
-                                                locate_loss)
+from autopar.runtime.engine.step_health import StepChecks, StepHealth
 from autopar.runtime.engine.holdings import Holdings, nccl, rank_device, shard_key
 from autopar.runtime.engine.micro_batches import MicroBatches
 from autopar.runtime.engine.p2p import PointToPoint, wait_sends
@@ -143,26 +141,11 @@ class RankEngine(nn.Module):
         """Steps started (train and eval)."""
         self._expert_load: dict[str, list[int]] = {}
         self._held_placeholders = {ph for c in self.chunks.values() for ph in c.params}
-        self.max_nonfinite_steps = DEFAULT_MAX_NONFINITE_STEPS
-        """Non-finite training steps in a row that stop the run (``NonFiniteError`` on every rank,
-        raised by ``optimizer_step`` or a distributed optimizer's ``step()``); the ones before are
-        skipped. 1: the first non-finite step stops it. Default 3."""
-        self.last_step: StepHealth | None = None
-        """The last training step's ``StepHealth``: whether its loss and gradient norm were finite,
-        and if not, what, in which microbatch, on which stage and rank. Set by ``train_step`` (the
-        loss), completed by ``clip_grad_norm_`` or ``optimizer_step`` (the gradient norm)."""
-        self.skips = SkipPolicy()
-        """The non-finite steps skipped: ``skips.skipped`` in all, ``skips.in_row`` since the last finite one."""
-        self._train_steps = 0
-        """Training steps run (from a loaded checkpoint's step on): ``StepHealth.step``."""
-        self._bad_loss: StepHealth | None = None
-        """The first non-finite loss since the optimizer was last stepped (or skipped)."""
-        self._grads_checked: StepHealth | None = None
-        """This training step's gradient norm, once computed (``clip_grad_norm_`` or the policy)."""
-        self._settled: tuple[int, bool] | None = None
-        """(training step, whether the optimizer steps after it), once decided: the policy runs once per step."""
         self.grads = GradientSync(program, mesh, {n: self.holdings.shard(n) for n in local_params},
                                   bucket_bytes, device=self.device)
+        self.step_checks = StepChecks(self.grads, mesh, self.device, self.tp.rank)
+        """Whether each training step's numbers were finite, and the skip policy (``step_health.py``):
+        ``step_checks.skipped`` steps skipped in all, ``step_checks.in_row`` since the last finite one."""
         self.split_backward = program.schedule.splits_backward
         """Whether a backward is split into B (input gradients) and W (weight gradients): the
         schedule's choice (ZB-H1 and ZB-V place W actions of their own)."""
@@ -227,7 +210,6 @@ class RankEngine(nn.Module):
         self._report_failed_save()
         self._refuse_if_failed("train_step", read_board=True)
         st = self._new_step(batch, self.schedule, training=True)
-        self._train_steps += 1
         with self.failures.together(st, self.failure_timeout_s):
             self.grads.begin_step(st.stats)
             run_actions(st, self.stage, self.mesh.rank, self._handlers(), self.p2p.post, self.failures)
@@ -238,50 +220,27 @@ class RankEngine(nn.Module):
             self.grads.end_step()
             loss = self._reduce_loss(st)
             self._expert_load = self._step_expert_load()
-            self._check_loss(st, loss)
+            self.step_checks.after_loss(st.losses, st.m, loss, st.weights.total)
         return loss
 
-    def _check_loss(self, st: StepState, loss: float) -> None:
-        """``last_step`` after the loss (agreed on every rank): finite, or where the first non-finite
-        microbatch loss is (one all-reduce over the world, only when the loss is not finite). A
-        global batch that counts no target has a NaN loss by definition: not a bad number."""
-        self._grads_checked = None
-        health = StepHealth(self._train_steps, True)
-        if not math.isfinite(loss) and st.weights.total != 0:
-            found = locate_loss(st.losses, st.m, self.device)
-            rank, micro, value = found if found is not None else (None, None, loss)
-            stage = None if rank is None else self.mesh.shape.coords(rank)[0]
-            health = StepHealth(self._train_steps, False, "loss", micro, stage, rank, value)
-            self._bad_loss = self._bad_loss or health
-        self.last_step = health
+    @property
+    def last_step(self) -> StepHealth | None:
+        """The last training step's ``StepHealth``: whether its loss and gradient norm were finite,
+        and if not, what, in which microbatch, on which stage and rank (the same on every rank). Set
+        by ``train_step`` (the loss), completed by ``clip_grad_norm_`` or ``optimizer_step`` (the
+        gradient norm). None before the first step."""
+        return self.step_checks.last
 
-    def _check_grads(self, norm: float) -> None:
-        """This step's gradient norm into ``last_step``: where the non-finite gradients are when it is
-        not finite (one all_gather_object over the world, only then and only after a finite loss)."""
-        health = dataclasses.replace(self.last_step or StepHealth(self._train_steps, True), grad_norm=norm)
-        if not math.isfinite(norm) and health.finite:
-            found = locate_grads(self.grads.nonfinite_grads())
-            rank, params = found if found is not None else (None, ())
-            stage = None if rank is None else self.mesh.shape.coords(rank)[0]
-            health = dataclasses.replace(health, finite=False, what="grad norm", stage=stage, rank=rank, value=norm,
-                                         params=params)
-        self.last_step = self._grads_checked = health
+    @property
+    def max_nonfinite_steps(self) -> int:
+        """Non-finite training steps in a row that stop the run (``NonFiniteError`` on every rank,
+        raised by ``optimizer_step`` or a distributed optimizer's ``step()``); the ones before are
+        skipped. 1: the first non-finite step stops it. Default 3; set it on every rank."""
+        return self.step_checks.limit
 
-    def _settle_step(self) -> bool:
-        """Whether the optimizer steps after this training step: the skip policy applied once per step
-        (``step_health.SkipPolicy``) to the first non-finite loss since the last optimizer step, else
-        to the gradient norm (computed here unless ``clip_grad_norm_`` did). Collective."""
-        if self._settled is not None and self._settled[0] == self._train_steps:
-            return self._settled[1]
-        health = self._bad_loss
-        if health is None:
-            if self._grads_checked is None:
-                self._check_grads(self.grads.global_norm(self.tp.rank, self.stage))
-            health = self._grads_checked
-        self._bad_loss = None
-        self._settled = (self._train_steps, False)  # stays False if the policy raises
-        self._settled = (self._train_steps, self.skips.apply(health, self.max_nonfinite_steps))
-        return self._settled[1]
+    @max_nonfinite_steps.setter
+    def max_nonfinite_steps(self, value: int) -> None:
+        self.step_checks.limit = value
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, scheduler=None) -> bool:
         """Step ``optimizer`` (then ``scheduler``) unless this training step's numbers were not finite;
@@ -297,9 +256,9 @@ class RankEngine(nn.Module):
         ``train_step`` before it) any non-finite loss among them skips the step.
         """
         self._refuse_if_failed("optimizer_step")
-        stepped = self._settle_step()
+        stepped = self.step_checks.settle()
         if stepped:
-            optimizer.step()  # a distributed optimizer asks _settle_step again: the same answer
+            optimizer.step()  # a distributed optimizer asks settle() again: the same answer
             if scheduler is not None:
                 scheduler.step()
         optimizer.zero_grad()
@@ -418,7 +377,7 @@ class RankEngine(nn.Module):
         skips it)."""
         self._refuse_if_failed("clip_grad_norm_")
         norm = self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
-        self._check_grads(norm)
+        self.step_checks.after_norm(norm)
         return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -445,7 +404,7 @@ class RankEngine(nn.Module):
         """
         optimizer = DistributedOptimizer(dict(self.named_local_parameters()), self.grads, self.gradient_groups(),
                                          optimizer_class, params, elementwise=elementwise,
-                                         overlap_param_gather=overlap_param_gather, step_guard=self._settle_step,
+                                         overlap_param_gather=overlap_param_gather, step_guard=self.step_checks.settle,
                                          **defaults)
         self.holdings.gathers = optimizer.gathers
         return optimizer
@@ -589,7 +548,7 @@ class RankEngine(nn.Module):
         self._refuse_if_failed("load")
         self.wait_parameters("load")  # a gather finishing after the load would overwrite what it read
         step, extra = self._checkpoints().load(path, optimizer, scheduler)
-        self._train_steps, self._bad_loss, self._grads_checked, self._settled = step, None, None, None
+        self.step_checks.loaded(step)
         return step, extra
 
     def _report_failed_save(self) -> None:

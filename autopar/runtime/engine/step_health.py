@@ -21,15 +21,17 @@ A microbatch that counts no target (its mean 0/0, its weight 0) is not a bad
 number, nor a global batch that counts none: their loss is NaN by definition
 and their gradients zero (``loss_weights.py``).
 
-``StepHealth`` is the verdict (``engine.last_step``). ``SkipPolicy`` applies
-it: a finite step is stepped; a non-finite one is skipped (the optimizer and
-the LR scheduler not stepped, the gradients dropped, a warning logged on rank 0
-with the step, microbatch, stage and rank), and the ``limit``-th non-finite
-step in a row raises ``NonFiniteError`` on every rank instead.
+``StepHealth`` is the verdict (``engine.last_step``). ``StepChecks`` keeps an
+engine's verdicts and applies the policy once per training step: a finite step
+is stepped; a non-finite one is skipped (the optimizer and the LR scheduler not
+stepped, the gradients dropped, a warning logged on rank 0 with the step,
+microbatch, stage and rank), and the ``limit``-th non-finite step in a row
+(``engine.max_nonfinite_steps``) raises ``NonFiniteError`` on every rank instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -39,7 +41,7 @@ import torch.distributed as dist
 from autopar.core.log import get_logger
 from autopar.runtime.engine.errors import EngineUsageError, NonFiniteError
 
-__all__ = ["StepHealth", "SkipPolicy", "locate_loss", "locate_grads", "DEFAULT_MAX_NONFINITE_STEPS"]
+__all__ = ["StepHealth", "StepChecks", "locate_loss", "locate_grads", "DEFAULT_MAX_NONFINITE_STEPS"]
 
 DEFAULT_MAX_NONFINITE_STEPS = 3
 """``engine.max_nonfinite_steps`` unless set: the third non-finite step in a row stops the run."""
@@ -129,18 +131,87 @@ def locate_grads(nonfinite_here: tuple[list[str], list[str]]) -> tuple[int, tupl
     return None
 
 
-class SkipPolicy:
-    """Skips non-finite steps, and stops the run at the ``limit``-th in a row."""
+class StepChecks:
+    """One engine's verdicts on its training steps, and the skip policy.
 
-    def __init__(self) -> None:
+    The engine calls ``after_loss`` at the end of each ``train_step``, ``after_norm`` when
+    ``clip_grad_norm_`` computed the norm, and ``settle`` before an optimizer steps (from
+    ``engine.optimizer_step`` or a distributed optimizer's ``step()``): the policy runs once per
+    training step, however many of them ask. ``grads``: the engine's ``GradientSync``;
+    ``mesh``: its mesh (a rank's stage); ``device``: where the locating all-reduce runs.
+    """
+
+    def __init__(self, grads, mesh, device: torch.device, tp_rank: int) -> None:
+        self.grads = grads
+        self.mesh = mesh
+        self.device = device
+        self.tp_rank = tp_rank
+        self.limit = DEFAULT_MAX_NONFINITE_STEPS
+        """``engine.max_nonfinite_steps``: the non-finite steps in a row that stop the run."""
+        self.last: StepHealth | None = None
+        """``engine.last_step``."""
+        self.step = 0
+        """Training steps run (from a loaded checkpoint's step on): ``StepHealth.step``."""
         self.in_row: list[StepHealth] = []
         """The non-finite steps since the last finite one."""
         self.skipped = 0
         """Steps skipped so far."""
+        self._bad_loss: StepHealth | None = None
+        """The first non-finite loss since the optimizer was last stepped (or skipped)."""
+        self._norm_checked: StepHealth | None = None
+        """This training step's gradient norm, once computed (``clip_grad_norm_`` or ``settle``)."""
+        self._settled: tuple[int, bool] | None = None
+        """(training step, whether the optimizer steps after it), once decided."""
 
-    def apply(self, health: StepHealth, limit: int) -> bool:
+    def loaded(self, step: int) -> None:
+        """A checkpoint of ``step`` was loaded: steps count on from it, nothing pending."""
+        self.step, self._bad_loss, self._norm_checked, self._settled = step, None, None, None
+
+    def after_loss(self, losses: dict[int, torch.Tensor], m: int, loss: float, counted: int | None) -> None:
+        """A training step ended with ``loss`` (the same on every rank): ``last`` is finite, or names the
+        first non-finite microbatch loss (``locate_loss``, only then). ``losses``: this rank's microbatch
+        losses; ``counted``: the global batch's counted targets (0: its loss is NaN by definition)."""
+        self.step += 1
+        self._norm_checked = None
+        health = StepHealth(self.step, True)
+        if not math.isfinite(loss) and counted != 0:
+            found = locate_loss(losses, m, self.device)
+            rank, micro, value = found if found is not None else (None, None, loss)
+            health = StepHealth(self.step, False, "loss", micro, self._stage(rank), rank, value)
+            self._bad_loss = self._bad_loss or health
+        self.last = health
+
+    def after_norm(self, norm: float) -> None:
+        """This step's gradient norm into ``last``: where the non-finite gradients are when it is not
+        finite (``locate_grads``, only then and only after a finite loss)."""
+        health = dataclasses.replace(self.last or StepHealth(self.step, True), grad_norm=norm)
+        if not math.isfinite(norm) and health.finite:
+            found = locate_grads(self.grads.nonfinite_grads())
+            rank, params = found if found is not None else (None, ())
+            health = dataclasses.replace(health, finite=False, what="grad norm", stage=self._stage(rank), rank=rank,
+                                         value=norm, params=params)
+        self.last = self._norm_checked = health
+
+    def settle(self) -> bool:
+        """Whether the optimizer steps after this training step: the policy (``apply``) run once per
+        step on the first non-finite loss since the last optimizer step, else on the gradient norm
+        (computed here unless ``clip_grad_norm_`` did). Collective."""
+        if self._settled is not None and self._settled[0] == self.step:
+            return self._settled[1]
+        health = self._bad_loss
+        if health is None:
+            if self._norm_checked is None:
+                self.after_norm(self.grads.global_norm(self.tp_rank, self.mesh.pp_rank))
+            health = self._norm_checked
+        self._bad_loss = None
+        self._settled = (self.step, False)  # stays False if the policy raises
+        self._settled = (self.step, self.apply(health))
+        return self._settled[1]
+
+    def apply(self, health: StepHealth) -> bool:
         """Whether to step the optimizer after ``health``'s step. A non-finite step is logged and
         skipped (False), or raises ``NonFiniteError`` when it is the ``limit``-th in a row."""
+        limit = self.limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise EngineUsageError(f"engine.max_nonfinite_steps must be a positive int (the non-finite steps in a "
                                    f"row that stop the run; 1: the first one does), got {limit!r}")
@@ -162,6 +233,9 @@ class SkipPolicy:
                          "in a row; %d stop the run: engine.max_nonfinite_steps)",
                          health.describe(), len(self.in_row), limit)
         return False
+
+    def _stage(self, rank: int | None) -> int | None:
+        return None if rank is None else self.mesh.shape.coords(rank)[0]
 
 
 def _ordinal(n: int) -> str:
