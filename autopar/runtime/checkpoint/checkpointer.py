@@ -88,8 +88,9 @@ _WRITING: list = [None]
 class SaveHandle:
     """A save: ``path`` is where the checkpoint is visible once ``wait()`` returns.
 
-    ``partial`` is where the ranks write until then; on rank 0 (``removes_partial``) a failed save
-    removes it, so that no half-written directory is left beside the checkpoints."""
+    ``partial`` is where the ranks write until then; on rank 0 (``removes_partial``) a save that
+    failed on a rank which reported it (every rank done) removes it, so that no half-written
+    directory is left beside the checkpoints."""
 
     def __init__(self, path: Path, future: Future, partial: Path, removes_partial: bool = False) -> None:
         self.path = path
@@ -119,8 +120,10 @@ class SaveHandle:
         return self.path
 
     def _failure(self, e: BaseException) -> str:
-        """What failed, where, and what is left: nothing published, the partial directory removed."""
-        removed = _remove(self.partial) if self._removes_partial else None
+        """What failed, where, and what is left: nothing published; the partial directory removed when
+        DCP heard from every rank (a ``CheckpointException``: none still writes), else left and named."""
+        every_rank_reported = isinstance(e, CheckpointException)
+        removed = _remove(self.partial) if self._removes_partial and every_rank_reported else None
         latest = self.path.parent / LATEST
         previous = latest.read_text().strip() if latest.is_file() else None
         if self.path.is_dir():  # published, but 'latest' was not replaced
@@ -129,8 +132,13 @@ class SaveHandle:
             left = f"nothing was published: {latest} still names {previous}, which loads as before"
         else:
             left = "nothing was published (no earlier checkpoint under this root)"
-        cleaned = (f"; the partial directory could not be removed ({removed}): remove it" if removed else
-                   "; its partial directory is removed by rank 0")
+        if not every_rank_reported:  # a rank died or stopped answering: it may still be writing there
+            cleaned = (f"; {self.partial} is left as it is (not every rank reported; it is never loaded, and a "
+                       f"new save of this step replaces it)")
+        elif removed:
+            cleaned = f"; the partial directory could not be removed ({removed}): remove it"
+        else:
+            cleaned = "; its partial directory is removed by rank 0"
         return (f"saving checkpoint {self.path} failed writing into {self.partial}:\n  " + "\n  ".join(_failures(e))
                 + f"\n{left}{cleaned}. Fix: free space or repair the file system under {self.path.parent} "
                 f"(or save under another root), then save again; training can go on")
