@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -26,8 +27,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from autopar.runtime.checkpoint.errors import CheckpointError
 
-__all__ = ["SafeReader", "ALLOWED", "load_metadata"]
+__all__ = ["SafeReader", "ALLOWED", "METADATA", "load_metadata"]
 
+METADATA = ".metadata"
+"""The name of DCP's metadata file in a checkpoint directory."""
 _DCP = "torch.distributed.checkpoint.metadata"
 ALLOWED: frozenset[tuple[str, str]] = frozenset({
     (_DCP, "Metadata"), (_DCP, "TensorStorageMetadata"), (_DCP, "BytesStorageMetadata"),
@@ -77,7 +80,8 @@ class SafeReader(FileSystemReader):
     """DCP's ``FileSystemReader`` whose ``read_metadata`` runs no code from the file (``load_metadata``)."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = load_metadata(self._get_metadata_path(kwargs.get("rank")))
+        rank = kwargs.get("rank")  # DCP's file names: one metadata file, or one per rank when asked so
+        metadata = load_metadata(Path(self.path) / (METADATA if rank is None else f"__{rank}{METADATA}"))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
