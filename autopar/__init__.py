@@ -45,6 +45,7 @@ __all__ = [
     "OptimizerError",
     "EngineUsageError",
     "EngineRuntimeError",
+    "NonFiniteError",
 ]
 
 _WHERE = {
@@ -82,6 +83,7 @@ _WHERE = {
     "OptimizerError": "autopar.runtime.optim.errors",
     "EngineUsageError": "autopar.runtime.engine.errors",
     "EngineRuntimeError": "autopar.runtime.engine.errors",
+    "NonFiniteError": "autopar.runtime.engine.errors",
 }
 
 if TYPE_CHECKING:
@@ -96,7 +98,7 @@ if TYPE_CHECKING:
     from autopar.planning.errors import PlanError
     from autopar.runtime.checkpoint.errors import CheckpointError, CheckpointNotFoundError
     from autopar.runtime.engine.batch_checks import BatchError
-    from autopar.runtime.engine.errors import ActionError, EngineRuntimeError, EngineUsageError
+    from autopar.runtime.engine.errors import ActionError, EngineRuntimeError, EngineUsageError, NonFiniteError
     from autopar.runtime.engine.failure_board import EngineFailedError
     from autopar.runtime.hf.errors import ExportError
     from autopar.runtime.launch import RankError, restart_count, spawn

@@ -20,10 +20,13 @@ of the training text (its 1/dp of each global batch, read from one order of the
 corpus per epoch that no layout changes); every --eval-every steps the model is evaluated on held-out
 text; every --save-every steps a checkpoint is saved asynchronously (training
 goes on while the files are written; it becomes ``latest`` once every rank has
-finished). --resume continues from the newest complete checkpoint: parameters,
-AdamW moments, learning-rate schedule, random streams and data position, so
-the losses are those of an uninterrupted run. A job restarted by its launcher
-(``autopar run --max-restarts``, torchrun's ``--max-restarts``: the restart count
+finished). A step whose loss or gradient norm is NaN or infinite is skipped
+and logged (engine.optimizer_step); three in a row stop the run, and a
+checkpoint is never written with non-finite weights. --resume continues from
+the newest complete checkpoint: parameters, AdamW moments, learning-rate
+schedule, random streams and data position, so the losses are those of an
+uninterrupted run. A job restarted by its launcher (``autopar run
+--max-restarts``, torchrun's ``--max-restarts``: the restart count
 ``autopar.restart_count()`` > 0) resumes the same way without the flag; one
 started on another number of ranks than its layout asks for takes the
 planner's layout for that world and the same global batch, and reads on in
@@ -204,7 +207,7 @@ def train(args, program: autopar.ParallelProgram | None = None):
             engine.clip_grad_norm_(args.clip)
             if step == 0:
                 out["grads"] = engine.full_grads()
-            opt.step(), sched.step(), opt.zero_grad()
+            engine.optimizer_step(opt, sched)  # skips a step whose loss or gradient norm is not finite
             out["times"].append(time.perf_counter() - t0)
             if (step + 1) % args.eval_every == 0 or step + 1 == stop:
                 eval_loss = evaluate(engine, heldout)

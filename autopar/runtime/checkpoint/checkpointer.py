@@ -18,8 +18,16 @@ calls them. What is stored (``docs/training.md``, "Checkpoints"):
 A save writes into ``step-N.partial/`` and becomes ``step-N/`` and ``latest``
 only once every rank finished (``description``); an asynchronous save
 copies the state to host memory and returns while DCP writes in a thread.
+A save is refused, before anything is written, when a parameter is not finite.
+A save that fails writing on any rank (a full disk, an I/O error, a file size
+limit) fails on every rank (DCP gathers each rank's result): ``SaveHandle.wait``
+raises ``CheckpointError`` naming the directory and each rank's error, rank 0
+removes the partial directory, and ``latest`` names the previous checkpoint;
+an asynchronous save's failure is raised at the engine's next call
+(``report_failed_save``).
 A load checks the checkpoint against the program before reading anything, and
-every rank fails together on a problem any rank finds (``checks``).
+every rank fails together on a problem any rank finds (``checks``); DCP's
+metadata is read as data, never as code (``safe_metadata``).
 
 The checkpoint's collectives run over a process group of their own (gloo: DCP
 exchanges Python objects, and an asynchronous save's thread must not interleave
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import io
 import re
+import shutil
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -38,11 +47,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from autopar.core.mesh import group_over
-from autopar.runtime.checkpoint.checks import agree, param_errors, read_metadata, target_errors, truncation_errors
+from autopar.runtime.checkpoint.checks import (agree, nonfinite_param_errors, param_errors, read_metadata,
+                                               target_errors, truncation_errors)
 from autopar.runtime.checkpoint.dcp import HostStager, PieceLoadPlanner, PieceSavePlanner
 from autopar.runtime.checkpoint.description import (
+    LATEST,
     CheckpointError,
     clear_partial,
     read_description,
@@ -51,6 +63,7 @@ from autopar.runtime.checkpoint.description import (
 )
 import autopar.runtime.checkpoint.optimizer_state as optimizer_state
 from autopar.runtime.checkpoint.publishing import PublishingWriter
+from autopar.runtime.checkpoint.safe_metadata import SafeReader
 import autopar.runtime.checkpoint.sharded_optimizer_state as sharded_optimizer_state
 from autopar.runtime.checkpoint.model_state import (
     buffer_entries,
@@ -73,27 +86,82 @@ _WRITING: list = [None]
 
 
 class SaveHandle:
-    """A save: ``path`` is where the checkpoint is visible once ``wait()`` returns."""
+    """A save: ``path`` is where the checkpoint is visible once ``wait()`` returns.
 
-    def __init__(self, path: Path, future: Future) -> None:
+    ``partial`` is where the ranks write until then; on rank 0 (``removes_partial``) a save that
+    failed on a rank which reported it (every rank done) removes it, so that no half-written
+    directory is left beside the checkpoints."""
+
+    def __init__(self, path: Path, future: Future, partial: Path, removes_partial: bool = False) -> None:
         self.path = path
         """``ROOT/step-N``: complete once the save is done."""
+        self.partial = partial
+        """``ROOT/step-N.partial``: where the ranks write."""
         self._future = future
+        self._removes_partial = removes_partial
+        self.settled = False
+        """Every rank's save finished successfully (``Checkpointer.report_failed_save`` stops asking)."""
 
     def done(self) -> bool:
         """Whether the save finished (successfully or not)."""
         return self._future.done()
 
+    def failed(self) -> bool:
+        """Whether the save finished with an error (``wait()`` raises it)."""
+        return self._future.done() and self._future.exception() is not None
+
     def wait(self) -> Path:
-        """Block until the checkpoint is visible on every rank; raise ``CheckpointError`` if the save failed."""
+        """Block until the checkpoint is visible on every rank; raise ``CheckpointError`` if the save
+        failed (on every rank: DCP fails a save on all ranks when one fails)."""
         try:
             self._future.result()
-        except Exception as e:  # noqa: BLE001 - DCP reports every rank's failure as one exception
-            raise CheckpointError(f"saving checkpoint {self.path} failed: {type(e).__name__}: {e}") from e
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+            raise CheckpointError(self._failure(e)) from e
         return self.path
 
+    def _failure(self, e: BaseException) -> str:
+        """What failed, where, and what is left: nothing published; the partial directory removed when
+        DCP heard from every rank (a ``CheckpointException``: none still writes), else left and named."""
+        every_rank_reported = isinstance(e, CheckpointException)
+        removed = _remove(self.partial) if self._removes_partial and every_rank_reported else None
+        latest = self.path.parent / LATEST
+        previous = latest.read_text().strip() if latest.is_file() else None
+        if self.path.is_dir():  # published, but 'latest' was not replaced
+            left = f"{self.path} was written but {latest} still names {previous!r}"
+        elif previous:
+            left = f"nothing was published: {latest} still names {previous}, which loads as before"
+        else:
+            left = "nothing was published (no earlier checkpoint under this root)"
+        if not every_rank_reported:  # a rank died or stopped answering: it may still be writing there
+            cleaned = (f"; {self.partial} is left as it is (not every rank reported; it is never loaded, and a "
+                       f"new save of this step replaces it)")
+        elif removed:
+            cleaned = f"; the partial directory could not be removed ({removed}): remove it"
+        else:
+            cleaned = "; its partial directory is removed by rank 0"
+        return (f"saving checkpoint {self.path} failed writing into {self.partial}:\n  " + "\n  ".join(_failures(e))
+                + f"\n{left}{cleaned}. Fix: free space or repair the file system under {self.path.parent} "
+                f"(or save under another root), then save again; training can go on")
 
-def _problem(e: Exception) -> str:
+
+def _failures(e: BaseException) -> list[str]:
+    """Each rank's error of a failed DCP call, one line each (``rank 1: OSError: [Errno 28] ...``)."""
+    if isinstance(e, CheckpointException):
+        return [f"rank {rank}: {_problem(failure)}" for rank, (failure, _) in sorted(e.failures.items())]
+    return [_problem(e)]
+
+
+def _remove(directory: Path) -> str | None:
+    """Remove ``directory`` if it is there; None, or why it could not be removed."""
+    try:
+        if directory.exists():
+            shutil.rmtree(directory)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _problem(e: BaseException) -> str:
     """An exception as one line of a ``CheckpointError``: ours as they are, others with their type."""
     return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
 
@@ -109,7 +177,7 @@ def _completed(run) -> Future:
     future: Future = Future()
     try:
         future.set_result(run())
-    except Exception as e:  # noqa: BLE001 - handed to SaveHandle.wait, which names the checkpoint
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - handed to SaveHandle.wait, which names the checkpoint
         future.set_exception(e)
     return future
 
@@ -150,6 +218,22 @@ class Checkpointer:
         if pending is not None:
             pending.wait()
 
+    def report_failed_save(self, device: torch.device) -> None:
+        """Raise, on every rank, this engine's asynchronous save if it failed (``CheckpointError``), so
+        that a failure is not lost until the next save. Collective while the save is not known to have
+        succeeded on every rank: one all-reduce (MAX) of (failed here, still writing here) over the world,
+        so that every rank raises at the same call, whichever saw its failure first."""
+        handle = self.pending
+        if handle is None or handle.settled:
+            return
+        flags = torch.tensor([int(handle.failed()), int(not handle.done())], dtype=torch.int64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        failed, writing = (int(f) for f in flags.tolist())
+        if failed:  # DCP fails the save on every rank: a rank still writing gets the same failure
+            self.wait()
+        handle.settled = not writing
+
     # ---------------------------------------------------------------------- save
     def save(self, root: str | Path, optimizer=None, *, step: int, scheduler=None, extra: Any = None,
              async_save: bool = False) -> SaveHandle:
@@ -158,7 +242,9 @@ class Checkpointer:
             raise CheckpointError(f"step must be a non-negative int (it names ROOT/step-N), got {step!r}")
         self.wait()
         root = Path(root)
-        errors, state, description = save_errors(root, step), {}, {}
+        agree(save_errors(root, step) + nonfinite_param_errors(self.holdings, step), self.group,
+              f"cannot save step {step} under {root}")  # before anything is written, on every rank
+        errors, state, description = [], {}, {}
         try:
             state = self._state(optimizer, scheduler, extra)
             description = describe(self.holdings.program, step)
@@ -168,13 +254,15 @@ class Checkpointer:
             errors.append(_problem(e))
         agree(errors, self.group, f"cannot save step {step} under {root}")
         writer = PublishingWriter(root, step, description)
+        partial = Path(writer.path)
         if async_save:
             future = dcp.async_save(state, storage_writer=writer, planner=PieceSavePlanner(),
                                     process_group=self.group, async_stager=HostStager())
-            self.pending = _WRITING[0] = SaveHandle(writer.final, future)
+            self.pending = _WRITING[0] = SaveHandle(writer.final, future, partial, self._rank0())
             return self.pending
         handle = SaveHandle(writer.final, _completed(lambda: dcp.save(
-            state, storage_writer=writer, planner=PieceSavePlanner(), process_group=self.group)))
+            state, storage_writer=writer, planner=PieceSavePlanner(), process_group=self.group)),
+            partial, self._rank0())
         handle.wait()
         return handle
 
@@ -198,10 +286,10 @@ class Checkpointer:
         step_dir, description, metadata = self._open(path)
         targets = self._prepare(optimizer, scheduler, description, metadata, step_dir)
         try:
-            dcp.load(targets, storage_reader=dcp.FileSystemReader(step_dir), planner=PieceLoadPlanner(),
+            dcp.load(targets, storage_reader=SafeReader(step_dir), planner=PieceLoadPlanner(),
                      process_group=self.group)
-        except Exception as e:  # noqa: BLE001 - DCP raises the same on every rank
-            raise CheckpointError(f"cannot load checkpoint {step_dir}: {type(e).__name__}: {e}") from e
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises the same on every rank
+            raise CheckpointError(f"cannot load checkpoint {step_dir}:\n  " + "\n  ".join(_failures(e))) from e
         if optimizer is not None:
             _optimizer_io(optimizer).apply_loaded(self.holdings, optimizer, targets)
         if scheduler is not None:

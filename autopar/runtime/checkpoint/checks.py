@@ -1,4 +1,4 @@
-"""Checks before a checkpoint is read, and the agreement that makes every rank fail together.
+"""Checks before a checkpoint is read or written, and the agreement that makes every rank fail together.
 
 A load reads nothing before the checks pass: the checkpoint's DCP metadata
 against this program (every parameter present, in its full shape; no parameter
@@ -7,28 +7,34 @@ file cut short by an interrupted copy), each requested value present in its
 shape. Each rank checks what it will read; ``agree`` gathers every rank's
 findings over the checkpoint's process group so that all ranks raise the same
 ``CheckpointError``, and none waits forever in a collective the others left.
+Before a save, every parameter must be finite (``nonfinite_param_errors``): a
+checkpoint is never written with NaN or infinite weights.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from autopar.runtime.checkpoint.description import CheckpointError
+from autopar.runtime.checkpoint.safe_metadata import SafeReader
 
-__all__ = ["read_metadata", "param_errors", "truncation_errors", "target_errors", "agree"]
+__all__ = ["read_metadata", "param_errors", "truncation_errors", "target_errors", "nonfinite_param_errors", "agree"]
 
 _SHOWN = 12
 """Problems listed in full in one error; the rest are counted."""
 
 
 def read_metadata(step_dir: Path) -> Metadata:
-    """DCP's ``.metadata`` of a checkpoint directory."""
+    """DCP's ``.metadata`` of a checkpoint directory, read as data (``safe_metadata``: a file naming
+    anything else is refused, unrun)."""
     try:
-        return FileSystemReader(step_dir).read_metadata()
+        return SafeReader(step_dir).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure to read it means the same thing
         raise CheckpointError(f"checkpoint {step_dir}: its DCP metadata (.metadata) is unreadable "
                               f"({type(e).__name__}: {e}); the checkpoint is damaged") from e
@@ -97,6 +103,23 @@ def target_errors(metadata: Metadata, targets: dict) -> list[str]:
             errors.append(f"{_what(key)} has shape {tuple(md.size)} in the checkpoint but "
                           f"{tuple(target.size())} here")
     return errors
+
+
+def nonfinite_param_errors(holdings, step: int) -> list[str]:
+    """The parameters of this rank (``holdings``: ``engine.holdings``) holding a NaN or an infinity,
+    as one problem (empty when all are finite): a save of ``step`` refuses them."""
+    params = list(holdings.named_local_parameters())
+    if not params:
+        return []
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in params]).tolist()  # one transfer
+    bad = [name for (name, _), ok in zip(params, finite) if not ok]
+    if not bad:
+        return []
+    shown = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+    return [f"parameter(s) {shown} hold NaN or infinite values at step {step}: a checkpoint is never written with "
+            f"non-finite weights, and the previous one stays 'latest'. Fix: find the step that made them "
+            f"(engine.last_step; engine.optimizer_step skips such steps instead of applying them) and resume "
+            f"from the last checkpoint"]
 
 
 def agree(errors: list[str], group, what: str) -> None:

@@ -126,6 +126,8 @@ class ChunkCompute:
             weight = st.weights.loss[a.microbatch]
             if weight:  # 0: a microbatch that counts no target (its mean is 0/0) adds nothing
                 st.loss_sum += outs[0].detach().double() * weight
+            if st.training and st.weights.seed[a.microbatch]:  # step_health.py reads it if the loss is not finite
+                st.losses[a.microbatch] = outs[0].detach()
             if st.logits is not None:  # an evaluation step asked for its outputs
                 st.logits[a.microbatch] = outs[1]
             outs = [outs[0] * st.weights.seed[a.microbatch]]  # what the backward differentiates

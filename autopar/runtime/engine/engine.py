@@ -25,7 +25,10 @@ export read those two, never the engine.
 After the last backward, gradients of parameters that several stages hold (a
 tied embedding and LM head) are summed across those stages
 (``runtime/optim/gradient_sync.py``). Gradients accumulate into ``.grad`` as
-with ``loss.backward()``: call ``optimizer.step()`` and ``zero_grad()`` around.
+with ``loss.backward()``: call ``optimizer.step()`` and ``zero_grad()`` around,
+or ``engine.optimizer_step(optimizer, scheduler)``, which skips a step whose
+loss or gradient norm is not finite (``step_health.py``; ``engine.last_step``
+says what and where; a distributed optimizer's own ``step()`` skips it too).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from autopar.runtime.engine.errors import EngineUsageError
 from autopar.runtime.engine.eval_outputs import LogitsOutput, askers, gather_logits
 from autopar.runtime.engine.failure_board import FailureBoard, failure_timeout
 from autopar.runtime.engine.step_failures import StepFailures
+from autopar.runtime.engine.step_health import StepChecks, StepHealth
 from autopar.runtime.engine.holdings import Holdings, nccl, rank_device, shard_key
 from autopar.runtime.engine.micro_batches import MicroBatches
 from autopar.runtime.engine.p2p import PointToPoint, wait_sends
@@ -134,11 +138,14 @@ class RankEngine(nn.Module):
         """Seconds an action may make no progress (waiting for a peer) before this rank fails the step
         with a ``TimeoutError`` its peers raise too: ``AUTOPAR_FAILURE_TIMEOUT``, default 300."""
         self._steps = 0
+        """Steps started (train and eval)."""
         self._expert_load: dict[str, list[int]] = {}
         self._held_placeholders = {ph for c in self.chunks.values() for ph in c.params}
-        """Steps started (train and eval)."""
         self.grads = GradientSync(program, mesh, {n: self.holdings.shard(n) for n in local_params},
                                   bucket_bytes, device=self.device)
+        self.step_checks = StepChecks(self.grads, mesh, self.device, self.tp.rank)
+        """Whether each training step's numbers were finite, and the skip policy (``step_health.py``):
+        ``step_checks.skipped`` steps skipped in all, ``step_checks.in_row`` since the last finite one."""
         self.split_backward = program.schedule.splits_backward
         """Whether a backward is split into B (input gradients) and W (weight gradients): the
         schedule's choice (ZB-H1 and ZB-V place W actions of their own)."""
@@ -200,6 +207,7 @@ class RankEngine(nn.Module):
         global batch, the same on every rank), or (m * b, ...): this replica's own batch. On any
         device (what this replica uses is moved to the engine's).
         """
+        self._report_failed_save()
         self._refuse_if_failed("train_step", read_board=True)
         st = self._new_step(batch, self.schedule, training=True)
         with self.failures.together(st, self.failure_timeout_s):
@@ -212,7 +220,50 @@ class RankEngine(nn.Module):
             self.grads.end_step()
             loss = self._reduce_loss(st)
             self._expert_load = self._step_expert_load()
+            self.step_checks.after_loss(st.losses, st.m, loss, st.weights.total)
         return loss
+
+    @property
+    def last_step(self) -> StepHealth | None:
+        """The last training step's ``StepHealth``: whether its loss and gradient norm were finite,
+        and if not, what, in which microbatch, on which stage and rank (the same on every rank). Set
+        by ``train_step`` (the loss), completed by ``clip_grad_norm_`` or ``optimizer_step`` (the
+        gradient norm). None before the first step."""
+        return self.step_checks.last
+
+    @property
+    def max_nonfinite_steps(self) -> int:
+        """Non-finite training steps in a row that stop the run (``NonFiniteError`` on every rank,
+        raised by ``optimizer_step`` or a distributed optimizer's ``step()``); the ones before are
+        skipped. 1: the first non-finite step stops it. Default 3; set it on every rank."""
+        return self.step_checks.limit
+
+    @max_nonfinite_steps.setter
+    def max_nonfinite_steps(self, value: int) -> None:
+        self.step_checks.limit = value
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, scheduler=None) -> bool:
+        """Step ``optimizer`` (then ``scheduler``) unless this training step's numbers were not finite;
+        clear every gradient either way. Returns whether it stepped.
+
+        Collective: every rank calls it after ``train_step`` (and ``clip_grad_norm_``, if used). A step
+        whose microbatch loss or gradient norm is NaN or infinite (``last_step``) is skipped: neither
+        the optimizer nor the scheduler steps, so the weights, the optimizer's state and the learning
+        rate are those of a run without that step; a warning names the step, microbatch, stage and
+        rank. The ``max_nonfinite_steps``-th non-finite step in a row raises ``NonFiniteError`` on
+        every rank instead. Without ``clip_grad_norm_`` the gradient norm is computed here (one
+        all-reduce of a scalar per parallel axis). With gradient accumulation (several
+        ``train_step`` before it) any non-finite loss among them skips the step.
+        """
+        self._refuse_if_failed("optimizer_step")
+        stepped = self.step_checks.settle()
+        if stepped:
+            optimizer.step()  # a distributed optimizer asks settle() again: the same answer
+            if scheduler is not None:
+                scheduler.step()
+        optimizer.zero_grad()
+        self.zero_grad()
+        return stepped
 
     def _step_expert_load(self) -> dict[str, list[int]]:
         """This step's rows per expert of each expert-parallel layer, over every replica (the expert
@@ -257,6 +308,7 @@ class RankEngine(nn.Module):
             last = self.program.stage_of_chunk(self.program.split.n - 1)
             ranks = askers(to, self.mesh.shape.world,
                            [r for r in range(self.mesh.shape.world) if self.mesh.shape.coords(r)[0] == last])
+        self._report_failed_save()
         self._refuse_if_failed("eval_step", read_board=True)
         self.wait_parameters("eval_step")
         st = self._new_step(batch, self.eval_schedule, training=False)
@@ -320,9 +372,13 @@ class RankEngine(nn.Module):
         return [list(names) for names in self.compute.ready_after.values()]
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip all gradients by their global 2-norm over every rank; returns the norm before clipping."""
+        """Clip all gradients by their global 2-norm over every rank; returns the norm before clipping.
+        A non-finite norm clips nothing and marks the step non-finite (``last_step``; ``optimizer_step``
+        skips it)."""
         self._refuse_if_failed("clip_grad_norm_")
-        return self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
+        norm = self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
+        self.step_checks.after_norm(norm)
+        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the shards' gradients; reads no parameter, so the all-gathers in flight go on."""
@@ -348,7 +404,8 @@ class RankEngine(nn.Module):
         """
         optimizer = DistributedOptimizer(dict(self.named_local_parameters()), self.grads, self.gradient_groups(),
                                          optimizer_class, params, elementwise=elementwise,
-                                         overlap_param_gather=overlap_param_gather, **defaults)
+                                         overlap_param_gather=overlap_param_gather, step_guard=self.step_checks.settle,
+                                         **defaults)
         self.holdings.gathers = optimizer.gathers
         return optimizer
 
@@ -462,7 +519,16 @@ class RankEngine(nn.Module):
         kept). The checkpoint becomes ``root/step-N`` and ``root/latest`` only once
         every rank finished writing. ``async_save``: return once the state is copied
         to host memory while a thread writes it; ``handle.wait()`` (or the next
-        save or load) waits for it. Wait before the process group is destroyed.
+        save or load) waits for it; its failure is raised at the next ``train_step``,
+        ``eval_step``, save, load or ``wait()``, on every rank. Wait before the process
+        group is destroyed.
+
+        Refused on every rank, before anything is written, when a parameter holds a NaN
+        or an infinity. A save that fails writing (a full disk, an I/O error, a file size
+        limit, a permission) raises ``CheckpointError`` on every rank naming the
+        directory and each rank's OS error; nothing is published (``root/latest`` still
+        names the previous checkpoint) and the partial directory is removed
+        (``docs/fault-tolerance.md``).
         """
         self._refuse_if_failed("save")
         self.wait_parameters("save")
@@ -481,7 +547,15 @@ class RankEngine(nn.Module):
         """
         self._refuse_if_failed("load")
         self.wait_parameters("load")  # a gather finishing after the load would overwrite what it read
-        return self._checkpoints().load(path, optimizer, scheduler)
+        step, extra = self._checkpoints().load(path, optimizer, scheduler)
+        self.step_checks.loaded(step)
+        return step, extra
+
+    def _report_failed_save(self) -> None:
+        """Raise here, on every rank, an asynchronous save that failed since it started (``CheckpointError``),
+        rather than at the next save. Collective while a save is in flight: one small all-reduce."""
+        if "_checkpointer" in self.__dict__:
+            self._checkpointer.report_failed_save(self.device)
 
     def _checkpoints(self) -> "Checkpointer":
         """This engine's checkpoints, made at the first save or load (collective: creates their group).

@@ -3,8 +3,10 @@
 ``ActionError`` wraps whatever an action of the schedule raised, with the rank,
 its coordinates and the schedule grid around the action; ``EngineUsageError``
 and ``EngineRuntimeError`` are the engine's own refusals (a bad argument or
-setup, a call out of its order). The batch's refusals are ``BatchError``
-(``batch_checks.py``), a failed engine's ``EngineFailedError`` (``failure_board.py``).
+setup, a call out of its order); ``NonFiniteError`` stops a run whose steps kept
+producing non-finite numbers (``step_health.py``). The batch's refusals are
+``BatchError`` (``batch_checks.py``), a failed engine's ``EngineFailedError``
+(``failure_board.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from autopar.core.errors import AutoparError
 if TYPE_CHECKING:
     from autopar.schedules import Action
 
-__all__ = ["ActionError", "EngineUsageError", "EngineRuntimeError"]
+__all__ = ["ActionError", "EngineUsageError", "EngineRuntimeError", "NonFiniteError"]
 
 
 class EngineUsageError(AutoparError, ValueError):
@@ -28,6 +30,20 @@ class EngineUsageError(AutoparError, ValueError):
 class EngineRuntimeError(AutoparError, RuntimeError):
     """A call the engine's state does not allow now (a weight backward without its backward, a peer
     that failed while building the engines)."""
+
+
+class NonFiniteError(AutoparError, FloatingPointError):
+    """``engine.max_nonfinite_steps`` training steps in a row had a non-finite loss or gradient norm:
+    the run stops. Raised on every rank; ``health`` is the last step's ``StepHealth`` (the step, what
+    was not finite, the microbatch, stage and rank)."""
+
+    def __init__(self, message: str, health=None) -> None:
+        super().__init__(message)
+        self.health = health
+        """The ``StepHealth`` of the step that stopped the run."""
+
+    def __reduce__(self):
+        return type(self), (str(self), self.health)
 
 
 class ActionError(AutoparError, RuntimeError):

@@ -131,6 +131,9 @@ class StepState:
     """``time.monotonic()`` when the current action (or phase) started: the failure watch's clock."""
     waiting_for: str | None = None
     """The RF/RB whose tensors the current F or B waits for."""
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    """A training step on the last chunk's stage: microbatch -> its loss (detached, unweighted), for
+    the microbatches that count (a nonzero backward seed): what tells a non-finite step apart."""
     logits: dict[int, torch.Tensor] | None = None
     """``eval_step(outputs=True)``: microbatch -> this rank's piece of the logits the last chunk's
     evaluation graph returned; None: not kept."""

@@ -54,10 +54,10 @@ def export_checkpoint(checkpoint: str, out: str, max_shard_bytes: int = DEFAULT_
                       progress: Callable[[str], None] = lambda line: None) -> list[str]:
     """Write the HuggingFace directory ``out`` from the checkpoint ``checkpoint``; the files written.
     ``progress`` gets one line per file (and a note when the model cannot be built)."""
-    import torch.distributed.checkpoint as dcp
+    from autopar.runtime.checkpoint.safe_metadata import SafeReader
 
     saved = read_model_description(resolve(checkpoint))
-    reader = dcp.FileSystemReader(saved.step_dir)
+    reader = SafeReader(saved.step_dir)  # DCP's reader, its metadata read as data (no code run)
     sources = _dcp_sources(saved, reader.read_metadata())
     model, note = _model_skeleton(saved)
     if note:

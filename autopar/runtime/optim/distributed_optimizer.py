@@ -19,6 +19,10 @@ data-parallel replica:
   (or anything else that reads them), so the gathers overlap the next step's
   start. ``overlap_param_gather=False`` waits for them all inside ``step()``;
 - ``engine.clip_grad_norm_`` clips over the shards, with the same global norm;
+- a training step whose loss or gradient norm is not finite is skipped by
+  ``step()`` itself (the engine's ``step_guard``, ``engine/step_health.py``):
+  the masters, the inner optimizer's state and its step count are left as
+  they were, and the step's gradient shards dropped;
 - with context parallelism the c cp ranks of each replica share the buckets
   like replicas: each of the d x c ranks ('dp_cp') owns 1/(d c) of every
   dense bucket;
@@ -49,6 +53,7 @@ copies before the next step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,7 +103,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, shards: dict[str, torch.nn.Parameter], grads: GradientSync, gradient_groups: list[list[str]],
                  optimizer_class: type, params=None, *, elementwise: bool = False, overlap_param_gather: bool = True,
-                 **defaults: Any):
+                 step_guard: Callable[[], bool] | None = None, **defaults: Any):
         if grads.sharded is not None:
             raise StepOrderError("this engine already has a distributed optimizer: its gradients are reduce-scattered "
                                  "into that optimizer's buffers; make one distributed optimizer per engine")
@@ -131,6 +136,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The parameters' all-gathers after a step: the engine waits for them before each read."""
         self._versions = self._param_versions()
         self._opt_called = False
+        self.step_guard = step_guard
+        """Asked by ``step()`` whether this training step's numbers are finite (the engine's skip
+        policy: it may raise ``NonFiniteError``); None: every step is taken."""
         grads.reduce_scatter_into(self.buckets)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -222,11 +230,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Update this replica's ranges with the inner optimizer, then start the all-gathers of every
         range back into the parameters (waited for here unless ``overlap_param_gather``).
-        Collective over the data-parallel replicas: every rank calls it."""
+        Collective: every rank calls it. A step the engine found non-finite (``step_guard``) is
+        skipped: nothing is updated, and the step's gradients are dropped (``zero_grad``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.step_guard is not None and not self.step_guard():
+            self.zero_grad()
+            return loss
         self.gathers.wait_all("step")
         self._reload_edited_params()
         self.inner.step()

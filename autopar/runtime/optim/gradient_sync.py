@@ -12,7 +12,8 @@
   gradients accumulated over several steps stay right.
 - Parameters read by chunks on several stages (a tied embedding and LM head):
   this step's gradient is summed across those stages (and averaged over dp).
-- ``clip_norm_``: the global 2-norm over every rank, each parameter counted once.
+- ``clip_norm_``: the global 2-norm over every rank, each parameter counted once
+  (``global_norm``, which the engine also reads to tell a non-finite step).
 - Reduce-scatter mode (``reduce_scatter_into``, set by a distributed optimizer):
   the same buckets, started at the same moments, are reduce-scattered instead
   of all-reduced, each replica receiving the averaged gradient of the range it
@@ -243,7 +244,19 @@ class GradientSync:
 
     # ------------------------------------------------------------- clipping
     def clip_norm_(self, max_norm: float, tp_rank: int, stage: int) -> float:
-        """Clip all gradients by their global 2-norm; returns the norm before clipping.
+        """Clip all gradients by their global 2-norm (``global_norm``); returns the norm before clipping.
+        A non-finite norm leaves the gradients as they are (the step's numbers are bad: the engine
+        skips its optimizer step)."""
+        norm = self.global_norm(tp_rank, stage)
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1 and math.isfinite(norm):
+            for _, grad in self._reduced_pieces():
+                grad.mul_(coef)
+        return norm
+
+    def global_norm(self, tp_rank: int, stage: int) -> float:
+        """The 2-norm of every gradient of the model, the same on every rank (NaN or inf when a
+        gradient is not finite anywhere).
 
         Each parameter counts once: a shard on every tensor-parallel rank (and each expert-parallel
         rank's experts of a stacked expert weight), a
@@ -274,12 +287,21 @@ class GradientSync:
         for axis in axes:
             if self.mesh.groups.get(axis) is not None:
                 dist.all_reduce(sq, group=self.mesh.groups[axis])
-        norm = math.sqrt(float(sq))
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1:
-            for _, grad in self._reduced_pieces():
-                grad.mul_(coef)
-        return norm
+        return math.sqrt(float(sq))
+
+    def nonfinite_grads(self) -> tuple[list[str], list[str]]:
+        """The parameters whose gradient on this rank holds a NaN or an infinity, in order: (among this
+        replica's own gradients, among the reduced ones). In reduce-scatter mode the parameters' ``.grad``
+        stay this replica's own (where a bad value came from) and the reduced ones are the owned ranges;
+        in all-reduce mode both are the reduced ``.grad``."""
+        own = [(n, p.grad) for n, p in self.params.items() if p.grad is not None] if self.sharded is not None else []
+        reduced = list(self._reduced_pieces())
+        if not own and not reduced:
+            return [], []
+        finite = torch.stack([torch.isfinite(g).all() for _, g in own + reduced]).tolist()  # one transfer
+        own_bad = [name for (name, _), ok in zip(own, finite) if not ok]
+        reduced_bad = list(dict.fromkeys(name for (name, _), ok in zip(reduced, finite[len(own):]) if not ok))
+        return (own_bad if self.sharded is not None else reduced_bad), reduced_bad
 
     def _reduced_pieces(self):
         """(parameter name, its reduced gradient on this rank): whole ``.grad`` in all-reduce mode,
