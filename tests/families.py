@@ -218,3 +218,27 @@ class TB(nn.Module):
 
 __all__ = ["FAMILIES", "make", "hf_gptj", "batches", "make_fallback_model", "train_steps", "assert_steps_match",
            "AFTER_ADAMW", "precompute_freqs_cis", "RMSNorm", "FF", "TB"]
+
+
+class _ResidualTanh(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class TinyRegressor(nn.Module):
+    """Two residual tanh blocks and a linear head to 4 outputs: a model with no tokens, for what needs
+    a real program of two stages but no particular model (``forward(self, x)``)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.blocks = nn.ModuleList([_ResidualTanh(width), _ResidualTanh(width)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

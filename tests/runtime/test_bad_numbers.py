@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from families import TinyRegressor
 from helpers import assert_bitwise_equal, on_rank0, parallelize_on, spawn_ranks
 
 from autopar import AutoparError
@@ -40,25 +41,8 @@ HOOKED = "blocks.0.fc.weight"
 """The parameter whose gradient the hook fills with infinities (on stage 0)."""
 
 
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-
-class _Regressor(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([_Block(), _Block()])
-        self.head = nn.Linear(WIDTH, 4)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def _Regressor() -> nn.Module:
+    return TinyRegressor(WIDTH)
 
 
 def _batches(rows: int = ROWS) -> list[tuple[torch.Tensor, torch.Tensor]]:

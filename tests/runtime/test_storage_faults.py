@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from families import TinyRegressor
 from helpers import assert_bitwise_equal, on_rank0, parallelize_on, spawn_ranks
 
 import autopar
@@ -43,25 +44,8 @@ FILE_LIMIT = 64
 """Bytes rank 1 may write into a file while its disk is 'full': less than any of its checkpoint files."""
 
 
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-
-class _Regressor(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([_Block(), _Block()])
-        self.head = nn.Linear(WIDTH, 4)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def _Regressor() -> nn.Module:
+    return TinyRegressor(WIDTH)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,11 +161,11 @@ class _Payload:
 
 def test_metadata_pickle_with_code_is_refused_unrun(tmp_path):
     torch.manual_seed(0)
-    x, _ = _batch(0)
-    engine = autopar.parallelize(_Block(), example_inputs=(x,), example_targets=x, loss_fn=F.mse_loss).materialize()
+    x, y = _batch(0)
+    engine = autopar.parallelize(_Regressor(), example_inputs=(x,), example_targets=y, loss_fn=F.mse_loss).materialize()
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
-    engine.train_step(x, x)
+    engine.train_step(x, y)
     engine.optimizer_step(optimizer, scheduler)
     engine.save(str(tmp_path / "ckpt"), optimizer, step=1, scheduler=scheduler, extra={"data": {"epoch": 0}})
     assert engine.load(str(tmp_path / "ckpt"), optimizer, scheduler) == (1, {"data": {"epoch": 0}})
