@@ -39,7 +39,6 @@ cp=1.
 
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -53,7 +52,7 @@ from autopar.core.graph import module_path, source_line
 from autopar.core.tensor_placement import Replicate, Shard
 from passes.rules import Ctx, Decision, NeedSegments, decide
 from passes.rules.context import operand
-from passes.sequence_parallel import local_shapes_as_val
+from passes.sequence_parallel import local_shapes_as_val, split_kept
 from passes.tensor_parallel import set_operand
 from passes.vocab_parallel import copy_meta
 
@@ -386,7 +385,7 @@ def _propagate(nodes: list[fx.Node], ctx: Ctx, seeds: dict[str, Shard], attentio
             dec = decide(ctx, n, lambda a: region.get(a.name, Replicate()))
         except NeedSegments:
             dec = None
-        why = _why_not_local(n, dec)
+        why = split_kept(n, dec, every_output=False, replicated_ok=True)
         if why is None:
             region[n.name] = dec.out
             decisions[n.name] = dec
@@ -425,23 +424,6 @@ def _attention_placement(att: _Attention, region: dict[str, object]) -> Shard:
                                        f"sequence like the batch ({p}), so ring attention cannot pass them around. "
                                        f"Fix: cp=1")
     return Shard(att.out.meta["val"].dim() - 2)
-
-
-def _why_not_local(n: fx.Node, dec: Decision | None) -> str | None:
-    """None when ``dec`` runs the op on the rank's tokens without communicating; else why not."""
-    if dec is None:
-        return "a view that would cut the split into pieces"
-    if dec.kind not in ("sharded", "replicated") or dec.gather_in or dec.reduce_out or dec.rewrite is not None \
-            or dec.closes_region or dec.error:
-        if dec.reduce_out:
-            return "it sums over the tokens"
-        return dec.reason or "it needs every token"
-    outs = dec.out if isinstance(dec.out, tuple) else (dec.out,)
-    if not any(isinstance(p, Shard) for p in outs):
-        return "its result no longer has the tokens"
-    if isinstance(dec.out, tuple) and any(u.target is not operator.getitem for u in n.users):
-        return "a multi-output op read whole"
-    return None
 
 
 def _is_loss_end(n: fx.Node) -> bool:

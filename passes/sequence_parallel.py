@@ -61,7 +61,7 @@ from passes.rules.context import operand
 from passes.tensor_parallel import random_on_shard, set_operand
 from passes.vocab_parallel import copy_meta
 
-__all__ = ["SequenceParallelError", "SequenceParallelPlan", "SequenceGather", "apply_sequence_parallel", "local_shapes_as_val",
+__all__ = ["SequenceParallelError", "SequenceParallelPlan", "SequenceGather", "apply_sequence_parallel", "local_shapes_as_val", "split_kept",
            "SPLIT_META"]
 
 SPLIT_META = "sequence_split"
@@ -302,16 +302,26 @@ def _why_not_candidate(n: fx.Node, tp_split: set[str]) -> str | None:
 
 def _why_rejected(n: fx.Node, dec: Decision | None) -> str | None:
     """None when ``dec`` keeps the tokens split with no communication; else why the region ends here."""
+    return split_kept(n, dec, every_output=True)
+
+
+def split_kept(n: fx.Node, dec: Decision | None, every_output: bool, replicated_ok: bool = False) -> str | None:
+    """None when ``dec`` runs ``n`` on this rank's tokens without communicating and keeps them split
+    (every output, or at least one with ``every_output`` False; a replicated decision allowed with
+    ``replicated_ok``: an op on split inputs that the rules leave as it is); else why not. Shared by
+    sequence and context parallelism, which split the tokens alike."""
     if dec is None:
         return "a view that would cut the token split into pieces"
-    if dec.kind != "sharded" or dec.gather_in or dec.reduce_out or dec.rewrite is not None or dec.closes_region \
+    kinds = ("sharded", "replicated") if replicated_ok else ("sharded",)
+    if dec.kind not in kinds or dec.gather_in or dec.reduce_out or dec.rewrite is not None or dec.closes_region \
             or dec.error:
         if dec.reduce_out:
             return "it sums over the split tokens"
         return dec.reason or "it needs the whole sequence"
     outs = dec.out if isinstance(dec.out, tuple) else (dec.out,)
-    if not all(isinstance(p, Shard) for p in outs):
-        return "not every output keeps the tokens split"
+    split = [isinstance(p, Shard) for p in outs]
+    if not (all(split) if every_output else any(split)):
+        return "not every output keeps the tokens split" if every_output else "its result no longer has the tokens"
     if isinstance(dec.out, tuple) and any(u.target is not operator.getitem for u in n.users):
         return "a multi-output op read whole"
     return None
