@@ -1,6 +1,7 @@
 """The fault drill: the main job, killed or stopped at a random rank and moment, restarts and resumes exactly.
 
-    .venv/bin/python bench/chaos.py [--runs 50] [--seed 0] [--quick] [--dir DIR] [--keep]
+    .venv/bin/python bench/chaos.py [--runs 50] [--seed 0] [--quick] [--dir DIR] [--keep] [--budget-min M]
+    .venv/bin/python bench/chaos.py --runs 1 --only SIGSTOP:3:save:2 --py-spy PATH   # one fault, stacks if late
 
 The job is ``examples/train_gpt.py`` (its GPT: 4 layers, d_model 128,
 vocabulary 256) on 4 CPU ranks at tp=1 x pp=2 (interleaved, v=2) x dp=2,
@@ -48,6 +49,7 @@ log, the job's output) is removed when the run passed, kept when it did not
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -146,10 +148,8 @@ def kill_all(proc: subprocess.Popen) -> None:
     """The launcher and every process under it: continued (a stopped one) and killed."""
     for pid in [*descendants(proc.pid), proc.pid]:
         for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
     proc.wait()
 
 
@@ -273,6 +273,14 @@ def draw_fault(rng: random.Random) -> Fault:
     return Fault(where, at, rng.choice([signal.SIGKILL, signal.SIGSTOP]), rng.randrange(WORLD))
 
 
+def parse_fault(text: str) -> Fault:
+    """``SIGSTOP:3:step:4`` -> the fault it names (``--only``)."""
+    sig, rank, where, at = text.split(":")
+    if where not in dict(FAULTS):
+        raise SystemExit(f"--only {text}: WHERE is one of {sorted(dict(FAULTS))}, not {where!r}")
+    return Fault(where, int(at), signal.Signals[sig], int(rank))
+
+
 def wait_for_moment(proc: subprocess.Popen, run_dir: Path, fault: Fault, step_s: float,
                     rng: random.Random) -> str | None:
     """Block until the fault's moment; returns where it landed, None when the job ended first."""
@@ -294,9 +302,22 @@ def wait_for_moment(proc: subprocess.Popen, run_dir: Path, fault: Fault, step_s:
     return None
 
 
-def watch(proc: subprocess.Popen, run: Run, survivors: list[int], stopped: int | None, t0: float) -> None:
-    """Follow the job from the fault to its end (or the deadline): the times of ``Run``."""
+def dump_stacks(py_spy: str, pids: list[int], out: Path) -> None:
+    """Every thread's Python stack of each of ``pids`` (``py-spy dump``), appended to ``out``."""
+    with open(out, "a") as f:
+        for pid in pids:
+            f.write(f"==== pid {pid} (RANK {_environ(pid).get('RANK')})\n")
+            f.flush()
+            subprocess.run([py_spy, "dump", "--pid", str(pid)], stdout=f, stderr=subprocess.STDOUT, timeout=60)
+
+
+def watch(proc: subprocess.Popen, run: Run, survivors: list[int], stopped: int | None, t0: float, run_dir: Path,
+          py_spy: str | None, seen: set[int]) -> None:
+    """Follow the job from the fault to its end (or the deadline): the times of ``Run``. Late survivors'
+    stacks go to ``run_dir/stacks.txt`` when ``py_spy`` (the py-spy program) is given; the pids of the
+    restart's ranks are added to ``seen``."""
     survivors_out = stopped_out = None
+    next_scan = 0.0
     while proc.poll() is None:
         now = time.monotonic()
         if survivors_out is None and not any(alive(p) for p in survivors):
@@ -305,20 +326,26 @@ def watch(proc: subprocess.Popen, run: Run, survivors: list[int], stopped: int |
         if stopped is not None and stopped_out is None and not alive(stopped):
             stopped_out = now
             run.stopped_out_s = now - run.fault_t
-        if survivors_out is None and now - run.fault_t > FAILURE_TIMEOUT_S + SLACK_S:
+        if survivors_out is None and now - run.fault_t > FAILURE_TIMEOUT_S + SLACK_S and not run.late:
             run.late = True
+            if py_spy:
+                dump_stacks(py_spy, [p for p in survivors if alive(p)], run_dir / "stacks.txt")
         if (stopped is not None and stopped_out is None and survivors_out is not None
                 and now - survivors_out > STOP_GRACE_S + SLACK_S):
             run.left_behind = True  # measured; now out of the way so the restart can run
             for sig in (signal.SIGCONT, signal.SIGKILL):
-                os.kill(stopped, sig)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stopped, sig)
         if now - t0 > DEADLINE_S or now - run.fault_t > HANG_AFTER_FAULT_S:
             run.hang = True
             kill_all(proc)
             break
+        if now >= next_scan:  # the restart's ranks, to find any left running once the job is over
+            seen.update(rank_pids(proc.pid, 1).values())
+            next_scan = now + 0.5
         time.sleep(POLL_S)
     run.finished_s = time.monotonic() - run.fault_t
-    if run.survivors_out_s is None and not any(alive(p) for p in survivors):
+    if run.survivors_out_s is None and not run.hang and not any(alive(p) for p in survivors):
         run.survivors_out_s = run.finished_s
     run.rc = proc.wait()
 
@@ -356,16 +383,18 @@ def check_checkpoints(run: Run, ckpt: Path, reader: CheckpointReader, reference:
 
 
 def chaos_run(run_dir: Path, fault: Fault, step_s: float, rng: random.Random, reader: CheckpointReader,
-              ref_losses: dict[int, float], ref_checkpoints: dict[int, dict]) -> Run:
+              ref_losses: dict[int, float], ref_checkpoints: dict[int, dict], py_spy: str | None = None) -> Run:
     run = Run(fault)
     t0 = time.monotonic()
     proc = start_job(run_dir, max_restarts=1)
     try:
         ranks: dict[int, int] = {}
+        seen: set[int] = set()
         while len(ranks) < WORLD and proc.poll() is None and time.monotonic() - t0 < DEADLINE_S:
             time.sleep(0.05)
             ranks = rank_pids(proc.pid, 0)
         landed = wait_for_moment(proc, run_dir, fault, step_s, rng) if len(ranks) == WORLD else None
+        seen.update(ranks.values())
         victim = ranks.get(fault.rank)
         if landed is None or victim is None or not alive(victim):
             run.landed = "missed: the job ended first"
@@ -375,13 +404,14 @@ def chaos_run(run_dir: Path, fault: Fault, step_s: float, rng: random.Random, re
             run.fault_t = time.monotonic()
             run.landed = landed
             survivors = [p for r, p in ranks.items() if r != fault.rank]
-            watch(proc, run, survivors, victim if fault.signal == signal.SIGSTOP else None, t0)
+            watch(proc, run, survivors, victim if fault.signal == signal.SIGSTOP else None, t0, run_dir, py_spy,
+                  seen)
     finally:
         if proc.poll() is None:
             kill_all(proc)
         run.total_s = time.monotonic() - t0
-    left = descendants(proc.pid)
-    run.leftovers = len([p for p in left if alive(p)])
+    time.sleep(0.5)  # a process killed a moment ago may not be reaped yet
+    run.leftovers = sum(alive(p) for p in seen)
     lines, run.torn_lines = read_losses(run_dir / "loss.jsonl")
     if not run.hang:
         check_losses(run, lines, ref_losses)
@@ -428,10 +458,11 @@ def describe(i: int, n: int, run: Run) -> str:
     what = f"{signal.Signals(f.signal).name} rank {f.rank} at {run.landed}"
     if run.fault_t is None:
         return f"run {i}/{n}: {what}"
-    got = [f"survivors out in {run.survivors_out_s:.1f} s" if run.survivors_out_s is not None else "survivors never out"]
+    got = [f"survivors out in {run.survivors_out_s:.1f} s" if run.survivors_out_s is not None else
+           "survivors still running at the deadline (killed)"]
     if f.signal == signal.SIGSTOP:
         got.append(f"stopped rank out in {run.stopped_out_s:.1f} s" if run.stopped_out_s is not None
-                   else "stopped rank never out")
+                   else "stopped rank still there at the end (killed by the drill)")
     got.append("HANG" if run.hang else f"exit {run.rc} after {run.finished_s:.1f} s")
     if run.resumed_from is not None:
         got.append(f"resumed at step {run.resumed_from}, {run.losses_checked} losses checked")
@@ -440,7 +471,7 @@ def describe(i: int, n: int, run: Run) -> str:
     if run.left_behind:
         problems.append("stopped rank left behind by the launcher")
     if run.leftovers:
-        problems.append(f"{run.leftovers} processes left")
+        problems.append(f"{run.leftovers} rank processes left running")
     return f"run {i}/{n}: {what}: {'; '.join(got)}" + (f"  PROBLEMS: {' | '.join(problems)}" if problems else "")
 
 
@@ -461,7 +492,7 @@ def table(tally: Tally, ref_s: float, wall_s: float) -> str:
         (f"survivors out later than {FAILURE_TIMEOUT_S:.0f} + {SLACK_S:.0f} s", tally.count(lambda r: r.late)),
         ("stopped ranks left behind by the launcher", tally.count(lambda r: r.left_behind)),
         ("jobs that failed (exit != 0, no hang)", tally.count(lambda r: r.rc not in (0, None) and not r.hang)),
-        ("processes left after the job", sum(r.leftovers for r in tally.runs)),
+        ("rank processes left running after the job", sum(r.leftovers for r in tally.runs)),
         ("checkpoints loaded / loading wrongly", f"{sum(r.checkpoints for r in runs)} / "
                                                  f"{sum(len(r.bad_checkpoints) for r in runs)}"),
         ("interrupted saves left (step-N.partial, never loaded)", sum(r.partials for r in runs)),
@@ -488,6 +519,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 runs: a smoke test of the drill")
     ap.add_argument("--dir", default=None, help="where the runs write (default: a new temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep every run's directory (default: failed runs' only)")
+    ap.add_argument("--py-spy", default=shutil.which("py-spy"),
+                    help="py-spy, to dump late survivors' stacks into the run's stacks.txt (default: on PATH)")
+    ap.add_argument("--only", default=None, metavar="SIGNAL:RANK:WHERE:AT",
+                    help="every run the same fault, e.g. SIGSTOP:3:step:4 (a step after step 4's loss) or "
+                         "SIGSTOP:1:save:6 (during step 6's save)")
     ap.add_argument("--budget-min", type=float, default=None,
                     help="start no run after this many minutes (the drill reports the runs made)")
     args = ap.parse_args()
@@ -507,7 +543,8 @@ def main() -> None:
             print(f"budget of {args.budget_min:g} min spent: {i - 1} of {n} runs made", flush=True)
             break
         run_dir = work / f"run-{i:03d}"
-        run = chaos_run(run_dir, draw_fault(rng), step_s, rng, reader, ref_losses, ref_checkpoints)
+        fault = draw_fault(rng) if args.only is None else parse_fault(args.only)
+        run = chaos_run(run_dir, fault, step_s, rng, reader, ref_losses, ref_checkpoints, args.py_spy)
         tally.runs.append(run)
         print(f"{describe(i, n, run)}  [{tally.line()}]", flush=True)
         if run.passed and not args.keep:
