@@ -32,15 +32,17 @@ def _program():
     return parallelize_on(model, token_batches(VOCAB, 2, 4, seed=1, seq=8), 2, pp=2, microbatches=2, world_size=2)
 
 
-def _stop_rank_one() -> dict:
+def _stop_one(stopped: int, pid_file: str) -> dict:
+    """Rank ``stopped`` stops itself before the second step; the other continues it once its own
+    second step failed (its pid in ``pid_file``: rank 0, stopped, serves no store)."""
     engine = _program().materialize()
     engine.failure_timeout_s = TIMEOUT_S
     (x,), (y,) = token_batches(VOCAB, 2, 4, seed=1, seq=8)[0]
     engine.train_step(x, y)
-    store = dist.distributed_c10d._get_default_store()
-    if dist.get_rank() == 1:
-        store.set("test/pid1", str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGSTOP)  # stands still here until rank 0 continues it
+    if dist.get_rank() == stopped:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # stands still here until the other rank continues it
     start = time.monotonic()
     try:
         engine.train_step(x, y)
@@ -48,14 +50,16 @@ def _stop_rank_one() -> dict:
     except Exception as e:  # noqa: BLE001 - the error is what the test reads
         error = str(e)
     took = time.monotonic() - start
-    if dist.get_rank() == 0:
-        os.kill(int(store.get("test/pid1")), signal.SIGCONT)
+    if dist.get_rank() != stopped:
+        while not os.path.exists(pid_file):
+            time.sleep(0.01)
+        os.kill(int(open(pid_file).read()), signal.SIGCONT)
     return {"error": error, "took": took}
 
 
-def test_a_stopped_rank_is_named_by_the_rank_waiting_for_it():
+def test_a_stopped_rank_is_named_by_the_rank_waiting_for_it(tmp_path):
     _program()  # compiled here once: the ranks inherit it
-    first, second = spawn_ranks(_stop_rank_one, 2, timeout_s=120)
+    first, second = spawn_ranks(_stop_one, 2, 1, str(tmp_path / "pid"), timeout_s=120)
     assert first["error"] is not None and TIMEOUT_S <= first["took"] < TIMEOUT_S + 10, first
     assert "no progress for" in first["error"] and "engine.failure_timeout_s = 3 s" in first["error"]
     assert "rank 1 (pp=1, dp=0, tp=0) has not answered for" in first["error"], first["error"]

@@ -174,6 +174,24 @@ def _close_gloo_group(pg) -> None:
         pass
 
 
+STORE_TIMEOUT_S = 5.0
+"""How long one of the board's store calls may wait: the store lives in rank 0's process, and a rank
+0 that stopped answering (SIGSTOP, a frozen host) must not hold every other rank for the store's own
+timeout (10 minutes) in the very calls that would report it."""
+
+
+def _own_client():
+    """A connection of this process's own to the default group's store, its calls bounded by
+    ``STORE_TIMEOUT_S`` (the group's connection keeps its timeout for everything else)."""
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store = store.clone()
+        store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - a store without clone(): the group's own connection, as before
+        pass
+    return store
+
+
 class FailureBoard:
     """The failures of one engine's steps, shared by its ranks through the default group's store.
 
@@ -184,7 +202,7 @@ class FailureBoard:
     def __init__(self, key: str, world: int) -> None:
         self.key = key
         """The store key: per engine (a token rank 0 drew when the engine was made)."""
-        self.store = dist.distributed_c10d._get_default_store() if world > 1 and dist.is_initialized() else None
+        self.store = _own_client() if world > 1 and dist.is_initialized() else None
         self.world = world
         self.hosts_store = self.store is not None and dist.get_rank() == 0
         """Rank 0: the process that serves the store (``MASTER_ADDR``'s port)."""
@@ -197,10 +215,24 @@ class FailureBoard:
         self._stopped = False
         self._lock = threading.Lock()
         self._watch: Watch | None = None
+        self.store_silent = False
+        """A store call timed out: rank 0, which serves the store, stopped answering; later calls are
+        skipped (each would wait ``STORE_TIMEOUT_S`` again)."""
 
     @property
     def shared(self) -> bool:
         return self.store is not None
+
+    def _call(self, fn, *args):
+        """``fn(*args)`` on the store, unless it stopped answering (then, and on a timeout, raise
+        ``_StoreSilent``)."""
+        if self.store_silent:
+            raise _StoreSilent()
+        try:
+            return fn(*args)
+        except Exception:
+            self.store_silent = True
+            raise _StoreSilent() from None
 
     def publish(self, failure: Failure) -> Failure:
         """Publish ``failure`` unless one is published already; returns the one published (the root)."""
@@ -209,7 +241,7 @@ class FailureBoard:
         if self.store is None:
             return failure
         try:
-            self.root = Failure.from_json(self.store.compare_set(self.key, "", failure.to_json()))
+            self.root = Failure.from_json(self._call(self.store.compare_set, self.key, "", failure.to_json()))
         except Exception:  # noqa: BLE001 - the store's host is gone: this rank's failure is all there is
             self.root = failure
         return self.root
@@ -219,8 +251,8 @@ class FailureBoard:
         if self.root is not None or self.store is None:
             return self.root
         try:
-            if self.store.check([self.key]):
-                self.root = Failure.from_json(self.store.get(self.key))
+            if self._call(self.store.check, [self.key]):
+                self.root = Failure.from_json(self._call(self.store.get, self.key))
         except Exception:  # noqa: BLE001 - the store's host is gone: nothing more can be learnt
             pass
         return self.root
@@ -236,7 +268,7 @@ class FailureBoard:
         if self.store is None:
             return
         try:
-            self.store.add(self.key + "/read", 1)
+            self._call(self.store.add, self.key + "/read", 1)
         except Exception:  # noqa: BLE001 - the store's host is gone
             return
         if self.hosts_store:
@@ -263,7 +295,7 @@ class FailureBoard:
         if self.store is None:
             return
         try:
-            self.store.set(f"{self.key}/beat/{dist.get_rank()}", json.dumps([time.time(), doing]))
+            self._call(self.store.set, f"{self.key}/beat/{dist.get_rank()}", json.dumps([time.time(), doing]))
         except Exception:  # noqa: BLE001 - the store's host is gone: the failure path says so
             pass
 
@@ -274,13 +306,10 @@ class FailureBoard:
         now = time.time()
         for rank in range(self.world):
             key = f"{self.key}/beat/{rank}"
-            try:
-                if not self.store.check([key]):
-                    out[rank] = None
-                    continue
-                at, doing = json.loads(self.store.get(key))
-            except Exception:  # noqa: BLE001 - the store's host is gone
+            if not self._call(self.store.check, [key]):
+                out[rank] = None
                 continue
+            at, doing = json.loads(self._call(self.store.get, key))
             out[rank] = (max(0.0, now - at), doing)
         return out
 
@@ -289,7 +318,12 @@ class FailureBoard:
         answering and what each last ran; else (every rank answers) what each runs now."""
         if self.store is None:
             return ""
-        beats = self.heartbeats()
+        try:
+            beats = self.heartbeats()
+        except _StoreSilent:
+            pp, dp, tp = coords(0)
+            return (f"rank 0 (pp={pp}, dp={dp}, tp={tp}), which serves the group's store, does not answer "
+                    f"within {STORE_TIMEOUT_S:g} s: stopped or hung (SIGSTOP, a frozen host, a hung kernel)")
         silent = [(r, b) for r, b in beats.items() if r != me and (b is None or b[0] > self.silent_s)]
 
         def who(r: int) -> str:
@@ -304,6 +338,10 @@ class FailureBoard:
             return "; ".join(parts) + more + ": stopped or hung (SIGSTOP, a frozen host, a hung kernel)"
         running = [f"rank {r}: {b[1] or '-'}" for r, b in sorted(beats.items()) if b is not None][:8]
         return "every rank still answers, each waiting in: " + "; ".join(running)
+
+
+class _StoreSilent(Exception):
+    """The store's host did not answer a heartbeat read in time."""
 
 
 _WATCHES: "weakref.WeakSet[Watch]" = weakref.WeakSet()
