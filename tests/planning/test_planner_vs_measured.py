@@ -76,9 +76,9 @@ def test_spearman_on_known_data(bench):
 
 def _rows(bench):
     Row = bench.Row
-    return [Row("slow", pred_s=0.100, meas_s=0.200, pred_bytes=11 * 2**20, meas_bytes=10 * 2**20),
-            Row("fast", pred_s=0.120, meas_s=0.100, pred_bytes=10 * 2**20, meas_bytes=10 * 2**20),
-            Row("mid", pred_s=0.150, meas_s=0.150, pred_bytes=9 * 2**20, meas_bytes=10 * 2**20)]
+    return [Row("slow", pred_s=0.100, meas_s=0.200, pred_bytes=11 * 2**20, meas_bytes=10 * 2**20, min_s=0.100),
+            Row("fast", pred_s=0.120, meas_s=0.100, pred_bytes=10 * 2**20, meas_bytes=10 * 2**20, min_s=0.080),
+            Row("mid", pred_s=0.150, meas_s=0.150, pred_bytes=9 * 2**20, meas_bytes=10 * 2**20, min_s=0.120)]
 
 
 def test_figures_and_the_planners_pick(bench):
@@ -92,11 +92,14 @@ def test_figures_and_the_planners_pick(bench):
     assert f["pick_gap"] == pytest.approx(1.0)
     assert f["mem_max_abs_err"] == pytest.approx(0.1) and f["mem_over_10"] == 0
     assert "Spearman rank correlation (predicted vs measured step time): -0.500" in bench.format_figures(f)
+    # against the fastest steps (0.100, 0.080, 0.120): errors 0, +50%, +25%; ranks (1, 2, 3) against (2, 1, 3)
+    assert f["min_median_abs_err"] == pytest.approx(0.25) and f["min_spearman"] == pytest.approx(0.5)
+    assert (f["min_pick_rank"], f["min_fastest"]) == (2, "fast") and f["min_pick_gap"] == pytest.approx(0.25)
 
 
 def test_table_lists_layouts_fastest_measured_first(bench):
     lines = bench.format_table(_rows(bench)).splitlines()
     assert lines[0].split()[:3] == ["layout", "pred", "ms"]
     assert [line.split()[0] for line in lines[2:]] == ["fast", "mid", "slow"]
-    assert lines[2].split()[1:] == ["120.0", "100.0", "+20.0%", "10.00", "10.00", "+0.0%"]
+    assert lines[2].split()[1:] == ["120.0", "100.0", "+20.0%", "80.0", "+50.0%", "10.00", "10.00", "+0.0%"]
     assert lines[4].split()[3] == "-50.0%"
