@@ -13,7 +13,7 @@ For the reference GPT (``autopar.reference.models.build("gpt")``) and a small HF
    simulate=True)`` with the spec read from the model's graph (``spec_from_model``), fp32 byte
    sizes (``RUNTIME_FP32``) and eager kernels (``fused_kernels=False``), as the runtime runs;
    measured: each layout compiled here once, its 2 ranks forked (``autopar.spawn(..., inherit=True)``,
-   1 thread each), AdamW, a barrier before each step, 1 warm-up + ``--steps`` timed steps of
+   1 thread each), AdamW, a barrier before each step, ``--warmup`` (2) + ``--steps`` (5) timed steps of
    ``train_step`` + the optimizer step (+ the distributed optimizer's parameter gathers);
    ``--rounds`` repeats every layout, the order reversed every other round, and pools the steps;
 4. the table, the median and largest absolute error, Spearman's rank correlation of predicted
@@ -28,7 +28,7 @@ timed steps). Predicted, on the fullest stage: ``Memory.weights + grads + optimi
 same four parts. Not compared: the working set of a layer's backward or the loss, DDP-style
 gradient buckets, allocator slack (the engine counts none of them).
 
-    PYTHONPATH=$PWD .venv/bin/python bench/planner_vs_measured.py                 # both models, 2 rounds
+    PYTHONPATH=$PWD .venv/bin/python bench/planner_vs_measured.py                 # both models, 3 rounds
     PYTHONPATH=$PWD .venv/bin/python bench/planner_vs_measured.py --models gpt --rounds 1 --steps 3
     PYTHONPATH=$PWD .venv/bin/python bench/planner_vs_measured.py --profile hw.json --limit 4
 """
@@ -373,9 +373,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["gpt", "hf-llama"], choices=["gpt", "hf-llama"])
     ap.add_argument("--profile", default=None, help="a profile `autopar tune` wrote (default: tune here)")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per layout and round")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=2, help="runs of every layout, pooled (order reversed each round)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per layout and round")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per layout and round")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every layout, pooled (order reversed each round)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N layouts of each model (0: all)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
