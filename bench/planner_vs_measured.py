@@ -45,7 +45,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -204,6 +205,7 @@ def _fastest_step_figures(rows: list[Row], pick: Row) -> dict:
 
 
 def format_figures(f: dict) -> str:
+    """``figures`` in words, one line each."""
     return "\n".join([
         f"layouts: {f['layouts']}",
         f"step time: median |error| {f['time_median_abs_err']:.1%}, max {f['time_max_abs_err']:.1%}, "
@@ -225,11 +227,13 @@ class Model:
     """A model of the bench: how to build it, and the flags ``autopar tune`` reads its GEMMs from."""
 
     name: str
-    build: object
+    build: Callable[[], torch.nn.Module]
+    """A fresh model, the same weights every call (seeded)."""
     tune_flags: tuple[str, ...]
 
 
 def gpt_model(a) -> Model:
+    """The reference GPT of ``--layers --hidden --heads --seq --vocab``."""
     from autopar.reference.models import build
 
     def make():
@@ -241,6 +245,8 @@ def gpt_model(a) -> Model:
 
 
 def llama_model(a, folder: str) -> Model:
+    """An HF Llama of the same size (half the heads as kv heads), its config saved in ``folder`` for
+    ``autopar tune --hf-config``."""
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.llama_ffn,
@@ -256,6 +262,7 @@ def llama_model(a, folder: str) -> Model:
 
 
 def batch(a) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch (inputs, targets) every layout trains on."""
     g = torch.Generator().manual_seed(1)  # the same data in every layout
     return (torch.randint(0, a.vocab, (a.batch, a.seq), generator=g),
             torch.randint(0, a.vocab, (a.batch, a.seq), generator=g))
@@ -303,6 +310,7 @@ def worker(x, y, steps: int, warmup: int, distopt: bool) -> dict:
 
 
 def predict(spec: ModelSpec, hw: Hardware, lay: Layout, global_batch: int) -> Estimate:
+    """The planner's estimate of ``lay`` on 2 ranks of ``hw``, the schedule simulated."""
     return estimate(spec, Cluster(WORLD, hw, global_batch), lay, simulate=True)
 
 
@@ -313,6 +321,7 @@ def predicted_bytes(est: Estimate) -> float:
 
 
 def measured_bytes(per_rank: list[dict]) -> float:
+    """The largest over the ranks of parameters + gradients + optimizer state + kept activations."""
     return max(r["params"] + r["grads"] + r["state"] + r["act"] for r in per_rank)
 
 
