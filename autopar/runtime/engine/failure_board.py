@@ -340,7 +340,7 @@ class FailureBoard:
         return "every rank still answers, each waiting in: " + "; ".join(running)
 
 
-class _StoreSilent(Exception):
+class _StoreSilent(AutoparError, RuntimeError):
     """The store's host did not answer a heartbeat read in time."""
 
 
