@@ -14,6 +14,8 @@ generated code and the runtime's messages speak the model's words.
 
 from __future__ import annotations
 
+import builtins
+
 import inspect
 import keyword
 from collections.abc import Callable
@@ -49,8 +51,8 @@ def batch_names(model: nn.Module, loss_fn: Callable, n_inputs: int, n_targets: i
     """Names for the example inputs (the forward's parameters they bind to) and the targets (the
     loss's parameters after the output), distinct valid identifiers; ``input_i`` / ``target``,
     ``targets_i`` where a signature says nothing."""
-    inputs = _bound_names(model.forward, 0, n_inputs, "input")
-    targets = _bound_names(loss_fn, 1, n_targets, "target")
+    inputs = [_unshadowed(n) for n in _bound_names(model.forward, 0, n_inputs, "input")]
+    targets = [_unshadowed(n) for n in _bound_names(loss_fn, 1, n_targets, "target")]
     taken = set(inputs)
     unique = []
     for name in targets:
@@ -59,6 +61,13 @@ def batch_names(model: nn.Module, loss_fn: Callable, n_inputs: int, n_targets: i
         taken.add(name)
         unique.append(name)
     return inputs, unique
+
+
+def _unshadowed(name: str) -> str:
+    """``name``, or ``name_`` for the name of a Python builtin (``input``, ``iter``, ``id``): a graph made
+    anew from the traced one (a pipeline chunk) renames such a placeholder (``input_1``), and the batch
+    tensor would no longer find it."""
+    return f"{name}_" if hasattr(builtins, name) else name
 
 
 def _bound_names(fn: Callable, skip: int, n: int, default: str) -> list[str]:
