@@ -137,8 +137,8 @@ def test_non_index_tensor_of_another_dtype_is_refused():
     x, y = torch.randn(4, 4), torch.randn(4, 3)
     engine = parallelize_on(net, [((x,), (y,))], 2, microbatches=2, loss_fn=F.mse_loss).materialize()
     assert engine.program.batch_roles.ids == () and engine.program.batch_roles.loss is None
-    with pytest.raises(BatchError, match=r"'input' has dtype torch.float64, but the program was traced with "
-                                         r"torch.float32\. Fix: pass input.float\(\)"):
+    with pytest.raises(BatchError, match=r"'input_' has dtype torch.float64, but the program was traced with "
+                                         r"torch.float32\. Fix: pass input_.float\(\)"):
         engine.train_step(x.double(), y)
 
 

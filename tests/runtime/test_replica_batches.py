@@ -77,6 +77,6 @@ def test_one_replica_names_one_shape():
                                   loss_fn=F.mse_loss)
     engine = program.materialize()
     assert (engine.dp_rank, engine.dp_size) == (0, 1)
-    with pytest.raises(ValueError, match=r"'input' has shape \(4, 4\), but the program expects \(6, 4\): "
+    with pytest.raises(ValueError, match=r"'input_' has shape \(4, 4\), but the program expects \(6, 4\): "
                                          r"3 microbatch\(es\) of \(2, 4\) \(the example microbatch's shape\)$"):
         engine.eval_step(x[:4], y[:4])
