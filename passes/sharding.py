@@ -26,7 +26,8 @@ from autopar.core.errors import AutoparError
 from autopar.core.graph import TracedModel, module_path, source_line
 from autopar.core.tensor_placement import Replicate, Shard
 from passes.rules import Ctx, Decision, NeedSegments, decide, linear_parts, out_features, weight_of
-from passes.rules.context import arg, ndim, operand, shape
+from passes.rules.context import operand
+from passes.routers import find_routers
 from passes.tp_degrees import model_splits, tp_error
 
 aten = torch.ops.aten
@@ -252,7 +253,7 @@ def _run_trials(traced: TracedModel, ctx: Ctx, must_split: set[str] | None = Non
     for name, reason in (keep_whole or {}).items():
         tried.add(by_name[name])
         state.reject([by_name[name]], reason, [], rejected)
-    for router, topk in _routers(state, ctx).items():  # before any trial: never a member of a group
+    for router, topk in find_routers(state.nodes, ctx).items():  # before any trial: never a member of a group
         tried.add(router)
         state.reject([router], f"its {out_features(ctx, router)} output features are the scores {topk.name} "
                                f"({source_line(topk) or 'no source line'}) takes the top-k of: a router, whose "
@@ -263,38 +264,6 @@ def _run_trials(traced: TracedModel, ctx: Ctx, must_split: set[str] | None = Non
         if node not in tried and _is_candidate(state, ctx, node):
             _try_group(state, ctx, _group_of(state, ctx, node, tried, linears), rejected)
     return state, rejected
-
-
-_SCORE_OPS = frozenset({aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
-                        aten.sigmoid.default, aten.to.dtype, aten._to_copy.default, aten.add.Tensor, aten.sub.Tensor,
-                        aten.mul.Tensor, aten.div.Tensor, aten.view.default, aten.reshape.default,
-                        aten.clone.default, aten.alias.default})
-"""Ops between a router's linear and its top-k (a softmax or sigmoid in fp32, a correction bias, a
-scale) that keep the scores one per output feature."""
-
-
-def _routers(state: _State, ctx: Ctx) -> dict[fx.Node, fx.Node]:
-    """Linear -> the top-k it feeds: a linear whose output features, through ``_SCORE_OPS`` that keep
-    them, are the last dim a ``topk`` chooses among (a mixture of experts' router)."""
-    found: dict[fx.Node, fx.Node] = {}
-    for node in state.nodes:
-        if linear_parts(ctx, node) is None:
-            continue
-        width, seen, todo = out_features(ctx, node), set(), [node]
-        while todo and node not in found:
-            n = todo.pop()
-            for u in n.users:
-                if u in seen or not isinstance(u.meta.get("val"), torch.Tensor) and u.target != aten.topk.default:
-                    continue
-                seen.add(u)
-                x = u.args[0] if u.args else None
-                if (u.target == aten.topk.default and x is n and shape(n)[-1] == width
-                        and arg(u, 2, "dim", -1) % ndim(n) == ndim(n) - 1):
-                    found[node] = u
-                    break
-                if u.target in _SCORE_OPS and shape(u) and shape(u)[-1] == width:
-                    todo.append(u)
-    return found
 
 
 class _Linears:
