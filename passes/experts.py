@@ -10,8 +10,9 @@ A mixture-of-experts layer, as a graph with static shapes, is:
   token rows sorted by expert, group by group: grouped matmuls whose group
   offsets are ``offs`` (``torch._grouped_mm``, or a library's grouped-matmul op
   such as transformers' fallback);
-- the **expert region**: the grouped matmuls and every op between the first
-  and the last (activation, gating), row by row;
+- the **expert region**: the grouped matmuls and every op on a path from one
+  of them to the last (activation, gating; a gate's and an up projection's
+  grouped matmuls side by side), row by row;
 - the **combine**: the region's output weighted by the router's probabilities
   and summed back per token (outside the region: it is the same under expert
   parallelism).
@@ -42,7 +43,8 @@ aten = torch.ops.aten
 
 LOOKED_FOR = ("grouped matmuls (torch._grouped_mm or a library's grouped-matmul op) that multiply token rows "
               "sorted by expert by stacked 3-D expert weights (E, in, out), their group offsets counted from "
-              "a router's top-k over E logits")
+              "a router's top-k over E logits; or a list of E identical expert modules beside such a router, "
+              "each applied row by row to its own input")
 """What expert parallelism looks for, as the error messages say it."""
 
 _WEIGHT_VIEWS = (aten.transpose.int, aten.permute.default, aten.t.default, aten._to_copy.default, aten.to.dtype,
@@ -121,9 +123,10 @@ def _router(offs: fx.Node) -> fx.Node | None:
     return None
 
 
-def _between(first: fx.Node, last: fx.Node, order: dict[fx.Node, int]) -> set[fx.Node]:
-    """Nodes on a path from ``first`` to ``last`` (both included)."""
-    down, todo = set(), [first]
+def _between(starts: list[fx.Node], last: fx.Node, order: dict[fx.Node, int]) -> set[fx.Node]:
+    """Nodes on a path from one of ``starts`` to ``last`` (both included)."""
+    first = min(starts, key=order.__getitem__)
+    down, todo = set(), list(starts)
     while todo:
         n = todo.pop()
         if n in down or order[n] > order[last]:
@@ -157,7 +160,7 @@ def _layer(gms: list[fx.Node], offs: fx.Node, order: dict[fx.Node, int], param_o
     params = tuple(dict.fromkeys(w.name for w, _ in weights))
     sizes = {local_val(w).shape[0] for w, _ in weights}
     experts = int(next(iter(sizes)))
-    region = _between(first, last, order)
+    region = _between(gms, last, order)  # every grouped matmul's way to the last (a gate's and an up's)
     for _, chain in weights:
         region.update(chain)
     region.update(u for n in list(region) for u in n.users  # a check hanging off a region value
@@ -211,18 +214,12 @@ def _mentions(args, value: int) -> bool:
     return False
 
 
-def expert_candidates(traced, model: torch.nn.Module) -> list[str]:
+def expert_candidates(traced, lists) -> list[str]:
     """What in the traced graph looks like part of a mixture of experts, for the message when no layer
-    is found: 3-D parameters and what reads them, top-k nodes, lists of identical modules holding
-    weights in a module that has a top-k (experts applied one by one)."""
+    is found: lists of expert modules left as written (``passes/expert_lists.py``, with the reason),
+    3-D parameters and what reads them, top-k nodes."""
     gm, param_of = traced.gm, traced.param_of
-    out = []
-    routed = {module_path(n) for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.topk.default}
-    for path, m in model.named_modules():
-        if (isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1
-                and any(True for _ in m[0].parameters()) and _routes_beside(path, routed)):
-            out.append(f"a list of {len(m)} {type(m[0]).__name__} modules at {path} (experts applied one by one: "
-                       f"stack their weights and apply them with a grouped matmul for expert parallelism)")
+    out = [x.summary for x in lists if x.refusal]
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.name in param_of and n.meta["val"].dim() == 3:
             readers = sorted({str(u.target).split(".")[-2] if "." in str(u.target) else str(u.target) for u in n.users})
@@ -230,11 +227,3 @@ def expert_candidates(traced, model: torch.nn.Module) -> list[str]:
         elif n.op == "call_function" and n.target == aten.topk.default:
             out.append(f"a top-k in {module_path(n) or 'the model'} ({source_line(n) or 'no source line'})")
     return out[:6]
-
-
-def _routes_beside(path: str, routed: set[str]) -> bool:
-    """Whether a top-k runs in the module holding the list at ``path`` (beside it, as a router of the
-    list's experts does), not inside one of the list's items (a block list whose blocks route)."""
-    parent = path.rsplit(".", 1)[0] if "." in path else ""
-    return any((r == parent or r.startswith(parent + ".") if parent else True) and not r.startswith(path + ".")
-               and r != path for r in routed)

@@ -51,6 +51,7 @@ from passes.async_tp import apply_async_tp, async_tp_refusal
 from passes.context_parallel import apply_context_parallel, context_inputs
 from passes.eval_mode import eval_graph
 from passes.expert_parallel import apply_expert_parallel, expert_parallel_errors, expert_params
+from passes.expert_lists import stack_expert_lists
 from passes.experts import ExpertError, expert_candidates, find_experts
 from passes.layers import LayerInfo, find_layers
 from passes.normalize import normalize
@@ -62,7 +63,7 @@ from passes.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["compile_program", "PASSES"]
 
-PASSES: tuple[str, ...] = ("trace", "normalize", "find_layers", "analyze_sharding", "apply_tensor_parallel",
+PASSES: tuple[str, ...] = ("trace", "normalize", "stack_expert_lists", "find_layers", "analyze_sharding", "apply_tensor_parallel",
                            "annotate_local_shapes", "context_parallel", "sequence_parallel", "async_tp", "find_experts", "expert_parallel",
                            "split_pipeline", "recompute", "eval_mode", "schedule")
 """The pipeline's passes, in the order they run."""
@@ -75,6 +76,7 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
     traced = trace_once(model, example_inputs, example_targets, loss_fn, output_fn)
     with gc_paused():  # the passes build graphs and tables that live on in the program (gc_paused.py)
         normalize(traced.gm, set(traced.param_of))
+        expert_lists = stack_expert_lists(traced, model)
         layers = find_layers(traced.gm)
         plan = analyze_sharding(traced, config.tp, _whole_experts(traced, config))
         rank_module = apply_tensor_parallel(traced, plan)
@@ -96,7 +98,7 @@ def compile_program(model: nn.Module, config: ParallelConfig, example_inputs: An
             async_tp = apply_async_tp(rank_module)
             annotate_local_shapes(rank_module, config.tp, traced.param_of, local_shape, inputs)
         experts = find_experts(rank_module, traced.param_of)
-        errs = expert_parallel_errors(experts, config.ep, type(model).__name__, expert_candidates(traced, model))
+        errs = expert_parallel_errors(experts, config.ep, type(model).__name__, expert_candidates(traced, expert_lists))
         if errs:
             raise ExpertError("\n".join(errs))
         expert_split = expert_params(experts, traced.param_of, config.ep)

@@ -47,6 +47,9 @@ class StateSource:
     shape: tuple[int, ...]
     """The model's shape of the value (a padded vocabulary unpadded)."""
     dtype: torch.dtype
+    index: int | None = None
+    """'param' of an expert stacked by the compiler (``TracedModel.stacked``): the key is entry
+    ``index`` of the parameter's first dim; None: the key is the whole parameter."""
 
 
 def state_sources(program: "Program") -> list[StateSource]:
@@ -58,6 +61,7 @@ def state_sources(program: "Program") -> list[StateSource]:
     canonical = {alias: name for name, names in traced.aliases.items() for alias in names}
     placeholder_of_buffer = {name: ph for ph, name in traced.buffer_of.items()}
     held = set(program.param_names)
+    stacked_in = {m: (name, e) for name, members in traced.stacked.items() for e, m in enumerate(members)}
     out = []
     for key, value in program.model.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
@@ -65,7 +69,9 @@ def state_sources(program: "Program") -> list[StateSource]:
                              "not a tensor: autopar holds only parameters and buffers; drop it from the "
                              "state_dict with a state-dict hook, or keep such state outside the model")
         shape, dtype = tuple(value.shape), value.dtype
-        if canonical.get(key, key) in held:
+        if key in stacked_in:
+            out.append(StateSource(key, "param", stacked_in[key][0], shape, dtype, index=stacked_in[key][1]))
+        elif canonical.get(key, key) in held:
             out.append(StateSource(key, "param", canonical.get(key, key), shape, dtype))
         elif key in placeholder_of_buffer:
             out.append(StateSource(key, "buffer", placeholder_of_buffer[key], shape, dtype))

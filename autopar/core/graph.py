@@ -52,6 +52,9 @@ class TracedModel:
     logits: str | None = None
     """The traced node of the value ``output_fn`` returned (marked ``meta[LOGITS_META]``); None when it
     returned no tensor."""
+    stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """A parameter the compiler made by stacking a list of identical expert modules
+    (``passes/expert_lists.py``) -> the model's parameters it stacks, one per expert, in order."""
     stamping: Any = None
     """How the trace was made from a short one (``compiler/layer_stamping.Stamping``), None when every
     block was traced."""

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.core.errors import AutoparError
-from autopar.reference.grouped_mm import grouped_mm
+from autopar.core.grouped_mm import grouped_mm
 
 __all__ = ["ModelConfig", "GPT", "GPT2Fused", "Llama", "MoEConfig", "MoEGPT", "MoEOutput", "moe_lm_loss", "moe_outputs",
            "build", "ModelFamilyError", "MoEConfigError"]

@@ -32,7 +32,7 @@ aten = torch.ops.aten
 GROUPED_MM_OPS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback", "autopar::grouped_mm")
 """Grouped matmuls of mixture-of-experts layers: x (S, K) @ W (E, K, N), rows grouped by expert
 (by name: a library registers its op when the model's module is imported; ``autopar::grouped_mm``
-is the reference MoE model's, ``autopar/reference/grouped_mm.py``)."""
+is the reference MoE model's, ``autopar/core/grouped_mm.py``)."""
 
 
 class LinearParts(NamedTuple):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from families import train_steps
 from helpers import assert_ranks_match, parallelize_on, spawn_ranks, token_batches
 
-from autopar.reference.grouped_mm import grouped_mm
+from autopar.core.grouped_mm import grouped_mm
 from autopar.reference.models import MoE, MoEConfig, build, moe_outputs
 from autopar.reference.parity import assert_parity
 

@@ -238,12 +238,44 @@ class ListOfExperts(nn.Module):
         return x + sum(gate[..., e:e + 1] * expert(x) for e, expert in enumerate(self.experts))
 
 
-def test_experts_as_a_list_of_modules_are_named_in_the_error_and_train_without_ep():
+def test_experts_as_a_list_of_modules_are_stacked_into_one_layer():
+    """The list's items become one grouped computation over stacked weights: found like a layer
+    written with stacked weights, split by ep, its parameters named after the list."""
     torch.manual_seed(0)
-    model = TinyMoE(ListOfExperts)
-    with pytest.raises(ExpertError, match=r"a list of 4 Sequential modules at blocks.0.experts"):
+    program = _program(TinyMoE(ListOfExperts), dp=2, world_size=2, ep=2)
+    assert [(x.module, x.experts, x.refusal) for x in program.experts] == [(f"blocks.{i}.experts", E, None)
+                                                                          for i in range(LAYERS)]
+    assert program.expert_params == {f"blocks.{i}.experts.*.{j}.weight": E for i in range(LAYERS) for j in (0, 2)}
+    assert program.traced.stacked["blocks.1.experts.*.2.bias"] == tuple(f"blocks.1.experts.{e}.2.bias"
+                                                                       for e in range(E))
+
+
+class TokenMixingExpert(nn.Module):
+    """An expert that mixes tokens (a running mean over the sequence): not row by row."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.fc(x.cumsum(1))
+
+
+class ListOfTokenMixers(ListOfExperts):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([TokenMixingExpert() for _ in range(E)])
+
+
+def test_a_list_whose_items_are_not_row_wise_is_named_in_the_error_and_trains_without_ep():
+    torch.manual_seed(0)
+    model = TinyMoE(ListOfTokenMixers)
+    with pytest.raises(ExpertError, match=r"a list of 4 expert modules at blocks.0.experts, left as written: "
+                                          r"cumsum .*test_experts.py:\d+ return self.fc\(x.cumsum\(1\)\)\) is "
+                                          r"aten.cumsum.default, not a linear"):
         _program(model, dp=2, world_size=2, ep=2)
-    assert _program(model, tp=2).experts == ()  # without ep: split like any MLP
+    program = _program(model, tp=2)  # without ep: split like any MLP
+    assert program.experts == () and not program.traced.stacked
 
 
 def test_a_region_that_fixes_its_row_count_is_refused_with_its_line():

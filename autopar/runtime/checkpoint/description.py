@@ -20,7 +20,9 @@ never picks: ``latest`` still names the previous checkpoint.
 shape}, "aliases": {name: [every name the model uses for it]}, "buffers":
 {name: shape}, "hf_config": dict | null, "layout": {"tp", "pp", "dp",
 "virtual_stages"}}`` (and ``"cp"`` when a run splits its sequences, cp > 1,
-and ``"ep"`` when a run splits its experts, ep > 1; the
+and ``"ep"`` when a run splits its experts, ep > 1; ``"stacked": {name: [the
+model's names, one per expert]}`` when the compiler stacked a list of expert
+modules into parameter ``name``, entry e of its first dim the e-th name; the
 stored tensors depend on none of them: a stacked expert weight is stored whole,
 E experts, each expert-parallel rank writing its own at their offsets on dim
 0); beside it, DCP's key ``model.<name>`` is each parameter
@@ -35,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.runtime.checkpoint.errors import CheckpointError, CheckpointNotFoundError
@@ -112,6 +114,8 @@ class ModelDescription:
     """Persistent buffer -> its shape."""
     hf_config: dict | None
     """The HuggingFace config of the model, when it had one."""
+    stacked: dict[str, list[str]] = field(default_factory=dict)
+    """Parameter stacked from a list of experts -> the model's name of each expert's entry ({} if none)."""
 
 
 def read_model_description(step_dir: Path) -> ModelDescription:
@@ -129,7 +133,11 @@ def read_model_description(step_dir: Path) -> ModelDescription:
     hf_config = description.get("hf_config")
     if hf_config is not None and not isinstance(hf_config, dict):
         raise CheckpointError(f"{where}: 'hf_config' is a {type(hf_config).__name__}, not a dict or null")
-    return ModelDescription(step_dir, params, aliases, buffers, hf_config)
+    stacked = description.get("stacked") or {}
+    if not isinstance(stacked, dict) or any(n not in params or len(m) != params[n][0] for n, m in stacked.items()):
+        raise CheckpointError(f"{where}: 'stacked' must map stacked parameters to one name per entry of their "
+                              f"first dim; got {stacked!r:.200}")
+    return ModelDescription(step_dir, params, aliases, buffers, hf_config, stacked)
 
 
 def save_errors(root: Path, step: int) -> list[str]:

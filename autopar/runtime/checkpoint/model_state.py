@@ -185,6 +185,8 @@ def describe(program: "Program", step: int) -> dict:
         "params": {name: list(program.full_shape(name)) for name in program.param_names},
         "aliases": {name: list(program.traced.aliases.get(name, [name])) for name in program.param_names},
         "buffers": buffers,
+        **({"stacked": {name: list(m) for name, m in program.traced.stacked.items()}} if program.traced.stacked
+           else {}),
         "hf_config": _hf_config(program.model),
         "layout": {"tp": config.tp, "pp": config.pp, "dp": config.data_parallel,
                    "virtual_stages": config.virtual_stages, **({"ep": config.ep} if config.ep > 1 else {}),

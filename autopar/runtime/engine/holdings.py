@@ -138,7 +138,7 @@ class Holdings:
         """``get(shard)`` of every parameter, whole, on every rank, on the device: all-gathered over tp
         (sharded ones, in buckets of ``GATHER_BUCKET_BYTES``), stacked expert weights over the expert
         group, then broadcast over pp from the first stage
-        holding it; under every alias."""
+        holding it; under every alias (a stacked list of experts: each expert under its own name)."""
         program = self.program
         whole = {name: get(self.shard(name)) if self.holds(name) else None for name in program.param_names}
         sharded = [(name, program.param_spec(name)) for name, value in whole.items()
@@ -154,8 +154,14 @@ class Holdings:
             whole.update(zip(experts, wholes))
         if self.mesh.shape.pp > 1:
             whole = self._from_owners(whole)
-        return {alias: whole[name].clone() for name in program.param_names
-                for alias in program.traced.aliases.get(name, [name])}
+        out = {}
+        for name in program.param_names:
+            members = program.traced.stacked.get(name)
+            if members:  # a list of experts stacked by the compiler: each expert under its own name
+                out.update((m, whole[name][e].clone()) for e, m in enumerate(members))
+            else:
+                out.update((alias, whole[name].clone()) for alias in program.traced.aliases.get(name, [name]))
+        return out
 
     def _from_owners(self, whole: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
         """Every parameter (full shape, traced dtype) broadcast over pp from the first stage holding it

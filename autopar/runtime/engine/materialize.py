@@ -119,7 +119,7 @@ def _device(weights) -> torch.device:
         if torch.cuda.current_device() == 0 and local != 0:
             torch.cuda.set_device(local)
         return torch.device("cuda", torch.cuda.current_device())
-    return rank_device(w for w in weights)
+    return rank_device(t for w in weights for t in (w if isinstance(w, tuple) else (w,)))
 
 
 def _replicated_inputs(program: Program, buffers: dict[str, torch.Tensor], device: torch.device

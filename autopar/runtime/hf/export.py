@@ -159,13 +159,14 @@ def _whole(rank: RankHoldings, source: StateSource) -> torch.Tensor:
         return untraced_value(program, source, rank.device)
     value = rank.shards[source.name].detach()
     spec = program.param_spec(source.name)
+    shape = program.full_shape(source.name) if source.index is not None else source.shape
     if isinstance(spec, Shard):
-        value = whole_from_shards(value, rank.tp, spec.dim, spec.segments, source.shape[spec.dim])
+        value = whole_from_shards(value, rank.tp, spec.dim, spec.segments, shape[spec.dim])
     mesh = rank.mesh
     if source.name in program.expert_params and mesh.groups.get("ep") is not None:  # E/ep experts per rank
         group = TPGroup.of(mesh.groups["ep"], tuple(mesh.ep_members()))
-        value = whole_from_shards(value, group, 0, None, source.shape[0])
-    return value
+        value = whole_from_shards(value, group, 0, None, shape[0])
+    return value if source.index is None else value[source.index]
 
 
 def _write_file(path: str, file: HFFile, whole: Callable[[TensorEntry], torch.Tensor], writes: bool) -> str | None:

@@ -120,13 +120,17 @@ def _files(saved: ModelDescription, sources: dict[str, _Source], model: nn.Modul
     keys, in the described order, under the names ``save_pretrained`` writes (``saved_tensors``),
     cut into files of at most ``max_shard_bytes`` (a larger tensor alone in its file); and written
     name -> its value over the DCP tensors (``Leaf.info``: the ``_Source``)."""
-    groups = {name: saved.aliases[name] for name in saved.params}
+    groups = {name: saved.aliases[name] for name in saved.params if name not in saved.stacked}
+    groups.update({member: [member] for name in saved.stacked for member in saved.stacked[name]})
     groups.update({name: [name] for name in saved.buffers})
     stored = {}
     for canonical, names in groups.items():
-        source = sources[canonical]
+        source = sources.get(canonical)
         for name in names:
-            stored[name] = Leaf.of_shape(name, source.shape, source.dtype, source)
+            stored[name] = Leaf.of_shape(name, source.shape, source.dtype, source) if source is not None else None
+    for name, members in saved.stacked.items():  # a list of experts stacked by the compiler: entry e each
+        whole = Leaf.of_shape(name, sources[name].shape, sources[name].dtype, sources[name])
+        stored.update((member, whole[e]) for e, member in enumerate(members))
     read_as = saved_tensors(model, stored, groups.values())
     entries = [TensorEntry(name, tuple(value.shape), value.dtype) for name, value in read_as.items()]
     runs = _cut_by_size(entries, max_shard_bytes)

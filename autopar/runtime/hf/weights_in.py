@@ -227,8 +227,14 @@ class HFCheckpoint:
         view = self.view(model)
         found, problems = {}, []
         for name in program.param_names:
-            names = program.traced.aliases.get(name, [name])
-            source = self.find(view, names, prefix)
+            members = program.traced.stacked.get(name)
+            if members:  # experts of a list, stacked: each expert's own tensor, read lazily
+                names = list(members)
+                found_members = [self.find(view, program.traced.aliases.get(m, [m]), prefix) for m in members]
+                source = None if any(f is None for f in found_members) else torch.stack(found_members)
+            else:
+                names = program.traced.aliases.get(name, [name])
+                source = self.find(view, names, prefix)
             want = program.full_shape(name)
             if source is None:
                 mapped = f", after transformers' conversion mapping of {type(model).__name__}" \

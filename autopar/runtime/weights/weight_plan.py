@@ -41,7 +41,13 @@ from autopar.runtime.weights.initialize import initialise_modules
 from autopar.runtime.weights.module_init import check_initialisable
 from autopar.runtime.weights.shards import Reader, assemble, expert_slice, narrow_reader
 
-__all__ = ["WeightPlan", "plan_weights", "WeightsError", "MissingWeightsError"]
+__all__ = ["WeightPlan", "plan_weights", "model_names", "WeightsError", "MissingWeightsError"]
+
+
+def model_names(program: Program, name: str) -> tuple[str, ...]:
+    """The model's parameters that parameter ``name`` holds: itself, or the experts a stacked one
+    stacks (``TracedModel.stacked``), in order."""
+    return program.traced.stacked.get(name, (name,))
 
 
 class WeightsError(AutoparError, ValueError):
@@ -60,8 +66,9 @@ class WeightPlan:
     """Each parameter's and buffer's source (see the module's docstring)."""
 
     program: Program
-    given: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Parameter -> its full value (the ``state_dict``'s or the model's own)."""
+    given: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    """Parameter -> its full value (the ``state_dict``'s or the model's own); a stacked parameter's
+    experts' values, stacked when its shard is cut."""
     checkpoint: HFCheckpoint | None = None
     entries: dict[str, Lazy] = field(default_factory=dict)
     """Parameter -> its tensor in the checkpoint (after transformers' conversion mapping)."""
@@ -72,6 +79,12 @@ class WeightPlan:
     init_buffers: set[str] = field(default_factory=set)
     ep_rank: int = 0
     """The expert-parallel rank ``load`` reads for (its experts of each stacked expert weight)."""
+    _pending: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """A stacked parameter -> its experts' values made so far by their modules' initialisation."""
+
+    @property
+    def _stack_of(self) -> dict[str, str]:
+        return {m: s for s, members in self.program.traced.stacked.items() for m in members}
 
     def load(self, stage: int, tp_rank: int, device: torch.device, seed: int, ep_rank: int = 0
              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -83,16 +96,24 @@ class WeightPlan:
         buffers = {n: b.detach().to(device, copy=True) for n, b in self.given_buffers.items()}
         for n in held:
             if n in self.given:
-                local[n] = self._shard(n, narrow_reader(self.given[n].detach(), self.program.param_spec(n)),
-                                       self.program.model.get_parameter(n).dtype, tp_rank, device)
+                given = self.given[n]
+                value = torch.stack([g.detach() for g in given]) if isinstance(given, tuple) else given.detach()
+                local[n] = self._shard(n, narrow_reader(value, self.program.param_spec(n)), self._dtype(n), tp_rank,
+                                       device)
+                value = None
         if self.checkpoint is not None:
             self._read_checkpoint([n for n in held if n in self.entries], local, buffers, tp_rank, device)
         params = self.init_params & set(held)
         if params or self.init_buffers:
-            for made in initialise_modules(self.program.model, seed, device, params, self.init_buffers):
+            made_names = {m for n in params for m in model_names(self.program, n)}
+            for made in initialise_modules(self.program.model, seed, device, made_names, self.init_buffers):
                 self._keep(made, params, local, buffers, tp_rank, device)
                 made = None  # the module's full tensors go before the next module's are made
         return {n: local[n] for n in held}, buffers
+
+    def _dtype(self, name: str) -> torch.dtype:
+        """The model's dtype of parameter ``name`` (a stacked one: its first expert's)."""
+        return self.program.model.get_parameter(model_names(self.program, name)[0]).dtype
 
     def _read_checkpoint(self, names: list[str], local: dict, buffers: dict, tp_rank: int,
                          device: torch.device) -> None:
@@ -100,7 +121,7 @@ class WeightPlan:
         model = self.program.model
         with self.checkpoint.opened(device) as ckpt:
             for n in names:
-                dtype = model.get_parameter(n).dtype
+                dtype = self._dtype(n)
                 experts = self.program.expert_range(n, self.ep_rank)  # read for this rank's experts only
                 read = ckpt.reader(self.entries[n], self.program.param_spec(n), dtype, n, experts)
                 local[n] = self._shard(n, read, dtype, tp_rank, device, experts_read=experts is not None)
@@ -109,8 +130,18 @@ class WeightPlan:
 
     def _keep(self, made: dict[str, torch.Tensor], params: set[str], local: dict, buffers: dict, tp_rank: int,
               device: torch.device) -> None:
-        """One module's made values: this rank's shard of each parameter, buffers whole."""
+        """One module's made values: this rank's shard of each parameter, buffers whole. An expert's
+        parameter waits for the other experts' stacked with it (``TracedModel.stacked``)."""
+        stacked = self.program.traced.stacked
         for n, value in made.items():
+            into = self._stack_of.get(n)
+            if into is not None:
+                self._pending.setdefault(into, {})[n] = value
+                if len(self._pending[into]) < len(stacked[into]):
+                    continue
+                parts = self._pending.pop(into)
+                n, value = into, torch.stack([parts[m] for m in stacked[into]])
+                parts = None
             if n in params:
                 local[n] = self._shard(n, narrow_reader(value, self.program.param_spec(n)), value.dtype, tp_rank,
                                        device)
@@ -137,12 +168,12 @@ def plan_weights(program: Program, state_dict: dict[str, torch.Tensor] | None = 
     """Each parameter's and buffer's source, checked: bad input fails here, on every rank alike."""
     state_dict = state_dict or {}
     plan = WeightPlan(program)
-    present = [n for n in program.param_names if n in state_dict]
+    present = [n for n in program.param_names if all(m in state_dict for m in model_names(program, n))]
     if present and checkpoint is not None:
         raise WeightsError("pass the parameters once: materialize(state_dict=...) with parameters, or "
                            "checkpoint=...; a state_dict next to a checkpoint may hold buffers only")
     if present and len(present) < len(program.param_names):
-        missing = [n for n in program.param_names if n not in state_dict]
+        missing = [m for n in program.param_names for m in model_names(program, n) if m not in state_dict]
         raise MissingWeightsError(f"state_dict lacks {len(missing)} parameter(s), e.g. {missing[:3]}: pass every "
                                   "parameter, or none (then the model's own, a checkpoint's, or its "
                                   "initialisation's are used)")
@@ -151,24 +182,28 @@ def plan_weights(program: Program, state_dict: dict[str, torch.Tensor] | None = 
         plan.entries = plan.checkpoint.match(program)
     model_params = dict(program.model.named_parameters())
     for name in program.param_names:
-        if name in state_dict:
-            plan.given[name] = state_dict[name]
-        elif name not in plan.entries and model_params[name].is_meta:
+        members = model_names(program, name)
+        one = name not in program.traced.stacked
+        if name in present:
+            plan.given[name] = state_dict[name] if one else tuple(state_dict[m] for m in members)
+        elif name not in plan.entries and any(model_params[m].is_meta for m in members):
             plan.init_params.add(name)
         elif name not in plan.entries:
-            plan.given[name] = model_params[name]
+            plan.given[name] = model_params[name] if one else tuple(model_params[m] for m in members)
     _check_given(program, state_dict)
     _plan_buffers(plan, state_dict)
     _check_constants(program)
     if plan.init_params or plan.init_buffers:
-        check_initialisable(program.model, plan.init_params, plan.init_buffers)
+        check_initialisable(program.model, [m for n in plan.init_params for m in model_names(program, n)],
+                            plan.init_buffers)
     return plan
 
 
 def _check_given(program: Program, state_dict: dict[str, torch.Tensor]) -> None:
     """Every tensor given in ``state_dict`` has the model's shape (a larger one would be cut, a smaller
     one broadcast): one error listing each mismatch."""
-    want = {n: program.full_shape(n) for n in program.param_names}
+    want = {m: program.full_shape(n)[1:] if n in program.traced.stacked else program.full_shape(n)
+            for n in program.param_names for m in model_names(program, n)}
     want.update({n: tuple(b.shape) for n, b in program.model.named_buffers(remove_duplicate=False)})
     bad = [f"{n}: given {tuple(t.shape)}, the model has {want[n]}" for n, t in state_dict.items()
            if n in want and tuple(t.shape) != tuple(want[n])]
