@@ -299,8 +299,8 @@ def _stack(traced: TracedModel, path: str, regions: list[list[fx.Node]], members
     inp = int(local_val(xs[0]).shape[-1])
     R = local_val(xs[0]).numel() // inp
     rows = make(aten.cat.default, [make(aten.reshape.default, x, [R, inp]) for x in xs])
-    ones = make(aten.new_ones.default, rows, [E], dtype=torch.int64)
-    offs = make(aten.to.dtype, make(aten.mul.Tensor, make(aten.cumsum.default, ones, 0), R), torch.int32)
+    # made from nothing (the engine puts it on its device): the offsets depend on no routing
+    offs = make(aten.arange.start_step, R, (E + 1) * R, R, dtype=torch.int32, device=local_val(xs[0]).device)
     per_row: dict[str, fx.Node] = {}
 
     def param_rows(rel: str) -> fx.Node:  # (E, n) or (E,) -> one copy per row of its expert: (E R, n or 1)

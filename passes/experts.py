@@ -123,6 +123,26 @@ def _router(offs: fx.Node) -> fx.Node | None:
     return None
 
 
+def _gating_router(out: fx.Node, experts: int, reach: int = 32) -> fx.Node | None:
+    """The ``topk`` over ``experts`` logits whose choices weigh the region's output on its way on
+    (experts run on every token, gated after: the offsets come from no top-k), or None: the first one
+    among what the ``reach`` nodes nearest downstream of ``out`` also read."""
+    seen, todo = set(), [out]
+    while todo and len(seen) < reach:
+        n = todo.pop(0)
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            todo.append(u)
+            for a in u.all_input_nodes:
+                if a is not n:
+                    found = _router(a)
+                    if found is not None and int(local_val(found.args[0]).shape[-1]) == experts:
+                        return found
+    return None
+
+
 def _between(starts: list[fx.Node], last: fx.Node, order: dict[fx.Node, int]) -> set[fx.Node]:
     """Nodes on a path from one of ``starts`` to ``last`` (both included)."""
     first = min(starts, key=order.__getitem__)
@@ -170,7 +190,7 @@ def _layer(gms: list[fx.Node], offs: fx.Node, order: dict[fx.Node, int], param_o
     param_nodes = {w for w, _ in weights}
     rows_in = sorted((i for i in inputs if i is not offs and i not in param_nodes), key=order.__getitem__)
     escaping = [n for n in region if n is not last and any(u not in region for u in n.users)]
-    topk = _router(offs)
+    topk = _router(offs) or _gating_router(last, experts)
     top_k = int(topk.args[1]) if topk is not None else None
     refusal = _refusal(sizes, experts, topk, rows_in, escaping, region, rows, first)
     return ExpertLayer(module=module_path(first), experts=experts, top_k=top_k,

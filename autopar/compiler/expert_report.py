@@ -3,7 +3,8 @@
 Each layer's router (its module, E experts, top-k), the experts' module and
 stacked weights; with ep > 1 the expert groups and the expert replicas (the
 mesh's ``ep_groups``/``expert_dp_groups``), which experts each expert-parallel
-rank holds, and what the dispatcher moves per layer and microbatch. The load
+rank holds, and what the dispatcher moves per layer and microbatch; experts
+written as a list of modules, which the compiler stacked. The load
 (rows routed to each expert) is a run's figure: ``engine.expert_load()`` after
 a step. A layer expert parallelism cannot split says why.
 """
@@ -65,6 +66,11 @@ def expert_lines(program: Program) -> list[str]:
     lines = [f"Mixture of experts: {len(layers)} layer(s) of {first.experts} experts ({k}), router "
              f"{first.router or '-'}, experts {first.module} (weights {', '.join(_param_names(program, first))}); "
              f"every other linear (a shared expert, its gate) is dense"]
+    lists = sorted({name.split(".*.")[0] for name in program.traced.stacked})
+    if lists:
+        lines.append(f"  written as lists of expert modules ({', '.join(lists[:3])}{' ...' if len(lists) > 3 else ''}"
+                     f"): each stacked into one grouped computation, its weights as {lists[0]}.*.<name>; "
+                     f"checkpoints and exports keep the model's per-expert names")
     mesh, cfg = program.config.mesh, program.config
     if program.ep == 1:
         lines.append("  expert parallelism: off (ep=1): every replica holds every expert"
@@ -95,7 +101,8 @@ def expert_lines(program: Program) -> list[str]:
 
 
 def _param_names(program: Program, layer: ExpertLayer) -> list[str]:
-    return [program.traced.param_of.get(p, p).rsplit(".", 1)[-1] for p in layer.params]
+    names = [program.traced.param_of.get(p, p) for p in layer.params]
+    return [n.split(".*.", 1)[1] if ".*." in n else n.rsplit(".", 1)[-1] for n in names]
 
 
 def _groups(groups: list[list[int]]) -> str:

@@ -30,13 +30,14 @@ A projection is a linear, or a matrix product with a parameter 2-D weight
 stored (in, out)).
 
 - experts: the mixture-of-experts layers ``passes/experts.py`` finds (E, top-k,
-  one expert's width from its grouped matmuls, the layers holding them); in an
+  one expert's width from its grouped matmuls, the layers holding them; a list
+  of expert modules stacked first, ``passes/expert_lists.py``); in an
   MoE layer the router (E outputs) and one-feature gates are not MLP
   projections, and the linears left are a shared expert.
 
 The planner then models the model as a GPT-shaped decoder with those
 dimensions (``cost.ModelSpec``). A block the graph does not show in that form
-(no attention call, experts applied one by one) is reported by name in the
+(no attention call, experts that are not one row-wise computation) is reported by name in the
 error, with the flags to give the dimensions by hand instead.
 """
 
@@ -55,6 +56,7 @@ from autopar.planning.cost.models import ModelSpec
 from autopar.compiler.trace import lm_cross_entropy, trace
 from passes.experts import find_experts
 from passes.layers import find_layers
+from passes.expert_lists import stack_expert_lists
 from passes.normalize import normalize
 
 aten = torch.ops.aten
@@ -75,6 +77,7 @@ def spec_from_model(model: nn.Module, example_inputs: Any, example_targets: Any 
         example_targets = torch.zeros_like(inputs[0])
     traced = trace(model, inputs, example_targets, loss_fn or lm_cross_entropy)
     normalize(traced.gm, set(traced.param_of))
+    stack_expert_lists(traced, model)  # experts applied one by one: one grouped computation, as compiled
     seq = int(inputs[0].shape[-1])
     return spec_from_graph(traced.gm, set(traced.param_of), seq, name or type(model).__name__)
 

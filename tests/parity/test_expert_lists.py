@@ -20,7 +20,8 @@ layout's dp x microbatches parts as the engine does (``_reference``).
 
 Also: a checkpoint saved at ep=2 (DCP, stacked names) loads in one process
 at ep=1 with every tensor bit for bit and gives the model's ``state_dict``
-keys; the model's own per-expert tensors in a safetensors file load at ep=2,
+keys, as do ``engine.save_pretrained`` and the export of the checkpoint
+(``autopar export --to-hf``); the model's own per-expert tensors in a safetensors file load at ep=2,
 each rank holding its two experts' values.
 """
 
@@ -214,6 +215,7 @@ def _save_at_ep2(root: str) -> dict:
     engine = _program("dense ep2").materialize()
     train_steps(engine, _data()[:1], LR)
     engine.save(root, step=1)
+    engine.save_pretrained(f"{root}/exported")
     state = engine.full_state_dict()  # collective
     return state if dist.get_rank() == 0 else None
 
@@ -229,6 +231,18 @@ def test_a_checkpoint_saved_at_ep2_loads_at_ep1_under_the_models_names(tmp_path)
     loaded = one.full_state_dict()
     for key, value in saved.items():
         assert torch.equal(loaded[key], value), key
+    # the HuggingFace export of the ranks, and the export of the checkpoint: the model's own keys
+    from safetensors.torch import load_file
+
+    from autopar.runtime.hf.export_checkpoint import export_checkpoint
+
+    export_checkpoint(str(tmp_path), str(tmp_path / "from-checkpoint"))
+    for exported in ("exported", "from-checkpoint"):
+        files = sorted((tmp_path / exported).glob("*.safetensors"))
+        tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+        assert tensors.keys() == saved.keys(), exported
+        for key, value in saved.items():
+            assert torch.equal(tensors[key], value), (exported, key)
 
 
 def _hub_layout_at_ep2(path: str) -> dict:
@@ -265,6 +279,8 @@ def test_the_stacked_layer_is_found_and_named():
     program = _program("dense ep2")
     assert [(x.module, x.experts, x.refusal) for x in program.experts] == [(f"moes.{i}.experts", E, None)
                                                                           for i in range(2)]
+    assert [(x.top_k, x.router) for x in program.experts] == [(2, f"moes.{i}") for i in range(2)]  # gates
+    assert [x.top_k for x in _program("capacity ep2 allgather").experts] == [1, 1]  # the dispatch's top-1
     assert program.traced.stacked["moes.0.experts.*.gate.weight"] == tuple(f"moes.0.experts.{e}.gate.weight"
                                                                            for e in range(E))
     assert copy.copy(program.expert_params) == {f"moes.{i}.experts.*.{w}.weight": E for i in range(2)
