@@ -11,7 +11,7 @@ user meets it); ``--warm`` keeps them.
 
     .venv/bin/python bench/plan_speed.py [--repeat 5] [--warm]
 
-Prints figures only (no assertions; tests/planning/test_planner.py holds the 5 s limit).
+Prints figures only (no assertions: a time limit is this benchmark's figure, not a test's).
 """
 
 from __future__ import annotations

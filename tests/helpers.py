@@ -157,6 +157,35 @@ def assert_ranks_match(reference: tuple[list[float], list[dict]], per_rank: Sequ
         assert_steps_match(ref_losses, ref_grads, losses, grads, label=f"{label} rank {rank}")
 
 
+def chunked_one_device_steps(model: nn.Module, data: Batches, chunks: int, lr: float, loss_of: Callable,
+                             clip: float | None = None, bf16: bool = False
+                             ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """One device, as a layout of ``chunks`` = dp x microbatches parts sees each step's global batch:
+    each part's ``loss_of(model(x), y) / chunks`` backpropagated (a loss over the tokens of one
+    forward, such as a router's auxiliary loss or an expert's capacity, depends on the part), then
+    AdamW. Each step's summed loss and gradients (zeros where none reached), clipped to ``clip``
+    (asserted to act: the norm above twice it)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for (x,), (y,) in data:
+        rows, total = x.shape[0] // chunks, 0.0
+        for c in range(chunks):
+            part = slice(c * rows, (c + 1) * rows)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_of(model(x[part]), y[part]) / chunks
+            loss.backward()
+            total += float(loss.detach())
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            assert norm > 2 * clip, (float(norm), clip)  # the clip acts
+        losses.append(total)
+        grads.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                      for n, p in model.named_parameters(remove_duplicate=False)})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
 def assert_same_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str, rtol: float,
                       atol: float) -> None:
     """Gradients equal by parameter name: the same names, and each within (rtol, atol), the message naming it."""

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from families import train_steps
-from helpers import assert_ranks_match, parallelize_on, spawn_ranks, token_batches
+from helpers import assert_ranks_match, chunked_one_device_steps, parallelize_on, spawn_ranks, token_batches
 
 import autopar
 
@@ -164,21 +164,8 @@ def _reference(label: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """One device, the model as written: each global batch cut into the layout's chunks, each chunk's
     loss / chunks backpropagated, then AdamW."""
     kind, layout = CASES[label]
-    model, chunks = _model(kind), _chunks(layout)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for (x,), (y,) in _data():
-        rows, total = x.shape[0] // chunks, 0.0
-        for c in range(chunks):
-            part = slice(c * rows, (c + 1) * rows)
-            loss = F.cross_entropy(model(x[part]).flatten(0, -2), y[part].flatten()) / chunks
-            loss.backward()
-            total += float(loss.detach())
-        losses.append(total)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads
+    return chunked_one_device_steps(_model(kind), _data(), _chunks(layout), LR,
+                                    lambda out, y: F.cross_entropy(out.flatten(0, -2), y.flatten()))
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from families import train_steps
-from helpers import assert_ranks_match, parallelize_on, spawn_ranks, token_batches
+from helpers import assert_ranks_match, chunked_one_device_steps, parallelize_on, spawn_ranks, token_batches
 
 from autopar.core.grouped_mm import grouped_mm
 from autopar.reference.models import MoE, MoEConfig, build, moe_outputs
@@ -169,31 +169,10 @@ def _chunked_reference(label: str) -> tuple[list[float], list[dict[str, torch.Te
 def _train_one_device(name: str, layers: int, layout: dict,
                       clip: float | None) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     model = _model(name, layers)
-    losses_of = _losses(name, model)
-    loss_fn = losses_of.get("loss_fn")
-    chunks = _chunks(layout)
-    bf16 = layout.get("precision") == "bf16"
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for (x,), (y,) in _data():
-        rows, total = x.shape[0] // chunks, 0.0
-        for c in range(chunks):
-            part = slice(c * rows, (c + 1) * rows)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                out = model(x[part])
-                loss = (loss_fn(out, y[part]) if loss_fn is not None else
-                        torch.nn.functional.cross_entropy(out.logits.flatten(0, -2), y[part].flatten())) / chunks
-            loss.backward()
-            total += float(loss.detach())
-        if clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            assert norm > 2 * clip, (name, float(norm), clip)  # the clip acts
-        losses.append(total)
-        grads.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                      for n, p in model.named_parameters(remove_duplicate=False)})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads
+    loss_fn = _losses(name, model).get("loss_fn")
+    return chunked_one_device_steps(
+        model, _data(), _chunks(layout), LR, clip=clip, bf16=layout.get("precision") == "bf16",
+        loss_of=loss_fn or (lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, -2), y.flatten())))
 
 
 @pytest.fixture(scope="module")
