@@ -97,8 +97,10 @@ def stack_expert_lists(traced: TracedModel, model: nn.Module) -> list[ExpertList
     docstring), recording the stacked parameters in ``traced.stacked``; one ``ExpertList`` per list
     found, stacked or (with the reason) not."""
     found = []
-    for path, items in _expert_lists(traced.gm, model):
-        regions = [_item_region(traced.gm, f"{path}.{e}") for e in range(len(items))]
+    lists = _expert_lists(traced.gm, model)
+    inside = _nodes_by_module(traced.gm) if lists else {}
+    for path, items in lists:
+        regions = [inside.get(f"{path}.{e}", []) for e in range(len(items))]
         members = _members(traced, path, items)
         refusal = members if isinstance(members, str) else _refusal(regions, members, traced)
         if refusal is not None:
@@ -137,11 +139,15 @@ def _path(node: fx.Node) -> str:
     return user_path(list(stack.values())[-1][0]) if stack else ""
 
 
-def _item_region(gm: fx.GraphModule, item: str) -> list[fx.Node]:
-    """The nodes traced inside module ``item``, in graph order (its checks left out)."""
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target not in _CHECKS
-            and any(user_path(p) == item or user_path(p).startswith(item + ".")
-                    for p, _ in (n.meta.get("nn_module_stack") or {}).values())]
+def _nodes_by_module(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Module path -> the nodes traced inside it (its submodules' included), in graph order, checks
+    left out: each item's region."""
+    out: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target not in _CHECKS:
+            for path in {user_path(p) for p, _ in (n.meta.get("nn_module_stack") or {}).values()}:
+                out.setdefault(path, []).append(n)
+    return out
 
 
 def _members(traced: TracedModel, path: str, items: nn.ModuleList) -> dict[str, list[str]] | str:
