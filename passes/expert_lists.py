@@ -14,8 +14,8 @@ it has items (the router). Each item's call in the graph is its region (the
 nodes traced inside it), and the regions must be one computation repeated:
 the same ops in the same order on the same shapes, reading one input from
 outside (its rows) and the item's own parameters, giving one output, each op
-row by row (linears on the item's weights, pointwise ops, casts, splits
-along the features). Then the per-item regions become one:
+row by row (linears on the item's weights, ``x @ W`` with a 2-D weight of the
+item, pointwise ops, casts, splits along the features). Then the per-item regions become one:
 
     rows   = cat([x_0.reshape(R, in), ..., x_{E-1}.reshape(R, in)])   (E R, in)
     offs   = R, 2R, ..., E R                                          the rows per expert, summed up
@@ -68,6 +68,8 @@ _ROW_OPS = frozenset({aten._to_copy.default, aten.to.dtype, aten.alias.default, 
 _SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                      aten.unsafe_split.Tensor})
 """Splits of the features (last dim) into parts, read through ``getitem``."""
+_MATMULS = frozenset({aten.matmul.default, aten.mm.default})
+"""``x @ W`` with an item's 2-D weight W (in, out), as a linear's transposed weight."""
 _CHECKS = frozenset({aten._assert_tensor_metadata.default})
 """Checks hanging off a value: dropped with the region."""
 
@@ -230,6 +232,11 @@ def _row_wise(region: list[fx.Node], x: fx.Node, rel_of: dict[str, str]) -> str 
             b = n.args[2] if len(n.args) > 2 else None
             if w.name not in rel_of or (b is not None and b.name not in rel_of) or n.args[0].name in rel_of:
                 return f"{_where(n)} is a linear whose weight is not the item's own"
+        elif n.target in _MATMULS:
+            w = n.args[1]
+            if not (isinstance(w, fx.Node) and w.name in rel_of and local_val(w).dim() == 2) or \
+                    n.args[0].name in rel_of:
+                return f"{_where(n)} multiplies by something other than one of the item's 2-D weights"
         elif n.target == operator.getitem:
             if n.args[0].target not in _SPLITS:
                 return f"{_where(n)} takes a part of a value that is not a split of the features"
@@ -246,7 +253,8 @@ def _row_wise(region: list[fx.Node], x: fx.Node, rel_of: dict[str, str]) -> str 
             if any(tuple(local_val(a).shape) != tuple(local_val(n).shape) for a in tensors):
                 return f"{_where(n)} broadcasts across rows"
         else:
-            return (f"{_where(n)} is {n.target}, not a linear, a pointwise op, a cast or a split of the features: "
+            return (f"{_where(n)} is {n.target}, not a linear, a product with an item's weight, a pointwise op, a "
+                    f"cast or a split of the features: "
                     f"the items cannot run as one grouped computation")
         v = local_val(n)
         if not isinstance(v, torch.Tensor) or tuple(v.shape[:-1]) != lead:
@@ -332,6 +340,8 @@ def _stack(traced: TracedModel, path: str, regions: list[list[fx.Node]], members
             out = make(torch.ops.autopar.grouped_mm.default, env[n.args[0]], make(aten.transpose.int, w, 1, 2), offs)
             if len(n.args) > 2 and n.args[2] is not None:
                 out = make(aten.add.Tensor, out, param_rows(rel_of[n.args[2].name]))
+        elif n.target in _MATMULS:  # x @ W, W (in, out): the stacked (E, in, out) as it is
+            out = make(torch.ops.autopar.grouped_mm.default, env[n.args[0]], params[rel_of[n.args[1].name]], offs)
         elif n.target in _SPLITS:
             args = list(n.args)
             if len(args) > 2:

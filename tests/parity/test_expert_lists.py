@@ -1,13 +1,15 @@
 """Experts written as a list of modules, under expert parallelism, against one device.
 
-Two ways of writing a mixture of experts with a ``ModuleList`` of expert MLPs
+Three ways of writing a mixture of experts with a ``ModuleList`` of expert MLPs
 (hidden 16, 4 experts, 2 layers, 8 sequences of 8 tokens a step):
 
 - **dense routing**: every expert applied to every token, its output weighted
   by a gate that is zero outside the token's top 2 (SwiGLU experts, no biases);
 - **capacity dispatch** (GShard, Switch, DeepSpeed-MoE): top-1, each expert's
   slot of a (E, C, H) tensor built from the router's choices with a capacity
-  C per expert, expert e applied to slot e (GELU MLPs with biases).
+  C per expert, expert e applied to slot e (GELU MLPs with biases);
+- dense routing of experts holding plain weight parameters applied with ``@``
+  and a per-feature scale.
 
 The compiler stacks each list into one grouped computation
 (``passes/expert_lists.py``), so expert parallelism holds E/ep whole experts
@@ -90,6 +92,25 @@ class CapacityRouted(nn.Module):
         return torch.einsum("nec,ech->nh", dispatch * w.unsqueeze(-1), out).view(b, s, h)
 
 
+class RawExpert(nn.Module):
+    """Weights as plain parameters, applied with ``@``, and a per-feature scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(H, FF) / H**0.5)
+        self.w_out = nn.Parameter(torch.randn(FF, H) / FF**0.5)
+        self.scale = nn.Parameter(1 + torch.randn(FF) / 10)
+
+    def forward(self, x):
+        return (F.relu(x @ self.w_in) * self.scale) @ self.w_out
+
+
+class DenseRoutedRaw(DenseRouted):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([RawExpert() for _ in range(E)])
+
+
 class ListMoELM(nn.Module):
     def __init__(self, block):
         super().__init__()
@@ -107,7 +128,7 @@ class ListMoELM(nn.Module):
 
 def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    return ListMoELM(DenseRouted if kind == "dense" else CapacityRouted)
+    return ListMoELM({"dense": DenseRouted, "capacity": CapacityRouted, "raw": DenseRoutedRaw}[kind])
 
 
 def _data():
@@ -121,6 +142,7 @@ CASES = {
     "capacity ep2 tp2": ("capacity", dict(tp=2, dp=2, ep=2, expert_dispatch="alltoall")),
     "dense ep2 tp2 whole sp": ("dense", dict(tp=2, dp=2, ep=2, expert_tp=1, sequence_parallel=True)),
     "capacity ep2 pp2": ("capacity", dict(pp=2, dp=2, ep=2, microbatches=2)),
+    "raw ep2 tp2": ("raw", dict(tp=2, dp=2, ep=2)),
 }
 
 
@@ -193,7 +215,7 @@ def test_each_rank_holds_e_over_ep_whole_experts(runs):
         split = tp if layout.get("expert_tp", tp) == tp else 1
         for _, held in per_rank:
             assert held, label
-            for name, shape in held.items():  # (E/ep, out, in), each expert FF x H, split over tp or whole
+            for name, shape in held.items():  # (E/ep, ., .), each expert FF x H, split over tp or whole
                 assert ".*." in name and shape[0] == E // ep, (label, name, shape)
                 assert shape[1] * shape[2] * split == FF * H, (label, name, shape)
 
