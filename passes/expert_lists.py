@@ -8,7 +8,7 @@ the router's choices (GShard, Switch, DeepSpeed-MoE). With static shapes
 each expert's input is a fixed number of rows.
 
 This pass finds such a list from the module tree and the graph, not from any
-name: a ``ModuleList`` of at least two items of one class with the same
+name: a ``ModuleList`` (or ``ModuleDict``) of at least two items of one class with the same
 parameters (names, shapes, dtypes), beside a ``topk`` over as many logits as
 it has items (the router). Each item's call in the graph is its region (the
 nodes traced inside it), and the regions must be one computation repeated:
@@ -29,7 +29,8 @@ state machinery treat it like a layer written with stacked weights. The
 routing, the gates and the combine are the model's own, untouched.
 
 The stacked parameters are new: ``{list}.*.{name}`` (``blocks.0.experts.*.0.weight``)
-stacks the items' ``{list}.{e}.{name}`` along a new first dim, in item order.
+stacks the items' ``{list}.{e}.{name}`` (``{list}.{key}.{name}`` for a dict) along a
+new first dim, in item order.
 ``TracedModel.stacked`` records which model parameters each one stacks, so
 weights come from the model (or its initialisation, or a state dict with the
 model's keys), and checkpoints, ``full_state_dict`` and the HuggingFace export
@@ -102,13 +103,13 @@ def stack_expert_lists(traced: TracedModel, model: nn.Module) -> list[ExpertList
     lists = _expert_lists(traced.gm, model)
     inside = _nodes_by_module(traced.gm) if lists else {}
     for path, items in lists:
-        regions = [inside.get(f"{path}.{e}", []) for e in range(len(items))]
+        regions = [inside.get(f"{path}.{key}", []) for key, _ in items]
         members = _members(traced, path, items)
         refusal = members if isinstance(members, str) else _refusal(regions, members, traced)
         if refusal is not None:
             found.append(ExpertList(path, len(items), refusal=refusal))
             continue
-        stacked = _stack(traced, path, regions, members)
+        stacked = _stack(traced, path, regions, members, items[0][0])
         found.append(ExpertList(path, len(items), stacked=stacked))
     if any(not x.refusal for x in found):
         traced.gm.graph.lint()
@@ -116,23 +117,27 @@ def stack_expert_lists(traced: TracedModel, model: nn.Module) -> list[ExpertList
     return found
 
 
-def _expert_lists(gm: fx.GraphModule, model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """ModuleLists of >= 2 items of one class with equal parameters, beside a top-k over len(list)
-    logits (module docstring)."""
+def _expert_lists(gm: fx.GraphModule, model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+    """(path, its (key, item) pairs in order) of each ModuleList or ModuleDict of >= 2 items of one
+    class with equal parameters, beside a top-k over as many logits (module docstring)."""
     routers = [(_path(n), int(local_val(n.args[0]).shape[-1])) for n in gm.graph.nodes
                if n.op == "call_function" and n.target == aten.topk.default]
     out = []
     for path, m in model.named_modules():
-        if not (isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1):
+        if not (isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > 1
+                and len({type(c) for c in m.children()}) == 1):
             continue
-        shapes = {tuple((k, tuple(p.shape), p.dtype) for k, p in c.named_parameters()) for c in m}
+        keyed = list(m.named_children())
+        if len(keyed) != len(m):  # one module at two places of the list
+            continue
+        shapes = {tuple((k, tuple(p.shape), p.dtype) for k, p in c.named_parameters()) for _, c in keyed}
         if len(shapes) != 1 or not next(iter(shapes)):
             continue
         parent = path.rsplit(".", 1)[0] if "." in path else ""
         beside = [e for r, e in routers if not (r == path or r.startswith(path + "."))
                   and (not parent or r == parent or r.startswith(parent + "."))]
         if len(m) in beside:
-            out.append((path, m))
+            out.append((path, keyed))
     return out
 
 
@@ -152,15 +157,15 @@ def _nodes_by_module(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     return out
 
 
-def _members(traced: TracedModel, path: str, items: nn.ModuleList) -> dict[str, list[str]] | str:
+def _members(traced: TracedModel, path: str, items: list[tuple[str, nn.Module]]) -> dict[str, list[str]] | str:
     """Each item parameter's name within its item -> the placeholders holding it, item by item; or
     why the items' parameters cannot be stacked (one tied to another's, or not read)."""
     placeholder = {name: ph for ph, name in traced.param_of.items()}
     canonical = {alias: name for name, names in traced.aliases.items() for alias in names}
     out: dict[str, list[str]] = {}
-    for e, item in enumerate(items):
+    for key, item in items:
         for rel, _ in item.named_parameters():
-            full = f"{path}.{e}.{rel}"
+            full = f"{path}.{key}.{rel}"
             if canonical.get(full, full) != full or len(traced.aliases.get(full, [full])) > 1:
                 return f"{full} is tied to another parameter"
             if full not in placeholder:
@@ -288,8 +293,8 @@ class _Builder:
         return node
 
 
-def _stack(traced: TracedModel, path: str, regions: list[list[fx.Node]], members: dict[str, list[str]]
-           ) -> dict[str, tuple[str, ...]]:
+def _stack(traced: TracedModel, path: str, regions: list[list[fx.Node]], members: dict[str, list[str]],
+           first_key: str) -> dict[str, tuple[str, ...]]:
     gm, graph = traced.gm, traced.gm.graph
     E = len(regions)
     nodes = {n.name: n for n in graph.nodes}
@@ -308,7 +313,7 @@ def _stack(traced: TracedModel, path: str, regions: list[list[fx.Node]], members
             ph.meta["val"] = torch.stack([o.meta["val"] for o in old])
         params[rel], stacked[name] = ph, tuple(traced.param_of[p] for p in phs)
         traced.param_of[ph.name] = name
-    list_stack = _list_stack(first[0], path)
+    list_stack = _list_stack(first[0], f"{path}.{first_key}")
     make = _Builder(graph, _after_inputs(graph, xs), list_stack, first[0].meta.get("stack_trace"))
     inp = int(local_val(xs[0]).shape[-1])
     R = local_val(xs[0]).numel() // inp
@@ -392,11 +397,11 @@ def _placeholder_name(gm: fx.GraphModule, name: str) -> str:
     return out
 
 
-def _list_stack(node: fx.Node, path: str) -> dict:
-    """``node``'s module stack cut at the list (the entries down to the list, not into item 0)."""
+def _list_stack(node: fx.Node, item: str) -> dict:
+    """``node``'s module stack cut at the list (the entries down to the list, not into ``item``)."""
     out = {}
     for key, (p, cls) in (node.meta.get("nn_module_stack") or {}).items():
-        if user_path(p) == f"{path}.0" or user_path(p).startswith(f"{path}.0."):
+        if user_path(p) == item or user_path(p).startswith(f"{item}."):
             out[key + "_list"] = (p.rsplit(".", 1)[0], nn.ModuleList)
             break
         out[key] = (p, cls)
