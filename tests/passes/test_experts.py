@@ -335,3 +335,48 @@ def test_expert_weights_shared_across_stages_are_refused():
                                           r"stages \[0, 1\].*Fix: use ep=1"):
         _program(model, pp=2, dp=2, world_size=4, ep=2)
     assert _program(model, pp=2, dp=2, world_size=4).tied_params  # without ep: a tied weight like any other
+
+
+class FusedSwiGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(H, 2 * FF, bias=False), nn.Linear(FF, H, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DictOfExperts(nn.Module):
+    """Experts kept in a ModuleDict, applied in its order, each a SwiGLU with one fused gate/up linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleDict({f"expert_{e}": FusedSwiGLU() for e in range(E)})
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        top_w, top_i = probs.topk(2, dim=-1)
+        gate = torch.zeros_like(probs).scatter(-1, top_i, top_w)
+        return x + sum(gate[..., e:e + 1] * expert(x) for e, expert in enumerate(self.experts.values()))
+
+
+def test_a_dict_of_experts_is_stacked_and_one_process_equals_the_model():
+    """One process, the stacked computation against the model as written: the loss, and each
+    expert's gradient under its own name (fp32; only the order of sums differs: rtol 1e-5, atol 1e-6)."""
+    torch.manual_seed(0)
+    model = TinyMoE(DictOfExperts)
+    (x,), (y,) = _batch()
+    program = _program(model)
+    assert program.traced.stacked["blocks.0.experts.*.gate_up.weight"] == tuple(
+        f"blocks.0.experts.expert_{e}.gate_up.weight" for e in range(E))
+    engine = program.materialize()
+    loss = engine.train_step(x, y)
+    want = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+    want.backward()
+    torch.testing.assert_close(torch.as_tensor(float(loss)), want.detach(), rtol=1e-6, atol=1e-6)
+    grads = engine.full_grads()
+    assert grads.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
