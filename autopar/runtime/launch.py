@@ -161,13 +161,13 @@ def join_from_env(timeout_s: float = 1800.0) -> bool:
 
 def _leave_together() -> None:
     """A barrier before the ranks leave (a rank exiting early closes its peers' connections), bounded
-    under gloo by the failure timeout (``AUTOPAR_FAILURE_TIMEOUT``): a rank that stopped answering
-    after the engine's last call fails the others here, named by gloo's monitored barrier, instead of
-    holding them for the group's timeout."""
-    if str(dist.get_backend()) == "gloo" and dist.get_world_size() > 1:
-        from autopar.runtime.engine.failure_board import failure_timeout
-
-        dist.monitored_barrier(timeout=timedelta(seconds=failure_timeout()))
+    under gloo, once an engine ran, by its failure timeout (``AUTOPAR_FAILURE_TIMEOUT``): a rank that
+    stopped answering after the engine's last call fails the others here, named by gloo's monitored
+    barrier, instead of holding them for the group's timeout. The board's module is asked only if an
+    engine loaded it."""
+    board = sys.modules.get("autopar.runtime.engine.failure_board")
+    if board is not None and str(dist.get_backend()) == "gloo" and dist.get_world_size() > 1:
+        dist.monitored_barrier(timeout=timedelta(seconds=board.failure_timeout()))
     else:
         dist.barrier()
 
