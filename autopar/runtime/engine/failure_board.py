@@ -40,7 +40,12 @@ state (sends in flight, partial gradients) and its process groups are gone.
 
 The store lives in rank 0's process (``MASTER_ADDR``): a rank 0 that stopped
 for a failure waits at exit (up to ``exit_wait_s``) until every rank has read
-the root cause, so a peer slower to notice still finds it.
+the root cause, so a peer slower to notice still finds it (every rank but those
+whose heartbeat fell silent). A rank 0 that stops answering would hold every
+store call forever (a TCPStore client's read has no timeout once connected):
+the board makes its calls on a thread of its own, each waited for at most
+``STORE_TIMEOUT_S``, and after one times out it calls the store no more and
+names rank 0 as the rank that stopped answering.
 """
 
 from __future__ import annotations
