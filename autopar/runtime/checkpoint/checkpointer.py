@@ -85,7 +85,7 @@ _SINGLE_PROCESS_NOTE = (r"torch\.distributed is (disabled, )?unavailable or unin
 
 __all__ = ["Checkpointer", "SaveHandle", "CheckpointError"]
 
-GIVE_UP_S = 5.0
+GIVE_UP_S = 2.0
 """How long ``SaveHandle.wait`` still waits for the save's thread once this rank's communication was
 stopped for a failure (its collectives fail then, so it ends at once)."""
 _WRITING: list = [None]

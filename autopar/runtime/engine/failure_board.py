@@ -55,6 +55,7 @@ import contextlib
 import json
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -182,6 +183,11 @@ def _close_gloo_group(pg) -> None:
     except Exception:  # noqa: BLE001 - the expected timeout, or connections closed already
         pass
 
+
+STUCK_EXIT_S = 3.0
+"""How long a watched call may go on after this rank's communication was stopped for a failure before the
+watch ends the process (``Watch._end_if_stuck``): a call whose collectives failed ends within
+milliseconds, and a wait for an asynchronous save gives up sooner (``SaveHandle.wait``)."""
 
 STORE_TIMEOUT_S = 3.0
 """How long one of the board's store calls may wait: the store lives in rank 0's process, and a rank
@@ -512,5 +518,25 @@ class Watch:
                 if seen is not None:
                     self.seen = seen
                     self.board.stop()
+                    self._end_if_stuck(step, seen)
         except Exception:  # noqa: BLE001 - the process is tearing its groups down: the step's own error tells
             return
+
+    def _end_if_stuck(self, step, seen: Failure) -> None:
+        """After this rank's communication was stopped for ``seen``: the call ``step`` ends at once
+        (its collectives fail), unless it waits where stopping cannot reach (a store call to a host
+        that stopped answering: a new process group's rendezvous). Then, ``STUCK_EXIT_S`` later, the
+        process ends (exit code 1) with the failure on stderr, as NCCL's watchdog ends a rank whose
+        collective timed out, instead of waiting forever."""
+        end = time.monotonic() + STUCK_EXIT_S
+        while self._step is step and not self._closing:
+            if time.monotonic() > end:
+                _, _, _, doing = step
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                sys.stderr.write(f"[rank {rank}] autopar: {seen.headline()}\n[rank {rank}] autopar: this rank's "
+                                 f"call ({doing()}) did not end {STUCK_EXIT_S:g} s after its communication was "
+                                 f"stopped (it waits where stopping cannot reach it, such as a store whose host "
+                                 f"stopped answering): the process exits\n")
+                sys.stderr.flush()
+                os._exit(1)
+            time.sleep(self.board.poll_s)
