@@ -185,9 +185,9 @@ def _close_gloo_group(pg) -> None:
 
 
 STUCK_EXIT_S = 3.0
-"""How long a watched call may go on after this rank's communication was stopped for a failure before the
-watch ends the process (``Watch._end_if_stuck``): a call whose collectives failed ends within
-milliseconds, and a wait for an asynchronous save gives up sooner (``SaveHandle.wait``)."""
+"""How long a watched call may go on after this rank's communication was stopped for a failure, the store's
+host silent, before the watch ends the process (``Watch._end_if_stuck``): a call whose collectives failed
+ends within milliseconds, and a wait for an asynchronous save gives up sooner (``SaveHandle.wait``)."""
 
 STORE_TIMEOUT_S = 3.0
 """How long one of the board's store calls may wait: the store lives in rank 0's process, and a rank
@@ -524,13 +524,13 @@ class Watch:
 
     def _end_if_stuck(self, step, seen: Failure) -> None:
         """After this rank's communication was stopped for ``seen``: the call ``step`` ends at once
-        (its collectives fail), unless it waits where stopping cannot reach (a store call to a host
-        that stopped answering: a new process group's rendezvous). Then, ``STUCK_EXIT_S`` later, the
-        process ends (exit code 1) with the failure on stderr, as NCCL's watchdog ends a rank whose
-        collective timed out, instead of waiting forever."""
+        (its collectives fail), or once its own work is done, unless it waits on the store whose host
+        stopped answering (a new process group's rendezvous), which no stop reaches and which never
+        returns. Then, ``STUCK_EXIT_S`` later, the process ends (exit code 1) with the failure on stderr,
+        as NCCL's watchdog ends a rank whose collective timed out, instead of waiting forever."""
         end = time.monotonic() + STUCK_EXIT_S
         while self._step is step and not self._closing:
-            if time.monotonic() > end:
+            if time.monotonic() > end and self.board.store_silent:
                 _, _, _, doing = step
                 rank = dist.get_rank() if dist.is_initialized() else 0
                 sys.stderr.write(f"[rank {rank}] autopar: {seen.headline()}\n[rank {rank}] autopar: this rank's "
