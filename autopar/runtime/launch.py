@@ -159,6 +159,19 @@ def join_from_env(timeout_s: float = 1800.0) -> bool:
     return True
 
 
+def _leave_together() -> None:
+    """A barrier before the ranks leave (a rank exiting early closes its peers' connections), bounded
+    under gloo, once an engine ran, by its failure timeout (``AUTOPAR_FAILURE_TIMEOUT``): a rank that
+    stopped answering after the engine's last call fails the others here, named by gloo's monitored
+    barrier, instead of holding them for the group's timeout. The board's module is asked only if an
+    engine loaded it."""
+    board = sys.modules.get("autopar.runtime.engine.failure_board")
+    if board is not None and str(dist.get_backend()) == "gloo" and dist.get_world_size() > 1:
+        dist.monitored_barrier(timeout=timedelta(seconds=board.failure_timeout()))
+    else:
+        dist.barrier()
+
+
 def _stop_watches() -> None:
     """Stop the engines' failure watches before the process group goes (each thread may be reading
     the group's store): the board's module is asked only if an engine loaded it."""
@@ -234,7 +247,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), backend: str | None = Non
         torch.set_num_threads(threads_per_rank)
         try:
             out = fn(*args)
-            dist.barrier()  # leave together: a rank exiting early closes its peers' connections
+            _leave_together()
         finally:
             _stop_watches()
             if dist.is_initialized():  # a failed engine under NCCL aborted (and removed) its groups

@@ -13,7 +13,8 @@ files), one run meets, in order:
 3. the same fault during an asynchronous save: the failure is raised by the
    next ``train_step`` on every rank, and the step after that runs;
 4. a NaN written into one weight: the save is refused on every rank before
-   anything is written, naming the parameter and the step.
+   anything is written, naming the parameter and the step; so is the
+   HuggingFace export (``engine.save_pretrained``), naming the rank.
 
 In one process: a checkpoint whose DCP metadata pickle carries a payload
 (``os.system`` through ``__reduce__``) is refused by ``engine.load`` and by
@@ -120,7 +121,10 @@ def _faults(program, root: str) -> dict:
         if engine.mesh.rank == 0:
             dict(engine.named_local_parameters())["blocks.0.fc.weight"][1, 2] = float("nan")
     out["nonfinite"] = _error(lambda: engine.save(root, optimizer, step=5))
+    hf = Path(root).parent / "hf"
+    out["export"] = _error(lambda: engine.save_pretrained(str(hf)))
     torch.distributed.barrier()
+    out["exported"] = sorted(p.name for p in hf.iterdir()) if hf.exists() else []
     out["entries"] = sorted(p.name for p in Path(root).iterdir())
     return out
 
@@ -145,6 +149,11 @@ def test_a_failed_save_names_the_path_and_the_error_and_the_previous_checkpoint_
         assert nonfinite.startswith(f"cannot save step 5 under {root}:\n  parameter(s) blocks.0.fc.weight hold NaN "
                                     f"or infinite values at step 5"), nonfinite
         assert "the previous one stays 'latest'" in nonfinite and "[ranks [0]]" in nonfinite
+        export = r["export"]
+        assert export is not None and export.startswith(
+            "save_pretrained failed on rank 0: parameter(s) blocks.0.fc.weight hold NaN or infinite values: an export "
+            "is never written with non-finite weights"), export
+        assert r["exported"] == [], r["exported"]  # refused before any file was written
     assert ranks[0]["entries"] == ["latest", "step-00000001"]  # no partial directory, no step 2, 3 or 5
     assert_bitwise_equal(ranks[0]["loaded"], ranks[0]["saved"], "step 1 loaded after the failed save")
 

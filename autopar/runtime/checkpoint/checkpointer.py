@@ -36,11 +36,15 @@ its collectives with training's on the same group).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import shutil
+import time
 import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +85,17 @@ _SINGLE_PROCESS_NOTE = (r"torch\.distributed is (disabled, )?unavailable or unin
 
 __all__ = ["Checkpointer", "SaveHandle", "CheckpointError"]
 
+GIVE_UP_S = 2.0
+"""How long ``SaveHandle.wait`` still waits for the save's thread once this rank's communication was
+stopped for a failure (its collectives fail then, so it ends at once)."""
 _WRITING: list = [None]
 """The process's asynchronous save still writing over the checkpoints' group, whichever engine started it."""
+
+
+@contextlib.contextmanager
+def _unwatched(what: str, patient: bool = False) -> Iterator[Callable[[], bool]]:
+    """No failure watch (a save without an engine's): yields ``stopped()``, always False."""
+    yield lambda: False
 
 
 class SaveHandle:
@@ -92,7 +105,8 @@ class SaveHandle:
     failed on a rank which reported it (every rank done) removes it, so that no half-written
     directory is left beside the checkpoints."""
 
-    def __init__(self, path: Path, future: Future, partial: Path, removes_partial: bool = False) -> None:
+    def __init__(self, path: Path, future: Future, partial: Path, removes_partial: bool = False,
+                 watched: Callable[..., contextlib.AbstractContextManager] = _unwatched) -> None:
         self.path = path
         """``ROOT/step-N``: complete once the save is done."""
         self.partial = partial
@@ -101,6 +115,7 @@ class SaveHandle:
         self._removes_partial = removes_partial
         self.settled = False
         """Every rank's save finished successfully (``Checkpointer.report_failed_save`` stops asking)."""
+        self._watched = watched
 
     def done(self) -> bool:
         """Whether the save finished (successfully or not)."""
@@ -112,11 +127,27 @@ class SaveHandle:
 
     def wait(self) -> Path:
         """Block until the checkpoint is visible on every rank; raise ``CheckpointError`` if the save
-        failed (on every rank: DCP fails a save on all ranks when one fails)."""
-        try:
-            self._future.result()
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
-            raise CheckpointError(self._failure(e)) from e
+        failed (on every rank: DCP fails a save on all ranks when one fails).
+
+        Under the engine's failure watch (``StepFailures.watched``, patient: writing takes what it
+        takes): a peer that stops answering while the save's thread waits for it in DCP's collectives
+        fails the wait on every rank, naming it. Once this rank's communication is stopped for a failure,
+        the wait gives up after ``GIVE_UP_S`` even if the save's thread has not returned."""
+        with self._watched(f"the wait for the save of {self.path.name}", patient=True) as stopped:
+            stopped_at = None
+            while True:
+                try:
+                    self._future.result(timeout=0.25)
+                    break
+                except FutureTimeout:
+                    if stopped() and stopped_at is None:
+                        stopped_at = time.monotonic()
+                    if stopped_at is not None and time.monotonic() - stopped_at > GIVE_UP_S:
+                        raise CheckpointError(f"saving checkpoint {self.path}: this rank's communication was stopped "
+                                              f"for a failure and the save's thread did not end within "
+                                              f"{GIVE_UP_S:g} s; {self.partial} is left as it is (never loaded)") from None
+                except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+                    raise CheckpointError(self._failure(e)) from e
         return self.path
 
     def _failure(self, e: BaseException) -> str:
@@ -193,9 +224,12 @@ class Checkpointer:
     (``engine.random_stream``), unannotated because the engine imports this module.
     """
 
-    def __init__(self, holdings, stream) -> None:
+    def __init__(self, holdings, stream, watched: Callable[..., contextlib.AbstractContextManager] = _unwatched) -> None:
         self.holdings = holdings
         self.stream = stream
+        self.watched = watched
+        """``watched(what, patient)``: the engine's failure watch over a collective call (the wait for an
+        asynchronous save runs under it)."""
         self.group = (group_over(range(dist.get_world_size()), backend="gloo", purpose="checkpoints")
                       if dist.is_initialized() else None)
         """All ranks, gloo: only checkpoints talk over it (one group for every engine of the process).
@@ -217,6 +251,11 @@ class Checkpointer:
             other.wait()
         if pending is not None:
             pending.wait()
+
+    def unsettled(self) -> bool:
+        """An asynchronous save of this engine is not known to have succeeded on every rank
+        (``report_failed_save`` asks)."""
+        return self.pending is not None and not self.pending.settled
 
     def report_failed_save(self, device: torch.device) -> None:
         """Raise, on every rank, this engine's asynchronous save if it failed (``CheckpointError``), so
@@ -258,11 +297,11 @@ class Checkpointer:
         if async_save:
             future = dcp.async_save(state, storage_writer=writer, planner=PieceSavePlanner(),
                                     process_group=self.group, async_stager=HostStager())
-            self.pending = _WRITING[0] = SaveHandle(writer.final, future, partial, self._rank0())
+            self.pending = _WRITING[0] = SaveHandle(writer.final, future, partial, self._rank0(), self.watched)
             return self.pending
         handle = SaveHandle(writer.final, _completed(lambda: dcp.save(
             state, storage_writer=writer, planner=PieceSavePlanner(), process_group=self.group)),
-            partial, self._rank0())
+            partial, self._rank0(), self.watched)
         handle.wait()
         return handle
 

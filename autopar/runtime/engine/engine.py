@@ -207,8 +207,8 @@ class RankEngine(nn.Module):
         global batch, the same on every rank), or (m * b, ...): this replica's own batch. On any
         device (what this replica uses is moved to the engine's).
         """
-        self._report_failed_save()
         self._refuse_if_failed("train_step", read_board=True)
+        self._report_failed_save()
         st = self._new_step(batch, self.schedule, training=True)
         with self.failures.together(st, self.failure_timeout_s):
             self.grads.begin_step(st.stats)
@@ -256,11 +256,12 @@ class RankEngine(nn.Module):
         ``train_step`` before it) any non-finite loss among them skips the step.
         """
         self._refuse_if_failed("optimizer_step")
-        stepped = self.step_checks.settle()
-        if stepped:
-            optimizer.step()  # a distributed optimizer asks settle() again: the same answer
-            if scheduler is not None:
-                scheduler.step()
+        with self._watched("optimizer_step"):
+            stepped = self.step_checks.settle()
+            if stepped:
+                optimizer.step()  # a distributed optimizer asks settle() again: the same answer
+                if scheduler is not None:
+                    scheduler.step()
         optimizer.zero_grad()
         self.zero_grad()
         return stepped
@@ -308,8 +309,8 @@ class RankEngine(nn.Module):
             last = self.program.stage_of_chunk(self.program.split.n - 1)
             ranks = askers(to, self.mesh.shape.world,
                            [r for r in range(self.mesh.shape.world) if self.mesh.shape.coords(r)[0] == last])
-        self._report_failed_save()
         self._refuse_if_failed("eval_step", read_board=True)
+        self._report_failed_save()
         self.wait_parameters("eval_step")
         st = self._new_step(batch, self.eval_schedule, training=False)
         st.logits = {} if outputs else None
@@ -365,6 +366,11 @@ class RankEngine(nn.Module):
         """``EngineFailedError`` when a step of this engine failed (``step_failures.py``)."""
         self.failures.refuse_if_failed(what, self._steps, read_board)
 
+    def _watched(self, what: str, patient: bool = False):
+        """A collective call outside the steps under the failure watch (``StepFailures.watched``): a peer
+        that stops answering during it fails it within ``failure_timeout_s``, named, on every rank."""
+        return self.failures.watched(what, self._steps, self.failure_timeout_s, patient)
+
     # -------------------------------------------------------------- gradients
     def gradient_groups(self) -> list[list[str]]:
         """The groups of parameter names whose data-parallel reduction starts together (each final
@@ -376,8 +382,9 @@ class RankEngine(nn.Module):
         A non-finite norm clips nothing and marks the step non-finite (``last_step``; ``optimizer_step``
         skips it)."""
         self._refuse_if_failed("clip_grad_norm_")
-        norm = self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
-        self.step_checks.after_norm(norm)
+        with self._watched("clip_grad_norm_"):
+            norm = self.grads.clip_norm_(max_norm, self.tp.rank, self.stage)
+            self.step_checks.after_norm(norm)
         return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -405,7 +412,7 @@ class RankEngine(nn.Module):
         optimizer = DistributedOptimizer(dict(self.named_local_parameters()), self.grads, self.gradient_groups(),
                                          optimizer_class, params, elementwise=elementwise,
                                          overlap_param_gather=overlap_param_gather, step_guard=self.step_checks.settle,
-                                         **defaults)
+                                         watched=self._watched, **defaults)
         self.holdings.gathers = optimizer.gathers
         return optimizer
 
@@ -414,7 +421,10 @@ class RankEngine(nn.Module):
         """Finish the distributed optimizer's parameter all-gathers still in flight, so the parameters
         hold the last ``step()``'s values (every read of them by the engine does this first; call it
         before reading a tensor of ``engine.parameters()`` kept from earlier). ``where``: recorded."""
-        self.holdings.wait(where)
+        if self.holdings.gathers is None or not self.holdings.gathers.pending:
+            return
+        with self._watched(f"the parameters' all-gathers (before {where})"):
+            self.holdings.wait(where)
 
     def named_parameters(self, *args, **kwargs):
         """``nn.Module.named_parameters``, once the parameter all-gathers in flight are done."""
@@ -473,13 +483,15 @@ class RankEngine(nn.Module):
         gathered over tp, then over pp; persistent buffers; non-persistent buffers (a rotary
         ``inv_freq``) are not part of it, as in the model's own ``state_dict()``."""
         self._refuse_if_failed("full_state_dict")
-        return self.holdings.full_state_dict()
+        with self._watched("full_state_dict"):
+            return self.holdings.full_state_dict()
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full gradients under every original parameter name, on every rank (with a distributed
         optimizer: the reduced gradients, all-gathered from the replicas' shards)."""
         self._refuse_if_failed("full_grads")
-        return self.holdings.full_grads(self.grads)
+        with self._watched("full_grads"):
+            return self.holdings.full_grads(self.grads)
 
     # ------------------------------------------------------- traces and export
     def write_trace(self, path: str, steps: int | None = 1) -> None:
@@ -490,8 +502,9 @@ class RankEngine(nn.Module):
         Collective: every rank calls it; rank 0 writes ``path``.
         """
         self._refuse_if_failed("write_trace")
-        offset = clock_offset(self.device)
-        per_rank = gather_objects((self.mesh.rank, offset, self.timelines.last(steps)))
+        with self._watched("write_trace"):
+            offset = clock_offset(self.device)
+            per_rank = gather_objects((self.mesh.rank, offset, self.timelines.last(steps)))
         if not dist.is_initialized() or dist.get_rank() == 0:
             events, step_of = aligned_steps(per_rank)
             meta = trace_metadata(self.program, self.mesh) | {"steps": sorted(set(step_of))}
@@ -505,7 +518,8 @@ class RankEngine(nn.Module):
         Collective: every rank calls it. Returns the names of the files this rank wrote.
         """
         self._refuse_if_failed("save_pretrained")
-        return save_pretrained(path, self.holdings.for_export())
+        with self._watched("save_pretrained", patient=True):
+            return save_pretrained(path, self.holdings.for_export())
 
     # --------------------------------------------------------------- checkpoints
     def save(self, root: str, optimizer: torch.optim.Optimizer | None = None, *, step: int, scheduler=None,
@@ -531,9 +545,10 @@ class RankEngine(nn.Module):
         (``docs/fault-tolerance.md``).
         """
         self._refuse_if_failed("save")
-        self.wait_parameters("save")
-        return self._checkpoints().save(root, optimizer, step=step, scheduler=scheduler, extra=extra,
-                                        async_save=async_save)
+        with self._watched(f"save of step {step}", patient=True):
+            self.wait_parameters("save")
+            return self._checkpoints().save(root, optimizer, step=step, scheduler=scheduler, extra=extra,
+                                            async_save=async_save)
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None, scheduler=None) -> tuple[int, Any]:
         """Load a checkpoint saved at any layout; returns ``(step, extra)``.
@@ -546,16 +561,18 @@ class RankEngine(nn.Module):
         raises ``CheckpointError`` on every rank.
         """
         self._refuse_if_failed("load")
-        self.wait_parameters("load")  # a gather finishing after the load would overwrite what it read
-        step, extra = self._checkpoints().load(path, optimizer, scheduler)
+        with self._watched(f"load of {path}", patient=True):
+            self.wait_parameters("load")  # a gather finishing after the load would overwrite what it read
+            step, extra = self._checkpoints().load(path, optimizer, scheduler)
         self.step_checks.loaded(step)
         return step, extra
 
     def _report_failed_save(self) -> None:
         """Raise here, on every rank, an asynchronous save that failed since it started (``CheckpointError``),
         rather than at the next save. Collective while a save is in flight: one small all-reduce."""
-        if "_checkpointer" in self.__dict__:
-            self._checkpointer.report_failed_save(self.device)
+        if "_checkpointer" in self.__dict__ and self._checkpointer.unsettled():
+            with self._watched("the check of the asynchronous save in flight"):
+                self._checkpointer.report_failed_save(self.device)
 
     def _checkpoints(self) -> "Checkpointer":
         """This engine's checkpoints, made at the first save or load (collective: creates their group).
@@ -563,5 +580,5 @@ class RankEngine(nn.Module):
         from autopar.runtime.checkpoint.checkpointer import Checkpointer
 
         if "_checkpointer" not in self.__dict__:
-            self._checkpointer = Checkpointer(self.holdings, self.random_stream)
+            self._checkpointer = Checkpointer(self.holdings, self.random_stream, self._watched)
         return self._checkpointer

@@ -24,20 +24,28 @@ progress for ``timeout_s`` (``engine.failure_timeout_s``, default
 ``AUTOPAR_FAILURE_TIMEOUT`` or 300 s, well under torch's 30 minutes) is
 published as this rank's failure, a ``TimeoutError`` naming the action.
 
-While a step runs, each rank's watch also writes a *heartbeat* on the board
-every poll (``beat``: the wall-clock time and the action it runs). A rank
-that stops answering (stopped with SIGSTOP, its host frozen) stops beating
-while its threads stand still; the rank whose wait times out reads every
-heartbeat and names, in its failure, the ranks silent for longer than
-``silent_s`` and what each was last running, or, when every rank still
-answers (one stuck in another collective), what each of them is running.
+Once an engine ran its first collective call, each rank's watch also writes
+a *heartbeat* on the board every poll (``beat``: the wall-clock time and what
+the rank runs: a step's action, another collective call of the engine, or its
+own code between calls). A rank that stops answering (stopped with SIGSTOP,
+its host frozen) stops beating while its threads stand still; the rank whose
+wait times out reads every heartbeat and names, in its failure, the ranks
+silent for longer than ``silent_s`` and what each was last running, or, when
+every rank still answers (one stuck in another collective), what each of them
+is running. The watch runs over every collective call of the engine, not only
+its steps (``StepFailures.watched``).
 
 A failed engine refuses every further step (``EngineFailedError``): its
 state (sends in flight, partial gradients) and its process groups are gone.
 
 The store lives in rank 0's process (``MASTER_ADDR``): a rank 0 that stopped
 for a failure waits at exit (up to ``exit_wait_s``) until every rank has read
-the root cause, so a peer slower to notice still finds it.
+the root cause, so a peer slower to notice still finds it (every rank but those
+whose heartbeat fell silent). A rank 0 that stops answering would hold every
+store call forever (a TCPStore client's read has no timeout once connected):
+the board makes its calls on a thread of its own, each waited for at most
+``STORE_TIMEOUT_S``, and after one times out it calls the store no more and
+names rank 0 as the rank that stopped answering.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ import atexit
 import contextlib
 import json
 import os
+import queue
+import sys
 import threading
 import time
 import weakref
@@ -68,8 +78,8 @@ TIMEOUT_ENV = "AUTOPAR_FAILURE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 _CLOSE_TAG = 2**30 + 611
 """The tag of the receive that times out on purpose (no engine message uses it)."""
-_READERS: list[tuple[object, str, int, float]] = []
-"""(store, key, world, seconds) of the failures this process's store holds: waited for at exit."""
+_READERS: list[tuple["FailureBoard", str, float]] = []
+"""(board, key of its readers' count, seconds) of the failures this process's store holds: waited for at exit."""
 
 
 def failure_timeout() -> float:
@@ -174,15 +184,21 @@ def _close_gloo_group(pg) -> None:
         pass
 
 
-STORE_TIMEOUT_S = 5.0
+STUCK_EXIT_S = 3.0
+"""How long a watched call may go on after this rank's communication was stopped for a failure, the store's
+host silent, before the watch ends the process (``Watch._end_if_stuck``): a call whose collectives failed
+ends within milliseconds, and a wait for an asynchronous save gives up sooner (``SaveHandle.wait``)."""
+
+STORE_TIMEOUT_S = 3.0
 """How long one of the board's store calls may wait: the store lives in rank 0's process, and a rank
-0 that stopped answering (SIGSTOP, a frozen host) must not hold every other rank for the store's own
-timeout (10 minutes) in the very calls that would report it."""
+0 that stopped answering (SIGSTOP, a frozen host) must not hold every other rank in the very calls that
+would report it (a TCPStore client's read has no timeout of its own then: the connection stays open and
+nothing comes)."""
 
 
 def _own_client():
-    """A connection of this process's own to the default group's store, its calls bounded by
-    ``STORE_TIMEOUT_S`` (the group's connection keeps its timeout for everything else)."""
+    """A connection of this process's own to the default group's store (the group's connection stays
+    free for everything else, and one of the board's calls left hanging holds only this one)."""
     store = dist.distributed_c10d._get_default_store()
     try:
         store = store.clone()
@@ -190,6 +206,46 @@ def _own_client():
     except Exception:  # noqa: BLE001 - a store without clone(): the group's own connection, as before
         pass
     return store
+
+
+class _StoreCalls:
+    """The board's store calls, made one at a time on a daemon thread of their own and each waited for
+    at most ``timeout_s``: a call that does not return by then is left behind (its thread stays blocked
+    on a store that no longer answers) and the board stops calling the store."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.silent = False
+        """A call timed out: the store's host stopped answering."""
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def call(self, fn: Callable, *args):
+        """``fn(*args)`` on the calls' thread: its value, or its exception; ``TimeoutError`` after
+        ``timeout_s`` (or as soon as another call timed out)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="autopar-failure-store", daemon=True)
+            self._thread.start()
+        done, box = threading.Event(), []
+        self._jobs.put((fn, args, box, done))
+        end = time.monotonic() + self.timeout_s
+        while not done.wait(0.05):
+            if self.silent or time.monotonic() > end:
+                self.silent = True
+                raise TimeoutError(f"the store did not answer within {self.timeout_s:g} s")
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+    def _run(self) -> None:
+        while True:
+            fn, args, box, done = self._jobs.get()
+            try:
+                box.append((True, fn(*args)))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                box.append((False, e))
+            done.set()
 
 
 class FailureBoard:
@@ -215,21 +271,28 @@ class FailureBoard:
         self._stopped = False
         self._lock = threading.Lock()
         self._watch: Watch | None = None
+        self._calls = _StoreCalls(STORE_TIMEOUT_S)
         self.store_silent = False
-        """A store call timed out: rank 0, which serves the store, stopped answering; later calls are
-        skipped (each would wait ``STORE_TIMEOUT_S`` again)."""
+        """A store call timed out or failed: rank 0, which serves the store, stopped answering; later
+        calls are skipped (each would wait ``STORE_TIMEOUT_S`` again)."""
 
     @property
     def shared(self) -> bool:
         return self.store is not None
 
+    @property
+    def stopped(self) -> bool:
+        """This rank's communication was stopped for a failure (its own, a peer's, or a timeout)."""
+        return self._stopped
+
     def _call(self, fn, *args):
         """``fn(*args)`` on the store, unless it stopped answering (then, and on a timeout, raise
         ``_StoreSilent``)."""
-        if self.store_silent:
+        if self.store_silent or self._calls.silent:
+            self.store_silent = True
             raise _StoreSilent()
         try:
-            return fn(*args)
+            return self._calls.call(fn, *args)
         except Exception:
             self.store_silent = True
             raise _StoreSilent() from None
@@ -274,16 +337,18 @@ class FailureBoard:
         if self.hosts_store:
             if not _READERS:
                 atexit.register(_wait_for_readers)
-            _READERS.append((self.store, self.key + "/read", self.world, self.exit_wait_s))
+            _READERS.append((self, self.key + "/read", self.exit_wait_s))
 
-    def watch(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure],
-              doing: Callable[[], str] = lambda: ""):
-        """A watch over one step (a context manager): ``progress()`` is the ``time.monotonic()`` of
-        the step's last progress, ``on_timeout(seconds)`` this rank's failure after ``timeout_s``
-        without any, ``doing()`` what this rank runs (its heartbeat says it)."""
+    def watch(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure | None],
+              doing: Callable[[], str] = lambda: "", beat_now: bool = False):
+        """A watch over one collective call (a context manager): ``progress()`` is the
+        ``time.monotonic()`` of the call's last progress, ``on_timeout(seconds)`` this rank's failure
+        after ``timeout_s`` without any (None: not a failure yet, and ``progress()`` moved on), ``doing()``
+        what this rank runs (its heartbeat says it); ``beat_now``: a heartbeat at the call's start (a
+        step: one shorter than a poll is heard too)."""
         if self._watch is None:
             self._watch = Watch(self)
-        return self._watch.over(timeout_s, progress, on_timeout, doing)
+        return self._watch.over(timeout_s, progress, on_timeout, doing, beat_now)
 
     @property
     def silent_s(self) -> float:
@@ -301,7 +366,7 @@ class FailureBoard:
 
     def heartbeats(self) -> dict[int, tuple[float, str] | None]:
         """Every rank's last heartbeat (seconds since it, what it ran then), None for a rank never heard
-        from in this engine's steps."""
+        from since its engine's first collective call."""
         out: dict[int, tuple[float, str] | None] = {}
         now = time.time()
         for rank in range(self.world):
@@ -313,6 +378,26 @@ class FailureBoard:
             out[rank] = (max(0.0, now - at), doing)
         return out
 
+    def silent_peers(self, me: int) -> list[int]:
+        """The ranks other than ``me`` whose heartbeat is older than ``silent_s`` (or never came); [0]
+        when the store's host does not answer. One store round trip per rank."""
+        if self.store is None:
+            return []
+        try:
+            beats = self.heartbeats()
+        except _StoreSilent:
+            return [0]
+        return [r for r, b in beats.items() if r != me and (b is None or b[0] > self.silent_s)]
+
+    def store_note(self, coords: Callable[[int], tuple[int, int, int]]) -> str:
+        """When the store's host stopped answering this rank: a sentence naming it (no failure could be
+        shared through the store); else empty."""
+        if not self.store_silent:
+            return ""
+        pp, dp, tp = coords(0)
+        return (f"rank 0 (pp={pp}, dp={dp}, tp={tp}), which serves the group's store, does not answer "
+                f"within {STORE_TIMEOUT_S:g} s: stopped or hung (SIGSTOP, a frozen host, a hung kernel)")
+
     def silence(self, me: int, coords: Callable[[int], tuple[int, int, int]]) -> str:
         """What the heartbeats say when a wait timed out on rank ``me``: the ranks that stopped
         answering and what each last ran; else (every rank answers) what each runs now."""
@@ -321,9 +406,7 @@ class FailureBoard:
         try:
             beats = self.heartbeats()
         except _StoreSilent:
-            pp, dp, tp = coords(0)
-            return (f"rank 0 (pp={pp}, dp={dp}, tp={tp}), which serves the group's store, does not answer "
-                    f"within {STORE_TIMEOUT_S:g} s: stopped or hung (SIGSTOP, a frozen host, a hung kernel)")
+            return self.store_note(coords)
         silent = [(r, b) for r, b in beats.items() if r != me and (b is None or b[0] > self.silent_s)]
 
         def who(r: int) -> str:
@@ -331,8 +414,8 @@ class FailureBoard:
             return f"rank {r} (pp={pp}, dp={dp}, tp={tp})"
 
         if silent:
-            parts = [f"{who(r)} never answered in this engine's steps" if b is None else
-                     f"{who(r)} has not answered for {b[0]:.0f} s (last heard while running {b[1] or 'its step'})"
+            parts = [f"{who(r)} never answered in this engine's collective calls" if b is None else
+                     f"{who(r)} has not answered for {b[0]:.0f} s (last heard while running {b[1] or 'a collective call'})"
                      for r, b in silent[:8]]
             more = f" and {len(silent) - 8} more" if len(silent) > 8 else ""
             return "; ".join(parts) + more + ": stopped or hung (SIGSTOP, a frozen host, a hung kernel)"
@@ -356,30 +439,38 @@ def close_watches() -> None:
 
 
 def _wait_for_readers() -> None:
-    """At exit of the store's host: wait until every rank has read each failure it holds (bounded)."""
-    for store, key, world, seconds in _READERS:
+    """At exit of the store's host: wait until every rank has read each failure it holds (bounded),
+    every rank but those whose heartbeat fell silent (a stopped rank reads nothing until continued)."""
+    for board, key, seconds in _READERS:
         end = time.monotonic() + seconds
+        expected, asked = board.world, time.monotonic()
         while time.monotonic() < end:
             try:
-                if store.add(key, 0) >= world:
+                if board._call(board.store.add, key, 0) >= expected:
                     break
+                if time.monotonic() - asked > board.silent_s:  # the ranks that stopped answering read nothing
+                    expected, asked = board.world - len(board.silent_peers(dist.get_rank())), time.monotonic()
             except Exception:  # noqa: BLE001
                 break
             time.sleep(0.05)
 
 
 class Watch:
-    """The board's watch: one daemon thread, started at the engine's first step, that every
-    ``poll_s`` during a step (``with board.watch(...):``) reads the board and stops this rank's
-    communication when a failure is published, or publishes this rank's timeout when the step has
-    made no progress for ``timeout_s``. Between steps it only sleeps: a step pays no thread start."""
+    """The board's watch: one daemon thread, started at the engine's first collective call, that
+    every ``poll_s`` during a call (``with board.watch(...):``) reads the board and stops this rank's
+    communication when a failure is published, or publishes this rank's timeout when the call has
+    made no progress for ``timeout_s``. Every poll, in a call or between calls, it writes this rank's
+    heartbeat, so a peer can tell a rank that stopped answering from one busy with its own code. A
+    call pays no thread start."""
 
     def __init__(self, board: FailureBoard) -> None:
         self.board = board
         self.seen: Failure | None = None
         """What the watch found published (a peer's failure, or this rank's timeout)."""
-        self._step: tuple[float, Callable[[], float], Callable[[float], Failure], Callable[[], str]] | None = None
-        """(timeout_s, progress, on_timeout, doing) while a step runs."""
+        self._step: tuple[float, Callable[[], float], Callable[[float], Failure | None], Callable[[], str]] | None = None
+        """(timeout_s, progress, on_timeout, doing) while a collective call runs."""
+        self.last = ""
+        """What the last call ran (the heartbeat between calls says it)."""
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="autopar-failure-watch", daemon=True)
         self._thread.start()
@@ -394,30 +485,58 @@ class Watch:
         self._thread.join(timeout=2 * self.board.poll_s + 5.0)
 
     @contextlib.contextmanager
-    def over(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure],
-             doing: Callable[[], str] = lambda: ""):
-        self.board.beat(doing())  # once at the step's start: a step shorter than a poll is heard too
+    def over(self, timeout_s: float, progress: Callable[[], float], on_timeout: Callable[[float], Failure | None],
+             doing: Callable[[], str] = lambda: "", beat_now: bool = False):
+        if beat_now:
+            self.board.beat(doing())
         self._step = (timeout_s, progress, on_timeout, doing)
         try:
             yield self
         finally:
             self._step = None
+            with contextlib.suppress(Exception):  # noqa: BLE001 - read while the call's state is dropped
+                self.last = doing()
 
     def _run(self) -> None:
         try:
             while self.seen is None and not self._closing:
                 time.sleep(self.board.poll_s)
                 step = self._step
-                if step is None or self._closing:
+                if self._closing:
+                    continue
+                if step is None:
+                    self.board.beat(f"its own code between the engine's calls (after {self.last or 'none'})")
                     continue
                 timeout_s, progress, on_timeout, doing = step
                 self.board.beat(doing())
                 seen = self.board.read()
                 idle = time.monotonic() - progress()
                 if seen is None and idle > timeout_s and self._step is step:
-                    seen = self.board.publish(on_timeout(idle))
+                    own = on_timeout(idle)
+                    if own is not None:
+                        seen = self.board.publish(own)
                 if seen is not None:
                     self.seen = seen
                     self.board.stop()
+                    self._end_if_stuck(step, seen)
         except Exception:  # noqa: BLE001 - the process is tearing its groups down: the step's own error tells
             return
+
+    def _end_if_stuck(self, step, seen: Failure) -> None:
+        """After this rank's communication was stopped for ``seen``: the call ``step`` ends at once
+        (its collectives fail), or once its own work is done, unless it waits on the store whose host
+        stopped answering (a new process group's rendezvous), which no stop reaches and which never
+        returns. Then, ``STUCK_EXIT_S`` later, the process ends (exit code 1) with the failure on stderr,
+        as NCCL's watchdog ends a rank whose collective timed out, instead of waiting forever."""
+        end = time.monotonic() + STUCK_EXIT_S
+        while self._step is step and not self._closing:
+            if time.monotonic() > end and self.board.store_silent:
+                _, _, _, doing = step
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                sys.stderr.write(f"[rank {rank}] autopar: {seen.headline()}\n[rank {rank}] autopar: this rank's "
+                                 f"call ({doing()}) did not end {STUCK_EXIT_S:g} s after its communication was "
+                                 f"stopped (it waits where stopping cannot reach it, such as a store whose host "
+                                 f"stopped answering): the process exits\n")
+                sys.stderr.flush()
+                os._exit(1)
+            time.sleep(self.board.poll_s)

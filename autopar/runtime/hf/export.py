@@ -23,9 +23,10 @@ once, by the first of them; a buffer by the first stage that reads it. Global
 rank 0 writes the index (p > 1) and ``config.json`` /
 ``generation_config.json`` for a HuggingFace model.
 
-Collective: every rank calls it. The directory is checked on the writing ranks
-before any work (one that cannot take the export: ``CheckpointError`` on every
-rank), and a rank whose write fails keeps taking part in its stage's gathers;
+Collective: every rank calls it. The directory is checked on the writing ranks,
+and every rank's parameters for NaN and infinities, before any work (a
+directory that cannot take the export, or a non-finite weight: ``CheckpointError``
+on every rank), and a rank whose write fails keeps taking part in its stage's gathers;
 every rank then learns of every failure and raises it (``ExportError``), so no
 rank is left waiting.
 """
@@ -76,7 +77,8 @@ def save_pretrained(path: str, rank: RankHoldings) -> list[str]:
     program, mesh, path = rank.program, rank.mesh, str(path)
     files, values = stage_files(program)
     writer = mesh.dp_rank == 0 and mesh.cp_rank == 0 and mesh.tp_rank == 0
-    _raise_if_any(check_output_dir(path) if writer else None, CheckpointError)
+    problems = [p for p in (check_output_dir(path) if writer else None, _nonfinite_weights(rank)) if p]
+    _raise_if_any("; ".join(problems) or None, CheckpointError)
     written, error = [], None
     # replica 0, with the rest of its expert group; its cp rank 0 (the others hold the same weights)
     if mesh.dp_rank < mesh.shape.replicas_with_every_expert and mesh.cp_rank == 0:
@@ -88,6 +90,23 @@ def save_pretrained(path: str, rank: RankHoldings) -> list[str]:
         written += extra or []
     _raise_if_any(error, ExportError)
     return written
+
+
+def _nonfinite_weights(rank: RankHoldings) -> str | None:
+    """The parameters of this rank holding a NaN or an infinity, as one problem (None when all are
+    finite): an export is never written with non-finite weights, as a checkpoint is not."""
+    names = list(rank.shards)
+    if not names:
+        return None
+    finite = torch.stack([torch.isfinite(rank.shards[n].detach()).all() for n in names]).tolist()  # one transfer
+    bad = [n for n, ok in zip(names, finite) if not ok]
+    if not bad:
+        return None
+    shown = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+    return (f"parameter(s) {shown} hold NaN or infinite values: an export is never written with non-finite "
+            f"weights, and nothing was written. Fix: find the step that made them (engine.last_step; "
+            f"engine.optimizer_step skips such steps instead of applying them) and export from the last "
+            f"checkpoint")
 
 
 def stage_files(program: "Program") -> tuple[list[HFFile], dict[str, Lazy]]:

@@ -53,6 +53,7 @@ copies before the next step.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -103,7 +104,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, shards: dict[str, torch.nn.Parameter], grads: GradientSync, gradient_groups: list[list[str]],
                  optimizer_class: type, params=None, *, elementwise: bool = False, overlap_param_gather: bool = True,
-                 step_guard: Callable[[], bool] | None = None, **defaults: Any):
+                 step_guard: Callable[[], bool] | None = None,
+                 watched: Callable[[str], contextlib.AbstractContextManager] | None = None, **defaults: Any):
         if grads.sharded is not None:
             raise StepOrderError("this engine already has a distributed optimizer: its gradients are reduce-scattered "
                                  "into that optimizer's buffers; make one distributed optimizer per engine")
@@ -139,6 +141,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.step_guard = step_guard
         """Asked by ``step()`` whether this training step's numbers are finite (the engine's skip
         policy: it may raise ``NonFiniteError``); None: every step is taken."""
+        self.watched = watched or (lambda what: contextlib.nullcontext())
+        """``watched(what)``: the engine's failure watch over a collective call (``StepFailures.watched``),
+        so a peer that stops answering during ``step()`` fails it, named, on every rank."""
         grads.reduce_scatter_into(self.buckets)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -236,13 +241,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.step_guard is not None and not self.step_guard():
-            self.zero_grad()
-            return loss
-        self.gathers.wait_all("step")
-        self._reload_edited_params()
-        self.inner.step()
-        self._write_back()
+        with self.watched("the distributed optimizer's step"):
+            if self.step_guard is not None and not self.step_guard():
+                self.zero_grad()
+                return loss
+            self.gathers.wait_all("step")
+            self._reload_edited_params()
+            self.inner.step()
+            self._write_back()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
