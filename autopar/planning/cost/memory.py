@@ -158,7 +158,8 @@ def stage_memory(spec: ModelSpec, lay: Layout, r: int, units: int, held: Held | 
     """Memory of one GPU of pipeline stage ``r`` holding ``units`` chunk-microbatches in flight
     at its peak (``memory_per_gpu`` takes the fullest stage); ``held``: how many of them wait
     for their B and for their W, in a schedule with W actions."""
-    prec, P = lay.precision, params_per_stage(spec, lay.t, lay.p, lay.ep)[r]
+    head_stage = stage_of_chunk(placement_of(lay.schedule), lay.p, lay.p * lay.v - 1)
+    prec, P = lay.precision, params_per_stage(spec, lay.t, lay.p, lay.ep, head_stage)[r]
     P_exp = expert_params_per_stage(spec, lay.t, lay.p, lay.ep)[r] if lay.ep > 1 else 0
     sharded = lay.distopt
     # routed experts (ep > 1) are replicated over, and their optimizer state sharded over, d/ep replicas

@@ -352,10 +352,15 @@ def _chunk_timeline(lay: Layout, m: int, chunk: _Chunk, c: float) -> SimResult:
 
 def _fullest_stage_params(spec: ModelSpec, lay: Layout) -> tuple[int, int]:
     """(parameters of the stage holding the most, of which routed experts' (E/ep per expert layer))."""
-    total = params_per_stage(spec, lay.t, lay.p, lay.ep)
+    total = params_per_stage(spec, lay.t, lay.p, lay.ep, _head_stage(lay))
     experts = expert_params_per_stage(spec, lay.t, lay.p, lay.ep)
     r = max(range(lay.p), key=lambda k: total[k])
     return total[r], experts[r]
+
+
+def _head_stage(lay: Layout) -> int:
+    """The pipeline stage of the last chunk, which holds the LM head (stage 0 in ZB-V)."""
+    return stage_of_chunk(placement_of(lay.schedule), lay.p, lay.p * lay.v - 1)
 
 
 def _edp_link(hw: Hardware, lay: Layout, kind: str = ALL_REDUCE) -> tuple[float, float]:
@@ -408,8 +413,9 @@ def _dp_sharded(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 
 
 def _embedding_sync(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
     """All-reduce of the tied word embedding's gradient (V h / t) between the first and the
-    last stage, across nodes; 0 without a pipeline, or for a head of its own (untied)."""
-    if lay.p == 1 or not spec.tied_head:
+    last stage, across nodes; 0 without a pipeline, for a head of its own (untied), or when the
+    head's chunk sits on the embedding's stage (ZB-V)."""
+    if lay.p == 1 or not spec.tied_head or _head_stage(lay) == 0:  # ZB-V: one table on stage 0
         return 0.0
     V_l = math.ceil(spec.vocab / lay.t)
     return allreduce_time(FP16 * V_l * spec.hidden, 2, *embedding_link(hw, lay.t, lay.d, lay.p))

@@ -203,6 +203,8 @@ class ChunkCompute:
         if last and not tensors:
             in_grads = [torch.zeros_like(x) if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
         st.b_done[a.chunk] += 1
+        if st.split_backward:  # what W keeps, the gradients flowing into its GEMMs among it, peaks after B
+            st.stats["peak_activation_bytes"] = max(st.stats["peak_activation_bytes"], held_activation_bytes(st))
         if st.b_done[a.chunk] == st.m and not st.split_backward:
             self.grads.start(self.ready_after.get(a.chunk, []))
         if a.chunk > 0 and (a.chunk - 1) in self.chunks:
