@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from autopar.planning.cost.saved_shares import SavedCensus
 from autopar.planning.errors import PlanError
 
 __all__ = ["ModelSpec", "PRESETS", "MOE_PRESETS", "get_model", "param_count", "params_per_stage",
@@ -72,6 +73,10 @@ class ModelSpec:
     causal: bool = True
     """Causal (decoder) attention: under context parallelism the sequence is cut into 2 cp chunks
     (the load-balanced layout); False for bidirectional attention (cp contiguous chunks)."""
+    saved: SavedCensus | None = None
+    """What one layer, the embedding and the head save for the backward per token, counted on the
+    model's traced graph (``compiler/saved_census.py``), for the sequence length ``seq_len``; None
+    for a spec given by its dimensions (the activation formulas then count the paper's GPT layer)."""
 
     def __post_init__(self) -> None:
         if self.experts < 0 or self.moe_every < 1 or self.shared_expert_ffn < 0:
