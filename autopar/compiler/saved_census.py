@@ -118,7 +118,7 @@ def saved_census(gm: fx.GraphModule, node_layer: dict[str, int], params: set[str
         args = []
         for ph in (n for n in nodes if n.op == "placeholder"):
             val = ph.meta["val"]
-            x = torch.empty(tuple(val.shape), dtype=val.dtype)
+            x = torch.empty(tuple(val.shape), dtype=val.dtype, device=val.device)
             if ph.name in params:
                 x.requires_grad_(True)
             args.append(x)
