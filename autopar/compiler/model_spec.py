@@ -29,6 +29,8 @@ A projection is a linear, or a matrix product with a parameter 2-D weight
 (``addmm(bias, x, W)``, ``mm(x, W)``: HuggingFace GPT-2's ``Conv1D``, weight
 stored (in, out)).
 
+- graph nodes of the embedding, one layer and the head (with the loss): what a tuned profile's per-node
+  runtime overhead prices;
 - what a layer, the embedding and the head save for the backward, per token: counted by running the
   graph once under fake tensors (``saved_census.py``), for a dense model;
 - experts: the mixture-of-experts layers ``passes/experts.py`` finds (E, top-k,
@@ -152,10 +154,17 @@ def spec_from_graph(gm: fx.GraphModule, params: set[str], seq_len: int, name: st
         regions = split_regions([(before, after[0]), (after[1:-1], after[-1])])
         saved = saved_census(gm, layers.node_layer, params, regions, heads_out[-1] if heads_out else None,
                              tables, batch)
+    calls = [n for n in nodes if n.op == "call_function"]
+    order = {n: i for i, n in enumerate(calls)}
+    in_layers = [order[n] for n in calls if n.name in layers.node_layer]
+    outside = [n for n in calls if n.name not in layers.node_layer]
+    graph_nodes = (sum(order[n] < in_layers[0] for n in outside), len(first),
+                   sum(order[n] > in_layers[-1] for n in outside))
     return ModelSpec(layers=layers.count, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
                      kv_heads=kv, gated_mlp=gated, dropout=dropout,
                      fused_attention=attn.target == aten.scaled_dot_product_attention.default,
-                     tied_head=tied, learned_positions=positions, name=name, saved=saved, **experts)
+                     tied_head=tied, learned_positions=positions, name=name, saved=saved,
+                     graph_nodes=graph_nodes, **experts)
 
 
 def _experts(gm: fx.GraphModule, params: set[str], layers, name: str) -> dict | None:

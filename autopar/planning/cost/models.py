@@ -73,6 +73,10 @@ class ModelSpec:
     causal: bool = True
     """Causal (decoder) attention: under context parallelism the sequence is cut into 2 cp chunks
     (the load-balanced layout); False for bidirectional attention (cp contiguous chunks)."""
+    graph_nodes: tuple[int, int, int] | None = None
+    """(embedding, one layer, head and loss) forward graph nodes of the model's traced graph, which a
+    tuned profile's per-node runtime overhead prices (``op_times.node_overheads``); None for a spec given
+    by its dimensions."""
     saved: SavedCensus | None = None
     """What one layer, the embedding and the head save for the backward per token, counted on the
     model's traced graph (``compiler/saved_census.py``), for the sequence length ``seq_len``; None

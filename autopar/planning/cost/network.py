@@ -182,11 +182,20 @@ def tp_allreduce_time(nbytes: float, t: int, hw: Hardware) -> float:
     The flat ring wins for large tensors at a few nodes (all links busy at once); the
     hierarchical one when the NICs are the bottleneck or latency dominates (2 (N-1) slow steps
     instead of 2 (t-1)). A tuned profile: the measured all-reduce over t ranks."""
-    if t > 1 and (link := measured_link(hw, "all_reduce", t, t > hw.gpus_per_node)) is not None:
+    if t > 1 and (link := _tp_reduce_link(hw, t)) is not None:
         return link.time(nbytes)
     if t <= hw.gpus_per_node:
         return allreduce_time(nbytes, t, intra_node_bw(hw), hw.nvlink_latency)
     return min(flat_ring_allreduce_time(nbytes, t, hw), hierarchical_allreduce_time(nbytes, t, hw))
+
+
+def _tp_reduce_link(hw: Hardware, t: int) -> MeasuredLink | None:
+    """The tuned profile's fit of the runtime's own tensor-parallel all-reduce over t ranks
+    (``tp_all_reduce``) when it measured it, else of ``dist.all_reduce``; None for a preset."""
+    inter = t > hw.gpus_per_node
+    if hw.tuned and any(x.op == "tp_all_reduce" and x.ranks == t for x in hw.links):
+        return measured_link(hw, "tp_all_reduce", t, inter)
+    return measured_link(hw, "all_reduce", t, inter)
 
 
 def tp_half_time(nbytes: float, t: int, hw: Hardware, kind: str = ALL_GATHER) -> float:

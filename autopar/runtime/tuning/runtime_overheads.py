@@ -1,0 +1,147 @@
+"""What autopar's runtime costs beyond its kernels, measured: per step, per chunk action, per graph node
+of a layer, per checkpointed region, and the optimizer's step per parameter.
+
+A training step of the engine runs, besides the model's kernels, the schedule's interpreter (each
+action a Python call that looks up its context, posts its messages, records its statistics), the fx
+chunks' generated code node by node with autograd recording each op and its saved tensors, and the
+backward's autograd engine. On a CPU these fixed costs (about 6 us per graph node, forward and
+backward together, and a few hundred us per action on this repository's machine) are a large part of
+a small model's step; the eager per-op overhead of ``compute.eager_op_seconds`` (a bare add, no
+autograd) misses most of them.
+
+They are measured on the engine itself: a tiny reference GPT (``TINY``: its kernels cost microseconds,
+so what its step takes is overhead) compiled for one rank and stepped at 1 and 3 layers, 1 and 4
+microbatches, and at 3 layers and 4 microbatches with every layer recomputed, the five engines stepped
+in turns; each the median of its ``repeats`` steps. With T(L, m) a step of L layers and m microbatches:
+
+- per microbatch: u(L) = (T(L, 4) - T(L, 1)) / 3; a layer's forward and backward: (u(3) - u(1)) / 2,
+  per graph node of its forward (``node_s``): that over the layer's ``call_function`` nodes;
+- per step (``step_s``): T(1, 1) - u(1);
+- per action (``action_s``, a chunk's F or B): (u(1) - one layer - the embedding's and head's nodes) / 2;
+- per checkpointed region (``checkpoint_s``): (T_rc(3, 4) - T(3, 4)) / 12 less a layer's forward
+  (a third of its forward and backward: the backward runs about two ops per forward op);
+- the optimizer (``optimizer_per_param_s``): ``torch.optim.AdamW``'s step (PyTorch's default
+  implementation) over 2^20 fp32 parameters in 64 tensors, per parameter, the caches
+  flushed before each step (a training step's forward and backward leave the optimizer's state out).
+
+Each rank of ``autopar tune`` runs this in a child process of its own (``measure_in_subprocess``):
+the engine of one rank cannot start inside a process that already joined a larger group. The ranks
+run it at once, as they train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+__all__ = ["TINY", "RuntimeFigures", "measure", "measure_in_subprocess", "graph_node_counts"]
+
+TINY = dict(vocab_size=64, seq_len=8, n_head=2, d_model=16)
+"""The reference GPT whose steps are all overhead."""
+
+RuntimeFigures = dict
+"""``step_s``, ``action_s``, ``node_s``, ``checkpoint_s``, ``optimizer_per_param_s`` and the tiny GPT's
+``layer_nodes`` and ``end_nodes``: a profile's ``runtime`` section (``hardware.RuntimeOverheads``)."""
+
+
+def graph_node_counts(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """(call_function nodes of layer 0, those outside the layers) of ``model``'s traced graph, as
+    ``autopar.parallelize`` traces it."""
+    from autopar.compiler.trace import lm_cross_entropy, trace  # noqa: PLC0415
+    from passes.layers import find_layers  # noqa: PLC0415
+    from passes.normalize import normalize  # noqa: PLC0415
+
+    traced = trace(model, (x,), x, lm_cross_entropy)
+    normalize(traced.gm, set(traced.param_of))
+    layers = find_layers(traced.gm)
+    calls = [n for n in traced.gm.graph.nodes if n.op == "call_function"]
+    return (sum(layers.node_layer.get(n.name) == 0 for n in calls),
+            sum(layers.node_layer.get(n.name) is None for n in calls))
+
+
+def _engine(layers: int, m: int, recompute: str):
+    """A one-rank engine of the tiny GPT of ``layers`` layers stepping ``m`` microbatches, and its batch."""
+    import autopar  # noqa: PLC0415
+    from autopar.reference.models import build  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = build("gpt", n_layer=layers, **TINY)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, TINY["vocab_size"], (m, TINY["seq_len"]), generator=g)
+    program = autopar.parallelize(model, example_inputs=(x[:1],), example_targets=x[:1], world_size=1,
+                                  microbatches=m, recompute=recompute)
+    return program.materialize(), x
+
+
+def _step_seconds(runs: dict, repeats: int, rounds: int = 3) -> dict:
+    """Key -> median seconds of a step of each engine of ``runs``, stepped in turns (``rounds`` rounds of
+    ``repeats`` steps each, after 3 warm-up steps): a slow moment of a shared machine falls on all alike."""
+    engines = {key: _engine(*key) for key in runs}
+    times: dict = {key: [] for key in runs}
+    for engine, x in engines.values():
+        for _ in range(3):
+            engine.train_step(x, x)
+    for _ in range(rounds):
+        for key, (engine, x) in engines.items():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                engine.train_step(x, x)
+                times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
+def _optimizer_per_param(repeats: int) -> float:
+    params = [torch.nn.Parameter(torch.zeros(1 << 14)) for _ in range(64)]  # a model's many tensors
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    evict = torch.zeros(16 << 20)  # 64 MiB: a step's forward and backward leave none of the state in cache
+    times = []
+    for i in range(repeats + 2):
+        evict.add_(1.0)
+        t0 = time.perf_counter()
+        opt.step()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) / sum(p.numel() for p in params)
+
+
+def measure(repeats: int = 20) -> RuntimeFigures:
+    """The runtime's overheads on this process's device (the module's docstring); CPU, one thread."""
+    from autopar.reference.models import build  # noqa: PLC0415
+
+    runs = [(L, m, "none") for L in (1, 3) for m in (1, 4)] + [(3, 4, "layer")]
+    timed = _step_seconds(runs, max(1, repeats // 3))
+    T = {(L, m): timed[L, m, "none"] for L in (1, 3) for m in (1, 4)}
+    rc = timed[3, 4, "layer"]
+    u1, u3 = (T[1, 4] - T[1, 1]) / 3, (T[3, 4] - T[3, 1]) / 3
+    layer = max((u3 - u1) / 2, 0.0)
+    torch.manual_seed(0)
+    layer_nodes, end_nodes = graph_node_counts(build("gpt", n_layer=2, **TINY),
+                                               torch.zeros(1, TINY["seq_len"], dtype=torch.long))
+    node = layer / layer_nodes
+    return {"step_s": max(T[1, 1] - u1, 0.0), "action_s": max((u1 - layer - node * end_nodes) / 2, 0.0),
+            "node_s": node, "checkpoint_s": max((rc - T[3, 4]) / 12 - layer / 3, 0.0),
+            "optimizer_per_param_s": _optimizer_per_param(repeats), "layer_nodes": layer_nodes,
+            "end_nodes": end_nodes}
+
+
+def measure_in_subprocess(repeats: int = 20) -> RuntimeFigures:
+    """``measure`` in a child process outside any process group, one thread (as a rank trains)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+    out = subprocess.run([sys.executable, "-m", "autopar.runtime.tuning.runtime_overheads", str(repeats)],
+                         env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 20)))
