@@ -201,7 +201,7 @@ def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, cap
 
 
 RUNTIME = {"step_s": 3e-4, "action_s": 1.5e-4, "node_s": 2.5e-5, "checkpoint_s": 7e-4, "optimizer_per_param_s": 4e-9,
-           "layer_nodes": 20, "end_nodes": 12}
+           "send_s": 4e-4, "layer_nodes": 20, "end_nodes": 12}
 """Made-up runtime overheads of the order ``autopar tune`` measures on this repository's CPU."""
 
 
@@ -225,6 +225,7 @@ def test_runtime_overheads_are_priced_where_the_runtime_pays_them(tmp_path):
             RUNTIME["action_s"] + 2 * f_nodes + rc * (f_nodes + layers * RUNTIME["checkpoint_s"]), rel=1e-9)
         assert a.t_head_f - b.t_head_f == pytest.approx(10 * RUNTIME["node_s"] / 3, rel=1e-9)
         assert a.t_step == RUNTIME["step_s"] and b.t_step == 0.0
+        assert a.t_p2p - b.t_p2p == pytest.approx(RUNTIME["send_s"], rel=1e-9)  # each pipeline send
         # the optimizer: PyTorch's AdamW per parameter, measured, instead of the memory-bound 52 bytes
         owned = max(params_per_stage(spec, 1, 2))
         assert a.t_optimizer == pytest.approx(owned * RUNTIME["optimizer_per_param_s"], rel=1e-9)

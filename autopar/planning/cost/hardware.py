@@ -77,6 +77,9 @@ class RuntimeOverheads:
     random state, the replay's bookkeeping)."""
     optimizer_per_param_s: float
     """Seconds of PyTorch's AdamW step per fp32 parameter (the optimizer autopar's runtime steps)."""
+    send_s: float
+    """Seconds a pipeline send costs a step beside its bytes (posting it, the peer's receive action,
+    their waits), measured on a 2-stage engine; 0 when tuned on one rank."""
     layer_nodes: int
     """Forward graph nodes of the layer ``node_s`` was measured on (the tiny reference GPT's): the
     count a spec read without its graph is priced with."""

@@ -342,9 +342,10 @@ def _send_time(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
     t = lay.t
     bw, lat = stage_link(hw, t * lay.cp, lay.d, lay.p)
     msg = FP16 * lay.b * spec.seq_len // lay.cp * spec.hidden
+    runtime = hw.runtime.send_s if hw.runtime is not None else 0.0  # the runtime's own, beside the bytes
     if lay.scatter_gather and t > 1:
-        return p2p_time(msg / t, bw, lat) + tp_half_time(msg, t, hw)
-    return p2p_time(msg, bw, lat)
+        return p2p_time(msg / t, bw, lat) + tp_half_time(msg, t, hw) + runtime
+    return p2p_time(msg, bw, lat) + runtime
 
 
 def _pipeline(lay: Layout, m: int, chunk: _Chunk, c: float, simulate: bool) -> tuple[float, float, SimResult | None]:

@@ -20,6 +20,8 @@ in turns; each the median of its ``repeats`` steps. With T(L, m) a step of L lay
 - per action (``action_s``, a chunk's F or B): (u(1) - one layer - the embedding's and head's nodes) / 2;
 - per checkpointed region (``checkpoint_s``): (T_rc(3, 4) - T(3, 4)) / 12 less a layer's forward
   (a third of its forward and backward: the backward runs about two ops per forward op);
+- per pipeline send (``send_s``, beside its bytes: ``pipeline_send_seconds``): the tiny GPT of 4 layers
+  over 2 ranks, 1F1B, at 2 and 8 microbatches, its per-microbatch slope less the 1-rank figures' share;
 - the optimizer (``optimizer_per_param_s``): ``torch.optim.AdamW``'s step (PyTorch's default
   implementation) over 2^20 fp32 parameters in 64 tensors, per parameter, the caches
   flushed before each step (a training step's forward and backward leave the optimizer's state out).
@@ -96,6 +98,49 @@ def _step_seconds(runs: dict, repeats: int, rounds: int = 3) -> dict:
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
+_PIPELINE = None  # the program the pipeline's ranks step (forked with it: spawn(inherit=True))
+
+
+def _pipeline_rank(x: torch.Tensor, repeats: int) -> float:
+    """One rank of the tiny pipeline: the median of ``repeats`` steps after 3 warm-up steps."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    engine = _PIPELINE.materialize()
+    times = []
+    for i in range(repeats + 3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.train_step(x, x)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def pipeline_send_seconds(node_s: float, action_s: float, end_nodes: int, repeats: int) -> float:
+    """What a pipeline send costs a step beside its bytes, measured on the engine: the tiny GPT of 4
+    layers over 2 ranks (1F1B, 2 layers a chunk) at 2 and 8 microbatches. Each microbatch adds, on the
+    slower stage, its chunk's forward and backward (2 actions, 2 layers' and the head's nodes: the
+    1-rank figures) and 2 sends (one after F, one after B); the rest of the per-microbatch slope, over 2,
+    is one send's: posting it, the peer's receive, their waits."""
+    global _PIPELINE
+    import autopar  # noqa: PLC0415
+    from autopar.reference.models import build  # noqa: PLC0415
+
+    steps = {}
+    for m in (2, 8):
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, TINY["vocab_size"], (m, TINY["seq_len"]), generator=g)
+        _PIPELINE = autopar.parallelize(build("gpt", n_layer=4, **TINY), example_inputs=(x[:1],),
+                                        example_targets=x[:1], world_size=2, pp=2, microbatches=m, schedule="1f1b")
+        steps[m] = max(autopar.spawn(_pipeline_rank, 2, (x, repeats), inherit=True))
+    _PIPELINE = None
+    slope = (steps[8] - steps[2]) / 6
+    layer_nodes = graph_node_counts(build("gpt", n_layer=2, **TINY), torch.zeros(1, TINY["seq_len"], dtype=torch.long))[0]
+    chunk = 2 * layer_nodes * node_s + end_nodes * node_s + 2 * action_s  # the head's stage, the slower
+    return max((slope - chunk) / 2, 0.0)
+
+
 def _optimizer_per_param(repeats: int) -> float:
     params = [torch.nn.Parameter(torch.zeros(1 << 14)) for _ in range(64)]  # a model's many tensors
     for p in params:
@@ -112,7 +157,7 @@ def _optimizer_per_param(repeats: int) -> float:
     return statistics.median(times) / sum(p.numel() for p in params)
 
 
-def measure(repeats: int = 20) -> RuntimeFigures:
+def measure(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:
     """The runtime's overheads on this process's device (the module's docstring); CPU, one thread."""
     from autopar.reference.models import build  # noqa: PLC0415
 
@@ -126,22 +171,27 @@ def measure(repeats: int = 20) -> RuntimeFigures:
     layer_nodes, end_nodes = graph_node_counts(build("gpt", n_layer=2, **TINY),
                                                torch.zeros(1, TINY["seq_len"], dtype=torch.long))
     node = layer / layer_nodes
-    return {"step_s": max(T[1, 1] - u1, 0.0), "action_s": max((u1 - layer - node * end_nodes) / 2, 0.0),
+    action = max((u1 - layer - node * end_nodes) / 2, 0.0)
+    return {"step_s": max(T[1, 1] - u1, 0.0), "action_s": action,
             "node_s": node, "checkpoint_s": max((rc - T[3, 4]) / 12 - layer / 3, 0.0),
             "optimizer_per_param_s": _optimizer_per_param(repeats), "layer_nodes": layer_nodes,
-            "end_nodes": end_nodes}
+            "end_nodes": end_nodes,
+            "send_s": pipeline_send_seconds(node, action, end_nodes, repeats) if pipeline else 0.0}
 
 
-def measure_in_subprocess(repeats: int = 20) -> RuntimeFigures:
-    """``measure`` in a child process outside any process group, one thread (as a rank trains)."""
+def measure_in_subprocess(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:
+    """``measure`` in a child process outside any process group, one thread (as a rank trains);
+    ``pipeline``: also the pipeline send's cost (its 2 ranks forked from the child)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
-    out = subprocess.run([sys.executable, "-m", "autopar.runtime.tuning.runtime_overheads", str(repeats)],
+    out = subprocess.run([sys.executable, "-m", "autopar.runtime.tuning.runtime_overheads", str(repeats),
+                          "pipeline" if pipeline else "no-pipeline"],
                          env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 20)))
+    print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 20,
+                             pipeline=len(sys.argv) < 3 or sys.argv[2] == "pipeline")))
