@@ -133,11 +133,13 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
     if device.type == "cpu":  # the engine's own overheads, each rank in a child process of its own, all at once
         from autopar.runtime.tuning.runtime_overheads import measure_in_subprocess  # noqa: PLC0415
 
-        # the pipeline's send is measured by rank 0's child alone (it forks 2 ranks of its own)
+        # a pipeline send and a tensor-parallel all-reduce inside a step: rank 0's child alone (it forks 2
+        # ranks of its own) when the launch has 2 ranks or more
         runtime = measure_in_subprocess(10 if args.quick else 30, pipeline=rank == 0 and world > 1)
         _say(rank, console, f"runtime: step {runtime['step_s'] * 1e6:.3g} us, action {runtime['action_s'] * 1e6:.3g} us, "
                             f"graph node {runtime['node_s'] * 1e6:.3g} us, checkpointed region "
-                            f"{runtime['checkpoint_s'] * 1e6:.3g} us, pipeline send {runtime['send_s'] * 1e6:.3g} us, AdamW "
+                            f"{runtime['checkpoint_s'] * 1e6:.3g} us, pipeline send {runtime['send_s'] * 1e6:.3g} us, "
+                            f"tensor-parallel all-reduce in a step {runtime['tp_all_reduce_s'] * 1e6:.3g} us, AdamW "
                             f"{runtime['optimizer_per_param_s'] * 1e9:.3g} ns per parameter")
     if world > 1:
         dist.barrier()
@@ -232,9 +234,10 @@ def _table(profile: HardwareProfile, hw: Hardware) -> Table:
         tab.add_row("compiled call overhead", f"{profile.compiled_call_s * 1e6:.3g} us", "-")
     if profile.runtime is not None:
         rt = profile.runtime
-        tab.add_row("runtime: step, action, graph node, checkpoint, send",
+        tab.add_row("runtime: step, action, graph node, checkpoint, send, tp all-reduce",
                     f"{rt['step_s'] * 1e6:.3g}, {rt['action_s'] * 1e6:.3g}, {rt['node_s'] * 1e6:.3g}, "
-                    f"{rt['checkpoint_s'] * 1e6:.3g}, {rt['send_s'] * 1e6:.3g} us", "-")
+                    f"{rt['checkpoint_s'] * 1e6:.3g}, {rt['send_s'] * 1e6:.3g}, {rt['tp_all_reduce_s'] * 1e6:.3g} us",
+                    "-")
     for c in profile.collectives:
         alpha, beta = _preset_link(preset, c.op, c.ranks, c.placement == "inter")
         tab.add_row(f"{c.op} {c.ranks} ranks {c.placement}: alpha, beta",

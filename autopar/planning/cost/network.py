@@ -181,8 +181,12 @@ def tp_allreduce_time(nbytes: float, t: int, hw: Hardware) -> float:
     all-reduce (NCCL's tuner picks, per call, the algorithm its own cost model says is fastest).
     The flat ring wins for large tensors at a few nodes (all links busy at once); the
     hierarchical one when the NICs are the bottleneck or latency dominates (2 (N-1) slow steps
-    instead of 2 (t-1)). A tuned profile: the measured all-reduce over t ranks."""
+    instead of 2 (t-1)). A tuned profile: the measured all-reduce over t ranks (the runtime's own,
+    ``tp_all_reduce``, where measured), its latency the one measured inside a step at t = 2
+    (``RuntimeOverheads.tp_all_reduce_s``) where the profile has it."""
     if t > 1 and (link := _tp_reduce_link(hw, t)) is not None:
+        if hw.runtime is not None and hw.runtime.tp_all_reduce_s > 0 and t == 2:  # its latency within a step
+            return hw.runtime.tp_all_reduce_s + nbytes / link.beta
         return link.time(nbytes)
     if t <= hw.gpus_per_node:
         return allreduce_time(nbytes, t, intra_node_bw(hw), hw.nvlink_latency)

@@ -22,6 +22,9 @@ in turns; each the median of its ``repeats`` steps. With T(L, m) a step of L lay
   (a third of its forward and backward: the backward runs about two ops per forward op);
 - per pipeline send (``send_s``, beside its bytes: ``pipeline_send_seconds``): the tiny GPT of 4 layers
   over 2 ranks, 1F1B, at 2 and 8 microbatches, its per-microbatch slope less the 1-rank figures' share;
+- a tensor-parallel all-reduce's latency in a step (``tp_all_reduce_s``: ``tp_all_reduce_in_step_seconds``):
+  the tiny GPT of 2 layers over 2 ranks at t = 2, at 2 and 8 microbatches, its per-microbatch slope less
+  the 1-rank figures', over the all-reduces the chunks call per microbatch (counted);
 - the optimizer (``optimizer_per_param_s``): ``torch.optim.AdamW``'s step (PyTorch's default
   implementation) over 2^20 fp32 parameters in 64 tensors, per parameter, the caches
   flushed before each step (a training step's forward and backward leave the optimizer's state out).
@@ -101,19 +104,36 @@ def _step_seconds(runs: dict, repeats: int, rounds: int = 3) -> dict:
 _PIPELINE = None  # the program the pipeline's ranks step (forked with it: spawn(inherit=True))
 
 
-def _pipeline_rank(x: torch.Tensor, repeats: int) -> float:
-    """One rank of the tiny pipeline: the median of ``repeats`` steps after 3 warm-up steps."""
+def _pipeline_rank(x: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """One rank of a tiny 2-rank program: the median of ``repeats`` steps after 3 warm-up steps, and
+    the tensor-parallel all-reduces it ran per step (pairwise exchanges, ``group._recursive_doubling``,
+    what ``core.comm.group.all_reduce`` runs on a gloo group of 2)."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    engine = _PIPELINE.materialize()
-    times = []
-    for i in range(repeats + 3):
-        dist.barrier()
-        t0 = time.perf_counter()
-        engine.train_step(x, x)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    from autopar.core.comm import group  # noqa: PLC0415
+
+    calls = [0]
+    reduce = group._recursive_doubling
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return reduce(*args, **kwargs)
+
+    group._recursive_doubling = counted  # this forked rank's own module: counts what the chunks run
+    try:
+        engine = _PIPELINE.materialize()
+        times = []
+        for i in range(repeats + 3):
+            dist.barrier()
+            if i == 3:
+                calls[0] = 0
+            t0 = time.perf_counter()
+            engine.train_step(x, x)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+    finally:
+        group._recursive_doubling = reduce
+    return statistics.median(times), calls[0] / repeats
 
 
 def pipeline_send_seconds(node_s: float, action_s: float, end_nodes: int, repeats: int) -> float:
@@ -133,12 +153,37 @@ def pipeline_send_seconds(node_s: float, action_s: float, end_nodes: int, repeat
         x = torch.randint(0, TINY["vocab_size"], (m, TINY["seq_len"]), generator=g)
         _PIPELINE = autopar.parallelize(build("gpt", n_layer=4, **TINY), example_inputs=(x[:1],),
                                         example_targets=x[:1], world_size=2, pp=2, microbatches=m, schedule="1f1b")
-        steps[m] = max(autopar.spawn(_pipeline_rank, 2, (x, repeats), inherit=True))
+        steps[m] = max(t for t, _ in autopar.spawn(_pipeline_rank, 2, (x, repeats), inherit=True))
     _PIPELINE = None
     slope = (steps[8] - steps[2]) / 6
     layer_nodes = graph_node_counts(build("gpt", n_layer=2, **TINY), torch.zeros(1, TINY["seq_len"], dtype=torch.long))[0]
     chunk = 2 * layer_nodes * node_s + end_nodes * node_s + 2 * action_s  # the head's stage, the slower
     return max((slope - chunk) / 2, 0.0)
+
+
+def tp_all_reduce_in_step_seconds(u1: float, layer: float, repeats: int) -> float:
+    """A tensor-parallel all-reduce's latency inside a step, measured on the engine: the tiny GPT of 2
+    layers over 2 ranks at t = 2, 2 and 8 microbatches. Each microbatch adds what it adds on one rank
+    (``u1 + layer``: its nodes and actions; the tiny kernels cost nothing) and its all-reduces, counted
+    as the chunks call them; the rest of the per-microbatch slope over that count is one all-reduce's."""
+    global _PIPELINE
+    import autopar  # noqa: PLC0415
+    from autopar.reference.models import build  # noqa: PLC0415
+
+    steps, calls = {}, {}
+    for m in (2, 8):
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, TINY["vocab_size"], (m, TINY["seq_len"]), generator=g)
+        _PIPELINE = autopar.parallelize(build("gpt", n_layer=2, **TINY), example_inputs=(x[:1],),
+                                        example_targets=x[:1], world_size=2, tp=2, microbatches=m,
+                                        sequence_parallel=False)
+        ranks = autopar.spawn(_pipeline_rank, 2, (x, repeats), inherit=True)
+        steps[m], calls[m] = max(t for t, _ in ranks), ranks[0][1]
+    _PIPELINE = None
+    per_mb_calls = (calls[8] - calls[2]) / 6
+    slope = (steps[8] - steps[2]) / 6
+    return max((slope - u1 - layer) / per_mb_calls, 0.0) if per_mb_calls > 0 else 0.0
 
 
 def _optimizer_per_param(repeats: int) -> float:
@@ -176,7 +221,8 @@ def measure(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:
             "node_s": node, "checkpoint_s": max((rc - T[3, 4]) / 12 - layer / 3, 0.0),
             "optimizer_per_param_s": _optimizer_per_param(repeats), "layer_nodes": layer_nodes,
             "end_nodes": end_nodes,
-            "send_s": pipeline_send_seconds(node, action, end_nodes, repeats) if pipeline else 0.0}
+            "send_s": pipeline_send_seconds(node, action, end_nodes, repeats) if pipeline else 0.0,
+            "tp_all_reduce_s": tp_all_reduce_in_step_seconds(u1, layer, repeats) if pipeline else 0.0}
 
 
 def measure_in_subprocess(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:
