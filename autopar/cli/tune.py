@@ -131,7 +131,7 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
 
     runtime = None
     if device.type == "cpu":  # the engine's own overheads, each rank in a child process of its own, all at once
-        from autopar.runtime.tuning.runtime_overheads import measure_in_subprocess  # noqa: PLC0415
+        from autopar.cli.tune_runtime import measure_in_subprocess  # noqa: PLC0415
 
         # a pipeline send and a tensor-parallel all-reduce inside a step: rank 0's child alone (it forks 2
         # ranks of its own) when the launch has 2 ranks or more
@@ -190,7 +190,7 @@ def _sources(device, copy_bytes: int, budget: float, backend: str, world: int) -
         "memory_bw_bytes_per_s": f"a copy of {copy_bytes >> 20} MiB of fp32: read + write bytes / median seconds",
         "eager_op_s": "100 eager adds of 8 elements in a row, per add, median",
         "compiled_call_s": "a call of torch.compile(lambda x: x * 2 + 1) on 8 elements, median (--compiled)",
-        "runtime": ("the engine stepping a tiny reference GPT on one rank (runtime/tuning/runtime_overheads.py): "
+        "runtime": ("the engine stepping a tiny reference GPT on one rank (cli/tune_runtime.py): "
                     "medians of steps at 1 and 3 layers, 1 and 4 microbatches, recomputed or not; AdamW on 2^20 "
                     "fp32 parameters, per parameter; every rank at once, rank 0's figures"),
         "collectives": (f"{backend} over {world} ranks: per size the median of {COLLECTIVE_ROUNDS} rounds of "

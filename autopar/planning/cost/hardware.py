@@ -62,7 +62,7 @@ by recursive doubling), which the tensor-parallel layers run in place of ``dist.
 @dataclass(frozen=True)
 class RuntimeOverheads:
     """What autopar's runtime costs beside its kernels, measured by ``autopar tune``
-    (``runtime/tuning/runtime_overheads.py``); None on a preset, whose kernels' launch gap
+    (``cli/tune_runtime.py``); None on a preset, whose kernels' launch gap
     (``Efficiency.kernel_overhead``) stands for all of it."""
 
     step_s: float

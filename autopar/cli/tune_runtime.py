@@ -231,7 +231,7 @@ def measure_in_subprocess(repeats: int = 20, pipeline: bool = True) -> RuntimeFi
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
-    out = subprocess.run([sys.executable, "-m", "autopar.runtime.tuning.runtime_overheads", str(repeats),
+    out = subprocess.run([sys.executable, "-m", "autopar.cli.tune_runtime", str(repeats),
                           "pipeline" if pipeline else "no-pipeline"],
                          env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
