@@ -139,7 +139,7 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
         _say(rank, console, f"runtime: step {runtime['step_s'] * 1e6:.3g} us, action {runtime['action_s'] * 1e6:.3g} us, "
                             f"graph node {runtime['node_s'] * 1e6:.3g} us, checkpointed region "
                             f"{runtime['checkpoint_s'] * 1e6:.3g} us, pipeline send {runtime['send_s'] * 1e6:.3g} us, "
-                            f"tensor-parallel all-reduce in a step {runtime['tp_all_reduce_s'] * 1e6:.3g} us, AdamW "
+                            f"tensor-parallel collective in a step {runtime['tp_collective_s'] * 1e6:.3g} us, AdamW "
                             f"{runtime['optimizer_per_param_s'] * 1e9:.3g} ns per parameter")
     if world > 1:
         dist.barrier()
@@ -234,9 +234,9 @@ def _table(profile: HardwareProfile, hw: Hardware) -> Table:
         tab.add_row("compiled call overhead", f"{profile.compiled_call_s * 1e6:.3g} us", "-")
     if profile.runtime is not None:
         rt = profile.runtime
-        tab.add_row("runtime: step, action, graph node, checkpoint, send, tp all-reduce",
+        tab.add_row("runtime: step, action, graph node, checkpoint, send, tp collective",
                     f"{rt['step_s'] * 1e6:.3g}, {rt['action_s'] * 1e6:.3g}, {rt['node_s'] * 1e6:.3g}, "
-                    f"{rt['checkpoint_s'] * 1e6:.3g}, {rt['send_s'] * 1e6:.3g}, {rt['tp_all_reduce_s'] * 1e6:.3g} us",
+                    f"{rt['checkpoint_s'] * 1e6:.3g}, {rt['send_s'] * 1e6:.3g}, {rt['tp_collective_s'] * 1e6:.3g} us",
                     "-")
     for c in profile.collectives:
         alpha, beta = _preset_link(preset, c.op, c.ranks, c.placement == "inter")

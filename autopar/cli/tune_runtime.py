@@ -22,7 +22,7 @@ in turns; each the median of its ``repeats`` steps. With T(L, m) a step of L lay
   (a third of its forward and backward: the backward runs about two ops per forward op);
 - per pipeline send (``send_s``, beside its bytes: ``pipeline_send_seconds``): the tiny GPT of 4 layers
   over 2 ranks, 1F1B, at 2 and 8 microbatches, its per-microbatch slope less the 1-rank figures' share;
-- a tensor-parallel all-reduce's latency in a step (``tp_all_reduce_s``: ``tp_all_reduce_in_step_seconds``):
+- a tensor-parallel collective's latency in a step, measured on its all-reduces (``tp_collective_s``: ``tp_all_reduce_in_step_seconds``):
   the tiny GPT of 2 layers over 2 ranks at t = 2, at 2 and 8 microbatches, its per-microbatch slope less
   the 1-rank figures', over the all-reduces the chunks call per microbatch (counted);
 - the optimizer (``optimizer_per_param_s``): ``torch.optim.AdamW``'s step (PyTorch's default
@@ -162,7 +162,7 @@ def pipeline_send_seconds(node_s: float, action_s: float, end_nodes: int, repeat
 
 
 def tp_all_reduce_in_step_seconds(u1: float, layer: float, repeats: int) -> float:
-    """A tensor-parallel all-reduce's latency inside a step, measured on the engine: the tiny GPT of 2
+    """A tensor-parallel collective's latency inside a step, measured on the engine's all-reduces: the tiny GPT of 2
     layers over 2 ranks at t = 2, 2 and 8 microbatches. Each microbatch adds what it adds on one rank
     (``u1 + layer``: its nodes and actions; the tiny kernels cost nothing) and its all-reduces, counted
     as the chunks call them; the rest of the per-microbatch slope over that count is one all-reduce's."""
@@ -222,7 +222,7 @@ def measure(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:
             "optimizer_per_param_s": _optimizer_per_param(repeats), "layer_nodes": layer_nodes,
             "end_nodes": end_nodes,
             "send_s": pipeline_send_seconds(node, action, end_nodes, repeats) if pipeline else 0.0,
-            "tp_all_reduce_s": tp_all_reduce_in_step_seconds(u1, layer, repeats) if pipeline else 0.0}
+            "tp_collective_s": tp_all_reduce_in_step_seconds(u1, layer, repeats) if pipeline else 0.0}
 
 
 def measure_in_subprocess(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:

@@ -201,7 +201,7 @@ def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, cap
 
 
 RUNTIME = {"step_s": 3e-4, "action_s": 1.5e-4, "node_s": 2.5e-5, "checkpoint_s": 7e-4, "optimizer_per_param_s": 4e-9,
-           "send_s": 4e-4, "tp_all_reduce_s": 9e-4, "layer_nodes": 20, "end_nodes": 12}
+           "send_s": 4e-4, "tp_collective_s": 9e-4, "layer_nodes": 20, "end_nodes": 12}
 """Made-up runtime overheads of the order ``autopar tune`` measures on this repository's CPU."""
 
 
@@ -245,7 +245,12 @@ def test_tensor_parallel_all_reduce_is_priced_by_the_runtimes_own_when_measured(
     assert tp_allreduce_time(1 << 16, 2, both) == pytest.approx(5e-4 + (1 << 16) / 5e8)
     # measured inside a step, the latency is the step's, the bandwidth the lone call's
     in_step = dataclasses.replace(both, runtime=load_hardware_runtime())
-    assert tp_allreduce_time(1 << 16, 2, in_step) == pytest.approx(RUNTIME["tp_all_reduce_s"] + (1 << 16) / 5e8)
+    assert tp_allreduce_time(1 << 16, 2, in_step) == pytest.approx(RUNTIME["tp_collective_s"] + (1 << 16) / 5e8)
+    # and so is sequence parallelism's all-gather's (its own fit's bandwidth)
+    from autopar.planning.cost.network import tp_half_time
+
+    assert tp_half_time(1 << 16, 2, in_step) == pytest.approx(RUNTIME["tp_collective_s"] + (1 << 16) / 5e8)
+    assert tp_half_time(1 << 16, 2, both) == pytest.approx(1e-4 + (1 << 16) / 5e8)
 
 
 def load_hardware_runtime():

@@ -80,10 +80,11 @@ class RuntimeOverheads:
     send_s: float
     """Seconds a pipeline send costs a step beside its bytes (posting it, the peer's receive action,
     their waits), measured on a 2-stage engine; 0 when tuned on one rank."""
-    tp_all_reduce_s: float
-    """Seconds of a tensor-parallel all-reduce's latency inside a step (measured on a t = 2 engine:
-    the exchange, the peer's late arrival, the wake-up), which replaces the lone call's fitted alpha;
-    0 when not measured (tuned on one rank)."""
+    tp_collective_s: float
+    """Seconds of a tensor-parallel collective's latency inside a step, measured on the all-reduces of a
+    t = 2 engine (the exchange, the peer's late arrival, the wake-up): it replaces the lone call's fitted
+    alpha of each all-reduce, all-gather and reduce-scatter over 2 tensor-parallel ranks; 0 when not
+    measured (tuned on one rank)."""
     layer_nodes: int
     """Forward graph nodes of the layer ``node_s`` was measured on (the tiny reference GPT's): the
     count a spec read without its graph is priced with."""

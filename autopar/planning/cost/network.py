@@ -183,14 +183,21 @@ def tp_allreduce_time(nbytes: float, t: int, hw: Hardware) -> float:
     hierarchical one when the NICs are the bottleneck or latency dominates (2 (N-1) slow steps
     instead of 2 (t-1)). A tuned profile: the measured all-reduce over t ranks (the runtime's own,
     ``tp_all_reduce``, where measured), its latency the one measured inside a step at t = 2
-    (``RuntimeOverheads.tp_all_reduce_s``) where the profile has it."""
+    (``RuntimeOverheads.tp_collective_s``) where the profile has it."""
     if t > 1 and (link := _tp_reduce_link(hw, t)) is not None:
-        if hw.runtime is not None and hw.runtime.tp_all_reduce_s > 0 and t == 2:  # its latency within a step
-            return hw.runtime.tp_all_reduce_s + nbytes / link.beta
-        return link.time(nbytes)
+        return _in_step(hw, t, link, nbytes)
     if t <= hw.gpus_per_node:
         return allreduce_time(nbytes, t, intra_node_bw(hw), hw.nvlink_latency)
     return min(flat_ring_allreduce_time(nbytes, t, hw), hierarchical_allreduce_time(nbytes, t, hw))
+
+
+def _in_step(hw: Hardware, t: int, link: MeasuredLink, nbytes: float) -> float:
+    """A tensor-parallel collective of ``nbytes`` priced by ``link``: its latency the one a step sees
+    (``RuntimeOverheads.tp_collective_s``, measured on a t = 2 engine: the peer's late arrival and the
+    wake-up beside the exchange) where the profile has it for this t, else the lone call's alpha."""
+    if hw.runtime is not None and hw.runtime.tp_collective_s > 0 and t == 2:
+        return hw.runtime.tp_collective_s + nbytes / link.beta
+    return link.time(nbytes)
 
 
 def _tp_reduce_link(hw: Hardware, t: int) -> MeasuredLink | None:
@@ -205,9 +212,9 @@ def _tp_reduce_link(hw: Hardware, t: int) -> MeasuredLink | None:
 def tp_half_time(nbytes: float, t: int, hw: Hardware, kind: str = ALL_GATHER) -> float:
     """A tensor-parallel reduce-scatter or all-gather (``kind``) of a tensor of ``nbytes`` (sequence
     parallelism, scatter/gather sends): half of ``tp_allreduce_time``'s bytes and steps; a tuned
-    profile: the measured ``kind`` over t ranks."""
+    profile: the measured ``kind`` over t ranks, its latency the one a step sees where measured."""
     if t > 1 and (link := measured_link(hw, RING_OPS[kind], t, t > hw.gpus_per_node)) is not None:
-        return link.time(nbytes)
+        return _in_step(hw, t, link, nbytes)
     if t <= hw.gpus_per_node:
         return allgather_time(nbytes, t, intra_node_bw(hw), hw.nvlink_latency)
     return tp_allreduce_time(nbytes, t, hw) / 2
