@@ -139,6 +139,7 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
         _say(rank, console, f"runtime: step {runtime['step_s'] * 1e6:.3g} us, action {runtime['action_s'] * 1e6:.3g} us, "
                             f"graph node {runtime['node_s'] * 1e6:.3g} us, checkpointed region "
                             f"{runtime['checkpoint_s'] * 1e6:.3g} us, pipeline send {runtime['send_s'] * 1e6:.3g} us, "
+                            f"split backward {runtime['split_node_s'] * 1e6:.3g} us per node, "
                             f"tensor-parallel collective in a step {runtime['tp_collective_s'] * 1e6:.3g} us, AdamW "
                             f"{runtime['optimizer_per_param_s'] * 1e9:.3g} ns per parameter")
     if world > 1:

@@ -20,8 +20,9 @@ in turns; each the median of its ``repeats`` steps. With T(L, m) a step of L lay
 - per action (``action_s``, a chunk's F or B): (u(1) - one layer - the embedding's and head's nodes) / 2;
 - per checkpointed region (``checkpoint_s``): (T_rc(3, 4) - T(3, 4)) / 12 less a layer's forward
   (a third of its forward and backward: the backward runs about two ops per forward op);
-- per pipeline send (``send_s``, beside its bytes: ``pipeline_send_seconds``): the tiny GPT of 4 layers
-  over 2 ranks, 1F1B, at 2 and 8 microbatches, its per-microbatch slope less the 1-rank figures' share;
+- per pipeline send (``send_s``, beside its bytes) and per forward graph node of a chunk whose backward is
+  split into B and W (``split_node_s``; ``pipeline_seconds``): the tiny GPT of 4 layers over 2 ranks,
+  1F1B at 2 and 8 microbatches and ZB-H1 at 8, the slopes less the 1-rank figures' share;
 - a tensor-parallel collective's latency in a step, measured on its all-reduces (``tp_collective_s``: ``tp_all_reduce_in_step_seconds``):
   the tiny GPT of 2 layers over 2 ranks at t = 2, at 2 and 8 microbatches, its per-microbatch slope less
   the 1-rank figures', over the all-reduces the chunks call per microbatch (counted);
@@ -136,29 +137,35 @@ def _pipeline_rank(x: torch.Tensor, repeats: int) -> tuple[float, float]:
     return statistics.median(times), calls[0] / repeats
 
 
-def pipeline_send_seconds(node_s: float, action_s: float, end_nodes: int, repeats: int) -> float:
-    """What a pipeline send costs a step beside its bytes, measured on the engine: the tiny GPT of 4
-    layers over 2 ranks (1F1B, 2 layers a chunk) at 2 and 8 microbatches. Each microbatch adds, on the
-    slower stage, its chunk's forward and backward (2 actions, 2 layers' and the head's nodes: the
-    1-rank figures) and 2 sends (one after F, one after B); the rest of the per-microbatch slope, over 2,
-    is one send's: posting it, the peer's receive, their waits."""
+def pipeline_seconds(node_s: float, action_s: float, end_nodes: int, repeats: int) -> tuple[float, float]:
+    """(a pipeline send's cost beside its bytes, a split backward's cost per forward graph node of its
+    chunk), measured on the engine: the tiny GPT of 4 layers over 2 ranks (2 layers a chunk).
+
+    1F1B at 2 and 8 microbatches: each microbatch adds, on the slower stage, its chunk's forward and
+    backward (2 actions, 2 layers' and the head's nodes: the 1-rank figures) and 2 sends (one after F,
+    one after B); the rest of the per-microbatch slope, over 2, is one send's (posting it, the peer's
+    receive, their waits). ZB-H1 at 8 microbatches runs the same work with each backward split into B
+    and W: what it adds per microbatch over 1F1B, less W's action, over the chunk's forward nodes, is
+    the split's cost per node (the autograd graph's walk, its retained graph, the store's slots)."""
     global _PIPELINE
     import autopar  # noqa: PLC0415
     from autopar.reference.models import build  # noqa: PLC0415
 
     steps = {}
-    for m in (2, 8):
+    for schedule, m in (("1f1b", 2), ("1f1b", 8), ("zb-h1", 8)):
         torch.manual_seed(0)
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, TINY["vocab_size"], (m, TINY["seq_len"]), generator=g)
         _PIPELINE = autopar.parallelize(build("gpt", n_layer=4, **TINY), example_inputs=(x[:1],),
-                                        example_targets=x[:1], world_size=2, pp=2, microbatches=m, schedule="1f1b")
-        steps[m] = max(t for t, _ in autopar.spawn(_pipeline_rank, 2, (x, repeats), inherit=True))
+                                        example_targets=x[:1], world_size=2, pp=2, microbatches=m, schedule=schedule)
+        steps[schedule, m] = max(t for t, _ in autopar.spawn(_pipeline_rank, 2, (x, repeats), inherit=True))
     _PIPELINE = None
-    slope = (steps[8] - steps[2]) / 6
+    slope = (steps["1f1b", 8] - steps["1f1b", 2]) / 6
     layer_nodes = graph_node_counts(build("gpt", n_layer=2, **TINY), torch.zeros(1, TINY["seq_len"], dtype=torch.long))[0]
-    chunk = 2 * layer_nodes * node_s + end_nodes * node_s + 2 * action_s  # the head's stage, the slower
-    return max((slope - chunk) / 2, 0.0)
+    chunk_nodes = 2 * layer_nodes + end_nodes  # the head's stage, the slower
+    send = max((slope - chunk_nodes * node_s - 2 * action_s) / 2, 0.0)
+    split = max(((steps["zb-h1", 8] - steps["1f1b", 8]) / 8 - action_s) / chunk_nodes, 0.0)
+    return send, split
 
 
 def tp_all_reduce_in_step_seconds(u1: float, layer: float, repeats: int) -> float:
@@ -221,7 +228,8 @@ def measure(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:
             "node_s": node, "checkpoint_s": max((rc - T[3, 4]) / 12 - layer / 3, 0.0),
             "optimizer_per_param_s": _optimizer_per_param(repeats), "layer_nodes": layer_nodes,
             "end_nodes": end_nodes,
-            "send_s": pipeline_send_seconds(node, action, end_nodes, repeats) if pipeline else 0.0,
+            **dict(zip(("send_s", "split_node_s"),
+                       pipeline_seconds(node, action, end_nodes, repeats) if pipeline else (0.0, 0.0))),
             "tp_collective_s": tp_all_reduce_in_step_seconds(u1, layer, repeats) if pipeline else 0.0}
 
 

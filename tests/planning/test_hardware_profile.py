@@ -201,7 +201,7 @@ def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, cap
 
 
 RUNTIME = {"step_s": 3e-4, "action_s": 1.5e-4, "node_s": 2.5e-5, "checkpoint_s": 7e-4, "optimizer_per_param_s": 4e-9,
-           "send_s": 4e-4, "tp_collective_s": 9e-4, "layer_nodes": 20, "end_nodes": 12}
+           "send_s": 4e-4, "split_node_s": 3e-5, "tp_collective_s": 9e-4, "layer_nodes": 20, "end_nodes": 12}
 """Made-up runtime overheads of the order ``autopar tune`` measures on this repository's CPU."""
 
 
@@ -225,6 +225,11 @@ def test_runtime_overheads_are_priced_where_the_runtime_pays_them(tmp_path):
             RUNTIME["action_s"] + 2 * f_nodes + rc * (f_nodes + layers * RUNTIME["checkpoint_s"]), rel=1e-9)
         assert a.t_head_f - b.t_head_f == pytest.approx(10 * RUNTIME["node_s"] / 3, rel=1e-9)
         assert a.t_step == RUNTIME["step_s"] and b.t_step == 0.0
+        # a backward split into B and W: W's action and the split's cost per forward node of the chunk
+        zb = dataclasses.replace(lay, schedule="zb-h1")
+        za, zb_ = estimate(spec, Cluster(2, with_rt, 8), zb), estimate(spec, Cluster(2, without, 8), zb)
+        assert (za.t_chunk_b - zb_.t_chunk_b) - (a.t_chunk_b - b.t_chunk_b) == pytest.approx(
+            RUNTIME["action_s"] + RUNTIME["split_node_s"] * layers * 25, rel=1e-9)
         assert a.t_p2p - b.t_p2p == pytest.approx(RUNTIME["send_s"], rel=1e-9)  # each pipeline send
         # the optimizer: PyTorch's AdamW per parameter, measured, instead of the memory-bound 52 bytes
         owned = max(params_per_stage(spec, 1, 2))

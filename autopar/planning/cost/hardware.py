@@ -80,6 +80,10 @@ class RuntimeOverheads:
     send_s: float
     """Seconds a pipeline send costs a step beside its bytes (posting it, the peer's receive action,
     their waits), measured on a 2-stage engine; 0 when tuned on one rank."""
+    split_node_s: float
+    """Seconds a backward split into B and W (ZB-H1, ZB-V) costs per forward graph node of its chunk beside
+    W's action (the autograd graph's walk, the retained graph, the store's slots), measured on a 2-stage
+    engine; 0 when tuned on one rank."""
     tp_collective_s: float
     """Seconds of a tensor-parallel collective's latency inside a step, measured on the all-reduces of a
     t = 2 engine (the exchange, the peer's late arrival, the wake-up): it replaces the lone call's fitted

@@ -224,7 +224,7 @@ def _link(d: dict, i: int, path: str) -> LinkFigure:
 
 
 RUNTIME_FIELDS: tuple[str, ...] = ("step_s", "action_s", "node_s", "checkpoint_s", "optimizer_per_param_s",
-                                    "send_s", "tp_collective_s", "layer_nodes", "end_nodes")
+                                    "send_s", "split_node_s", "tp_collective_s", "layer_nodes", "end_nodes")
 """The fields of a profile's ``runtime`` section (``hardware.RuntimeOverheads``)."""
 
 

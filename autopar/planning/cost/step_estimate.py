@@ -269,7 +269,9 @@ class _Chunk:
         bwd = bwd + fwd * rc
         if (rt := hw.runtime) is not None:  # the runtime's own: each action's, each replayed region's
             split = lay.schedule in SPLIT_BACKWARD_SCHEDULES
-            bwd += PhaseTime(runtime=rc * L * rt.checkpoint_s + rt.action_s * (2 if split else 1))
+            layer_nodes = spec.graph_nodes[1] if spec.graph_nodes else rt.layer_nodes
+            split_cost = rt.split_node_s * L * layer_nodes if split else 0.0  # splitting B from W
+            bwd += PhaseTime(runtime=rc * L * rt.checkpoint_s + rt.action_s * (2 if split else 1) + split_cost)
             fwd += PhaseTime(runtime=rt.action_s)
             if split:
                 w += PhaseTime(runtime=rt.action_s)
