@@ -102,39 +102,66 @@ def _step_seconds(runs: dict, repeats: int, rounds: int = 3) -> dict:
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
-_PIPELINE = None  # the program the pipeline's ranks step (forked with it: spawn(inherit=True))
+_PROGRAMS: dict = {}  # the 2-rank programs the forked ranks step (forked with them: spawn(inherit=True))
 
 
-def _pipeline_rank(x: torch.Tensor, repeats: int) -> tuple[float, float]:
-    """One rank of a tiny 2-rank program: the median of ``repeats`` steps after 3 warm-up steps, and
-    the tensor-parallel all-reduces it ran per step (pairwise exchanges, ``group._recursive_doubling``,
-    what ``core.comm.group.all_reduce`` runs on a gloo group of 2)."""
+def _two_rank_steps(batches: dict, repeats: int, rounds: int = 3) -> dict:
+    """One rank of the 2-rank programs ``_PROGRAMS`` (key -> program, ``batches`` key -> its batch),
+    their engines stepped in turns (``rounds`` rounds of ``repeats`` steps each, after 3 warm-up steps):
+    key -> (the median step, the tensor-parallel all-reduces per step: pairwise exchanges,
+    ``group._recursive_doubling``, what ``core.comm.group.all_reduce`` runs on a gloo group of 2)."""
     import torch.distributed as dist  # noqa: PLC0415
 
     from autopar.core.comm import group  # noqa: PLC0415
 
     calls = [0]
-    reduce = group._recursive_doubling
+    exchange = group._recursive_doubling
 
     def counted(*args, **kwargs):
         calls[0] += 1
-        return reduce(*args, **kwargs)
+        return exchange(*args, **kwargs)
 
     group._recursive_doubling = counted  # this forked rank's own module: counts what the chunks run
     try:
-        engine = _PIPELINE.materialize()
-        times = []
-        for i in range(repeats + 3):
-            dist.barrier()
-            if i == 3:
-                calls[0] = 0
-            t0 = time.perf_counter()
-            engine.train_step(x, x)
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
+        engines = {key: program.materialize() for key, program in _PROGRAMS.items()}
+        times: dict = {key: [] for key in engines}
+        exchanges: dict = {key: 0 for key in engines}
+        for key, engine in engines.items():
+            for _ in range(3):
+                engine.train_step(batches[key], batches[key])
+        for _ in range(rounds):
+            for key, engine in engines.items():
+                for _ in range(repeats):
+                    dist.barrier()
+                    calls[0] = 0
+                    t0 = time.perf_counter()
+                    engine.train_step(batches[key], batches[key])
+                    times[key].append(time.perf_counter() - t0)
+                    exchanges[key] = calls[0]
     finally:
-        group._recursive_doubling = reduce
-    return statistics.median(times), calls[0] / repeats
+        group._recursive_doubling = exchange
+    return {key: (statistics.median(ts), exchanges[key]) for key, ts in times.items()}
+
+
+def _two_rank_programs(layers: int, runs: dict, repeats: int) -> dict:
+    """key -> (the slower rank's median step, exchanges per step) of the tiny GPT of ``layers`` layers
+    compiled for 2 ranks with each of ``runs`` (key -> (microbatches, ``parallelize`` layout arguments)),
+    stepped in turns in one launch."""
+    import autopar  # noqa: PLC0415
+    from autopar.reference.models import build  # noqa: PLC0415
+
+    batches = {}
+    for key, (m, layout) in runs.items():
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(0)
+        x = batches[key] = torch.randint(0, TINY["vocab_size"], (m, TINY["seq_len"]), generator=g)
+        _PROGRAMS[key] = autopar.parallelize(build("gpt", n_layer=layers, **TINY), example_inputs=(x[:1],),
+                                             example_targets=x[:1], world_size=2, microbatches=m, **layout)
+    try:
+        ranks = autopar.spawn(_two_rank_steps, 2, (batches, max(1, repeats // 3)), inherit=True)
+    finally:
+        _PROGRAMS.clear()
+    return {key: (max(r[key][0] for r in ranks), ranks[0][key][1]) for key in runs}
 
 
 def pipeline_seconds(node_s: float, action_s: float, end_nodes: int, repeats: int) -> tuple[float, float]:
@@ -146,20 +173,13 @@ def pipeline_seconds(node_s: float, action_s: float, end_nodes: int, repeats: in
     one after B); the rest of the per-microbatch slope, over 2, is one send's (posting it, the peer's
     receive, their waits). ZB-H1 at 8 microbatches runs the same work with each backward split into B
     and W: what it adds per microbatch over 1F1B, less W's action, over the chunk's forward nodes, is
-    the split's cost per node (the autograd graph's walk, its retained graph, the store's slots)."""
-    global _PIPELINE
-    import autopar  # noqa: PLC0415
+    the split's cost per node (the autograd graph's walk, its retained graph, the store's slots). The
+    three engines are stepped in turns, in one launch."""
     from autopar.reference.models import build  # noqa: PLC0415
 
-    steps = {}
-    for schedule, m in (("1f1b", 2), ("1f1b", 8), ("zb-h1", 8)):
-        torch.manual_seed(0)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randint(0, TINY["vocab_size"], (m, TINY["seq_len"]), generator=g)
-        _PIPELINE = autopar.parallelize(build("gpt", n_layer=4, **TINY), example_inputs=(x[:1],),
-                                        example_targets=x[:1], world_size=2, pp=2, microbatches=m, schedule=schedule)
-        steps[schedule, m] = max(t for t, _ in autopar.spawn(_pipeline_rank, 2, (x, repeats), inherit=True))
-    _PIPELINE = None
+    pp = lambda schedule: dict(pp=2, schedule=schedule)  # noqa: E731
+    steps = {k: t for k, (t, _) in _two_rank_programs(4, {("1f1b", 2): (2, pp("1f1b")), ("1f1b", 8): (8, pp("1f1b")),
+                                                         ("zb-h1", 8): (8, pp("zb-h1"))}, repeats).items()}
     slope = (steps["1f1b", 8] - steps["1f1b", 2]) / 6
     layer_nodes = graph_node_counts(build("gpt", n_layer=2, **TINY), torch.zeros(1, TINY["seq_len"], dtype=torch.long))[0]
     chunk_nodes = 2 * layer_nodes + end_nodes  # the head's stage, the slower
@@ -169,27 +189,15 @@ def pipeline_seconds(node_s: float, action_s: float, end_nodes: int, repeats: in
 
 
 def tp_all_reduce_in_step_seconds(u1: float, layer: float, repeats: int) -> float:
-    """A tensor-parallel collective's latency inside a step, measured on the engine's all-reduces: the tiny GPT of 2
-    layers over 2 ranks at t = 2, 2 and 8 microbatches. Each microbatch adds what it adds on one rank
-    (``u1 + layer``: its nodes and actions; the tiny kernels cost nothing) and its all-reduces, counted
-    as the chunks call them; the rest of the per-microbatch slope over that count is one all-reduce's."""
-    global _PIPELINE
-    import autopar  # noqa: PLC0415
-    from autopar.reference.models import build  # noqa: PLC0415
-
-    steps, calls = {}, {}
-    for m in (2, 8):
-        torch.manual_seed(0)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randint(0, TINY["vocab_size"], (m, TINY["seq_len"]), generator=g)
-        _PIPELINE = autopar.parallelize(build("gpt", n_layer=2, **TINY), example_inputs=(x[:1],),
-                                        example_targets=x[:1], world_size=2, tp=2, microbatches=m,
-                                        sequence_parallel=False)
-        ranks = autopar.spawn(_pipeline_rank, 2, (x, repeats), inherit=True)
-        steps[m], calls[m] = max(t for t, _ in ranks), ranks[0][1]
-    _PIPELINE = None
-    per_mb_calls = (calls[8] - calls[2]) / 6
-    slope = (steps[8] - steps[2]) / 6
+    """A tensor-parallel collective's latency inside a step, measured on the engine's all-reduces: the
+    tiny GPT of 2 layers over 2 ranks at t = 2, 2 and 8 microbatches, stepped in turns in one launch.
+    Each microbatch adds what it adds on one rank (``u1 + layer``: its nodes and actions; the tiny
+    kernels cost nothing) and its all-reduces, counted as the chunks run them; the rest of the
+    per-microbatch slope over that count is one all-reduce's."""
+    tp = dict(tp=2, sequence_parallel=False)
+    got = _two_rank_programs(2, {2: (2, tp), 8: (8, tp)}, repeats)
+    per_mb_calls = (got[8][1] - got[2][1]) / 6
+    slope = (got[8][0] - got[2][0]) / 6
     return max((slope - u1 - layer) / per_mb_calls, 0.0) if per_mb_calls > 0 else 0.0
 
 
