@@ -26,9 +26,9 @@ distributed optimizer's fp32 master and gradient shards, ``buffer_bytes()``) + t
 ``peak_activation_bytes`` (what autograd saved for the pending backwards at its peak, max over the
 timed steps). Predicted, on the fullest stage: ``Memory.weights + grads + optimizer + kept``: the
 same four parts. Not compared: the working set of a layer's backward or the loss, DDP-style
-gradient buckets, allocator slack (the engine counts none of them). The engine's count adds up every
-saved tensor, so a view saved beside its base counts twice: it overstates the distinct storage
-(by about a fifth on the reference GPT's layer; docs/hardware-profile.md).
+gradient buckets, allocator slack (the engine counts none of them). The engine counts each kept
+storage once (a view saved beside its base, a checkpointed region's inputs) and the chunks' outputs,
+after each forward and, in ZB-H1 and ZB-V, after each B (docs/performance-model.md, section 4a).
 
     PYTHONPATH=$PWD .venv/bin/python bench/planner_vs_measured.py                 # both models, 3 rounds
     PYTHONPATH=$PWD .venv/bin/python bench/planner_vs_measured.py --models gpt --rounds 1 --steps 3

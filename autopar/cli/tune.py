@@ -45,7 +45,9 @@ __all__ = ["run_tune", "tune_flags"]
 _SQUARES = (256, 1024, 2048)
 """Square GEMM sides timed when no model is given."""
 
-_GROUP_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_GROUP_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "tp_all_reduce")
+COLLECTIVE_ROUNDS = 7
+"""Rounds of back-to-back calls per size whose median is kept: a shared machine's slow moments fall out."""
 
 
 def tune_flags(argv: list[str]) -> str:
@@ -127,6 +129,21 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
     _say(rank, console, f"copy {memory_bw / 1e9:.3g} GB/s, eager op {eager * 1e6:.3g} us"
                         + (f", compiled call {compiled * 1e6:.3g} us" if compiled is not None else ""))
 
+    runtime = None
+    if device.type == "cpu":  # the engine's own overheads, each rank in a child process of its own, all at once
+        from autopar.cli.tune_runtime import measure_in_subprocess  # noqa: PLC0415
+
+        # a pipeline send and a tensor-parallel all-reduce inside a step: rank 0's child alone (it forks 2
+        # ranks of its own) when the launch has 2 ranks or more
+        runtime = measure_in_subprocess(10 if args.quick else 30, pipeline=rank == 0 and world > 1)
+        _say(rank, console, f"runtime: step {runtime['step_s'] * 1e6:.3g} us, action {runtime['action_s'] * 1e6:.3g} us, "
+                            f"graph node {runtime['node_s'] * 1e6:.3g} us, checkpointed region "
+                            f"{runtime['checkpoint_s'] * 1e6:.3g} us, pipeline send {runtime['send_s'] * 1e6:.3g} us, "
+                            f"split backward {runtime['split_node_s'] * 1e6:.3g} us per node, "
+                            f"tensor-parallel collective in a step {runtime['tp_collective_s'] * 1e6:.3g} us, AdamW "
+                            f"{runtime['optimizer_per_param_s'] * 1e9:.3g} ns per parameter")
+    if world > 1:
+        dist.barrier()
     links = _time_collectives(rank, world, per_node, device, args.quick, console) if world > 1 else []
     if world == 1:
         _say(rank, console, "one process: collectives need ranks; run `autopar tune --nproc N "
@@ -137,7 +154,7 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
     profile = HardwareProfile(
         device_kind=facts["kind"], device_name=facts["name"], devices_per_node=per_node, nodes=world // per_node,
         memory_bytes=facts["memory_bytes"], sm_count=facts["sm_count"], gemm=tuple(gemm), memory_bw=memory_bw,
-        eager_op_s=eager, compiled_call_s=compiled, collectives=tuple(links),
+        eager_op_s=eager, compiled_call_s=compiled, runtime=runtime, collectives=tuple(links),
         sources=_sources(device, copy_bytes, budget, backend, world), tune_flags=tune_flags(argv),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__)
     write_profile(profile, args.out)
@@ -157,7 +174,8 @@ def _time_collectives(rank: int, world: int, per_node: int, device, quick: bool,
         if group.p2p:
             timed = {"p2p": time_pair(group.ranks[0], group.ranks[1], sizes, device)}
         else:
-            timed = time_group(_GROUP_OPS, group.ranks, sizes, device, rounds=3, calls=2 if quick else 4)
+            timed = time_group(_GROUP_OPS, group.ranks, sizes, device, rounds=COLLECTIVE_ROUNDS,
+                               calls=2 if quick else 4)
         for op, (nbytes, seconds) in timed.items():
             alpha, beta = fit_alpha_beta(nbytes, seconds)
             out.append(LinkFigure(op, group.size, group.placement, alpha, beta, tuple(nbytes), tuple(seconds)))
@@ -173,9 +191,13 @@ def _sources(device, copy_bytes: int, budget: float, backend: str, world: int) -
         "memory_bw_bytes_per_s": f"a copy of {copy_bytes >> 20} MiB of fp32: read + write bytes / median seconds",
         "eager_op_s": "100 eager adds of 8 elements in a row, per add, median",
         "compiled_call_s": "a call of torch.compile(lambda x: x * 2 + 1) on 8 elements, median (--compiled)",
-        "collectives": (f"{backend} over {world} ranks: per size the median of 3 rounds of back-to-back calls "
-                        f"(rank 0's clock); p2p half a send/recv round trip; alpha and beta fitted to time = "
-                        f"alpha + bytes / beta, least squares on the relative error") if world > 1
+        "runtime": ("the engine stepping a tiny reference GPT on one rank (cli/tune_runtime.py): "
+                    "medians of steps at 1 and 3 layers, 1 and 4 microbatches, recomputed or not; AdamW on 2^20 "
+                    "fp32 parameters, per parameter; every rank at once, rank 0's figures"),
+        "collectives": (f"{backend} over {world} ranks: per size the median of {COLLECTIVE_ROUNDS} rounds of "
+                        f"back-to-back calls (rank 0's clock); tp_all_reduce the runtime's tensor-parallel "
+                        f"all-reduce (pairwise exchanges on gloo); p2p half a send/recv round trip; alpha and beta "
+                        f"fitted to time = alpha + bytes / beta, least squares on the relative error") if world > 1
         else "none: one process",
     }
 
@@ -188,7 +210,7 @@ def _preset_link(hw: Hardware, op: str, n: int, inter: bool) -> tuple[float, flo
     bw, lat = (inter_node_bw(hw), hw.ib_latency) if inter else (intra_node_bw(hw), hw.nvlink_latency)
     if op == "p2p":
         return lat, bw
-    if op == "all_reduce":
+    if op in ("all_reduce", "tp_all_reduce"):
         return 2 * (n - 1) * lat, bw / wire_factor(ALL_REDUCE, n)
     return (n - 1) * lat, bw / wire_factor(ALL_GATHER, n)  # all-gather, reduce-scatter, all-to-all: (n-1)/n leaves
 
@@ -211,6 +233,12 @@ def _table(profile: HardwareProfile, hw: Hardware) -> Table:
     tab.add_row("eager op overhead", f"{profile.eager_op_s * 1e6:.3g} us", f"{preset.eff.kernel_overhead * 1e6:.3g} us")
     if profile.compiled_call_s is not None:
         tab.add_row("compiled call overhead", f"{profile.compiled_call_s * 1e6:.3g} us", "-")
+    if profile.runtime is not None:
+        rt = profile.runtime
+        tab.add_row("runtime: step, action, graph node, checkpoint, send, tp collective",
+                    f"{rt['step_s'] * 1e6:.3g}, {rt['action_s'] * 1e6:.3g}, {rt['node_s'] * 1e6:.3g}, "
+                    f"{rt['checkpoint_s'] * 1e6:.3g}, {rt['send_s'] * 1e6:.3g}, {rt['tp_collective_s'] * 1e6:.3g} us",
+                    "-")
     for c in profile.collectives:
         alpha, beta = _preset_link(preset, c.op, c.ranks, c.placement == "inter")
         tab.add_row(f"{c.op} {c.ranks} ranks {c.placement}: alpha, beta",

@@ -29,6 +29,10 @@ A projection is a linear, or a matrix product with a parameter 2-D weight
 (``addmm(bias, x, W)``, ``mm(x, W)``: HuggingFace GPT-2's ``Conv1D``, weight
 stored (in, out)).
 
+- graph nodes of the embedding, one layer and the head (with the loss): what a tuned profile's per-node
+  runtime overhead prices;
+- what a layer, the embedding and the head save for the backward, per token: counted by running the
+  graph once under fake tensors (``saved_census.py``), for a dense model;
 - experts: the mixture-of-experts layers ``passes/experts.py`` finds (E, top-k,
   one expert's width from its grouped matmuls, the layers holding them; a list
   of expert modules stacked first, ``passes/expert_lists.py``); in an
@@ -53,6 +57,7 @@ import torch.nn as nn
 from autopar.core.errors import AutoparError
 from autopar.core.graph import ancestors
 from autopar.planning.cost.models import ModelSpec
+from autopar.compiler.saved_census import saved_census, split_regions
 from autopar.compiler.trace import lm_cross_entropy, trace
 from passes.experts import find_experts
 from passes.layers import find_layers
@@ -145,10 +150,24 @@ def spec_from_graph(gm: fx.GraphModule, params: set[str], seq_len: int, name: st
     positions = any(t.args[0] is not word for t in tables)
     experts = {} if not moe else dict(experts=moe["experts"], top_k=moe["top_k"], expert_ffn=moe["expert_ffn"],
                                       shared_expert_ffn=shared, moe_every=moe["every"])
+    saved = None
+    if not moe:  # an expert layer's rows depend on the routing: its activations keep the formulas
+        batch = int(next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name not in params
+                         and n.meta["val"].dim() >= 1 and n.meta["val"].shape[-1] == seq_len).meta["val"].numel())
+        regions = split_regions([(before, after[0]), (after[1:-1], after[-1])])
+        saved = saved_census(gm, layers.node_layer, params, regions, heads_out[-1] if heads_out else None,
+                             tables, batch)
+    calls = [n for n in nodes if n.op == "call_function"]
+    order = {n: i for i, n in enumerate(calls)}
+    in_layers = [order[n] for n in calls if n.name in layers.node_layer]
+    outside = [n for n in calls if n.name not in layers.node_layer]
+    graph_nodes = (sum(order[n] < in_layers[0] for n in outside), len(first),
+                   sum(order[n] > in_layers[-1] for n in outside))
     return ModelSpec(layers=layers.count, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
                      kv_heads=kv, gated_mlp=gated, dropout=dropout,
                      fused_attention=attn.target == aten.scaled_dot_product_attention.default,
-                     tied_head=tied, learned_positions=positions, name=name, **experts)
+                     tied_head=tied, learned_positions=positions, name=name, saved=saved,
+                     graph_nodes=graph_nodes, **experts)
 
 
 def _experts(gm: fx.GraphModule, params: set[str], layers, name: str) -> dict | None:

@@ -8,6 +8,7 @@ profile that the planner reads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from autopar.planning.cost.layout import Cluster, Layout
 from autopar.planning.cost.models import ModelSpec, params_per_stage
 from autopar.planning.cost.op_costs import gemm_op
 from autopar.planning.cost.op_times import op_time
+from autopar.planning.cost.precision import RUNTIME_FP32
 from autopar.planning.cost.step_estimate import estimate
 from autopar.planning.cost.tune_plan import model_gemm_shapes
 from autopar.planning.errors import PlanError, ProfileCoverageError, ProfileFieldError, ProfileVersionError
@@ -63,7 +65,7 @@ def test_round_trip_keeps_every_number(tmp_path):
     prof = _profile()
     path = tmp_path / "hw.json"
     write_profile(prof, path)
-    assert json.loads(path.read_text())[VERSION_KEY] == 1
+    assert json.loads(path.read_text())[VERSION_KEY] == 2
     assert load_profile(path) == prof
     hw = load_hardware(str(path))
     assert hw.name == str(path) and hw.tuned and hw.gpus_per_node == 2
@@ -89,10 +91,10 @@ def test_a_preset_and_a_path_both_name_hardware(tmp_path):
 
 
 def test_another_version_is_refused_with_the_command_to_measure_again(tmp_path):
-    data = _profile().as_json() | {VERSION_KEY: 2}
-    path = tmp_path / "v2.json"
+    data = _profile().as_json() | {VERSION_KEY: 1}
+    path = tmp_path / "v1.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ProfileVersionError, match=r"is version 2; this autopar reads version 1: measure again with "
+    with pytest.raises(ProfileVersionError, match=r"is version 1; this autopar reads version 2: measure again with "
                                                   r"`autopar tune --layers 2 --hidden 64"):
         load_profile(path)
     path.write_text(json.dumps({"gemm": []}))
@@ -185,11 +187,79 @@ def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, cap
     prof = load_profile(out)
     assert (prof.world, prof.devices_per_node, prof.device_kind) == (2, 2, "cpu")
     assert {(c.op, c.ranks, c.placement) for c in prof.collectives} == {
-        (op, 2, "intra") for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
+        (op, 2, "intra") for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "tp_all_reduce")}
     assert all(c.alpha_s >= 0 and c.beta_bytes_per_s > 0 and len(c.sizes_bytes) >= 3 for c in prof.collectives)
     # the GEMMs timed are the model's, at micro-batch 1 and t = 1 and 2 (the divisors of the 2 ranks on a node)
     assert [(g.batch, g.m, g.n, g.k) for g in prof.gemm] == [s for _, s in model_gemm_shapes(SPEC, 1, (1, 2))]
     assert all(g.flops_per_s > 0 for g in prof.gemm) and prof.memory_bw > 0 and prof.eager_op_s > 0
     assert prof.tune_flags.startswith("--quick --dtypes fp32 --layers 2")
+    # the runtime's own overheads, measured on the engine: every figure there, the tiny GPT's layer of 20 nodes
+    assert set(prof.runtime) == set(RUNTIME) and prof.runtime["node_s"] > 0 and prof.runtime["layer_nodes"] > 0
+    assert prof.runtime["optimizer_per_param_s"] > 0
     plan = _plan_json(capsys, str(out))
     assert plan["hardware"] == str(out) and math.isfinite(plan["iteration_s"]) and plan["breakdown_s"]["dp"] > 0
+
+
+RUNTIME = {"step_s": 3e-4, "action_s": 1.5e-4, "node_s": 2.5e-5, "checkpoint_s": 7e-4, "optimizer_per_param_s": 4e-9,
+           "send_s": 4e-4, "split_node_s": 3e-5, "tp_collective_s": 9e-4, "layer_nodes": 20, "end_nodes": 12}
+"""Made-up runtime overheads of the order ``autopar tune`` measures on this repository's CPU."""
+
+
+def test_runtime_overheads_are_priced_where_the_runtime_pays_them(tmp_path):
+    path = tmp_path / "hw.json"
+    write_profile(dataclasses.replace(_profile(), runtime=RUNTIME), path)
+    assert load_profile(path).runtime == RUNTIME
+    with_rt = load_hardware(str(path))
+    without = dataclasses.replace(with_rt, runtime=None)
+    spec = dataclasses.replace(SPEC, graph_nodes=(3, 25, 10))
+    for recompute in ("none", "layer"):
+        lay = Layout(t=1, p=2, d=1, b=2, recompute=recompute, fused_kernels=False, precision=RUNTIME_FP32)
+        a, b = estimate(spec, Cluster(2, with_rt, 8), lay), estimate(spec, Cluster(2, without, 8), lay)
+        layers = a.chunk_layers
+        rc = recompute == "layer"
+        # each F: one action and its layers' nodes' forward share (a third); each B: an action, the nodes'
+        # backward share, and with recomputation the forward again with one checkpointed region per layer
+        f_nodes = layers * 25 * RUNTIME["node_s"] / 3
+        assert a.t_chunk_f - b.t_chunk_f == pytest.approx(RUNTIME["action_s"] + f_nodes, rel=1e-9)
+        assert a.t_chunk_b - b.t_chunk_b == pytest.approx(
+            RUNTIME["action_s"] + 2 * f_nodes + rc * (f_nodes + layers * RUNTIME["checkpoint_s"]), rel=1e-9)
+        assert a.t_head_f - b.t_head_f == pytest.approx(10 * RUNTIME["node_s"] / 3, rel=1e-9)
+        assert a.t_step == RUNTIME["step_s"] and b.t_step == 0.0
+        # a backward split into B and W: W's action and the split's cost per forward node of the chunk
+        zb = dataclasses.replace(lay, schedule="zb-h1")
+        za, zb_ = estimate(spec, Cluster(2, with_rt, 8), zb), estimate(spec, Cluster(2, without, 8), zb)
+        assert (za.t_chunk_b - zb_.t_chunk_b) - (a.t_chunk_b - b.t_chunk_b) == pytest.approx(
+            RUNTIME["action_s"] + RUNTIME["split_node_s"] * layers * 25, rel=1e-9)
+        assert a.t_p2p - b.t_p2p == pytest.approx(RUNTIME["send_s"], rel=1e-9)  # each pipeline send
+        # the optimizer: PyTorch's AdamW per parameter, measured, instead of the memory-bound 52 bytes
+        owned = max(params_per_stage(spec, 1, 2))
+        assert a.t_optimizer == pytest.approx(owned * RUNTIME["optimizer_per_param_s"], rel=1e-9)
+    bad = dataclasses.replace(_profile(), runtime=RUNTIME | {"action_s": -1.0}).as_json()
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ProfileFieldError, match="runtime.action_s must not be negative"):
+        load_profile(path)
+
+
+def test_tensor_parallel_all_reduce_is_priced_by_the_runtimes_own_when_measured():
+    from autopar.planning.cost.network import tp_allreduce_time
+
+    plain = to_hardware(_profile(beta=1e9))
+    both = to_hardware(dataclasses.replace(_profile(beta=1e9), collectives=_profile(beta=1e9).collectives + (
+        LinkFigure("tp_all_reduce", 2, "intra", 5e-4, 1e9, (4096, 1 << 20), (5e-4, 1e-3)),)))
+    assert tp_allreduce_time(1 << 16, 2, plain) == pytest.approx(1e-4 + (1 << 16) / 5e8)
+    assert tp_allreduce_time(1 << 16, 2, both) == pytest.approx(5e-4 + (1 << 16) / 5e8)
+    # measured inside a step, the latency is the step's, the bandwidth the lone call's
+    in_step = dataclasses.replace(both, runtime=load_hardware_runtime())
+    assert tp_allreduce_time(1 << 16, 2, in_step) == pytest.approx(RUNTIME["tp_collective_s"] + (1 << 16) / 5e8)
+    # and so is sequence parallelism's all-gather's (its own fit's bandwidth)
+    from autopar.planning.cost.network import tp_half_time
+
+    assert tp_half_time(1 << 16, 2, in_step) == pytest.approx(RUNTIME["tp_collective_s"] + (1 << 16) / 5e8)
+    assert tp_half_time(1 << 16, 2, both) == pytest.approx(1e-4 + (1 << 16) / 5e8)
+
+
+def load_hardware_runtime():
+    """``RUNTIME`` as the planner's ``RuntimeOverheads``."""
+    from autopar.planning.cost.hardware import RuntimeOverheads
+
+    return RuntimeOverheads(**RUNTIME)

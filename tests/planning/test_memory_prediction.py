@@ -137,7 +137,9 @@ def _measure(index: int) -> dict:
     optimizer.step()
     if distributed:
         grads += _nbytes(bucket.grad for bucket in optimizer.buckets)
-        state = optimizer.state_bytes() + _nbytes(bucket.master for bucket in optimizer.buckets)
+        # a master that is the parameters' own storage (fp32 weights: masters_shared) is not a second copy
+        state = optimizer.state_bytes() + _nbytes(bucket.master for bucket in optimizer.buckets
+                                                  if not bucket.masters_shared)
     else:
         state = _nbytes(t for s in optimizer.state.values() for t in s.values()
                         if isinstance(t, torch.Tensor) and t.dim() > 0)

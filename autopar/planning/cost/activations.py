@@ -27,6 +27,14 @@ projection inputs, (h + 3 f_e/t) A gated, on the R rows the grouped GEMMs' tenso
 with the all-gather dispatcher, S = k b s otherwise), and each of the S results back at its
 token (h A, for the gate weight's gradient).
 
+A spec read from a traced model carries what its layer, embedding and head save, counted on its
+graph (``ModelSpec.saved``, ``compiler/saved_census.py``): an RMSNorm's normalised product, rotary
+cos and sin, an eager SwiGLU's four products, whatever the model's code keeps. Then
+``activation_bytes_per_layer``, ``embedding_kept_bytes`` and ``head_kept_bytes`` price those counts
+(``SavedShare.bytes``: the column-parallel and vocabulary-parallel part 1/t, the hidden stream's
+whole or 1/t with sequence parallelism) and the formulas above are the fallback of a spec given by
+its dimensions, of a mixture-of-experts layer and of context parallelism.
+
 Under context parallelism (``cp`` > 1) a rank holds s/cp tokens of each sequence, and every term
 above is per token: each function prices b s/cp tokens. The attention is ring attention, which
 keeps what a fused kernel keeps (its output and an fp32 log-sum-exp per head and query), never
@@ -97,6 +105,8 @@ def activation_bytes_per_layer(spec: ModelSpec, b: int, t: int, sequence_paralle
     mixture-of-experts layer on a rank of an expert group of ``ep``, its routed rows
     (``expert_rows_kept_bytes``) added. ``cp``: on s/cp tokens, the attention a ring."""
     moe = moe and spec.is_moe
+    if spec.saved is not None and not moe and cp == 1:  # counted on the model's own graph
+        return spec.seq_len * b * spec.saved.layer.bytes(precision.activation, t, sequence_parallel)
     replicated, split = layer_kept_per_token(spec, precision, moe, cp)
     kept = spec.seq_len // cp * b * (replicated / (t if sequence_parallel else 1) + split / t)
     return kept + (expert_rows_kept_bytes(spec, b, t, ep, dispatch, precision, cp) if moe else 0.0)
@@ -158,6 +168,8 @@ def embedding_kept_bytes(spec: ModelSpec, b: int, t: int, sequence_parallel: boo
     backward scatters by them) and its dropout mask (split over t with sequence parallelism), for the
     s/cp tokens of a context-parallel rank."""
     T = b * spec.seq_len // cp
+    if spec.saved is not None and cp == 1:
+        return T * spec.saved.embedding.bytes(precision.activation, t, sequence_parallel)
     mask = precision.mask * spec.hidden / (t if sequence_parallel else 1) if spec.dropout else 0.0
     return T * (TOKEN_ID_BYTES + mask)
 
@@ -169,6 +181,8 @@ def head_kept_bytes(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = F
     input in the backward), the cross-entropy's fp32 softmax over the local V/t logits and
     the target ids; for the s/cp tokens of a context-parallel rank."""
     T, h, A = b * spec.seq_len // cp, spec.hidden, precision.activation
+    if spec.saved is not None and cp == 1:
+        return T * spec.saved.head.bytes(A, t, sequence_parallel)
     r = t if sequence_parallel else 1
     return T * ((2 * A * h + precision.norm_stats) / r + SOFTMAX_BYTES * math.ceil(spec.vocab / t)
                 + TOKEN_ID_BYTES)

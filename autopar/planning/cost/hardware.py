@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, replace
 
 from autopar.planning.errors import PlanError
 
-__all__ = ["Efficiency", "Hardware", "MeasuredGemm", "MeasuredLink", "PLACEMENTS", "LINK_OPS", "PROFILES",
-           "get_hardware"]
+__all__ = ["Efficiency", "Hardware", "MeasuredGemm", "MeasuredLink", "RuntimeOverheads", "PLACEMENTS", "LINK_OPS",
+           "PROFILES", "get_hardware"]
 
 GB = 1e9
 GiB = 2**30
@@ -53,8 +53,47 @@ class Efficiency:
     """Seconds of launch/tail gap per kernel (typical CUDA launch gap). Fixed."""
 
 
-LINK_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-"""The communication a tuned profile measures, by the names its JSON uses."""
+LINK_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "tp_all_reduce")
+"""The communication a tuned profile measures, by the names its JSON uses. ``tp_all_reduce`` is the
+runtime's own tensor-parallel all-reduce (``core.comm.group.all_reduce``: on gloo, pairwise exchanges
+by recursive doubling), which the tensor-parallel layers run in place of ``dist.all_reduce``."""
+
+
+@dataclass(frozen=True)
+class RuntimeOverheads:
+    """What autopar's runtime costs beside its kernels, measured by ``autopar tune``
+    (``cli/tune_runtime.py``); None on a preset, whose kernels' launch gap
+    (``Efficiency.kernel_overhead``) stands for all of it."""
+
+    step_s: float
+    """Seconds of one ``train_step`` beside its actions (the schedule's set-up, the loss's sum)."""
+    action_s: float
+    """Seconds of one compute action (a chunk's F, B or W) beside its chunk's nodes."""
+    node_s: float
+    """Seconds of one forward graph node of a layer in a training step, its forward and backward
+    together (the generated code's call, autograd's recording and its backward node)."""
+    checkpoint_s: float
+    """Seconds a checkpointed region adds beside its forward run again (saving and restoring the
+    random state, the replay's bookkeeping)."""
+    optimizer_per_param_s: float
+    """Seconds of PyTorch's AdamW step per fp32 parameter (the optimizer autopar's runtime steps)."""
+    send_s: float
+    """Seconds a pipeline send costs a step beside its bytes (posting it, the peer's receive action,
+    their waits), measured on a 2-stage engine; 0 when tuned on one rank."""
+    split_node_s: float
+    """Seconds a backward split into B and W (ZB-H1, ZB-V) costs per forward graph node of its chunk beside
+    W's action (the autograd graph's walk, the retained graph, the store's slots), measured on a 2-stage
+    engine; 0 when tuned on one rank."""
+    tp_collective_s: float
+    """Seconds of a tensor-parallel collective's latency inside a step, measured on the all-reduces of a
+    t = 2 engine (the exchange, the peer's late arrival, the wake-up): it replaces the lone call's fitted
+    alpha of each all-reduce, all-gather and reduce-scatter over 2 tensor-parallel ranks; 0 when not
+    measured (tuned on one rank)."""
+    layer_nodes: int
+    """Forward graph nodes of the layer ``node_s`` was measured on (the tiny reference GPT's): the
+    count a spec read without its graph is priced with."""
+    end_nodes: int
+    """That model's nodes outside its layers (embedding, head, loss)."""
 
 PLACEMENTS: tuple[str, ...] = ("intra", "inter")
 """Where a group's ranks sit: all in one node (``intra``), or spread over nodes (``inter``)."""
@@ -144,6 +183,8 @@ class Hardware:
     links_measured_at: tuple[float, float] = (0.0, 0.0)
     """(``nvlink_bw``, ``ib_bw``) when ``links`` were measured: a copy with another ``nvlink_bw`` or
     ``ib_bw`` (the planner's sensitivity knobs) scales the measured bandwidths by the same factor."""
+    runtime: RuntimeOverheads | None = None
+    """The runtime's own costs beside the kernels (a tuned profile that measured them), else None."""
     tune_command: str = ""
     """The ``autopar tune`` flags that measured this profile (the model, the micro-batch, the output
     file), for the error that asks for a group size it lacks. Empty for a preset."""

@@ -42,6 +42,7 @@ from autopar.planning.cost.hardware import (
     Hardware,
     MeasuredGemm,
     MeasuredLink,
+    RuntimeOverheads,
     get_hardware,
 )
 from autopar.planning.errors import ProfileFieldError, ProfileVersionError
@@ -50,8 +51,9 @@ __all__ = ["PROFILE_VERSION", "VERSION_KEY", "GemmFigure", "LinkFigure", "Hardwa
            "load_profile", "write_profile", "to_hardware", "load_hardware", "resolve_hardware", "nearest_preset",
            "DTYPE_BYTES"]
 
-PROFILE_VERSION = 1
-"""The format version this autopar writes and reads."""
+PROFILE_VERSION = 2
+"""The format version this autopar writes and reads (2: the runtime's own overheads, ``runtime``, and the
+runtime's tensor-parallel all-reduce, ``tp_all_reduce``, beside version 1's figures)."""
 
 VERSION_KEY = "autopar_hardware_profile"
 """The key holding the version: it also marks a JSON file as a profile."""
@@ -112,6 +114,8 @@ class HardwareProfile:
     collectives: tuple[LinkFigure, ...]
     compiled_call_s: float | None = None
     """Seconds of a call of a tiny compiled function (``autopar tune --compiled``), or None."""
+    runtime: dict[str, float] | None = None
+    """The runtime's own overheads (``hardware.RuntimeOverheads``' fields), or None when not measured."""
     sm_count: int = 1
     sources: dict[str, str] = field(default_factory=dict)
     """Where each number came from, in words, by section."""
@@ -138,6 +142,7 @@ class HardwareProfile:
             "memory_bw_bytes_per_s": self.memory_bw,
             "eager_op_s": self.eager_op_s,
             "compiled_call_s": self.compiled_call_s,
+            "runtime": None if self.runtime is None else dict(self.runtime),
             "collectives": [{"op": c.op, "ranks": c.ranks, "placement": c.placement, "alpha_s": c.alpha_s,
                              "beta_bytes_per_s": c.beta_bytes_per_s, "sizes_bytes": list(c.sizes_bytes),
                              "seconds": list(c.seconds)} for c in self.collectives],
@@ -218,6 +223,21 @@ def _link(d: dict, i: int, path: str) -> LinkFigure:
                       seconds=tuple(_get(d, "seconds", list, w, path)))
 
 
+RUNTIME_FIELDS: tuple[str, ...] = ("step_s", "action_s", "node_s", "checkpoint_s", "optimizer_per_param_s",
+                                    "send_s", "split_node_s", "tp_collective_s", "layer_nodes", "end_nodes")
+"""The fields of a profile's ``runtime`` section (``hardware.RuntimeOverheads``)."""
+
+
+def _runtime(d: Any, path: str) -> dict[str, float] | None:
+    if d is None:
+        return None
+    values = {k: _get(d, k, float, "runtime.", path) for k in RUNTIME_FIELDS}
+    for k in RUNTIME_FIELDS:
+        if values[k] < 0:
+            raise ProfileFieldError(f"hardware profile {path}: runtime.{k} must not be negative, got {values[k]!r}")
+    return values
+
+
 def profile_from_json(data: Any, path: str = "<json>") -> HardwareProfile:
     """The profile in ``data`` (a parsed JSON file), every field checked."""
     if not isinstance(data, dict) or VERSION_KEY not in data:
@@ -234,6 +254,7 @@ def profile_from_json(data: Any, path: str = "<json>") -> HardwareProfile:
     if not gemm:
         raise ProfileFieldError(f"hardware profile {path}: gemm is empty; `autopar tune` measures at least one shape")
     compiled = data.get("compiled_call_s")
+    runtime = _runtime(data.get("runtime"), path)
     return HardwareProfile(
         device_kind=_get(dev, "kind", str, "device.", path), device_name=_get(dev, "name", str, "device.", path),
         devices_per_node=_get(dev, "per_node", int, "device.", path), nodes=_get(dev, "nodes", int, "device.", path),
@@ -242,7 +263,7 @@ def profile_from_json(data: Any, path: str = "<json>") -> HardwareProfile:
         gemm=gemm,
         memory_bw=_positive(_get(data, "memory_bw_bytes_per_s", float, "", path), "memory_bw_bytes_per_s", path),
         eager_op_s=float(_get(data, "eager_op_s", float, "", path)),
-        compiled_call_s=None if compiled is None else float(compiled),
+        compiled_call_s=None if compiled is None else float(compiled), runtime=runtime,
         collectives=tuple(_link(c, i, path) for i, c in enumerate(_get(data, "collectives", list, "", path))),
         sources=dict(data.get("sources", {})), tune_flags=data.get("tune_flags", ""),
         created=data.get("created", ""), torch=data.get("torch", ""),
@@ -309,7 +330,9 @@ def to_hardware(profile: HardwareProfile, name: str = "tuned", dtype: str | None
         nvlink_latency=_latency(links, "intra"), ib_latency=_latency(links, "inter"),
         nvlink_efficiency=1.0, ib_efficiency=1.0,
         eff=Efficiency(gemm=1.0, hbm=1.0, gemm_k_overhead=0.0, kernel_overhead=profile.eager_op_s),
-        gemms=gemms, links=links, tuned=True, links_measured_at=(intra or inter or 1.0, inter or intra or 1.0),
+        gemms=gemms, links=links, tuned=True,
+        runtime=None if profile.runtime is None else RuntimeOverheads(
+            **{k: (int(v) if k.endswith("nodes") else float(v)) for k, v in profile.runtime.items()}), links_measured_at=(intra or inter or 1.0, inter or intra or 1.0),
         tune_command=profile.tune_flags or f"--model <the model> --out {name}",
     )
 

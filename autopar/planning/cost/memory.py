@@ -5,7 +5,8 @@ weights and gradients, and the optimizer's state (an fp32 master copy when the
 weights are 16-bit, Adam's m and v): 2 + 2 + 12 = 16 bytes in the paper's mixed
 precision. With the distributed optimizer (ZeRO stage 1, ``Layout.distributed_optimizer``)
 each of the d replicas keeps 1/d of the optimizer state (an fp32 master and the
-moments: 12/d) and the reduced fp32 gradient of its 1/d range (4/d). Activations
+moments: 12/d; the moments alone, 8/d, when the weights are fp32 and their own storage is the
+master) and the reduced fp32 gradient of its 1/d range (4/d). Activations
 are what the in-flight microbatches keep (``activations.py``) plus the largest
 working set (a layer's backward, or the loss), or the optimizer step's fp32
 gradient copy when that is larger. In a zero-bubble schedule a microbatch whose B
@@ -157,7 +158,8 @@ def stage_memory(spec: ModelSpec, lay: Layout, r: int, units: int, held: Held | 
     """Memory of one GPU of pipeline stage ``r`` holding ``units`` chunk-microbatches in flight
     at its peak (``memory_per_gpu`` takes the fullest stage); ``held``: how many of them wait
     for their B and for their W, in a schedule with W actions."""
-    prec, P = lay.precision, params_per_stage(spec, lay.t, lay.p, lay.ep)[r]
+    head_stage = stage_of_chunk(placement_of(lay.schedule), lay.p, lay.p * lay.v - 1)
+    prec, P = lay.precision, params_per_stage(spec, lay.t, lay.p, lay.ep, head_stage)[r]
     P_exp = expert_params_per_stage(spec, lay.t, lay.p, lay.ep)[r] if lay.ep > 1 else 0
     sharded = lay.distopt
     # routed experts (ep > 1) are replicated over, and their optimizer state sharded over, d/ep replicas

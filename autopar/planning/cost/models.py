@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from autopar.planning.cost.saved_shares import SavedCensus
 from autopar.planning.errors import PlanError
 
 __all__ = ["ModelSpec", "PRESETS", "MOE_PRESETS", "get_model", "param_count", "params_per_stage",
@@ -72,6 +73,14 @@ class ModelSpec:
     causal: bool = True
     """Causal (decoder) attention: under context parallelism the sequence is cut into 2 cp chunks
     (the load-balanced layout); False for bidirectional attention (cp contiguous chunks)."""
+    graph_nodes: tuple[int, int, int] | None = None
+    """(embedding, one layer, head and loss) forward graph nodes of the model's traced graph, which a
+    tuned profile's per-node runtime overhead prices (``op_times.node_overheads``); None for a spec given
+    by its dimensions."""
+    saved: SavedCensus | None = None
+    """What one layer, the embedding and the head save for the backward per token, counted on the
+    model's traced graph (``compiler/saved_census.py``), for the sequence length ``seq_len``; None
+    for a spec given by its dimensions (the activation formulas then count the paper's GPT layer)."""
 
     def __post_init__(self) -> None:
         if self.experts < 0 or self.moe_every < 1 or self.shared_expert_ffn < 0:
@@ -260,7 +269,8 @@ def max_moe_layers_per_chunk(spec: ModelSpec, chunks: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _stage_params(spec: ModelSpec, t: int, p: int, ep: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _stage_params(spec: ModelSpec, t: int, p: int, ep: int,
+                  head_stage: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(all, routed experts') parameters of one GPU of each stage (``params_per_stage``), cached: the
     planner asks for them several times per layout."""
     base, extra = divmod(spec.layers, p)
@@ -274,8 +284,8 @@ def _stage_params(spec: ModelSpec, t: int, p: int, ep: int) -> tuple[tuple[int, 
         n = (layers - moe) * dense_layer + moe * (moe_layer + per_expert_layer)
         if r == 0:
             n += math.ceil(spec.vocab / t) * spec.hidden + (spec.seq_len * spec.hidden if spec.learned_positions else 0)
-        if r == p - 1:
-            head = p > 1 or not spec.tied_head
+        if r == head_stage:
+            head = head_stage != 0 or not spec.tied_head
             n += 2 * spec.hidden + (math.ceil(spec.vocab / t) * spec.hidden if head else 0)
         total.append(n)
         experts.append(moe * per_expert_layer)
@@ -285,18 +295,19 @@ def _stage_params(spec: ModelSpec, t: int, p: int, ep: int) -> tuple[tuple[int, 
 def expert_params_per_stage(spec: ModelSpec, t: int, p: int, ep: int = 1) -> list[int]:
     """The routed-expert part of ``params_per_stage``: per stage, its mixture-of-experts layers
     times ``expert_params_per_rank`` (what is reduced over the replicas holding the same experts)."""
-    return list(_stage_params(spec, t, p, ep)[1])
+    return list(_stage_params(spec, t, p, ep, p - 1)[1])
 
 
-def params_per_stage(spec: ModelSpec, t: int, p: int, ep: int = 1) -> list[int]:
+def params_per_stage(spec: ModelSpec, t: int, p: int, ep: int = 1, head_stage: int | None = None) -> list[int]:
     """Parameters held by one GPU of each pipeline stage 0..p-1.
 
     Layers are spread evenly (the largest stage gets ceil(l/p)); stage 0 holds
     the vocabulary-parallel word embedding (V h / t) and the position embedding
-    (s h, replicated, with ``learned_positions``); the last stage holds the final
+    (s h, replicated, with ``learned_positions``); the stage of the last chunk (``head_stage``,
+    default p - 1; 0 in ZB-V, whose V brings the last chunk back to stage 0) holds the final
     LayerNorm and the LM head's V h / t: its own copy of the tied word embedding
-    when p > 1, the head's own weight when untied. A mixture-of-experts layer holds its
+    on another stage than the embedding's, the head's own weight when untied. A mixture-of-experts layer holds its
     attention, router and shared expert as a dense layer holds its own, and E/ep of its
     experts (``expert_params_per_stage``).
     """
-    return list(_stage_params(spec, t, p, ep)[0])
+    return list(_stage_params(spec, t, p, ep, p - 1 if head_stage is None else head_stage)[0])

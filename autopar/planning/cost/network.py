@@ -181,20 +181,40 @@ def tp_allreduce_time(nbytes: float, t: int, hw: Hardware) -> float:
     all-reduce (NCCL's tuner picks, per call, the algorithm its own cost model says is fastest).
     The flat ring wins for large tensors at a few nodes (all links busy at once); the
     hierarchical one when the NICs are the bottleneck or latency dominates (2 (N-1) slow steps
-    instead of 2 (t-1)). A tuned profile: the measured all-reduce over t ranks."""
-    if t > 1 and (link := measured_link(hw, "all_reduce", t, t > hw.gpus_per_node)) is not None:
-        return link.time(nbytes)
+    instead of 2 (t-1)). A tuned profile: the measured all-reduce over t ranks (the runtime's own,
+    ``tp_all_reduce``, where measured), its latency the one measured inside a step at t = 2
+    (``RuntimeOverheads.tp_collective_s``) where the profile has it."""
+    if t > 1 and (link := _tp_reduce_link(hw, t)) is not None:
+        return _in_step(hw, t, link, nbytes)
     if t <= hw.gpus_per_node:
         return allreduce_time(nbytes, t, intra_node_bw(hw), hw.nvlink_latency)
     return min(flat_ring_allreduce_time(nbytes, t, hw), hierarchical_allreduce_time(nbytes, t, hw))
 
 
+def _in_step(hw: Hardware, t: int, link: MeasuredLink, nbytes: float) -> float:
+    """A tensor-parallel collective of ``nbytes`` priced by ``link``: its latency the one a step sees
+    (``RuntimeOverheads.tp_collective_s``, measured on a t = 2 engine: the peer's late arrival and the
+    wake-up beside the exchange) where the profile has it for this t, else the lone call's alpha."""
+    if hw.runtime is not None and hw.runtime.tp_collective_s > 0 and t == 2:
+        return hw.runtime.tp_collective_s + nbytes / link.beta
+    return link.time(nbytes)
+
+
+def _tp_reduce_link(hw: Hardware, t: int) -> MeasuredLink | None:
+    """The tuned profile's fit of the runtime's own tensor-parallel all-reduce over t ranks
+    (``tp_all_reduce``) when it measured it, else of ``dist.all_reduce``; None for a preset."""
+    inter = t > hw.gpus_per_node
+    if hw.tuned and any(x.op == "tp_all_reduce" and x.ranks == t for x in hw.links):
+        return measured_link(hw, "tp_all_reduce", t, inter)
+    return measured_link(hw, "all_reduce", t, inter)
+
+
 def tp_half_time(nbytes: float, t: int, hw: Hardware, kind: str = ALL_GATHER) -> float:
     """A tensor-parallel reduce-scatter or all-gather (``kind``) of a tensor of ``nbytes`` (sequence
     parallelism, scatter/gather sends): half of ``tp_allreduce_time``'s bytes and steps; a tuned
-    profile: the measured ``kind`` over t ranks."""
+    profile: the measured ``kind`` over t ranks, its latency the one a step sees where measured."""
     if t > 1 and (link := measured_link(hw, RING_OPS[kind], t, t > hw.gpus_per_node)) is not None:
-        return link.time(nbytes)
+        return _in_step(hw, t, link, nbytes)
     if t <= hw.gpus_per_node:
         return allgather_time(nbytes, t, intra_node_bw(hw), hw.nvlink_latency)
     return tp_allreduce_time(nbytes, t, hw) / 2

@@ -132,17 +132,43 @@ class PhaseTime:
     """Expert-parallel exchanges (the routed rows and their counts, over the expert group)."""
     cp: float = 0.0
     """Context-parallel ring transfers, the part the attention's blocks leave exposed."""
+    runtime: float = 0.0
+    """The runtime's own overheads beside the kernels (a tuned profile's ``Hardware.runtime``): its
+    graph nodes' calls and autograd bookkeeping, its actions, its checkpointed regions' replays."""
 
     @property
     def total(self) -> float:
-        return self.gemm + self.memory + self.comm + self.ep + self.cp
+        return self.gemm + self.memory + self.comm + self.ep + self.cp + self.runtime
 
     def __add__(self, o: PhaseTime) -> PhaseTime:
         return PhaseTime(self.gemm + o.gemm, self.memory + o.memory, self.comm + o.comm, self.ep + o.ep,
-                         self.cp + o.cp)
+                         self.cp + o.cp, self.runtime + o.runtime)
 
     def __mul__(self, k: float) -> PhaseTime:
-        return PhaseTime(self.gemm * k, self.memory * k, self.comm * k, self.ep * k, self.cp * k)
+        return PhaseTime(self.gemm * k, self.memory * k, self.comm * k, self.ep * k, self.cp * k, self.runtime * k)
+
+
+FORWARD_SHARE = 1 / 3
+"""The forward's part of a graph node's overhead in a training step (``RuntimeOverheads.node_s`` is
+forward and backward together): the backward runs about two ops per forward op (a GEMM's dA and dB,
+an element-wise op's gradient and its accumulation)."""
+
+
+def node_overheads(spec: ModelSpec, hw: Hardware) -> dict[str, PhaseTime]:
+    """The runtime's per-node overhead of a layer's, the embedding's and the head's forward and backward
+    (``layer_f`` ... ``head_b``) on a tuned profile that measured it, from the model's graph node counts
+    (``ModelSpec.graph_nodes``; without them, the layer and ends of the tiny GPT the profile measured);
+    zeros otherwise."""
+    keys = ("layer_f", "layer_b", "emb_f", "emb_b", "head_f", "head_b")
+    rt = hw.runtime
+    if rt is None:
+        return {k: PhaseTime() for k in keys}
+    emb, layer, head = spec.graph_nodes or (0, rt.layer_nodes, rt.end_nodes)
+    out = {}
+    for name, nodes in (("layer", layer), ("emb", emb), ("head", head)):
+        out[f"{name}_f"] = PhaseTime(runtime=rt.node_s * nodes * FORWARD_SHARE)
+        out[f"{name}_b"] = PhaseTime(runtime=rt.node_s * nodes * (1 - FORWARD_SHARE))
+    return out
 
 
 def phase_time(ops: tuple[Op, ...], hw: Hardware, t: int, ep: int = 1, cp: int = 1,
@@ -190,12 +216,14 @@ def layer_times(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel
     def timed(ops: tuple[Op, ...], ep: int = 1) -> PhaseTime:
         return phase_time(ops, hw, t, ep, cp, spec.causal)
 
+    nodes = node_overheads(spec, hw)
     out = {
-        "layer_f": timed(lay.forward), "layer_b": timed(lay.backward),
-        "emb_f": timed(emb.forward), "emb_b": timed(emb.backward),
-        "head_f": timed(head.forward), "head_b": timed(head.backward),
+        "layer_f": timed(lay.forward) + nodes["layer_f"], "layer_b": timed(lay.backward) + nodes["layer_b"],
+        "emb_f": timed(emb.forward) + nodes["emb_f"], "emb_b": timed(emb.backward) + nodes["emb_b"],
+        "head_f": timed(head.forward) + nodes["head_f"], "head_b": timed(head.backward) + nodes["head_b"],
     }
     if spec.is_moe:
         moe = layer_ops(spec, b, t, sequence_parallel, fused, moe=True, ep=ep, dispatch=dispatch, cp=cp)
-        out["moe_f"], out["moe_b"] = timed(moe.forward, ep), timed(moe.backward, ep)
+        out["moe_f"] = timed(moe.forward, ep) + nodes["layer_f"]
+        out["moe_b"] = timed(moe.backward, ep) + nodes["layer_b"]
     return out

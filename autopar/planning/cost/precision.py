@@ -47,9 +47,11 @@ class Precision:
 
     @property
     def sharded_state(self) -> int:
-        """Bytes per parameter the distributed optimizer shards over d: an fp32 master copy (kept
-        even when the weights are fp32, so the step writes back a whole range) and the moments."""
-        return max(self.master, 4) + self.moments
+        """Bytes per parameter the distributed optimizer shards over d: the master copy and the
+        moments. With fp32 weights there is no master copy: the optimizer steps the parameters' own
+        storage, its 1/d range of a flat buffer the parameters are views of (the runtime's
+        ``masters_shared``), so only the moments are sharded."""
+        return self.optimizer_state
 
 
 MIXED = Precision("mixed fp16", weight=2, grad=2, activation=2, mask=1, master=4)

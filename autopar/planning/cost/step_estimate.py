@@ -116,8 +116,8 @@ class Estimate:
     t_optimizer: float
     """Optimizer step (memory-bound)."""
     breakdown: dict[str, float]
-    """Critical-path seconds by cause: gemm, memory, tp_comm, ep_comm, cp_comm, imbalance, p2p, bubble, dp,
-    optimizer."""
+    """Critical-path seconds by cause: gemm, memory, tp_comm, ep_comm, cp_comm, runtime (the runtime's own
+    overheads in the actions), imbalance, p2p, bubble, dp, optimizer, runtime_step."""
     memory: Memory
     flops: float
     """FLOPs of one iteration as the paper counts them."""
@@ -129,6 +129,8 @@ class Estimate:
     it as a separate action; the rest, recomputation included, is their B)."""
     t_head_w: float = 0.0
     """The W part of ``t_head_b`` (the LM head's weight gradient)."""
+    t_step: float = 0.0
+    """The runtime's own cost of a step beside its actions (``RuntimeOverheads.step_s``); 0 on a preset."""
     runtime_errors: tuple[str, ...] = ()
     """The schedule's rules the layout breaks (``layout.runtime_errors``): priced with the closed
     form, but autopar's runtime (and Megatron-LM) cannot run it as it is. Empty when runnable."""
@@ -143,7 +145,7 @@ class Estimate:
 
     @property
     def t_iter(self) -> float:
-        return self.t_pipeline + self.t_dp_exposed + self.t_emb_sync + self.t_optimizer
+        return self.t_pipeline + self.t_dp_exposed + self.t_emb_sync + self.t_optimizer + self.t_step
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -217,8 +219,9 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     t_emb = _embedding_sync(spec, hw, lay)
     # the distributed optimizer steps 1/(d cp) of the dense parameters, 1/(d/ep) of the experts'
     owned = (P_max - P_exp) / lay.dcp + P_exp / lay.edp if lay.distopt else P_max
-    t_opt = owned * OPTIMIZER_STEP_TRAFFIC_PER_PARAM / (hw.hbm_bw * hw.eff.hbm)
-    breakdown = _breakdown(chunk, lay, m, c, t_pipe, t_dp_exposed + t_emb, t_opt)
+    t_opt = _optimizer_time(hw, owned)
+    t_step = hw.runtime.step_s if hw.runtime is not None else 0.0
+    breakdown = _breakdown(chunk, lay, m, c, t_pipe, t_dp_exposed + t_emb, t_opt) | {"runtime_step": t_step}
     peaks = sim.peak_in_flight if sim is not None else None  # a property that walks every stage's list
     inflight = [peaks[r] for r in range(lay.p)] if peaks is not None else None
     return Estimate(
@@ -226,7 +229,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
         t_chunk_f=chunk.t_F, t_chunk_b=chunk.t_B, t_chunk_w=chunk.t_W, t_head_w=chunk.head_w,
         t_head_f=chunk.head_f, t_head_b=chunk.head_b,
         t_emb_f=chunk.emb_f, t_emb_b=chunk.emb_b, t_p2p=c, t_pipeline=t_pipe, bubble=bubble, t_dp=t_dp,
-        t_dp_exposed=t_dp_exposed, t_emb_sync=t_emb, t_optimizer=t_opt, breakdown=breakdown,
+        t_dp_exposed=t_dp_exposed, t_emb_sync=t_emb, t_optimizer=t_opt, t_step=t_step, breakdown=breakdown,
         memory=memory_per_gpu(spec, lay, m, inflight),
         flops=iteration_flops(spec, cluster.global_batch, lay.recompute is Recompute.LAYER),
         sim=sim, runtime_errors=unrunnable,
@@ -263,7 +266,16 @@ class _Chunk:
         fwd, bwd, w = tm["layer_f"] * (L - M), tm["layer_b"] * (L - M), wt["layer_w"] * (L - M)
         if M:
             fwd, bwd, w = fwd + tm["moe_f"] * M, bwd + tm["moe_b"] * M, w + wt["moe_w"] * M
-        return cls(L, fwd, bwd + fwd * rc, w, {**tm, "head_w": wt["head_w"]},
+        bwd = bwd + fwd * rc
+        if (rt := hw.runtime) is not None:  # the runtime's own: each action's, each replayed region's
+            split = lay.schedule in SPLIT_BACKWARD_SCHEDULES
+            layer_nodes = spec.graph_nodes[1] if spec.graph_nodes else rt.layer_nodes
+            split_cost = rt.split_node_s * L * layer_nodes if split else 0.0  # splitting B from W
+            bwd += PhaseTime(runtime=rc * L * rt.checkpoint_s + rt.action_s * (2 if split else 1) + split_cost)
+            fwd += PhaseTime(runtime=rt.action_s)
+            if split:
+                w += PhaseTime(runtime=rt.action_s)
+        return cls(L, fwd, bwd, w, {**tm, "head_w": wt["head_w"]},
                    ends_share_stage=lay.p > 1 and last_stage == 0)
 
     @property
@@ -314,6 +326,15 @@ class _Chunk:
         return head_t if head_t.total >= emb_t.total else emb_t  # the slower paces the pipeline
 
 
+def _optimizer_time(hw: Hardware, owned: float) -> float:
+    """The optimizer step over ``owned`` local parameters: PyTorch's AdamW as measured per parameter
+    (a tuned profile's ``RuntimeOverheads.optimizer_per_param_s``), else memory-bound at
+    ``OPTIMIZER_STEP_TRAFFIC_PER_PARAM`` bytes each (Megatron's mixed-precision Adam)."""
+    if hw.runtime is not None:
+        return owned * hw.runtime.optimizer_per_param_s
+    return owned * OPTIMIZER_STEP_TRAFFIC_PER_PARAM / (hw.hbm_bw * hw.eff.hbm)
+
+
 def _send_time(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
     """One stage-to-stage send of b s h fp16 (b s/cp h under context parallelism: each cp rank sends
     its tokens to its peer of the next stage): 1/t of it per GPU with scatter/gather, then
@@ -323,9 +344,10 @@ def _send_time(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
     t = lay.t
     bw, lat = stage_link(hw, t * lay.cp, lay.d, lay.p)
     msg = FP16 * lay.b * spec.seq_len // lay.cp * spec.hidden
+    runtime = hw.runtime.send_s if hw.runtime is not None else 0.0  # the runtime's own, beside the bytes
     if lay.scatter_gather and t > 1:
-        return p2p_time(msg / t, bw, lat) + tp_half_time(msg, t, hw)
-    return p2p_time(msg, bw, lat)
+        return p2p_time(msg / t, bw, lat) + tp_half_time(msg, t, hw) + runtime
+    return p2p_time(msg, bw, lat) + runtime
 
 
 def _pipeline(lay: Layout, m: int, chunk: _Chunk, c: float, simulate: bool) -> tuple[float, float, SimResult | None]:
@@ -352,10 +374,15 @@ def _chunk_timeline(lay: Layout, m: int, chunk: _Chunk, c: float) -> SimResult:
 
 def _fullest_stage_params(spec: ModelSpec, lay: Layout) -> tuple[int, int]:
     """(parameters of the stage holding the most, of which routed experts' (E/ep per expert layer))."""
-    total = params_per_stage(spec, lay.t, lay.p, lay.ep)
+    total = params_per_stage(spec, lay.t, lay.p, lay.ep, _head_stage(lay))
     experts = expert_params_per_stage(spec, lay.t, lay.p, lay.ep)
     r = max(range(lay.p), key=lambda k: total[k])
     return total[r], experts[r]
+
+
+def _head_stage(lay: Layout) -> int:
+    """The pipeline stage of the last chunk, which holds the LM head (stage 0 in ZB-V)."""
+    return stage_of_chunk(placement_of(lay.schedule), lay.p, lay.p * lay.v - 1)
 
 
 def _edp_link(hw: Hardware, lay: Layout, kind: str = ALL_REDUCE) -> tuple[float, float]:
@@ -408,8 +435,9 @@ def _dp_sharded(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 
 
 def _embedding_sync(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
     """All-reduce of the tied word embedding's gradient (V h / t) between the first and the
-    last stage, across nodes; 0 without a pipeline, or for a head of its own (untied)."""
-    if lay.p == 1 or not spec.tied_head:
+    last stage, across nodes; 0 without a pipeline, for a head of its own (untied), or when the
+    head's chunk sits on the embedding's stage (ZB-V)."""
+    if lay.p == 1 or not spec.tied_head or _head_stage(lay) == 0:  # ZB-V: one table on stage 0
         return 0.0
     V_l = math.ceil(spec.vocab / lay.t)
     return allreduce_time(FP16 * V_l * spec.hidden, 2, *embedding_link(hw, lay.t, lay.d, lay.p))
@@ -430,6 +458,7 @@ def _breakdown(chunk: _Chunk, lay: Layout, m: int, c: float, t_pipe: float, t_dp
     work = (chunk.forward + chunk.backward) * (m * v) + ends * (m / p)
     return {
         "gemm": work.gemm, "memory": work.memory, "tp_comm": work.comm, "ep_comm": work.ep, "cp_comm": work.cp,
+        "runtime": work.runtime,
         "imbalance": m * (chunk.ends(p) - ends.total / p),
         "p2p": m * v * 2 * c, "bubble": max(t_pipe - pipe_work, 0.0),
         "dp": t_dp, "optimizer": t_opt,

@@ -433,6 +433,8 @@ _PARTS = {
     "bubble": "pipeline bubble",
     "dp": "data-parallel all-reduce",
     "optimizer": "optimizer step",
+    "runtime": "the runtime's overheads in the actions (graph nodes, actions, recomputed regions)",
+    "runtime_step": "the runtime's overhead per step",
 }
 
 

@@ -25,6 +25,7 @@ TERMS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("pipeline communication", ("p2p",)),
     ("data-parallel communication", ("dp",)),
     ("optimizer", ("optimizer",)),
+    ("runtime overheads", ("runtime", "runtime_step")),
 )
 """(term, the breakdown keys it sums)."""
 

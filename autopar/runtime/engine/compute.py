@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from autopar.core.activation_recompute import count_kept_bytes
 from autopar.core.comm import keeping_gathered_slices, release_regathered
 from autopar.runtime.engine.compiled_chunks import CompiledChunk, CompileTurns, compiled
 from autopar.runtime.engine.compiled_split import WeightGrads, collecting_weight_grads
@@ -139,23 +138,21 @@ class ChunkCompute:
             st.ctx[key] = (inputs, list(outs))
         # in flight: F done, backward not (its B; its W when the backward splits)
         st.stats["peak_in_flight"] = max(st.stats["peak_in_flight"], len(st.ctx) + len(st.wctx))
-        held = sum(st.saved.values())  # bytes autograd keeps for the pending backwards (and W's)
-        held += sum(split.held_bytes() for split in st.wctx.values())
-        st.stats["peak_activation_bytes"] = max(st.stats["peak_activation_bytes"], held)
+        st.stats["peak_activation_bytes"] = max(st.stats["peak_activation_bytes"], held_activation_bytes(st))
 
     def run_chunk(self, st: StepState, key: Key, args: list):
         """Run chunk ``key[0]`` (its evaluation graph in an evaluation step) under autocast and the
-        random stream; count in ``st.saved[key]`` the activation bytes autograd keeps for its
-        backward (checkpointed regions: their kept inputs)."""
+        random stream; record in ``st.saved[key]`` the storages of what it keeps for its backward:
+        every tensor autograd saves (a checkpointed region's inputs among them: the non-reentrant
+        checkpoint saves them through the same hooks) and the chunk's outputs (kept in its context
+        until its backward), each storage once, weights left out (``held_activation_bytes``)."""
         if not st.training:
             with self.autocast(), self.stream.active():
                 return self.eval_runnables[key[0]](*args)
-        saved = 0
+        storages: dict[int, int] = {}
 
         def pack(t: torch.Tensor):
-            nonlocal saved
-            if t.data_ptr() not in st.param_ptrs:  # weights are not activations
-                saved += t.numel() * t.element_size()
+            _note_storage(storages, t, st.param_ptrs)
             return t
 
         if st.split_backward and not isinstance(self.runnables[key[0]], CompiledChunk):
@@ -165,9 +162,12 @@ class ChunkCompute:
             st.saved[key] = split.held_bytes()
             return outs
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self.autocast(), \
-                keeping_gathered_slices(), self.stream.active(), count_kept_bytes() as kept:
+                keeping_gathered_slices(), self.stream.active():
             outs = self.runnables[key[0]](*args)
-        st.saved[key] = saved + kept.nbytes
+        for o in outs:
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                _note_storage(storages, o, st.param_ptrs)
+        st.saved[key] = storages
         return outs
 
     def backward(self, a: Action, st: StepState) -> None:
@@ -203,6 +203,8 @@ class ChunkCompute:
         if last and not tensors:
             in_grads = [torch.zeros_like(x) if b.requires_grad else None for x, b in zip(inputs, chunk.inputs)]
         st.b_done[a.chunk] += 1
+        if st.split_backward:  # what W keeps, the gradients flowing into its GEMMs among it, peaks after B
+            st.stats["peak_activation_bytes"] = max(st.stats["peak_activation_bytes"], held_activation_bytes(st))
         if st.b_done[a.chunk] == st.m and not st.split_backward:
             self.grads.start(self.ready_after.get(a.chunk, []))
         if a.chunk > 0 and (a.chunk - 1) in self.chunks:
@@ -237,3 +239,29 @@ class ChunkCompute:
         st.w_done[a.chunk] += 1
         if st.w_done[a.chunk] == st.m:
             self.grads.start(self.ready_after.get(a.chunk, []))
+
+
+def _note_storage(storages: dict[int, int], t: torch.Tensor, param_ptrs: set[int]) -> None:
+    """Add ``t``'s storage (address -> bytes) to ``storages`` unless it holds a weight. A view (a
+    linear's input flattened to 2-D, Q, K and V sliced from one projection) keeps its whole storage
+    alive and no more: counting storages, not tensors, counts such memory once."""
+    storage = t.untyped_storage()
+    if t.data_ptr() in param_ptrs or storage.data_ptr() in param_ptrs:
+        return
+    storages[storage.data_ptr()] = storage.nbytes()
+
+
+def held_activation_bytes(st: StepState) -> int:
+    """Bytes of activations the step holds now for its pending backwards: the storages the
+    forwards recorded (``ChunkCompute.run_chunk``), each counted once over all pending contexts
+    (a chunk's output is the next chunk's input on the same stage), plus what split backwards
+    hold (their stores' own count) and keep for their W's."""
+    distinct: dict[int, int] = {}
+    held = 0
+    for kept in st.saved.values():
+        if isinstance(kept, dict):
+            distinct.update(kept)
+        else:
+            held += kept
+    held += sum(split.held_bytes() for split in st.wctx.values())
+    return held + sum(distinct.values())

@@ -93,8 +93,9 @@ class StepState:
     """F done, B pending: (the chunk's inputs as leaves, its outputs; the last chunk's: [loss * seed])."""
     outgoing: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     """F done, SF pending: the outputs to send to the next chunk's stage."""
-    saved: dict[Key, int] = field(default_factory=dict)
-    """Bytes autograd keeps for each pending backward."""
+    saved: dict[Key, dict[int, int] | int] = field(default_factory=dict)
+    """What each pending backward keeps: its storages (address -> bytes: what autograd saved and the
+    chunk's outputs), or the bytes a split backward's store holds (``compute.held_activation_bytes``)."""
     fwd_in: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     """Inputs of a coming F: received, or handed over by the previous chunk on this stage."""
     grad_out: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)

@@ -42,8 +42,17 @@ def _all_to_all(x: torch.Tensor, pg, n: int) -> Callable[[], object]:
     return lambda: dist.all_to_all_single(out, x, group=pg)
 
 
+def _tp_all_reduce(x: torch.Tensor, pg, n: int) -> Callable[[], object]:
+    """The runtime's tensor-parallel all-reduce (``core.comm.group.all_reduce``), as the layers call it."""
+    from autopar.core.comm.group import TPGroup, all_reduce  # noqa: PLC0415
+
+    group = TPGroup.of(pg, tuple(dist.get_process_group_ranks(pg)))
+    return lambda: all_reduce(x, group)
+
+
 COLLECTIVES: dict[str, Callable] = {"all_reduce": _all_reduce, "all_gather": _all_gather,
-                                    "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all}
+                                    "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all,
+                                    "tp_all_reduce": _tp_all_reduce}
 """Profile op name -> a maker of one call of it on a buffer of the size's bytes."""
 
 

@@ -1,0 +1,259 @@
+"""What autopar's runtime costs beyond its kernels, measured: per step, per chunk action, per graph node
+of a layer, per checkpointed region, and the optimizer's step per parameter.
+
+A training step of the engine runs, besides the model's kernels, the schedule's interpreter (each
+action a Python call that looks up its context, posts its messages, records its statistics), the fx
+chunks' generated code node by node with autograd recording each op and its saved tensors, and the
+backward's autograd engine. On a CPU these fixed costs (about 6 us per graph node, forward and
+backward together, and a few hundred us per action on this repository's machine) are a large part of
+a small model's step; the eager per-op overhead of ``compute.eager_op_seconds`` (a bare add, no
+autograd) misses most of them.
+
+They are measured on the engine itself: a tiny reference GPT (``TINY``: its kernels cost microseconds,
+so what its step takes is overhead) compiled for one rank and stepped at 1 and 3 layers, 1 and 4
+microbatches, and at 3 layers and 4 microbatches with every layer recomputed, the five engines stepped
+in turns; each the median of its ``repeats`` steps. With T(L, m) a step of L layers and m microbatches:
+
+- per microbatch: u(L) = (T(L, 4) - T(L, 1)) / 3; a layer's forward and backward: (u(3) - u(1)) / 2,
+  per graph node of its forward (``node_s``): that over the layer's ``call_function`` nodes;
+- per step (``step_s``): T(1, 1) - u(1);
+- per action (``action_s``, a chunk's F or B): (u(1) - one layer - the embedding's and head's nodes) / 2;
+- per checkpointed region (``checkpoint_s``): (T_rc(3, 4) - T(3, 4)) / 12 less a layer's forward
+  (a third of its forward and backward: the backward runs about two ops per forward op);
+- per pipeline send (``send_s``, beside its bytes) and per forward graph node of a chunk whose backward is
+  split into B and W (``split_node_s``; ``pipeline_seconds``): the tiny GPT of 4 layers over 2 ranks,
+  1F1B at 2 and 8 microbatches and ZB-H1 at 8, the slopes less the 1-rank figures' share;
+- a tensor-parallel collective's latency in a step, measured on its all-reduces (``tp_collective_s``: ``tp_all_reduce_in_step_seconds``):
+  the tiny GPT of 2 layers over 2 ranks at t = 2, at 2 and 8 microbatches, its per-microbatch slope less
+  the 1-rank figures', over the all-reduces the chunks call per microbatch (counted);
+- the optimizer (``optimizer_per_param_s``): ``torch.optim.AdamW``'s step (PyTorch's default
+  implementation) over 2^20 fp32 parameters in 64 tensors, per parameter, the caches
+  flushed before each step (a training step's forward and backward leave the optimizer's state out).
+
+Each rank of ``autopar tune`` runs this in a child process of its own (``measure_in_subprocess``):
+the engine of one rank cannot start inside a process that already joined a larger group. The ranks
+run it at once, as they train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+__all__ = ["TINY", "RuntimeFigures", "measure", "measure_in_subprocess", "graph_node_counts"]
+
+TINY = dict(vocab_size=64, seq_len=8, n_head=2, d_model=16)
+"""The reference GPT whose steps are all overhead."""
+
+RuntimeFigures = dict
+"""``step_s``, ``action_s``, ``node_s``, ``checkpoint_s``, ``optimizer_per_param_s`` and the tiny GPT's
+``layer_nodes`` and ``end_nodes``: a profile's ``runtime`` section (``hardware.RuntimeOverheads``)."""
+
+
+def graph_node_counts(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """(call_function nodes of layer 0, those outside the layers) of ``model``'s traced graph, as
+    ``autopar.parallelize`` traces it."""
+    from autopar.compiler.trace import lm_cross_entropy, trace  # noqa: PLC0415
+    from passes.layers import find_layers  # noqa: PLC0415
+    from passes.normalize import normalize  # noqa: PLC0415
+
+    traced = trace(model, (x,), x, lm_cross_entropy)
+    normalize(traced.gm, set(traced.param_of))
+    layers = find_layers(traced.gm)
+    calls = [n for n in traced.gm.graph.nodes if n.op == "call_function"]
+    return (sum(layers.node_layer.get(n.name) == 0 for n in calls),
+            sum(layers.node_layer.get(n.name) is None for n in calls))
+
+
+def _engine(layers: int, m: int, recompute: str):
+    """A one-rank engine of the tiny GPT of ``layers`` layers stepping ``m`` microbatches, and its batch."""
+    import autopar  # noqa: PLC0415
+    from autopar.reference.models import build  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = build("gpt", n_layer=layers, **TINY)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, TINY["vocab_size"], (m, TINY["seq_len"]), generator=g)
+    program = autopar.parallelize(model, example_inputs=(x[:1],), example_targets=x[:1], world_size=1,
+                                  microbatches=m, recompute=recompute)
+    return program.materialize(), x
+
+
+def _step_seconds(runs: dict, repeats: int, rounds: int = 3) -> dict:
+    """Key -> median seconds of a step of each engine of ``runs``, stepped in turns (``rounds`` rounds of
+    ``repeats`` steps each, after 3 warm-up steps): a slow moment of a shared machine falls on all alike."""
+    engines = {key: _engine(*key) for key in runs}
+    times: dict = {key: [] for key in runs}
+    for engine, x in engines.values():
+        for _ in range(3):
+            engine.train_step(x, x)
+    for _ in range(rounds):
+        for key, (engine, x) in engines.items():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                engine.train_step(x, x)
+                times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
+_PROGRAMS: dict = {}  # the 2-rank programs the forked ranks step (forked with them: spawn(inherit=True))
+
+
+def _two_rank_steps(batches: dict, repeats: int, rounds: int = 3) -> dict:
+    """One rank of the 2-rank programs ``_PROGRAMS`` (key -> program, ``batches`` key -> its batch),
+    their engines stepped in turns (``rounds`` rounds of ``repeats`` steps each, after 3 warm-up steps):
+    key -> (the median step, the tensor-parallel all-reduces per step: pairwise exchanges,
+    ``group._recursive_doubling``, what ``core.comm.group.all_reduce`` runs on a gloo group of 2)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from autopar.core.comm import group  # noqa: PLC0415
+
+    calls = [0]
+    exchange = group._recursive_doubling
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return exchange(*args, **kwargs)
+
+    group._recursive_doubling = counted  # this forked rank's own module: counts what the chunks run
+    try:
+        engines = {key: program.materialize() for key, program in _PROGRAMS.items()}
+        times: dict = {key: [] for key in engines}
+        exchanges: dict = {key: 0 for key in engines}
+        for key, engine in engines.items():
+            for _ in range(3):
+                engine.train_step(batches[key], batches[key])
+        for _ in range(rounds):
+            for key, engine in engines.items():
+                for _ in range(repeats):
+                    dist.barrier()
+                    calls[0] = 0
+                    t0 = time.perf_counter()
+                    engine.train_step(batches[key], batches[key])
+                    times[key].append(time.perf_counter() - t0)
+                    exchanges[key] = calls[0]
+    finally:
+        group._recursive_doubling = exchange
+    return {key: (statistics.median(ts), exchanges[key]) for key, ts in times.items()}
+
+
+def _two_rank_programs(layers: int, runs: dict, repeats: int) -> dict:
+    """key -> (the slower rank's median step, exchanges per step) of the tiny GPT of ``layers`` layers
+    compiled for 2 ranks with each of ``runs`` (key -> (microbatches, ``parallelize`` layout arguments)),
+    stepped in turns in one launch."""
+    import autopar  # noqa: PLC0415
+    from autopar.reference.models import build  # noqa: PLC0415
+
+    batches = {}
+    for key, (m, layout) in runs.items():
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(0)
+        x = batches[key] = torch.randint(0, TINY["vocab_size"], (m, TINY["seq_len"]), generator=g)
+        _PROGRAMS[key] = autopar.parallelize(build("gpt", n_layer=layers, **TINY), example_inputs=(x[:1],),
+                                             example_targets=x[:1], world_size=2, microbatches=m, **layout)
+    try:
+        ranks = autopar.spawn(_two_rank_steps, 2, (batches, max(1, repeats // 3)), inherit=True)
+    finally:
+        _PROGRAMS.clear()
+    return {key: (max(r[key][0] for r in ranks), ranks[0][key][1]) for key in runs}
+
+
+def pipeline_seconds(node_s: float, action_s: float, end_nodes: int, repeats: int) -> tuple[float, float]:
+    """(a pipeline send's cost beside its bytes, a split backward's cost per forward graph node of its
+    chunk), measured on the engine: the tiny GPT of 4 layers over 2 ranks (2 layers a chunk).
+
+    1F1B at 2 and 8 microbatches: each microbatch adds, on the slower stage, its chunk's forward and
+    backward (2 actions, 2 layers' and the head's nodes: the 1-rank figures) and 2 sends (one after F,
+    one after B); the rest of the per-microbatch slope, over 2, is one send's (posting it, the peer's
+    receive, their waits). ZB-H1 at 8 microbatches runs the same work with each backward split into B
+    and W: what it adds per microbatch over 1F1B, less W's action, over the chunk's forward nodes, is
+    the split's cost per node (the autograd graph's walk, its retained graph, the store's slots). The
+    three engines are stepped in turns, in one launch."""
+    from autopar.reference.models import build  # noqa: PLC0415
+
+    pp = lambda schedule: dict(pp=2, schedule=schedule)  # noqa: E731
+    steps = {k: t for k, (t, _) in _two_rank_programs(4, {("1f1b", 2): (2, pp("1f1b")), ("1f1b", 8): (8, pp("1f1b")),
+                                                         ("zb-h1", 8): (8, pp("zb-h1"))}, repeats).items()}
+    slope = (steps["1f1b", 8] - steps["1f1b", 2]) / 6
+    layer_nodes = graph_node_counts(build("gpt", n_layer=2, **TINY), torch.zeros(1, TINY["seq_len"], dtype=torch.long))[0]
+    chunk_nodes = 2 * layer_nodes + end_nodes  # the head's stage, the slower
+    send = max((slope - chunk_nodes * node_s - 2 * action_s) / 2, 0.0)
+    split = max(((steps["zb-h1", 8] - steps["1f1b", 8]) / 8 - action_s) / chunk_nodes, 0.0)
+    return send, split
+
+
+def tp_all_reduce_in_step_seconds(u1: float, layer: float, repeats: int) -> float:
+    """A tensor-parallel collective's latency inside a step, measured on the engine's all-reduces: the
+    tiny GPT of 2 layers over 2 ranks at t = 2, 2 and 8 microbatches, stepped in turns in one launch.
+    Each microbatch adds what it adds on one rank (``u1 + layer``: its nodes and actions; the tiny
+    kernels cost nothing) and its all-reduces, counted as the chunks run them; the rest of the
+    per-microbatch slope over that count is one all-reduce's."""
+    tp = dict(tp=2, sequence_parallel=False)
+    got = _two_rank_programs(2, {2: (2, tp), 8: (8, tp)}, repeats)
+    per_mb_calls = (got[8][1] - got[2][1]) / 6
+    slope = (got[8][0] - got[2][0]) / 6
+    return max((slope - u1 - layer) / per_mb_calls, 0.0) if per_mb_calls > 0 else 0.0
+
+
+def _optimizer_per_param(repeats: int) -> float:
+    params = [torch.nn.Parameter(torch.zeros(1 << 14)) for _ in range(64)]  # a model's many tensors
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    evict = torch.zeros(16 << 20)  # 64 MiB: a step's forward and backward leave none of the state in cache
+    times = []
+    for i in range(repeats + 2):
+        evict.add_(1.0)
+        t0 = time.perf_counter()
+        opt.step()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) / sum(p.numel() for p in params)
+
+
+def measure(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:
+    """The runtime's overheads on this process's device (the module's docstring); CPU, one thread."""
+    from autopar.reference.models import build  # noqa: PLC0415
+
+    runs = [(L, m, "none") for L in (1, 3) for m in (1, 4)] + [(3, 4, "layer")]
+    timed = _step_seconds(runs, max(1, repeats // 3))
+    T = {(L, m): timed[L, m, "none"] for L in (1, 3) for m in (1, 4)}
+    rc = timed[3, 4, "layer"]
+    u1, u3 = (T[1, 4] - T[1, 1]) / 3, (T[3, 4] - T[3, 1]) / 3
+    layer = max((u3 - u1) / 2, 0.0)
+    torch.manual_seed(0)
+    layer_nodes, end_nodes = graph_node_counts(build("gpt", n_layer=2, **TINY),
+                                               torch.zeros(1, TINY["seq_len"], dtype=torch.long))
+    node = layer / layer_nodes
+    action = max((u1 - layer - node * end_nodes) / 2, 0.0)
+    return {"step_s": max(T[1, 1] - u1, 0.0), "action_s": action,
+            "node_s": node, "checkpoint_s": max((rc - T[3, 4]) / 12 - layer / 3, 0.0),
+            "optimizer_per_param_s": _optimizer_per_param(repeats), "layer_nodes": layer_nodes,
+            "end_nodes": end_nodes,
+            **dict(zip(("send_s", "split_node_s"),
+                       pipeline_seconds(node, action, end_nodes, repeats) if pipeline else (0.0, 0.0))),
+            "tp_collective_s": tp_all_reduce_in_step_seconds(u1, layer, repeats) if pipeline else 0.0}
+
+
+def measure_in_subprocess(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:
+    """``measure`` in a child process outside any process group, one thread (as a rank trains);
+    ``pipeline``: also the pipeline send's cost (its 2 ranks forked from the child)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+    out = subprocess.run([sys.executable, "-m", "autopar.cli.tune_runtime", str(repeats),
+                          "pipeline" if pipeline else "no-pipeline"],
+                         env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 20,
+                             pipeline=len(sys.argv) < 3 or sys.argv[2] == "pipeline")))
