@@ -32,22 +32,10 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar.core.graph import ancestors
+from autopar.core.graph import ancestors, descendants
 from autopar.planning.cost.saved_shares import SavedCensus, SavedShare
 
-__all__ = ["saved_census", "split_regions", "descendants"]
-
-
-def descendants(roots) -> set[fx.Node]:
-    """Every node that reads ``roots``, directly or not, the roots included."""
-    seen: set[fx.Node] = set()
-    todo = [r for r in roots if isinstance(r, fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.users)
-    return seen
+__all__ = ["saved_census", "split_regions"]
 
 
 def split_regions(pairs: list[tuple[list[fx.Node], fx.Node]]) -> set[fx.Node]:

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["TracedModel", "module_path", "user_path", "source_line", "local_val", "WRAPPER_PREFIX", "strip_wrapper",
-           "LOGITS_META", "ancestors"]
+           "LOGITS_META", "ancestors", "descendants"]
 
 WRAPPER_PREFIX = "model."
 """Tracing wraps the model with its loss; module paths start with this prefix in the graph."""
@@ -146,13 +146,23 @@ def _is_library_file(file: str) -> bool:
 def ancestors(roots) -> set[fx.Node]:
     """Every node that ``roots`` (nodes, or other values, which are skipped) read, directly or not,
     the roots included."""
+    return _closure(roots, lambda n: n.all_input_nodes)
+
+
+def descendants(roots) -> set[fx.Node]:
+    """Every node that reads ``roots`` (nodes, or other values, which are skipped), directly or not,
+    the roots included."""
+    return _closure(roots, lambda n: n.users)
+
+
+def _closure(roots, step) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     todo = [r for r in roots if isinstance(r, fx.Node)]
     while todo:
         n = todo.pop()
         if n not in seen:
             seen.add(n)
-            todo.extend(n.all_input_nodes)
+            todo.extend(step(n))
     return seen
 
 

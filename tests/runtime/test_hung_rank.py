@@ -11,54 +11,31 @@ under the libraries' ten-minute defaults. Rank 0 then continues rank 1
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
-import torch
 import torch.distributed as dist
-from helpers import parallelize_on, spawn_ranks, token_batches
-
-from autopar.reference.models import build
+from helpers import spawn_ranks
+from stopped_ranks import TIMEOUT_S, continue_stopped, first_batch, stop_here, timed, tiny_program
 
 pytestmark = pytest.mark.multiprocess
-VOCAB, TIMEOUT_S = 64, 3.0
-
-
-def _program():
-    torch.manual_seed(0)
-    model = build("gpt", vocab_size=VOCAB, seq_len=8, n_layer=2, n_head=2, d_model=16)
-    return parallelize_on(model, token_batches(VOCAB, 2, 4, seed=1, seq=8), 2, pp=2, microbatches=2, world_size=2)
 
 
 def _stop_one(stopped: int, pid_file: str) -> dict:
     """Rank ``stopped`` stops itself before the second step; the other continues it once its own
-    second step failed (its pid in ``pid_file``: rank 0, stopped, serves no store)."""
-    engine = _program().materialize()
+    second step failed."""
+    engine = tiny_program().materialize()
     engine.failure_timeout_s = TIMEOUT_S
-    (x,), (y,) = token_batches(VOCAB, 2, 4, seed=1, seq=8)[0]
+    x, y = first_batch()
     engine.train_step(x, y)
     if dist.get_rank() == stopped:
-        with open(pid_file, "w") as f:
-            f.write(str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGSTOP)  # stands still here until the other rank continues it
-    start = time.monotonic()
-    try:
-        engine.train_step(x, y)
-        error = None
-    except Exception as e:  # noqa: BLE001 - the error is what the test reads
-        error = str(e)
-    took = time.monotonic() - start
+        stop_here(pid_file)  # stands still here until the other rank continues it
+    error, took = timed(lambda: engine.train_step(x, y))
     if dist.get_rank() != stopped:
-        while not os.path.exists(pid_file):
-            time.sleep(0.01)
-        os.kill(int(open(pid_file).read()), signal.SIGCONT)
-    return {"error": error, "took": took}
+        continue_stopped(pid_file)
+    return {"error": None if error is None else str(error), "took": took}
 
 
 def test_a_stopped_rank_is_named_by_the_rank_waiting_for_it(tmp_path):
-    _program()  # compiled here once: the ranks inherit it
+    tiny_program()  # compiled here once: the ranks inherit it
     first, second = spawn_ranks(_stop_one, 2, 1, str(tmp_path / "pid"), timeout_s=120)
     assert first["error"] is not None and TIMEOUT_S <= first["took"] < TIMEOUT_S + 10, first
     assert "no progress for" in first["error"] and "engine.failure_timeout_s = 3 s" in first["error"]

@@ -14,52 +14,32 @@ rank (SIGCONT), whose call raises the same root cause instead of hanging.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import parallelize_on, spawn_ranks, token_batches
+from helpers import spawn_ranks
+from stopped_ranks import TIMEOUT_S, continue_stopped, first_batch, stop_here, timed, tiny_program
 
-from autopar.reference.models import build
-from autopar.runtime.engine.failure_board import STORE_TIMEOUT_S
 from autopar.runtime.checkpoint.publishing import PublishingWriter
+from autopar.runtime.engine.failure_board import STORE_TIMEOUT_S
 
 pytestmark = pytest.mark.multiprocess
-VOCAB, TIMEOUT_S = 64, 3.0
 SLACK_S = 4.0
 """What a survivor may take past the timeout: a poll of the watch, closing its connections, the error."""
 STORE_S = STORE_TIMEOUT_S
 """A stopped rank 0 also leaves one of the survivor's store calls to its bound."""
 
-
-def _program(layout: str):
-    torch.manual_seed(0)
-    model = build("gpt", vocab_size=VOCAB, seq_len=8, n_layer=2, n_head=2, d_model=16)
-    data = token_batches(VOCAB, 2, 4, seed=1, seq=8)
-    if layout == "pp":
-        return parallelize_on(model, data, 2, pp=2, microbatches=2, world_size=2)
-    return parallelize_on(model, data, 2, dp=2, microbatches=1, world_size=2)
-
-
 LAYOUT = {"clip": "pp", "optimizer": "dp", "save": "pp", "rank 0": "pp"}
 
 
-def _stop_here(pid_file: str) -> None:
-    """This process stops (every thread of it) until another continues it with SIGCONT."""
-    with open(pid_file, "w") as f:
-        f.write(str(os.getpid()))
-    os.kill(os.getpid(), signal.SIGSTOP)
-
-
 def _stop_in(cls: type, method: str, pid_file: str) -> None:
-    """``cls.method`` stops this process (``_stop_here``) when called, then does its work."""
+    """``cls.method`` stops this process (``stop_here``) when called, then does its work."""
     original = getattr(cls, method)
 
     def stopping(self, *args, **kwargs):
-        _stop_here(pid_file)
+        stop_here(pid_file)
         return original(self, *args, **kwargs)
 
     setattr(cls, method, stopping)
@@ -68,10 +48,10 @@ def _stop_in(cls: type, method: str, pid_file: str) -> None:
 def _stop_at(where: str, stopped: int, pid_file: str, root: str) -> dict:
     """Rank ``stopped`` stops itself right before the call ``where``; the other makes the call, and once
     it failed continues the stopped rank (its pid in ``pid_file``: a stopped rank 0 serves no store)."""
-    engine = _program(LAYOUT[where]).materialize()
+    engine = tiny_program(LAYOUT[where]).materialize()
     engine.failure_timeout_s = TIMEOUT_S
     opt = engine.distributed_optimizer(torch.optim.AdamW, lr=1e-3) if where == "optimizer" else None
-    (x,), (y,) = token_batches(VOCAB, 2, 4, seed=1, seq=8)[0]
+    x, y = first_batch()
     engine.train_step(x, y)
     call = {"clip": lambda: engine.clip_grad_norm_(1.0),
             "optimizer": lambda: opt.step(),
@@ -82,19 +62,11 @@ def _stop_at(where: str, stopped: int, pid_file: str, root: str) -> dict:
         call = engine.save(root, step=1, async_save=True).wait
     time.sleep(0.5)  # a heartbeat or two between the calls
     if dist.get_rank() == stopped and where != "save":
-        _stop_here(pid_file)
-    start = time.monotonic()
-    try:
-        call()
-        error = None
-    except Exception as e:  # noqa: BLE001 - the error is what the test reads
-        error = f"{type(e).__name__}: {e}"
-    took = time.monotonic() - start
+        stop_here(pid_file)
+    error, took = timed(call)
     if dist.get_rank() != stopped:
-        while not os.path.exists(pid_file):
-            time.sleep(0.01)
-        os.kill(int(open(pid_file).read()), signal.SIGCONT)
-    return {"error": error, "took": took}
+        continue_stopped(pid_file)
+    return {"error": None if error is None else f"{type(error).__name__}: {error}", "took": took}
 
 
 @pytest.mark.parametrize("where, stopped, what, named", [
@@ -104,7 +76,7 @@ def _stop_at(where: str, stopped: int, pid_file: str, root: str) -> dict:
     ("rank 0", 0, "failed running F1.0 (stage 1, step 1, waiting for RF1.0", "rank 0 (pp=0, dp=0, tp=0), which serves the group's store, does not answer"),
 ])
 def test_a_rank_stopped_outside_a_step_is_named_within_the_timeout(tmp_path, where, stopped, what, named):
-    _program(LAYOUT[where])  # compiled here once: the ranks inherit it
+    tiny_program(LAYOUT[where])  # compiled here once: the ranks inherit it
     out = spawn_ranks(_stop_at, 2, where, stopped, str(tmp_path / "pid"), str(tmp_path / "ckpt"), timeout_s=120)
     survivor, resumed = out[1 - stopped], out[stopped]
     bound = TIMEOUT_S + SLACK_S + (STORE_S if stopped == 0 else 0.0)

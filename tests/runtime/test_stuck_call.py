@@ -18,28 +18,20 @@ import signal
 import time
 
 import pytest
-import torch
 import torch.distributed as dist
-from helpers import parallelize_on, spawn_ranks, token_batches
+from helpers import spawn_ranks
+from stopped_ranks import TIMEOUT_S, first_batch, tiny_program
 
-from autopar.reference.models import build
 from autopar.runtime.engine.failure_board import STORE_TIMEOUT_S, STUCK_EXIT_S
 from autopar.runtime.launch import RankError
 
 pytestmark = pytest.mark.multiprocess
-VOCAB, TIMEOUT_S = 64, 3.0
-
-
-def _program():
-    torch.manual_seed(0)
-    model = build("gpt", vocab_size=VOCAB, seq_len=8, n_layer=2, n_head=2, d_model=16)
-    return parallelize_on(model, token_batches(VOCAB, 2, 4, seed=1, seq=8), 2, pp=2, microbatches=2, world_size=2)
 
 
 def _save_with_rank0_stopped(root: str) -> None:
-    engine = _program().materialize()
+    engine = tiny_program().materialize()
     engine.failure_timeout_s = TIMEOUT_S
-    (x,), (y,) = token_batches(VOCAB, 2, 4, seed=1, seq=8)[0]
+    x, y = first_batch()
     engine.train_step(x, y)
     time.sleep(0.5)  # a heartbeat or two between the calls
     if dist.get_rank() == 0:
@@ -48,7 +40,7 @@ def _save_with_rank0_stopped(root: str) -> None:
 
 
 def test_a_save_stuck_on_a_stopped_store_ends_its_process_naming_rank_0(tmp_path, capfd):
-    _program()  # compiled here once: the ranks inherit it
+    tiny_program()  # compiled here once: the ranks inherit it
     start = time.monotonic()
     with pytest.raises(RankError, match="rank 1 of 2"):
         spawn_ranks(_save_with_rank0_stopped, 2, str(tmp_path / "ckpt"), timeout_s=120)
