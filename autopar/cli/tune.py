@@ -26,7 +26,7 @@ from rich.table import Table
 
 from autopar.cli.model_args import model_spec
 from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, wire_factor
-from autopar.planning.cost.hardware import PROFILES, Hardware
+from autopar.planning.cost.hardware import PROFILES, Hardware, MeasuredLayer
 from autopar.planning.cost.hardware_profile import (
     DTYPE_BYTES,
     GemmFigure,
@@ -129,19 +129,9 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
     _say(rank, console, f"copy {memory_bw / 1e9:.3g} GB/s, eager op {eager * 1e6:.3g} us"
                         + (f", compiled call {compiled * 1e6:.3g} us" if compiled is not None else ""))
 
-    runtime = None
-    if device.type == "cpu":  # the engine's own overheads, each rank in a child process of its own, all at once
-        from autopar.cli.tune_runtime import measure_in_subprocess  # noqa: PLC0415
-
-        # a pipeline send and a tensor-parallel all-reduce inside a step: rank 0's child alone (it forks 2
-        # ranks of its own) when the launch has 2 ranks or more
-        runtime = measure_in_subprocess(10 if args.quick else 30, pipeline=rank == 0 and world > 1)
-        _say(rank, console, f"runtime: step {runtime['step_s'] * 1e6:.3g} us, action {runtime['action_s'] * 1e6:.3g} us, "
-                            f"graph node {runtime['node_s'] * 1e6:.3g} us, checkpointed region "
-                            f"{runtime['checkpoint_s'] * 1e6:.3g} us, pipeline send {runtime['send_s'] * 1e6:.3g} us, "
-                            f"split backward {runtime['split_node_s'] * 1e6:.3g} us per node, "
-                            f"tensor-parallel collective in a step {runtime['tp_collective_s'] * 1e6:.3g} us, AdamW "
-                            f"{runtime['optimizer_per_param_s'] * 1e9:.3g} ns per parameter")
+    runtime, layers = None, ()
+    if device.type == "cpu":  # the engine's own overheads and the model's layer, on the engine itself
+        runtime, layers = _measure_runtime(args, argv, rank, world, console)
     if world > 1:
         dist.barrier()
     links = _time_collectives(rank, world, per_node, device, args.quick, console) if world > 1 else []
@@ -154,7 +144,7 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
     profile = HardwareProfile(
         device_kind=facts["kind"], device_name=facts["name"], devices_per_node=per_node, nodes=world // per_node,
         memory_bytes=facts["memory_bytes"], sm_count=facts["sm_count"], gemm=tuple(gemm), memory_bw=memory_bw,
-        eager_op_s=eager, compiled_call_s=compiled, runtime=runtime, collectives=tuple(links),
+        eager_op_s=eager, compiled_call_s=compiled, runtime=runtime, layers=layers, collectives=tuple(links),
         sources=_sources(device, copy_bytes, budget, backend, world), tune_flags=tune_flags(argv),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__)
     write_profile(profile, args.out)
@@ -162,6 +152,45 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
     _say(rank, console, f"wrote {args.out} in {time.perf_counter() - start:.1f} s; price with it: "
                         f"`autopar plan --hardware {args.out} ...`")
     return 0
+
+
+def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world: int,
+                     console: Console) -> tuple[dict, tuple[MeasuredLayer, ...]]:
+    """The runtime's section and the model's layers (``cli/tune_runtime.py``, ``cli/tune_layers.py``): what
+    one rank measures, every rank at once, each in a child process of its own; then, the others waiting
+    at a barrier, what takes 2 ranks or t, forked from rank 0's child (the machine otherwise idle)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from autopar.cli.tune_runtime import ONE_RANK_BASIS, measure_in_subprocess  # noqa: PLC0415
+
+    repeats = 10 if args.quick else 30
+    wanted = dict(flags=tune_flags(argv), micro_batch=args.micro_batch, world=world, quick=args.quick)
+    runtime = measure_in_subprocess(repeats, layers=wanted)
+    found = runtime.pop("layers", [])
+    if world > 1:
+        dist.barrier()
+        if rank == 0:
+            forked = measure_in_subprocess(repeats, forked=runtime, layers=wanted)
+            found += forked.pop("layers", [])
+            runtime |= forked
+        dist.barrier()
+    for key in ONE_RANK_BASIS:
+        runtime.pop(key)
+    layers = tuple(MeasuredLayer(**x) for x in found)
+    _say(rank, console, f"runtime: step {runtime['step_s'] * 1e6:.3g} us, action {runtime['action_s'] * 1e6:.3g} us, "
+                        f"graph node {runtime['node_s'] * 1e6:.3g} us, checkpointed region "
+                        f"{runtime['checkpoint_s'] * 1e6:.3g} us, pipeline send {runtime['send_s'] * 1e6:.3g} us, "
+                        f"split backward {runtime['split_node_s'] * 1e6:.3g} us per node, "
+                        f"tensor-parallel collective in a step {runtime['tp_collective_s'] * 1e6:.3g} us, "
+                        f"multi-rank step {runtime['world_step_s'] * 1e6:.3g} us, distributed optimizer "
+                        f"{runtime['distopt_step_s'] * 1e6:.3g} us, AdamW "
+                        f"{runtime['optimizer_per_param_s'] * 1e9:.3g} ns per parameter")
+    _say(rank, console, "the model's layer, forward and backward (recomputed: +, split: +): " + (", ".join(
+        f"b={x.micro_batch} t={x.tp}{' sp' if x.sequence_parallel else ''} {x.seconds * 1e3:.3g} ms "
+        f"(+{x.recompute_seconds * 1e3:.2g}" + (f", +{x.split_seconds * 1e3:.2g})" if x.tp == 1 else ")")
+        for x in layers) if layers else "not measured (give --hf-config, or the dimensions of a GPT or Llama "
+                                        "without experts)"))
+    return runtime, layers
 
 
 def _time_collectives(rank: int, world: int, per_node: int, device, quick: bool, console: Console) -> list[LinkFigure]:
@@ -185,6 +214,8 @@ def _time_collectives(rank: int, world: int, per_node: int, device, quick: bool,
 
 
 def _sources(device, copy_bytes: int, budget: float, backend: str, world: int) -> dict[str, str]:
+    from autopar.cli.tune_layers import LAYER_COUNTS, MICROBATCHES  # noqa: PLC0415  (loads torch)
+
     return {
         "gemm": f"torch.matmul on {device}, median seconds of repeats filling {budget} s per shape, every rank "
                 f"timing at once (rank 0's clock); FLOP/s = 2 batch M N K / seconds",
@@ -193,7 +224,12 @@ def _sources(device, copy_bytes: int, budget: float, backend: str, world: int) -
         "compiled_call_s": "a call of torch.compile(lambda x: x * 2 + 1) on 8 elements, median (--compiled)",
         "runtime": ("the engine stepping a tiny reference GPT on one rank (cli/tune_runtime.py): "
                     "medians of steps at 1 and 3 layers, 1 and 4 microbatches, recomputed or not; AdamW on 2^20 "
-                    "fp32 parameters, per parameter; every rank at once, rank 0's figures"),
+                    "fp32 parameters, per parameter; every rank at once, rank 0's figures; world_step_s: the tiny "
+                    "GPT data parallel over 2 ranks, its step less its gradient reduction less its one-rank step"),
+        "layers": (f"the model of the flags built with {' and '.join(map(str, LAYER_COUNTS))} layers, compiled for t "
+                   f"ranks, {MICROBATCHES} microbatches a step, the two engines stepped in turns (cli/tune_layers.py); "
+                   f"a layer = the steps' difference over the layers and microbatches; t = 1 on every rank at once, "
+                   f"rank 0's figures"),
         "collectives": (f"{backend} over {world} ranks: per size the median of {COLLECTIVE_ROUNDS} rounds of "
                         f"back-to-back calls (rank 0's clock); tp_all_reduce the runtime's tensor-parallel "
                         f"all-reduce (pairwise exchanges on gloo); p2p half a send/recv round trip; alpha and beta "

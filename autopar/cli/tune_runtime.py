@@ -26,13 +26,20 @@ in turns; each the median of its ``repeats`` steps. With T(L, m) a step of L lay
 - a tensor-parallel collective's latency in a step, measured on its all-reduces (``tp_collective_s``: ``tp_all_reduce_in_step_seconds``):
   the tiny GPT of 2 layers over 2 ranks at t = 2, at 2 and 8 microbatches, its per-microbatch slope less
   the 1-rank figures', over the all-reduces the chunks call per microbatch (counted);
+- a multi-rank step's own cost (``world_step_s``: ``world_step_seconds``): the tiny GPT of 1 layer data
+  parallel over 2 ranks, 1 microbatch, its step less its gradient reduction (timed apart) less the
+  1-rank step of the same (the failure board's read, the loss's all-reduce, the non-finite check's);
+- the distributed optimizer's own step (``distopt_step_s``: ``distributed_optimizer_seconds``): the same
+  2-rank engine's optimizer step, the engine's distributed optimizer against PyTorch's AdamW;
 - the optimizer (``optimizer_per_param_s``): ``torch.optim.AdamW``'s step (PyTorch's default
   implementation) over 2^20 fp32 parameters in 64 tensors, per parameter, the caches
   flushed before each step (a training step's forward and backward leave the optimizer's state out).
 
-Each rank of ``autopar tune`` runs this in a child process of its own (``measure_in_subprocess``):
+Each rank of ``autopar tune`` runs ``measure`` in a child process of its own (``measure_in_subprocess``):
 the engine of one rank cannot start inside a process that already joined a larger group. The ranks
-run it at once, as they train.
+run it at once, as they train. The figures that take 2 ranks (``measure_forked``: the send, the split
+backward, the in-step collective, the multi-rank step) come after, from rank 0's child alone, its 2
+ranks forked from it while the other ranks wait.
 """
 
 from __future__ import annotations
@@ -109,23 +116,39 @@ def _two_rank_steps(batches: dict, repeats: int, rounds: int = 3) -> dict:
     """One rank of the 2-rank programs ``_PROGRAMS`` (key -> program, ``batches`` key -> its batch),
     their engines stepped in turns (``rounds`` rounds of ``repeats`` steps each, after 3 warm-up steps):
     key -> (the median step, the tensor-parallel all-reduces per step: pairwise exchanges,
-    ``group._recursive_doubling``, what ``core.comm.group.all_reduce`` runs on a gloo group of 2)."""
+    ``group._recursive_doubling``, what ``core.comm.group.all_reduce`` runs on a gloo group of 2; the
+    median seconds of a step in the data-parallel gradient reduction, ``GradientSync.start`` and
+    ``end_step``)."""
     import torch.distributed as dist  # noqa: PLC0415
 
     from autopar.core.comm import group  # noqa: PLC0415
+    from autopar.runtime.optim.gradient_sync import GradientSync  # noqa: PLC0415
 
     calls = [0]
+    in_sync = [0.0]
     exchange = group._recursive_doubling
+    sync_start, sync_end = GradientSync.start, GradientSync.end_step
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return exchange(*args, **kwargs)
 
+    def timed(method):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                in_sync[0] += time.perf_counter() - t0
+        return run
+
     group._recursive_doubling = counted  # this forked rank's own module: counts what the chunks run
+    GradientSync.start, GradientSync.end_step = timed(sync_start), timed(sync_end)  # the gradient reduction
     try:
         engines = {key: program.materialize() for key, program in _PROGRAMS.items()}
         times: dict = {key: [] for key in engines}
         exchanges: dict = {key: 0 for key in engines}
+        syncs: dict = {key: [] for key in engines}
         for key, engine in engines.items():
             for _ in range(3):
                 engine.train_step(batches[key], batches[key])
@@ -133,18 +156,21 @@ def _two_rank_steps(batches: dict, repeats: int, rounds: int = 3) -> dict:
             for key, engine in engines.items():
                 for _ in range(repeats):
                     dist.barrier()
-                    calls[0] = 0
+                    calls[0], in_sync[0] = 0, 0.0
                     t0 = time.perf_counter()
                     engine.train_step(batches[key], batches[key])
                     times[key].append(time.perf_counter() - t0)
                     exchanges[key] = calls[0]
+                    syncs[key].append(in_sync[0])
     finally:
         group._recursive_doubling = exchange
-    return {key: (statistics.median(ts), exchanges[key]) for key, ts in times.items()}
+        GradientSync.start, GradientSync.end_step = sync_start, sync_end
+    return {key: (statistics.median(ts), exchanges[key], statistics.median(syncs[key])) for key, ts in times.items()}
 
 
 def _two_rank_programs(layers: int, runs: dict, repeats: int) -> dict:
-    """key -> (the slower rank's median step, exchanges per step) of the tiny GPT of ``layers`` layers
+    """key -> (the slower rank's median step, exchanges per step, rank 0's seconds of a step in the
+    gradient reduction) of the tiny GPT of ``layers`` layers
     compiled for 2 ranks with each of ``runs`` (key -> (microbatches, ``parallelize`` layout arguments)),
     stepped in turns in one launch."""
     import autopar  # noqa: PLC0415
@@ -161,7 +187,7 @@ def _two_rank_programs(layers: int, runs: dict, repeats: int) -> dict:
         ranks = autopar.spawn(_two_rank_steps, 2, (batches, max(1, repeats // 3)), inherit=True)
     finally:
         _PROGRAMS.clear()
-    return {key: (max(r[key][0] for r in ranks), ranks[0][key][1]) for key in runs}
+    return {key: (max(r[key][0] for r in ranks), ranks[0][key][1], ranks[0][key][2]) for key in runs}
 
 
 def pipeline_seconds(node_s: float, action_s: float, end_nodes: int, repeats: int) -> tuple[float, float]:
@@ -178,7 +204,7 @@ def pipeline_seconds(node_s: float, action_s: float, end_nodes: int, repeats: in
     from autopar.reference.models import build  # noqa: PLC0415
 
     pp = lambda schedule: dict(pp=2, schedule=schedule)  # noqa: E731
-    steps = {k: t for k, (t, _) in _two_rank_programs(4, {("1f1b", 2): (2, pp("1f1b")), ("1f1b", 8): (8, pp("1f1b")),
+    steps = {k: t for k, (t, _, _) in _two_rank_programs(4, {("1f1b", 2): (2, pp("1f1b")), ("1f1b", 8): (8, pp("1f1b")),
                                                          ("zb-h1", 8): (8, pp("zb-h1"))}, repeats).items()}
     slope = (steps["1f1b", 8] - steps["1f1b", 2]) / 6
     layer_nodes = graph_node_counts(build("gpt", n_layer=2, **TINY), torch.zeros(1, TINY["seq_len"], dtype=torch.long))[0]
@@ -201,6 +227,57 @@ def tp_all_reduce_in_step_seconds(u1: float, layer: float, repeats: int) -> floa
     return max((slope - u1 - layer) / per_mb_calls, 0.0) if per_mb_calls > 0 else 0.0
 
 
+def world_step_seconds(one_rank_step: float, repeats: int) -> float:
+    """What a step of a 2-rank engine costs beside a one-rank step of the same work and its gradient
+    reduction: the tiny GPT of 1 layer, 1 microbatch, data parallel over 2 ranks; its step less the
+    time in ``GradientSync`` (priced apart, by its bytes) less ``one_rank_step`` (the same model's step
+    on one rank, measured beside)."""
+    (step, _, sync), = _two_rank_programs(1, {"dp": (1, dict(dp=2))}, repeats).values()
+    return max(step - sync - one_rank_step, 0.0)
+
+
+def _optimizer_steps(x: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """One forked rank of ``_PROGRAMS["dp"]``: (median seconds of PyTorch's AdamW step, of the engine's
+    distributed optimizer's step with its parameters' all-gathers waited for), each after a training step,
+    the two engines stepped in turns."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    plain, sharded = _PROGRAMS["dp"].materialize(), _PROGRAMS["dp"].materialize()
+    optimizers = {"plain": (plain, torch.optim.AdamW(list(plain.parameters()), lr=1e-4)),
+                  "sharded": (sharded, sharded.distributed_optimizer(torch.optim.AdamW, lr=1e-4))}
+    times: dict = {k: [] for k in optimizers}
+    for i in range(3 + repeats):
+        for key, (engine, opt) in optimizers.items():
+            engine.train_step(x, x)
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.step()
+            engine.wait_parameters("tune")
+            opt.zero_grad(set_to_none=True)
+            if i >= 3:
+                times[key].append(time.perf_counter() - t0)
+    return statistics.median(times["plain"]), statistics.median(times["sharded"])
+
+
+def distributed_optimizer_seconds(repeats: int) -> float:
+    """What the distributed optimizer's step costs beside the inner optimizer's (the watch, the gathers'
+    launch and wait, the write-back; its bytes are the tiny GPT's few): the tiny GPT of 1 layer data
+    parallel over 2 ranks, its step against plain AdamW's, the slower rank's."""
+    import autopar  # noqa: PLC0415
+    from autopar.reference.models import build  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    x = torch.randint(0, TINY["vocab_size"], (1, TINY["seq_len"]), generator=torch.Generator().manual_seed(0))
+    _PROGRAMS["dp"] = autopar.parallelize(build("gpt", n_layer=1, **TINY), example_inputs=(x,), example_targets=x,
+                                          world_size=2, dp=2, microbatches=1)
+    try:
+        ranks = autopar.spawn(_optimizer_steps, 2, (x, repeats), inherit=True)
+    finally:
+        _PROGRAMS.clear()
+    return max(max(sharded - plain, 0.0) for plain, sharded in ranks)
+
+
 def _optimizer_per_param(repeats: int) -> float:
     params = [torch.nn.Parameter(torch.zeros(1 << 14)) for _ in range(64)]  # a model's many tensors
     for p in params:
@@ -217,8 +294,14 @@ def _optimizer_per_param(repeats: int) -> float:
     return statistics.median(times) / sum(p.numel() for p in params)
 
 
-def measure(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:
-    """The runtime's overheads on this process's device (the module's docstring); CPU, one thread."""
+ONE_RANK_BASIS = ("_u1", "_layer", "_t11")
+"""What ``measure_forked`` needs from ``measure``'s steps (kept in its figures, dropped from the profile):
+a microbatch of the 1-layer tiny GPT, a layer's forward and backward, a 1-layer 1-microbatch step."""
+
+
+def measure(repeats: int = 20) -> RuntimeFigures:
+    """The runtime's overheads on this process's device that one rank measures alone (the module's
+    docstring); CPU, one thread. The 2-rank figures are ``measure_forked``'s, 0 here."""
     from autopar.reference.models import build  # noqa: PLC0415
 
     runs = [(L, m, "none") for L in (1, 3) for m in (1, 4)] + [(3, 4, "layer")]
@@ -235,25 +318,41 @@ def measure(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:
     return {"step_s": max(T[1, 1] - u1, 0.0), "action_s": action,
             "node_s": node, "checkpoint_s": max((rc - T[3, 4]) / 12 - layer / 3, 0.0),
             "optimizer_per_param_s": _optimizer_per_param(repeats), "layer_nodes": layer_nodes,
-            "end_nodes": end_nodes,
-            **dict(zip(("send_s", "split_node_s"),
-                       pipeline_seconds(node, action, end_nodes, repeats) if pipeline else (0.0, 0.0))),
-            "tp_collective_s": tp_all_reduce_in_step_seconds(u1, layer, repeats) if pipeline else 0.0}
+            "end_nodes": end_nodes, "send_s": 0.0, "split_node_s": 0.0, "tp_collective_s": 0.0, "world_step_s": 0.0,
+            "distopt_step_s": 0.0,
+            "_u1": u1, "_layer": layer, "_t11": T[1, 1]}
 
 
-def measure_in_subprocess(repeats: int = 20, pipeline: bool = True) -> RuntimeFigures:
-    """``measure`` in a child process outside any process group, one thread (as a rank trains);
-    ``pipeline``: also the pipeline send's cost (its 2 ranks forked from the child)."""
+def measure_forked(one: RuntimeFigures, repeats: int = 20) -> RuntimeFigures:
+    """The figures that take 2 ranks (forked from this process), given ``measure``'s: a pipeline send, a
+    split backward per node, a tensor-parallel collective in a step, a multi-rank step."""
+    send, split = pipeline_seconds(one["node_s"], one["action_s"], int(one["end_nodes"]), repeats)
+    return {"send_s": send, "split_node_s": split,
+            "tp_collective_s": tp_all_reduce_in_step_seconds(one["_u1"], one["_layer"], repeats),
+            "world_step_s": world_step_seconds(one["_t11"], repeats),
+            "distopt_step_s": distributed_optimizer_seconds(repeats)}
+
+
+def measure_in_subprocess(repeats: int = 20, forked: dict | None = None, layers: dict | None = None) -> RuntimeFigures:
+    """In a child process outside any process group, one thread (as a rank trains): ``measure``, or with
+    ``forked`` (``measure``'s figures) ``measure_forked`` (its ranks forked from the child); ``layers``:
+    also the model's layers (``tune_layers.measure_layers``' arguments; t = 1 alone, t > 1 when
+    forked), returned under ``"layers"``."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
-    out = subprocess.run([sys.executable, "-m", "autopar.cli.tune_runtime", str(repeats),
-                          "pipeline" if pipeline else "no-pipeline"],
+    out = subprocess.run([sys.executable, "-m", "autopar.cli.tune_runtime", str(repeats), json.dumps(forked),
+                          json.dumps(layers)],
                          env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 20,
-                             pipeline=len(sys.argv) < 3 or sys.argv[2] == "pipeline")))
+    repeats, base, wanted = int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    figures = measure(repeats) if base is None else measure_forked(base, repeats)
+    if wanted:
+        from autopar.cli.tune_layers import measure_layers  # noqa: PLC0415
+
+        figures["layers"] = measure_layers(forked=base is not None, **wanted)
+    print(json.dumps(figures))

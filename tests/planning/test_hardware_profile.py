@@ -65,7 +65,7 @@ def test_round_trip_keeps_every_number(tmp_path):
     prof = _profile()
     path = tmp_path / "hw.json"
     write_profile(prof, path)
-    assert json.loads(path.read_text())[VERSION_KEY] == 2
+    assert json.loads(path.read_text())[VERSION_KEY] == 3
     assert load_profile(path) == prof
     hw = load_hardware(str(path))
     assert hw.name == str(path) and hw.tuned and hw.gpus_per_node == 2
@@ -94,7 +94,7 @@ def test_another_version_is_refused_with_the_command_to_measure_again(tmp_path):
     data = _profile().as_json() | {VERSION_KEY: 1}
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ProfileVersionError, match=r"is version 1; this autopar reads version 2: measure again with "
+    with pytest.raises(ProfileVersionError, match=r"is version 1; this autopar reads version 3: measure again with "
                                                   r"`autopar tune --layers 2 --hidden 64"):
         load_profile(path)
     path.write_text(json.dumps({"gemm": []}))
@@ -180,7 +180,7 @@ def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, cap
     out = tmp_path / "tuned.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, "-m", "autopar.cli", "tune", "--nproc", "2", "--quick", "--dtypes", "fp32",
-                          *MODEL_FLAGS, "--out", str(out)], capture_output=True, text=True, timeout=120, env=env,
+                          *MODEL_FLAGS, "--out", str(out)], capture_output=True, text=True, timeout=400, env=env,
                          cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "nearest preset" in run.stdout
@@ -195,13 +195,21 @@ def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, cap
     assert prof.tune_flags.startswith("--quick --dtypes fp32 --layers 2")
     # the runtime's own overheads, measured on the engine: every figure there, the tiny GPT's layer of 20 nodes
     assert set(prof.runtime) == set(RUNTIME) and prof.runtime["node_s"] > 0 and prof.runtime["layer_nodes"] > 0
-    assert prof.runtime["optimizer_per_param_s"] > 0
+    assert prof.runtime["optimizer_per_param_s"] > 0 and prof.runtime["world_step_s"] >= 0
+    # the model's own layer, timed on the engine: micro-batch 1 and 2, t = 1, and t = 2 with and without
+    # sequence parallelism; named as the planner names the reference GPT of those dimensions
+    assert sorted((x.micro_batch, x.tp, x.sequence_parallel) for x in prof.layers) == [
+        (1, 1, False), (1, 2, False), (1, 2, True), (2, 1, False), (2, 2, False), (2, 2, True)]
+    assert all(x.seconds > 0 and x.nodes > 0 for x in prof.layers)
+    assert {x.signature for x in prof.layers} == {"h64 a4 kv4 f256 s64 gelu fused-attn no-dropout causal"}
     plan = _plan_json(capsys, str(out))
     assert plan["hardware"] == str(out) and math.isfinite(plan["iteration_s"]) and plan["breakdown_s"]["dp"] > 0
 
 
 RUNTIME = {"step_s": 3e-4, "action_s": 1.5e-4, "node_s": 2.5e-5, "checkpoint_s": 7e-4, "optimizer_per_param_s": 4e-9,
-           "send_s": 4e-4, "split_node_s": 3e-5, "tp_collective_s": 9e-4, "layer_nodes": 20, "end_nodes": 12}
+           "send_s": 4e-4, "split_node_s": 3e-5, "tp_collective_s": 9e-4, "world_step_s": 1.3e-3, "distopt_step_s": 8e-4,
+           "layer_nodes": 20,
+           "end_nodes": 12}
 """Made-up runtime overheads of the order ``autopar tune`` measures on this repository's CPU."""
 
 
@@ -224,7 +232,8 @@ def test_runtime_overheads_are_priced_where_the_runtime_pays_them(tmp_path):
         assert a.t_chunk_b - b.t_chunk_b == pytest.approx(
             RUNTIME["action_s"] + 2 * f_nodes + rc * (f_nodes + layers * RUNTIME["checkpoint_s"]), rel=1e-9)
         assert a.t_head_f - b.t_head_f == pytest.approx(10 * RUNTIME["node_s"] / 3, rel=1e-9)
-        assert a.t_step == RUNTIME["step_s"] and b.t_step == 0.0
+        # a step across ranks: a one-rank step's cost and a multi-rank step's own
+        assert a.t_step == pytest.approx(RUNTIME["step_s"] + RUNTIME["world_step_s"]) and b.t_step == 0.0
         # a backward split into B and W: W's action and the split's cost per forward node of the chunk
         zb = dataclasses.replace(lay, schedule="zb-h1")
         za, zb_ = estimate(spec, Cluster(2, with_rt, 8), zb), estimate(spec, Cluster(2, without, 8), zb)

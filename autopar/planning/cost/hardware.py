@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.planning.errors import PlanError
 
-__all__ = ["Efficiency", "Hardware", "MeasuredGemm", "MeasuredLink", "RuntimeOverheads", "PLACEMENTS", "LINK_OPS",
+__all__ = ["Efficiency", "Hardware", "MeasuredGemm", "MeasuredLayer", "MeasuredLink", "RuntimeOverheads", "PLACEMENTS", "LINK_OPS",
            "PROFILES", "get_hardware"]
 
 GB = 1e9
@@ -89,11 +89,47 @@ class RuntimeOverheads:
     t = 2 engine (the exchange, the peer's late arrival, the wake-up): it replaces the lone call's fitted
     alpha of each all-reduce, all-gather and reduce-scatter over 2 tensor-parallel ranks; 0 when not
     measured (tuned on one rank)."""
+    distopt_step_s: float
+    """Seconds the distributed optimizer's step costs beside the inner optimizer's work on its shard and the
+    bytes of its all-gather (the failure watch around it, launching and waiting for the gathers, the
+    write-back into the flat buffers), measured on the tiny GPT data parallel over 2 ranks against plain
+    AdamW; 0 when tuned on one rank."""
+    world_step_s: float
+    """Seconds a step of a multi-rank engine costs beside a one-rank step's and its gradient reduction:
+    the failure board's read, the loss's reduction over the replicas or broadcast from the last stage,
+    the non-finite check's all-reduce, the failure watch's heartbeats; measured on a 2-rank data-parallel
+    engine of the tiny GPT (its gradient reduction timed apart and left out); 0 when tuned on one rank."""
     layer_nodes: int
     """Forward graph nodes of the layer ``node_s`` was measured on (the tiny reference GPT's): the
     count a spec read without its graph is priced with."""
     end_nodes: int
     """That model's nodes outside its layers (embedding, head, loss)."""
+
+
+@dataclass(frozen=True)
+class MeasuredLayer:
+    """One layer of a model, its forward and backward timed on autopar's engine by ``autopar tune``
+    (``cli/tune_layers.py``): what the layer's priced kernels, graph nodes and tensor-parallel
+    collectives add up to on this machine."""
+
+    signature: str
+    """The model's layer, as ``models.layer_signature`` names it (dimensions and kind)."""
+    nodes: int
+    """Forward graph nodes of the layer as traced (0: not known): two models of the same dimensions
+    but other code (a GPT's LayerNorm and GELU, a Llama's RMSNorm, rotary and SwiGLU) differ here."""
+    micro_batch: int
+    tp: int
+    sequence_parallel: bool
+    seconds: float
+    """Its forward and backward in a training step, on one rank of the t, every rank stepping at once
+    (eager chunks, fp32, no recomputation)."""
+    recompute_seconds: float = 0.0
+    """What recomputing it (``recompute='layer'``) adds to its backward: its forward again and the
+    checkpointed region's bookkeeping; 0 when not measured."""
+    split_seconds: float = 0.0
+    """What splitting its backward into B and W (the zero-bubble schedules) adds, beside W's action; 0 when
+    not measured (measured at t = 1)."""
+
 
 PLACEMENTS: tuple[str, ...] = ("intra", "inter")
 """Where a group's ranks sit: all in one node (``intra``), or spread over nodes (``inter``)."""
@@ -185,6 +221,13 @@ class Hardware:
     ``ib_bw`` (the planner's sensitivity knobs) scales the measured bandwidths by the same factor."""
     runtime: RuntimeOverheads | None = None
     """The runtime's own costs beside the kernels (a tuned profile that measured them), else None."""
+    byte_scale: float = 1.0
+    """What the cost model counts a tensor's real bytes as: 1 on a preset; a profile priced in fp32 halves
+    its memory and link bandwidths so that the cost model's 2-byte element counts take the time of
+    4-byte tensors, and counts a tensor of known bytes (fp32 gradients) at 2 / 4 of them."""
+    layers: tuple[MeasuredLayer, ...] = ()
+    """Layers of the model ``autopar tune`` was given, measured on the engine (a tuned profile on a CPU):
+    ``op_times.layer_times`` scales the priced layer of a matching model to them. Empty otherwise."""
     tune_command: str = ""
     """The ``autopar tune`` flags that measured this profile (the model, the micro-batch, the output
     file), for the error that asks for a group size it lacks. Empty for a preset."""

@@ -3,11 +3,15 @@ measured, read back as the planner's ``Hardware``.
 
 The file (``docs/hardware-profile.md`` lists every field)::
 
-    {"autopar_hardware_profile": 1,
+    {"autopar_hardware_profile": 3,
      "device": {"kind": "cuda", "name": "NVIDIA H200", "per_node": 8, "nodes": 2, "memory_bytes": ..., "sm_count": 132},
      "gemm": [{"dtype": "bf16", "name": "fc1 t=1", "batch": 1, "m": 2048, "n": 4096, "k": 1024,
                "flops_per_s": ..., "seconds": ...}, ...],
      "memory_bw_bytes_per_s": ..., "eager_op_s": ..., "compiled_call_s": null,
+     "runtime": {"step_s": ..., "node_s": ..., ...} or null,
+     "layers": [{"signature": "h128 a4 kv4 f512 s64", "nodes": 20, "micro_batch": 1, "tp": 1,
+                 "sequence_parallel": false, "seconds": ..., "recompute_seconds": ..., "split_seconds": ...},
+                ...],
      "collectives": [{"op": "all_reduce", "ranks": 2, "placement": "intra", "alpha_s": ..., "beta_bytes_per_s": ...,
                       "sizes_bytes": [...], "seconds": [...]}, ...],
      "sources": {"gemm": "torch.matmul, median of ...", ...},
@@ -26,6 +30,7 @@ time its 4-byte tensors take; GEMMs are priced by FLOPs at the dtype's measured 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -41,6 +46,7 @@ from autopar.planning.cost.hardware import (
     Efficiency,
     Hardware,
     MeasuredGemm,
+    MeasuredLayer,
     MeasuredLink,
     RuntimeOverheads,
     get_hardware,
@@ -51,9 +57,11 @@ __all__ = ["PROFILE_VERSION", "VERSION_KEY", "GemmFigure", "LinkFigure", "Hardwa
            "load_profile", "write_profile", "to_hardware", "load_hardware", "resolve_hardware", "nearest_preset",
            "DTYPE_BYTES"]
 
-PROFILE_VERSION = 2
-"""The format version this autopar writes and reads (2: the runtime's own overheads, ``runtime``, and the
-runtime's tensor-parallel all-reduce, ``tp_all_reduce``, beside version 1's figures)."""
+PROFILE_VERSION = 3
+"""The format version this autopar writes and reads (3: the model's layers measured on the engine,
+``layers``, a multi-rank step's own cost, ``runtime.world_step_s``, and the distributed optimizer's,
+``runtime.distopt_step_s``; 2 added the runtime's own
+overheads, ``runtime``, and the runtime's tensor-parallel all-reduce, ``tp_all_reduce``)."""
 
 VERSION_KEY = "autopar_hardware_profile"
 """The key holding the version: it also marks a JSON file as a profile."""
@@ -117,6 +125,8 @@ class HardwareProfile:
     runtime: dict[str, float] | None = None
     """The runtime's own overheads (``hardware.RuntimeOverheads``' fields), or None when not measured."""
     sm_count: int = 1
+    layers: tuple[MeasuredLayer, ...] = ()
+    """The model's layers timed on the engine (``cli/tune_layers.py``); empty when not measured."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each number came from, in words, by section."""
     tune_flags: str = ""
@@ -143,6 +153,7 @@ class HardwareProfile:
             "eager_op_s": self.eager_op_s,
             "compiled_call_s": self.compiled_call_s,
             "runtime": None if self.runtime is None else dict(self.runtime),
+            "layers": [dataclasses.asdict(x) for x in self.layers],
             "collectives": [{"op": c.op, "ranks": c.ranks, "placement": c.placement, "alpha_s": c.alpha_s,
                              "beta_bytes_per_s": c.beta_bytes_per_s, "sizes_bytes": list(c.sizes_bytes),
                              "seconds": list(c.seconds)} for c in self.collectives],
@@ -184,7 +195,7 @@ def _get(d: dict, key: str, kind: type | tuple[type, ...], where: str, path: str
     value = d[key]
     if kind is float:
         kind = (int, float)
-    if not isinstance(value, kind) or isinstance(value, bool):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ProfileFieldError(f"hardware profile {path}: {where}{key} is {value!r}, not a "
                                 f"{getattr(kind, '__name__', 'number')}")
     return value
@@ -193,6 +204,12 @@ def _get(d: dict, key: str, kind: type | tuple[type, ...], where: str, path: str
 def _positive(value: float, name: str, path: str) -> float:
     if not value > 0:
         raise ProfileFieldError(f"hardware profile {path}: {name} must be positive, got {value!r}")
+    return float(value)
+
+
+def _non_negative(value: float, name: str, path: str) -> float:
+    if value < 0:
+        raise ProfileFieldError(f"hardware profile {path}: {name} must not be negative, got {value!r}")
     return float(value)
 
 
@@ -224,7 +241,9 @@ def _link(d: dict, i: int, path: str) -> LinkFigure:
 
 
 RUNTIME_FIELDS: tuple[str, ...] = ("step_s", "action_s", "node_s", "checkpoint_s", "optimizer_per_param_s",
-                                    "send_s", "split_node_s", "tp_collective_s", "layer_nodes", "end_nodes")
+                                    "send_s", "split_node_s", "tp_collective_s", "world_step_s", "distopt_step_s",
+                                    "layer_nodes",
+                                    "end_nodes")
 """The fields of a profile's ``runtime`` section (``hardware.RuntimeOverheads``)."""
 
 
@@ -236,6 +255,18 @@ def _runtime(d: Any, path: str) -> dict[str, float] | None:
         if values[k] < 0:
             raise ProfileFieldError(f"hardware profile {path}: runtime.{k} must not be negative, got {values[k]!r}")
     return values
+
+
+def _layer(d: dict, i: int, path: str) -> MeasuredLayer:
+    w = f"layers[{i}]."
+    return MeasuredLayer(signature=_get(d, "signature", str, w, path), nodes=_get(d, "nodes", int, w, path),
+                         micro_batch=_get(d, "micro_batch", int, w, path), tp=_get(d, "tp", int, w, path),
+                         sequence_parallel=_get(d, "sequence_parallel", bool, w, path),
+                         seconds=_positive(_get(d, "seconds", float, w, path), f"{w}seconds", path),
+                         recompute_seconds=_non_negative(_get(d, "recompute_seconds", float, w, path),
+                                                         f"{w}recompute_seconds", path),
+                         split_seconds=_non_negative(_get(d, "split_seconds", float, w, path), f"{w}split_seconds",
+                                                     path))
 
 
 def profile_from_json(data: Any, path: str = "<json>") -> HardwareProfile:
@@ -264,6 +295,7 @@ def profile_from_json(data: Any, path: str = "<json>") -> HardwareProfile:
         memory_bw=_positive(_get(data, "memory_bw_bytes_per_s", float, "", path), "memory_bw_bytes_per_s", path),
         eager_op_s=float(_get(data, "eager_op_s", float, "", path)),
         compiled_call_s=None if compiled is None else float(compiled), runtime=runtime,
+        layers=tuple(_layer(x, i, path) for i, x in enumerate(_get(data, "layers", list, "", path))),
         collectives=tuple(_link(c, i, path) for i, c in enumerate(_get(data, "collectives", list, "", path))),
         sources=dict(data.get("sources", {})), tune_flags=data.get("tune_flags", ""),
         created=data.get("created", ""), torch=data.get("torch", ""),
@@ -332,7 +364,8 @@ def to_hardware(profile: HardwareProfile, name: str = "tuned", dtype: str | None
         eff=Efficiency(gemm=1.0, hbm=1.0, gemm_k_overhead=0.0, kernel_overhead=profile.eager_op_s),
         gemms=gemms, links=links, tuned=True,
         runtime=None if profile.runtime is None else RuntimeOverheads(
-            **{k: (int(v) if k.endswith("nodes") else float(v)) for k, v in profile.runtime.items()}), links_measured_at=(intra or inter or 1.0, inter or intra or 1.0),
+            **{k: (int(v) if k.endswith("nodes") else float(v)) for k, v in profile.runtime.items()}),
+        layers=profile.layers, byte_scale=scale, links_measured_at=(intra or inter or 1.0, inter or intra or 1.0),
         tune_command=profile.tune_flags or f"--model <the model> --out {name}",
     )
 

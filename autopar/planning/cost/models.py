@@ -145,6 +145,15 @@ class ModelSpec:
         return self.name or f"l{self.layers}-h{self.hidden}-a{self.heads}"
 
     @property
+    def layer_signature(self) -> str:
+        """A dense layer's dimensions and kind, as ``autopar tune`` names the layers it measures
+        (``hardware.MeasuredLayer``): ``h128 a4 kv2 f352 s64 swiglu fused-attn no-dropout``."""
+        return " ".join([f"h{self.hidden} a{self.heads} kv{self.kv} f{self.ffn_size} s{self.seq_len}",
+                         "swiglu" if self.gated_mlp else "gelu",
+                         "fused-attn" if self.fused_attention else "unfused-attn",
+                         "dropout" if self.dropout else "no-dropout", "causal" if self.causal else "bidirectional"])
+
+    @property
     def features(self) -> str:
         """What the dimensions do not say, in words: ``SwiGLU MLP, fused attention, no dropout,
         untied head, no position table``."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.core.collectives import ALL_GATHER, REDUCE_SCATTER
-from autopar.planning.cost.hardware import Hardware, MeasuredGemm
+from autopar.planning.cost.hardware import Hardware, MeasuredGemm, MeasuredLayer
 from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.network import (
     EP_KINDS,
@@ -35,6 +35,7 @@ from autopar.planning.cost.transformer import embedding_ops, head_ops, layer_ops
 from autopar.planning.errors import PlanError
 
 __all__ = ["GEMM_TILES", "tile_fill", "gemm_efficiency", "measured_gemm_rate", "op_time", "PhaseTime", "phase_time", "layer_times",
+           "measured_layer", "layer_scale", "measured_recompute", "measured_split",
            "CP_KINDS", "ring_hop_time"]
 
 CP_KINDS: tuple[str, ...] = ("cp_ring", "cp_ring_grad")
@@ -201,6 +202,70 @@ def phase_time(ops: tuple[Op, ...], hw: Hardware, t: int, ep: int = 1, cp: int =
     return PhaseTime(g, m, c, x_ep, x_cp)
 
 
+def measured_layer(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
+                   fused: bool = False, cp: int = 1) -> MeasuredLayer | None:
+    """The layer ``autopar tune`` measured for this model (``Hardware.layers``) that prices its layer at
+    micro-batch b on one of t ranks: the same layer signature (``ModelSpec.layer_signature``) and graph
+    node count where both are known, the same t and sequence parallelism, the nearest micro-batch; None
+    when there is none, or for what the measurement did not run (fused kernels: a compiled chunk; context
+    parallelism)."""
+    if fused or cp > 1 or not hw.layers:
+        return None
+    sp = sequence_parallel and t > 1
+    nodes = spec.graph_nodes[1] if spec.graph_nodes else 0
+    found = [x for x in hw.layers if x.signature == spec.layer_signature and x.tp == t
+             and x.sequence_parallel == sp and (not x.nodes or not nodes or x.nodes == nodes)]
+    return min(found, key=lambda x: (abs(math.log(x.micro_batch / b)), x.micro_batch)) if found else None
+
+
+@lru_cache(maxsize=8192)
+def layer_scale(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
+                fused: bool = False, cp: int = 1) -> float:
+    """What a dense layer's priced forward and backward are multiplied by: the measured layer's seconds
+    (``measured_layer``) over the priced layer's at its micro-batch (its kernels, graph nodes and
+    tensor-parallel collectives, ``layer_times`` unscaled); 1 without a measured layer. A ratio carries
+    to a micro-batch that was not measured better than a time does."""
+    near = measured_layer(spec, hw, b, t, sequence_parallel, fused, cp)
+    if near is None:
+        return 1.0
+    f, bw = _dense_layer(spec, hw, near.micro_batch, t, sequence_parallel, fused, cp)
+    return near.seconds / (f.total + bw.total)
+
+
+def measured_recompute(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
+                       fused: bool = False, cp: int = 1) -> PhaseTime | None:
+    """What recomputing one dense layer adds to its backward, from the layer ``autopar tune`` measured
+    recomputed (``MeasuredLayer.recompute_seconds``): the priced replay (its forward and a checkpointed
+    region's bookkeeping) scaled by measured over priced at the measured micro-batch; None without one."""
+    near = measured_layer(spec, hw, b, t, sequence_parallel, fused, cp)
+    if near is None or not near.recompute_seconds or hw.runtime is None:
+        return None
+    region = PhaseTime(runtime=hw.runtime.checkpoint_s)
+    priced = _dense_layer(spec, hw, near.micro_batch, t, sequence_parallel, fused, cp)[0] + region
+    here = _dense_layer(spec, hw, b, t, sequence_parallel, fused, cp)[0] + region
+    return here * (near.recompute_seconds / priced.total)
+
+
+def measured_split(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
+                   fused: bool = False, cp: int = 1) -> float | None:
+    """Seconds splitting one dense layer's backward into B and W adds (``MeasuredLayer.split_seconds``,
+    measured at t = 1: autograd's bookkeeping, which tensor parallelism does not change), at the nearest
+    measured micro-batch; None without one."""
+    near = measured_layer(spec, hw, b, t, sequence_parallel, fused, cp)
+    if near is None or not near.split_seconds:
+        near = measured_layer(spec, hw, b, 1, False, fused, cp)
+    return near.split_seconds if near is not None and near.split_seconds else None
+
+
+def _dense_layer(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool, fused: bool,
+                 cp: int) -> tuple[PhaseTime, PhaseTime]:
+    """A dense layer's priced forward and backward: its Ops and its graph nodes' overhead."""
+    lay = layer_ops(spec, b, t, sequence_parallel, fused, cp=cp)
+    nodes = node_overheads(spec, hw)
+    return (phase_time(lay.forward, hw, t, 1, cp, spec.causal) + nodes["layer_f"],
+            phase_time(lay.backward, hw, t, 1, cp, spec.causal) + nodes["layer_b"])
+
+
 @lru_cache(maxsize=8192)
 def layer_times(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
                 fused: bool = True, ep: int = 1, dispatch: str = "allgather", cp: int = 1) -> dict[str, PhaseTime]:
@@ -209,16 +274,18 @@ def layer_times(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel
     the layer's with or without sequence parallelism, its element-wise kernels fused or op by op;
     for a mixture-of-experts model also one of its expert layers (``moe_f``, ``moe_b``) on a rank
     of an expert group of ``ep`` exchanging rows by ``dispatch``; each on a rank of a context-parallel
-    group of ``cp`` (s/cp tokens, ring attention)."""
-    lay = layer_ops(spec, b, t, sequence_parallel, fused, cp=cp)
+    group of ``cp`` (s/cp tokens, ring attention). The dense layer's are scaled to the layer ``autopar
+    tune`` measured for this model where the profile has one (``layer_scale``)."""
     emb, head = embedding_ops(spec, b, t, cp), head_ops(spec, b, t, cp)
+    layer_f, layer_b = _dense_layer(spec, hw, b, t, sequence_parallel, fused, cp)
+    k = layer_scale(spec, hw, b, t, sequence_parallel, fused, cp)
 
     def timed(ops: tuple[Op, ...], ep: int = 1) -> PhaseTime:
         return phase_time(ops, hw, t, ep, cp, spec.causal)
 
     nodes = node_overheads(spec, hw)
     out = {
-        "layer_f": timed(lay.forward) + nodes["layer_f"], "layer_b": timed(lay.backward) + nodes["layer_b"],
+        "layer_f": layer_f * k, "layer_b": layer_b * k,
         "emb_f": timed(emb.forward) + nodes["emb_f"], "emb_b": timed(emb.backward) + nodes["emb_b"],
         "head_f": timed(head.forward) + nodes["head_f"], "head_b": timed(head.backward) + nodes["head_b"],
     }

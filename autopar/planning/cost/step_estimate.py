@@ -47,7 +47,7 @@ from autopar.planning.cost.network import (
     tp_half_time,
 )
 from autopar.planning.cost.op_costs import FP16
-from autopar.planning.cost.op_times import PhaseTime, layer_times
+from autopar.planning.cost.op_times import PhaseTime, layer_scale, layer_times, measured_recompute, measured_split
 from autopar.planning.cost.pipeline_timeline import eager_timeline
 from autopar.planning.cost.transformer import iteration_flops
 from autopar.planning.cost.zero_bubble_costs import weight_grad_times, zero_bubble_idle
@@ -130,7 +130,11 @@ class Estimate:
     t_head_w: float = 0.0
     """The W part of ``t_head_b`` (the LM head's weight gradient)."""
     t_step: float = 0.0
-    """The runtime's own cost of a step beside its actions (``RuntimeOverheads.step_s``); 0 on a preset."""
+    """The runtime's own cost of a step beside its actions (``RuntimeOverheads.step_s``, and
+    ``world_step_s`` across ranks); 0 on a preset."""
+    layer_scale: float = 1.0
+    """What the priced layer was multiplied by to match the layer ``autopar tune`` measured for this
+    model (``op_times.layer_scale``); 1 when the profile has none for it."""
     runtime_errors: tuple[str, ...] = ()
     """The schedule's rules the layout breaks (``layout.runtime_errors``): priced with the closed
     form, but autopar's runtime (and Megatron-LM) cannot run it as it is. Empty when runnable."""
@@ -220,7 +224,9 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     # the distributed optimizer steps 1/(d cp) of the dense parameters, 1/(d/ep) of the experts'
     owned = (P_max - P_exp) / lay.dcp + P_exp / lay.edp if lay.distopt else P_max
     t_opt = _optimizer_time(hw, owned)
-    t_step = hw.runtime.step_s if hw.runtime is not None else 0.0
+    if lay.distopt and lay.dcp > 1 and hw.runtime is not None:  # the distributed optimizer's own step
+        t_opt += hw.runtime.distopt_step_s
+    t_step = _runtime_step(hw, lay)
     breakdown = _breakdown(chunk, lay, m, c, t_pipe, t_dp_exposed + t_emb, t_opt) | {"runtime_step": t_step}
     peaks = sim.peak_in_flight if sim is not None else None  # a property that walks every stage's list
     inflight = [peaks[r] for r in range(lay.p)] if peaks is not None else None
@@ -233,6 +239,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
         memory=memory_per_gpu(spec, lay, m, inflight),
         flops=iteration_flops(spec, cluster.global_batch, lay.recompute is Recompute.LAYER),
         sim=sim, runtime_errors=unrunnable,
+        layer_scale=layer_scale(spec, hw, lay.b, lay.t, lay.sp, lay.fused_kernels, lay.cp),
     )
 
 
@@ -266,12 +273,20 @@ class _Chunk:
         fwd, bwd, w = tm["layer_f"] * (L - M), tm["layer_b"] * (L - M), wt["layer_w"] * (L - M)
         if M:
             fwd, bwd, w = fwd + tm["moe_f"] * M, bwd + tm["moe_b"] * M, w + wt["moe_w"] * M
-        bwd = bwd + fwd * rc
+        args = (spec, hw, lay.b, lay.t, lay.sp, lay.fused_kernels, lay.cp)
+        replay = measured_recompute(*args) if rc else None  # a dense layer recomputed, as tune measured it
+        if replay is None:
+            bwd = bwd + fwd * rc
+        else:
+            bwd = bwd + replay * (L - M) + (tm["moe_f"] * M if M else PhaseTime())
         if (rt := hw.runtime) is not None:  # the runtime's own: each action's, each replayed region's
             split = lay.schedule in SPLIT_BACKWARD_SCHEDULES
             layer_nodes = spec.graph_nodes[1] if spec.graph_nodes else rt.layer_nodes
-            split_cost = rt.split_node_s * L * layer_nodes if split else 0.0  # splitting B from W
-            bwd += PhaseTime(runtime=rc * L * rt.checkpoint_s + rt.action_s * (2 if split else 1) + split_cost)
+            split_layer = measured_split(*args) if split else None  # splitting B from W
+            split_cost = (0.0 if not split else rt.split_node_s * L * layer_nodes if split_layer is None
+                          else split_layer * (L - M) + rt.split_node_s * M * layer_nodes)
+            regions = L if replay is None else M  # a measured replay has its region's bookkeeping
+            bwd += PhaseTime(runtime=rc * regions * rt.checkpoint_s + rt.action_s * (2 if split else 1) + split_cost)
             fwd += PhaseTime(runtime=rt.action_s)
             if split:
                 w += PhaseTime(runtime=rt.action_s)
@@ -391,9 +406,44 @@ def _edp_link(hw: Hardware, lay: Layout, kind: str = ALL_REDUCE) -> tuple[float,
     return dp_link(hw, lay.t * lay.ep, lay.edp, kind)
 
 
+def _runtime_step(hw: Hardware, lay: Layout) -> float:
+    """The runtime's own cost of a step beside its actions (a tuned profile's ``RuntimeOverheads``): a
+    one-rank step's, and a multi-rank step's collectives and failure watch when the layout spans ranks;
+    0 on a preset."""
+    rt = hw.runtime
+    if rt is None:
+        return 0.0
+    return rt.step_s + (rt.world_step_s if lay.world > 1 else 0.0)
+
+
+GRAD_SYNC_PASSES_ALLREDUCE = 6
+"""Passes over a bucket's gradients the runtime makes on its own thread around an all-reduce
+(``runtime/optim/gradient_sync.py``), each a read and a write: the flattening into the bucket (``torch.cat``),
+the averaging (``/= d``) and the copy back into each ``.grad``."""
+
+
+def _grad_sync_passes(hw: Hardware, nbytes: float, lay: Layout) -> float:
+    """Seconds of the runtime's own passes over ``nbytes`` of gradients around their data-parallel
+    reduction (a tuned profile: its memory bandwidth; 0 on a preset, whose runs reduce in place). An
+    all-reduce: ``GRAD_SYNC_PASSES_ALLREDUCE`` reads and writes; a reduce-scatter into the distributed
+    optimizer's buffers: the flattening (a read and a write) and the averaging of the rank's 1/d."""
+    if hw.runtime is None or lay.dcp == 1:
+        return 0.0
+    passes = 2 + 2 / lay.dcp if lay.distopt else GRAD_SYNC_PASSES_ALLREDUCE
+    return passes * nbytes / (hw.hbm_bw * hw.eff.hbm)
+
+
+def _counted(nbytes: int, hw: Hardware) -> float:
+    """Bytes of an element of ``nbytes`` as the cost model counts them on ``hw``: the real bytes on a preset;
+    on a profile priced in fp32 (``Hardware.byte_scale``) half of them, and never less than the cost
+    model's 2-byte unit (a tensor on an fp32 profile is fp32, whatever the layout's precision)."""
+    return max(nbytes * hw.byte_scale, FP16)
+
+
 def _dp_allreduce(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 0) -> tuple[float, float]:
-    """(the fullest stage's fp16 gradient all-reduce over d (d cp under context parallelism: the ranks
-    holding the same parameters), the part of it not hidden behind the last microbatch's backward).
+    """(the fullest stage's gradient all-reduce over d (d cp under context parallelism: the ranks
+    holding the same parameters), the part of it not hidden behind the backward: ``_dp_hidden``; with
+    the runtime's own passes over the gradients on a tuned profile, ``_grad_sync_passes``).
 
     With expert parallelism (ep > 1) its ``P_exp`` routed-expert parameters are all-reduced over
     their own d/ep replicas (``_edp_link``), after the dense ones' all-reduce over d (the same
@@ -401,13 +451,28 @@ def _dp_allreduce(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int 
     d = lay.dcp
     bw, lat = dp_link(hw, lay.t, d)
     dense = P_max - P_exp if lay.ep > 1 else P_max
-    t_dp = allreduce_time(FP16 * dense, d, bw, lat)
+    grad = _counted(lay.precision.grad, hw)
+    t_dp = allreduce_time(grad * dense, d, bw, lat)
     if lay.ep > 1:
-        t_dp += allreduce_time(FP16 * P_exp, lay.edp, *_edp_link(hw, lay))
+        t_dp += allreduce_time(grad * P_exp, lay.edp, *_edp_link(hw, lay))
+    passes = _grad_sync_passes(hw, grad * P_max, lay)  # on the step's own thread: never hidden
     if lay.dp_overlap and d > 1:
-        window = lay.v * t_B
-        return t_dp, max(t_dp - window, allreduce_time(min(DDP_BUCKET_BYTES, FP16 * P_max), d, bw, lat))
-    return t_dp, t_dp
+        last = allreduce_time(min(DDP_BUCKET_BYTES, grad * P_max), d, bw, lat)
+        return t_dp, _dp_exposed(hw, lay, t_dp, t_B, last) + passes
+    return t_dp, t_dp + passes
+
+
+def _dp_exposed(hw: Hardware, lay: Layout, t_dp: float, t_B: float, last: float) -> float:
+    """What a data-parallel reduction of ``t_dp`` seconds, overlapped with the backward, leaves exposed.
+
+    DDP and Megatron-LM (the presets' runs) launch each bucket once its gradients are final, during the
+    last microbatch's backward: the v chunks' last backwards (``t_B`` each) hide all but the last
+    bucket's (``last``). autopar's runtime (a tuned profile, which measured it) launches a chunk's buckets
+    after that chunk's last backward: only the backwards of the stage's other chunks that follow it hide
+    them, (v - 1) t_B, and at least the last chunk's share, t_dp / v, is left exposed."""
+    if hw.runtime is not None:
+        return max(t_dp - (lay.v - 1) * t_B, t_dp / lay.v)
+    return max(t_dp - lay.v * t_B, last)
 
 
 def _dp_sharded(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 0) -> tuple[float, float]:
@@ -419,18 +484,20 @@ def _dp_sharded(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 
     bucket, as soon as a chunk's gradients are final); the all-gather follows the step and
     is exposed. With ep > 1 the ``P_exp`` routed-expert parameters go over their d/ep replicas; under
     context parallelism the group is the d cp ranks holding the same parameters."""
-    d, prec = lay.dcp, lay.precision
+    d = lay.dcp
+    grad, weight = _counted(lay.precision.grad, hw), _counted(lay.precision.weight, hw)
     rs_link, ag_link = dp_link(hw, lay.t, d, REDUCE_SCATTER), dp_link(hw, lay.t, d, ALL_GATHER)
     dense = P_max - P_exp if lay.ep > 1 else P_max
-    t_rs = reduce_scatter_time(prec.grad * dense, d, *rs_link)
-    t_ag = allgather_time(prec.weight * dense, d, *ag_link)
+    t_rs = reduce_scatter_time(grad * dense, d, *rs_link)
+    t_ag = allgather_time(weight * dense, d, *ag_link)
     if lay.ep > 1:
-        t_rs += reduce_scatter_time(prec.grad * P_exp, lay.edp, *_edp_link(hw, lay, REDUCE_SCATTER))
-        t_ag += allgather_time(prec.weight * P_exp, lay.edp, *_edp_link(hw, lay, ALL_GATHER))
+        t_rs += reduce_scatter_time(grad * P_exp, lay.edp, *_edp_link(hw, lay, REDUCE_SCATTER))
+        t_ag += allgather_time(weight * P_exp, lay.edp, *_edp_link(hw, lay, ALL_GATHER))
+    passes = _grad_sync_passes(hw, grad * P_max, lay)  # on the step's own thread: never hidden
     if lay.dp_overlap:
-        last = reduce_scatter_time(min(DDP_BUCKET_BYTES, prec.grad * P_max), d, *rs_link)
-        return t_rs + t_ag, max(t_rs - lay.v * t_B, last) + t_ag
-    return t_rs + t_ag, t_rs + t_ag
+        last = reduce_scatter_time(min(DDP_BUCKET_BYTES, grad * P_max), d, *rs_link)
+        return t_rs + t_ag, _dp_exposed(hw, lay, t_rs, t_B, last) + t_ag + passes
+    return t_rs + t_ag, t_rs + t_ag + passes
 
 
 def _embedding_sync(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:

@@ -1,0 +1,213 @@
+"""The model's own layer, measured on the engine: ``autopar tune``'s ``layers`` section.
+
+The cost model prices a layer from its kernels (the GEMMs at their measured rates, the element-wise
+passes at the measured copy bandwidth), its graph nodes' overhead (measured per node on a tiny GPT)
+and its tensor-parallel collectives (measured on that tiny GPT too). A model's own layer runs its
+own mix: a Llama's many small nodes (rotary slices, RMSNorm's products) cost less than the tiny GPT's
+average node, a collective between two busy ranks waits longer for its peer than between two idle
+ones. So, given a model it can build (``--hf-config``, or dimensions the reference GPT or Llama
+have), ``autopar tune`` times that model's layer on the engine itself, as the ranks will train it:
+
+- for each micro-batch of ``--micro-batch`` and twice it, and each tensor-parallel degree t that
+  divides the ranks (and the heads), with and without sequence parallelism when t > 1;
+- the model built with 2 and with 4 layers (``LAYER_COUNTS``), compiled for t ranks, ``MICROBATCHES`` microbatches a
+  step, as is, with every layer recomputed, and (t = 1) with each backward split into B and W
+  (``MODES``), the engines stepped in turns after warm-up steps; a layer's forward and backward is
+  (T(4) - T(2)) / (2 MICROBATCHES), the embedding, the head, the step's and the actions' costs
+  cancelling; what recomputing it and splitting its backward add, the same differences less the
+  plain layer's;
+- t = 1 on every rank at once (each in its own process: the machine as loaded as in training);
+  t > 1 on t ranks forked together.
+
+The cost model then scales the priced layer of a matching model (``ModelSpec.layer_signature`` and
+its graph node count) by measured over priced at the nearest measured micro-batch
+(``op_times.layer_scale``), and says so (``Estimate.layer_scale``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["MICROBATCHES", "LayerRun", "model_builder", "layer_runs", "measure_one_rank", "measure_ranks", "signature_of",
+           "measure_layers"]
+
+MICROBATCHES = 4
+"""Microbatches a measured step runs: each adds its layers' forward and backward, so the difference of
+two layer counts is measured 4 times over."""
+
+LAYER_COUNTS = (2, 4)
+"""The two depths the model is built at: their difference is two layers (at least two a model, so that
+``recompute='layer'`` finds its repeated layer)."""
+
+LayerRun = tuple[int, int, bool]
+"""(micro-batch, t, sequence parallel): one measured layer."""
+
+
+def model_builder(args: argparse.Namespace) -> tuple[Callable[[int], torch.nn.Module], int, int] | None:
+    """(layers -> the model of ``args`` with that many layers, its sequence length, its vocabulary), or
+    None when the flags describe no model autopar can build (a preset of the paper, an MoE by its
+    dimensions): a HuggingFace config, or dimensions of the reference GPT (GELU MLP) or Llama (SwiGLU)."""
+    seq = args.seq_len or 2048
+    if getattr(args, "hf_config", None):
+        import transformers  # noqa: PLC0415
+
+        config = transformers.AutoConfig.from_pretrained(args.hf_config)
+
+        def hf(layers: int) -> torch.nn.Module:
+            torch.manual_seed(0)
+            c = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": layers})
+            return transformers.AutoModelForCausalLM.from_config(c)
+        return hf, seq, int(config.vocab_size)
+    if args.model or args.layers is None or args.experts:
+        return None
+    from autopar.reference.models import build  # noqa: PLC0415
+
+    vocab = args.vocab or 51200
+
+    def reference(layers: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return build("llama" if args.gated_mlp else "gpt", vocab_size=vocab, seq_len=seq, n_layer=layers,
+                     n_head=args.heads, n_kv_head=args.kv_heads, d_model=args.hidden, d_ff=args.ffn)
+    return reference, seq, vocab
+
+
+def layer_runs(micro_batch: int, heads: int, kv_heads: int, world: int) -> list[LayerRun]:
+    """What to measure: micro-batches b and 2b; t = 1, and each t > 1 dividing the world and the heads,
+    with and without sequence parallelism."""
+    out: list[LayerRun] = []
+    for t in (k for k in range(1, world + 1) if world % k == 0 and heads % k == 0 and kv_heads % k == 0):
+        for b in (micro_batch, 2 * micro_batch):
+            out += [(b, t, False)] + ([(b, t, True)] if t > 1 else [])
+    return out
+
+
+def _batch(b: int, seq: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (MICROBATCHES * b, seq), generator=g)
+
+
+MODES = ("plain", "recompute", "split")
+"""How each depth is stepped: as is; every layer recomputed (``recompute='layer'``); each backward split into
+B and W (``schedule='zb-h1'``, which one rank runs with no bubble). The last only at t = 1."""
+
+
+def _program(make: Callable[[int], torch.nn.Module], layers: int, x: torch.Tensor, b: int, t: int, sp: bool,
+             mode: str):
+    import autopar  # noqa: PLC0415
+
+    return autopar.parallelize(make(layers), example_inputs=(x[:b],), example_targets=x[:b], world_size=t, tp=t,
+                               sequence_parallel=sp if t > 1 else False, microbatches=MICROBATCHES,
+                               recompute="layer" if mode == "recompute" else "none",
+                               schedule="zb-h1" if mode == "split" else "1f1b")
+
+
+def _alternate(engines: dict, x: torch.Tensor, budget_s: float, sync: Callable[[], None] = lambda: None) -> dict:
+    """Key -> median step of each engine, stepped in turns (3 warm-up steps, then rounds of 2 steps
+    each until ``budget_s`` has passed, 6 rounds at least)."""
+    for engine in engines.values():
+        for _ in range(3):
+            engine.train_step(x, x)
+    times: dict = {k: [] for k in engines}
+    start, rounds = time.perf_counter(), 0
+    while rounds < 6 or (time.perf_counter() - start < budget_s and rounds < 60):
+        for key, engine in engines.items():
+            for _ in range(2):
+                sync()
+                t0 = time.perf_counter()
+                engine.train_step(x, x)
+                times[key].append(time.perf_counter() - t0)
+        rounds += 1
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _per_layer(steps: dict, modes: tuple[str, ...]) -> dict[str, float]:
+    """Mode -> a layer's seconds: ``seconds`` (plain), ``recompute_seconds`` and ``split_seconds`` (what
+    each adds to the plain layer), from the steps at the two depths."""
+    lo, hi = LAYER_COUNTS
+    layer = {m: (steps[hi, m] - steps[lo, m]) / ((hi - lo) * MICROBATCHES) for m in modes}
+    out = {"seconds": max(layer["plain"], 0.0)}
+    for mode, field in (("recompute", "recompute_seconds"), ("split", "split_seconds")):
+        out[field] = max(layer[mode] - layer["plain"], 0.0) if mode in modes else 0.0
+    return out
+
+
+def measure_one_rank(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, micro_batches: list[int],
+                     budget_s: float) -> dict[int, dict[str, float]]:
+    """Micro-batch -> a layer's figures (``_per_layer``) at t = 1, in this process."""
+    out = {}
+    for b in micro_batches:
+        x = _batch(b, seq, vocab)
+        engines = {(n, m): _program(make, n, x, b, 1, False, m).materialize() for n in LAYER_COUNTS for m in MODES}
+        out[b] = _per_layer(_alternate(engines, x, budget_s), MODES)
+    return out
+
+
+_FORKED: dict = {}  # the programs the forked ranks step (forked with them: spawn(inherit=True))
+
+
+def _rank_steps(x: torch.Tensor, budget_s: float) -> dict:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    engines = {key: program.materialize() for key, program in _FORKED.items()}
+    return _alternate(engines, x, budget_s, sync=dist.barrier)
+
+
+def measure_ranks(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, b: int, t: int, sp: bool,
+                  budget_s: float) -> dict[str, float]:
+    """A layer's figures (``_per_layer``, without the split) on one of t tensor-parallel ranks forked from
+    this process (the slower rank's steps)."""
+    import autopar  # noqa: PLC0415
+
+    modes = ("plain", "recompute")
+    x = _batch(b, seq, vocab)
+    _FORKED.update({(n, m): _program(make, n, x, b, t, sp, m) for n in LAYER_COUNTS for m in modes})
+    try:
+        ranks = autopar.spawn(_rank_steps, t, (x, budget_s), inherit=True)
+    finally:
+        _FORKED.clear()
+    return _per_layer({key: max(r[key] for r in ranks) for key in ranks[0]}, modes)
+
+
+def signature_of(make: Callable[[int], torch.nn.Module], seq: int) -> tuple[str, int]:
+    """(``ModelSpec.layer_signature``, forward graph nodes of a layer) of the model ``make`` builds, read
+    from its traced graph as the planner reads it."""
+    from autopar.compiler.model_spec import spec_from_model  # noqa: PLC0415
+
+    x = torch.zeros(1, seq, dtype=torch.long)
+    spec = spec_from_model(make(2), (x,), x)
+    return spec.layer_signature, spec.graph_nodes[1] if spec.graph_nodes else 0
+
+
+def measure_layers(flags: str, micro_batch: int, world: int, forked: bool, quick: bool) -> list[dict]:
+    """The ``layers`` section's entries this process measures for the model of the tune ``flags``: t = 1
+    here, or with ``forked`` (rank 0's child, the other ranks waiting) each t > 1 on t ranks forked
+    from it. [] when the flags describe no model autopar can build."""
+    import shlex  # noqa: PLC0415
+
+    from autopar.cli.arguments import build_parser  # noqa: PLC0415
+
+    args = build_parser().parse_args(["tune", *shlex.split(flags)])
+    built = model_builder(args)
+    if built is None:
+        return []
+    make, seq, vocab = built
+    signature, nodes = signature_of(make, seq)
+    probe = make(1)
+    heads = int(getattr(probe.config, "num_attention_heads", 0)) if hasattr(probe, "config") else args.heads
+    kv = int(getattr(probe.config, "num_key_value_heads", None) or heads) if hasattr(probe, "config") else (
+        args.kv_heads or args.heads)
+    runs = layer_runs(micro_batch, heads, kv, world)
+    budget = 3.0 if quick else 8.0
+    if forked:
+        timed = {(b, t, sp): measure_ranks(make, seq, vocab, b, t, sp, budget) for b, t, sp in runs if t > 1}
+    else:
+        one = measure_one_rank(make, seq, vocab, sorted({b for b, t, _ in runs if t == 1}), budget)
+        timed = {(b, 1, False): figures for b, figures in one.items()}
+    return [dict(signature=signature, nodes=nodes, micro_batch=b, tp=t, sequence_parallel=sp, **figures)
+            for (b, t, sp), figures in timed.items() if figures["seconds"] > 0]

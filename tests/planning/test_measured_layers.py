@@ -1,0 +1,134 @@
+"""A tuned profile's measured layers and the runtime's own data-parallel costs, priced (tier a: no process
+group): the layer of a matching model is scaled to its measurement, at the nearest micro-batch, and
+only there; the gradient reduction's passes and exposure are the runtime's on a tuned profile and
+Megatron's on a preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from autopar.planning.cost.hardware import PROFILES, MeasuredLayer, RuntimeOverheads
+from autopar.planning.cost.hardware_profile import (
+    GemmFigure,
+    HardwareProfile,
+    LinkFigure,
+    load_profile,
+    to_hardware,
+    write_profile,
+)
+from autopar.planning.cost.layout import Cluster, Layout
+from autopar.planning.cost.models import ModelSpec, get_model, params_per_stage
+from autopar.planning.cost.network import allreduce_time, dp_link
+from autopar.planning.cost.op_times import _dense_layer, layer_scale, layer_times
+from autopar.planning.cost.precision import RUNTIME_FP32
+from autopar.planning.cost.step_estimate import DDP_BUCKET_BYTES, GRAD_SYNC_PASSES_ALLREDUCE, estimate
+from autopar.planning.cost.tune_plan import model_gemm_shapes
+from autopar.planning.errors import ProfileFieldError
+
+SPEC = ModelSpec(layers=4, hidden=64, heads=4, seq_len=32, vocab=256, fused_attention=True, dropout=False,
+                 graph_nodes=(3, 20, 6))
+RUNTIME = dict(step_s=3e-4, action_s=1e-4, node_s=2e-5, checkpoint_s=6e-4, optimizer_per_param_s=4e-9, send_s=5e-4, distopt_step_s=8e-4,
+               split_node_s=3e-5, tp_collective_s=9e-4, world_step_s=1.2e-3, layer_nodes=20, end_nodes=6)
+
+
+def _profile(layers: tuple[MeasuredLayer, ...] = (), runtime: dict | None = None) -> HardwareProfile:
+    gemm = tuple(GemmFigure("fp32", name, *shape, flops_per_s=6e10, seconds=1e-4)
+                 for name, shape in model_gemm_shapes(SPEC, 1, (1, 2)))
+    links = tuple(LinkFigure(op, 2, "intra", 2e-4, 1e9, (4096, 1 << 20), (2e-4, 1e-3))
+                  for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"))
+    return HardwareProfile(device_kind="cpu", device_name="CPU", devices_per_node=2, nodes=1, memory_bytes=8e9,
+                           gemm=gemm, memory_bw=1.4e10, eager_op_s=1e-6, collectives=links,
+                           runtime=runtime if runtime is not None else RUNTIME, layers=layers)
+
+
+def _priced(b: int, t: int = 1, sp: bool = False) -> float:
+    hw = to_hardware(_profile())
+    f, bw = _dense_layer(SPEC, hw, b, t, sp, False, 1)
+    return f.total + bw.total
+
+
+def test_a_measured_layer_scales_the_priced_one_at_its_micro_batch_and_the_nearest():
+    priced = _priced(2)
+    measured = MeasuredLayer(SPEC.layer_signature, 20, micro_batch=2, tp=1, sequence_parallel=False,
+                             seconds=1.5 * priced)
+    hw = to_hardware(_profile((measured,)))
+    plain = to_hardware(_profile())
+    assert layer_scale(SPEC, hw, 2, 1) == pytest.approx(1.5)
+    at2, before = layer_times(SPEC, hw, 2, 1, fused=False), layer_times(SPEC, plain, 2, 1, fused=False)
+    assert at2["layer_f"].total + at2["layer_b"].total == pytest.approx(measured.seconds)
+    assert at2["layer_f"].total / at2["layer_b"].total == pytest.approx(
+        before["layer_f"].total / before["layer_b"].total)  # the split between forward and backward is the priced one
+    assert at2["head_f"] == before["head_f"] and at2["emb_b"] == before["emb_b"]  # only the layer is measured
+    # micro-batch 4 was not measured: the ratio at the nearest measured one (2) carries
+    at4, before4 = layer_times(SPEC, hw, 4, 1, fused=False), layer_times(SPEC, plain, 4, 1, fused=False)
+    assert at4["layer_b"].total == pytest.approx(1.5 * before4["layer_b"].total)
+    # the estimate says what it did
+    lay = Layout(t=1, p=2, d=1, b=2, recompute="none", fused_kernels=False, precision=RUNTIME_FP32)
+    assert estimate(SPEC, Cluster(2, hw, 8), lay).layer_scale == pytest.approx(1.5)
+    assert estimate(SPEC, Cluster(2, plain, 8), lay).layer_scale == 1.0
+
+
+def test_a_layer_is_scaled_only_by_a_measurement_of_the_same_layer_and_layout():
+    priced = _priced(1, 2)
+    measured = MeasuredLayer(SPEC.layer_signature, 20, micro_batch=1, tp=2, sequence_parallel=False, seconds=2 * priced)
+    hw = to_hardware(_profile((measured,)))
+    assert layer_scale(SPEC, hw, 1, 2) == pytest.approx(2.0)
+    assert layer_scale(SPEC, hw, 1, 1) == 1.0  # another t
+    assert layer_scale(SPEC, hw, 1, 2, sequence_parallel=True) == 1.0  # sequence parallelism is measured apart
+    assert layer_scale(SPEC, hw, 1, 2, fused=True) == 1.0  # compiled chunks: the eager measurement does not hold
+    assert layer_scale(SPEC, hw, 1, 2, cp=2) == 1.0
+    assert layer_scale(dataclasses.replace(SPEC, gated_mlp=True), hw, 1, 2) == 1.0  # another layer
+    assert layer_scale(dataclasses.replace(SPEC, graph_nodes=(3, 35, 6)), hw, 1, 2) == 1.0  # same sizes, other code
+    assert layer_scale(dataclasses.replace(SPEC, graph_nodes=None), hw, 1, 2) == pytest.approx(2.0)  # nodes unknown
+    assert layer_scale(SPEC, PROFILES["dgx-a100-80gb"], 1, 2) == 1.0  # a preset measures none
+
+
+def test_measured_layers_round_trip_and_are_checked(tmp_path):
+    layers = (MeasuredLayer("h64 a4 kv4 f256 s32 gelu fused-attn no-dropout causal", 20, 1, 2, True, 4.5e-3),)
+    path = tmp_path / "hw.json"
+    write_profile(_profile(layers), path)
+    assert load_profile(path).layers == layers
+    data = json.loads(path.read_text())
+    data["layers"][0]["sequence_parallel"] = "yes"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileFieldError, match=r"layers\[0\]\.sequence_parallel is 'yes', not a bool"):
+        load_profile(path)
+    data["layers"][0] |= {"sequence_parallel": True, "seconds": 0.0}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileFieldError, match=r"layers\[0\]\.seconds must be positive"):
+        load_profile(path)
+
+
+def test_the_runtimes_gradient_reduction_is_priced_as_it_runs():
+    hw = to_hardware(_profile())
+    lay = Layout(t=1, p=1, d=2, b=1, recompute="none", fused_kernels=False, dp_overlap=True, precision=RUNTIME_FP32)
+    est = estimate(SPEC, Cluster(2, hw, 8), lay)
+    P = max(params_per_stage(SPEC, 1, 1))
+    counted = 4 * hw.byte_scale * P  # fp32 gradients, as the fp32 profile counts bytes (its bandwidths halved)
+    assert hw.byte_scale == 0.5
+    # one chunk: its buckets start after its last backward, so none of the all-reduce hides; the runtime's
+    # own passes (flatten, average, copy back) run on the step's thread
+    passes = GRAD_SYNC_PASSES_ALLREDUCE * counted / hw.hbm_bw
+    assert est.t_dp_exposed == pytest.approx(est.t_dp + passes, rel=1e-9)
+    # the distributed optimizer: the same gradient bytes reduce-scattered, the parameters all-gathered
+    sharded = estimate(SPEC, Cluster(2, hw, 8), dataclasses.replace(lay, distributed_optimizer=True))
+    assert sharded.t_dp_exposed == pytest.approx(sharded.t_dp + (2 + 2 / 2) * counted / hw.hbm_bw, rel=1e-9)
+    # a preset prices Megatron's overlap (each bucket as its gradients are final), no runtime passes: all
+    # but the last 25 MB bucket hides behind the last backward
+    gpt = get_model("gpt-1.7b")
+    megatron = estimate(gpt, Cluster(32, PROFILES["dgx-a100-80gb"], 512), Layout(t=1, p=1, d=32, b=4, dp_overlap=True))
+    assert megatron.t_dp_exposed == pytest.approx(max(megatron.t_dp - megatron.t_chunk_b, allreduce_time(
+        DDP_BUCKET_BYTES, 32, *dp_link(PROFILES["dgx-a100-80gb"], 1, 32))), rel=1e-9)
+    assert megatron.t_dp_exposed < megatron.t_dp
+
+
+def test_a_multi_rank_step_costs_its_own_collectives():
+    hw = to_hardware(_profile())
+    one = Layout(t=1, p=1, d=1, b=1, recompute="none", fused_kernels=False, precision=RUNTIME_FP32)
+    two = dataclasses.replace(one, p=2)
+    assert estimate(SPEC, Cluster(1, hw, 8), one).t_step == pytest.approx(RUNTIME["step_s"])
+    assert estimate(SPEC, Cluster(2, hw, 8), two).t_step == pytest.approx(RUNTIME["step_s"] + RUNTIME["world_step_s"])
+    assert RuntimeOverheads(**RUNTIME).world_step_s == RUNTIME["world_step_s"]
