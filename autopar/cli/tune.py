@@ -26,7 +26,7 @@ from rich.table import Table
 
 from autopar.cli.model_args import model_spec
 from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, wire_factor
-from autopar.planning.cost.hardware import PROFILES, Hardware, MeasuredLayer
+from autopar.planning.cost.hardware import PROFILES, Hardware, MeasuredDataParallel, MeasuredLayer
 from autopar.planning.cost.hardware_profile import (
     DTYPE_BYTES,
     GemmFigure,
@@ -129,9 +129,9 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
     _say(rank, console, f"copy {memory_bw / 1e9:.3g} GB/s, eager op {eager * 1e6:.3g} us"
                         + (f", compiled call {compiled * 1e6:.3g} us" if compiled is not None else ""))
 
-    runtime, layers = None, ()
+    runtime, layers, data_parallel = None, (), ()
     if device.type == "cpu":  # the engine's own overheads and the model's layer, on the engine itself
-        runtime, layers = _measure_runtime(args, argv, rank, world, console)
+        runtime, layers, data_parallel = _measure_runtime(args, argv, rank, world, console)
     if world > 1:
         dist.barrier()
     links = _time_collectives(rank, world, per_node, device, args.quick, console) if world > 1 else []
@@ -144,7 +144,8 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
     profile = HardwareProfile(
         device_kind=facts["kind"], device_name=facts["name"], devices_per_node=per_node, nodes=world // per_node,
         memory_bytes=facts["memory_bytes"], sm_count=facts["sm_count"], gemm=tuple(gemm), memory_bw=memory_bw,
-        eager_op_s=eager, compiled_call_s=compiled, runtime=runtime, layers=layers, collectives=tuple(links),
+        eager_op_s=eager, compiled_call_s=compiled, runtime=runtime, layers=layers,
+        data_parallel=data_parallel, collectives=tuple(links),
         sources=_sources(device, copy_bytes, budget, backend, world), tune_flags=tune_flags(argv),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__)
     write_profile(profile, args.out)
@@ -155,7 +156,7 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
 
 
 def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world: int,
-                     console: Console) -> tuple[dict, tuple[MeasuredLayer, ...]]:
+                     console: Console) -> tuple[dict, tuple[MeasuredLayer, ...], tuple[MeasuredDataParallel, ...]]:
     """The runtime's section and the model's layers (``cli/tune_runtime.py``, ``cli/tune_layers.py``): what
     one rank measures, every rank at once, each in a child process of its own; then, the others waiting
     at a barrier, what takes 2 ranks or t, forked from rank 0's child (the machine otherwise idle)."""
@@ -166,17 +167,19 @@ def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world
     repeats = 10 if args.quick else 30
     wanted = dict(flags=tune_flags(argv), micro_batch=args.micro_batch, world=world, quick=args.quick)
     runtime = measure_in_subprocess(repeats, layers=wanted)
-    found = runtime.pop("layers", [])
+    found = runtime.pop("model", {"layers": [], "data_parallel": []})
     if world > 1:
         dist.barrier()
         if rank == 0:
             forked = measure_in_subprocess(repeats, forked=runtime, layers=wanted)
-            found += forked.pop("layers", [])
+            more = forked.pop("model", {"layers": [], "data_parallel": []})
+            found = {k: found[k] + more[k] for k in found}
             runtime |= forked
         dist.barrier()
     for key in ONE_RANK_BASIS:
         runtime.pop(key)
-    layers = tuple(MeasuredLayer(**x) for x in found)
+    layers = tuple(MeasuredLayer(**x) for x in found["layers"])
+    data_parallel = tuple(MeasuredDataParallel(**x) for x in found["data_parallel"])
     _say(rank, console, f"runtime: step {runtime['step_s'] * 1e6:.3g} us, action {runtime['action_s'] * 1e6:.3g} us, "
                         f"graph node {runtime['node_s'] * 1e6:.3g} us, checkpointed region "
                         f"{runtime['checkpoint_s'] * 1e6:.3g} us, pipeline send {runtime['send_s'] * 1e6:.3g} us, "
@@ -190,7 +193,11 @@ def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world
         f"(+{x.recompute_seconds * 1e3:.2g}" + (f", +{x.split_seconds * 1e3:.2g})" if x.tp == 1 else ")")
         for x in layers) if layers else "not measured (give --hf-config, or the dimensions of a GPT or Llama "
                                         "without experts)"))
-    return runtime, layers
+    for x in data_parallel:
+        _say(rank, console, f"the model's data-parallel side ({x.params / 1e6:.3g}M parameters, 2 replicas): gradient "
+                            f"reduction {x.sync_seconds * 1e3:.3g} ms, AdamW {x.optimizer_seconds * 1e3:.3g} ms, "
+                            f"the distributed optimizer in their place {x.distopt_seconds * 1e3:.3g} ms")
+    return runtime, layers, data_parallel
 
 
 def _time_collectives(rank: int, world: int, per_node: int, device, quick: bool, console: Console) -> list[LinkFigure]:

@@ -174,6 +174,80 @@ def measure_ranks(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, 
     return _per_layer({key: max(r[key] for r in ranks) for key in ranks[0]}, modes)
 
 
+def _data_parallel_steps(x: torch.Tensor, budget_s: float) -> dict:
+    """One forked rank of ``_FORKED["dp"]``: the plain engine (AdamW) and the distributed optimizer's,
+    stepped in turns: median seconds of the plain step, its gradient reduction, its optimizer step and
+    clearing, and the distributed one's step with its optimizer step, gathers and clearing; the
+    parameters held."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from autopar.runtime.optim.gradient_sync import GradientSync  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    in_sync = [0.0]
+    start, end = GradientSync.start, GradientSync.end_step
+
+    def timed(method):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                in_sync[0] += time.perf_counter() - t0
+        return run
+
+    GradientSync.start, GradientSync.end_step = timed(start), timed(end)
+    try:
+        plain, sharded = _FORKED["dp"].materialize(), _FORKED["dp"].materialize()
+        adamw = torch.optim.AdamW(list(plain.parameters()), lr=1e-4)
+        distopt = sharded.distributed_optimizer(torch.optim.AdamW, lr=1e-4)
+        got: dict = {k: [] for k in ("step", "sync", "optimizer", "distopt")}
+        t_start, i = time.perf_counter(), 0
+        while i < 9 or (time.perf_counter() - t_start < budget_s and i < 200):
+            dist.barrier()
+            in_sync[0] = 0.0
+            t0 = time.perf_counter()
+            plain.train_step(x, x)
+            t1 = time.perf_counter()
+            adamw.step()
+            adamw.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            sync = in_sync[0]
+            dist.barrier()
+            t3 = time.perf_counter()
+            sharded.train_step(x, x)
+            distopt.step()
+            sharded.wait_parameters("tune")
+            distopt.zero_grad(set_to_none=True)
+            t4 = time.perf_counter()
+            if i >= 3:
+                for k, v in (("step", t2 - t0), ("sync", sync), ("optimizer", t2 - t1), ("distopt", t4 - t3)):
+                    got[k].append(v)
+            i += 1
+    finally:
+        GradientSync.start, GradientSync.end_step = start, end
+    out = {k: statistics.median(v) for k, v in got.items()}
+    return out | {"params": sum(p.numel() for p in plain.parameters())}
+
+
+def measure_data_parallel(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, b: int,
+                          budget_s: float) -> dict:
+    """The model of 2 layers over 2 data-parallel ranks forked from this process, 1 microbatch:
+    ``MeasuredDataParallel``'s figures (rank 0's)."""
+    import autopar  # noqa: PLC0415
+
+    x = _batch(b, seq, vocab)[:b]
+    _FORKED["dp"] = autopar.parallelize(make(2), example_inputs=(x,), example_targets=x, world_size=2, dp=2,
+                                        microbatches=1, recompute="none")
+    try:
+        got = autopar.spawn(_data_parallel_steps, 2, (x, budget_s), inherit=True)[0]
+    finally:
+        _FORKED.clear()
+    compute = got["step"] - got["sync"] - got["optimizer"]
+    return {"params": int(got["params"]), "sync_seconds": got["sync"], "optimizer_seconds": got["optimizer"],
+            "distopt_seconds": max(got["distopt"] - compute, 1e-9)}
+
+
 def signature_of(make: Callable[[int], torch.nn.Module], seq: int) -> tuple[str, int]:
     """(``ModelSpec.layer_signature``, forward graph nodes of a layer) of the model ``make`` builds, read
     from its traced graph as the planner reads it."""
@@ -184,10 +258,11 @@ def signature_of(make: Callable[[int], torch.nn.Module], seq: int) -> tuple[str,
     return spec.layer_signature, spec.graph_nodes[1] if spec.graph_nodes else 0
 
 
-def measure_layers(flags: str, micro_batch: int, world: int, forked: bool, quick: bool) -> list[dict]:
-    """The ``layers`` section's entries this process measures for the model of the tune ``flags``: t = 1
-    here, or with ``forked`` (rank 0's child, the other ranks waiting) each t > 1 on t ranks forked
-    from it. [] when the flags describe no model autopar can build."""
+def measure_layers(flags: str, micro_batch: int, world: int, forked: bool, quick: bool) -> dict:
+    """``{"layers": [...], "data_parallel": [...]}``: the entries this process measures for the model of
+    the tune ``flags``: its layer at t = 1 here, or with ``forked`` (rank 0's child, the other ranks
+    waiting) its layer at each t > 1 on t ranks forked from it and its data-parallel side on 2 (when
+    the world has 2 ranks or more). Empty lists when the flags describe no model autopar can build."""
     import shlex  # noqa: PLC0415
 
     from autopar.cli.arguments import build_parser  # noqa: PLC0415
@@ -195,7 +270,7 @@ def measure_layers(flags: str, micro_batch: int, world: int, forked: bool, quick
     args = build_parser().parse_args(["tune", *shlex.split(flags)])
     built = model_builder(args)
     if built is None:
-        return []
+        return {"layers": [], "data_parallel": []}
     make, seq, vocab = built
     signature, nodes = signature_of(make, seq)
     probe = make(1)
@@ -204,10 +279,15 @@ def measure_layers(flags: str, micro_batch: int, world: int, forked: bool, quick
         args.kv_heads or args.heads)
     runs = layer_runs(micro_batch, heads, kv, world)
     budget = 3.0 if quick else 8.0
-    if forked:
-        timed = {(b, t, sp): measure_ranks(make, seq, vocab, b, t, sp, budget) for b, t, sp in runs if t > 1}
+    dp = []
+    if forked:  # t > 1: each collective's wait moves with the ranks' scheduling, so twice the steps
+        timed = {(b, t, sp): measure_ranks(make, seq, vocab, b, t, sp, 2 * budget) for b, t, sp in runs if t > 1}
+        if world >= 2:
+            dp = [dict(signature=signature, nodes=nodes,
+                       **measure_data_parallel(make, seq, vocab, micro_batch, budget))]
     else:
         one = measure_one_rank(make, seq, vocab, sorted({b for b, t, _ in runs if t == 1}), budget)
         timed = {(b, 1, False): figures for b, figures in one.items()}
-    return [dict(signature=signature, nodes=nodes, micro_batch=b, tp=t, sequence_parallel=sp, **figures)
-            for (b, t, sp), figures in timed.items() if figures["seconds"] > 0]
+    return {"layers": [dict(signature=signature, nodes=nodes, micro_batch=b, tp=t, sequence_parallel=sp, **figures)
+                       for (b, t, sp), figures in timed.items() if figures["seconds"] > 0],
+            "data_parallel": dp}

@@ -87,8 +87,10 @@ def _engine(layers: int, m: int, recompute: str):
     model = build("gpt", n_layer=layers, **TINY)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, TINY["vocab_size"], (m, TINY["seq_len"]), generator=g)
+    split = recompute == "split"  # each backward split into B and W: ZB-H1, which one rank runs without a bubble
     program = autopar.parallelize(model, example_inputs=(x[:1],), example_targets=x[:1], world_size=1,
-                                  microbatches=m, recompute=recompute)
+                                  microbatches=m, recompute="none" if split else recompute,
+                                  schedule="zb-h1" if split else "1f1b")
     return program.materialize(), x
 
 
@@ -190,16 +192,21 @@ def _two_rank_programs(layers: int, runs: dict, repeats: int) -> dict:
     return {key: (max(r[key][0] for r in ranks), ranks[0][key][1], ranks[0][key][2]) for key in runs}
 
 
-def pipeline_seconds(node_s: float, action_s: float, end_nodes: int, repeats: int) -> tuple[float, float]:
+def pipeline_seconds(node_s: float, action_s: float, end_nodes: int, split_layer: float,
+                     repeats: int) -> tuple[float, float, float]:
     """(a pipeline send's cost beside its bytes, a split backward's cost per forward graph node of its
-    chunk), measured on the engine: the tiny GPT of 4 layers over 2 ranks (2 layers a chunk).
+    chunk, and what a split backward costs per microbatch on a pipeline stage beside its layers' own
+    split, ``split_layer`` each on one rank), measured on the engine: the tiny GPT of 4 layers over 2
+    ranks (2 layers a chunk).
 
     1F1B at 2 and 8 microbatches: each microbatch adds, on the slower stage, its chunk's forward and
     backward (2 actions, 2 layers' and the head's nodes: the 1-rank figures) and 2 sends (one after F,
     one after B); the rest of the per-microbatch slope, over 2, is one send's (posting it, the peer's
     receive, their waits). ZB-H1 at 8 microbatches runs the same work with each backward split into B
     and W: what it adds per microbatch over 1F1B, less W's action, over the chunk's forward nodes, is
-    the split's cost per node (the autograd graph's walk, its retained graph, the store's slots). The
+    the split's cost per node (the autograd graph's walk, its retained graph, the store's slots); less the
+  chunk's 2 layers' own split (measured on one rank: ZB-H1 runs there without a bubble), what a split
+  backward costs a pipeline stage per microbatch beside its layers' (``split_pipeline_s``). The
     three engines are stepped in turns, in one launch."""
     from autopar.reference.models import build  # noqa: PLC0415
 
@@ -210,8 +217,8 @@ def pipeline_seconds(node_s: float, action_s: float, end_nodes: int, repeats: in
     layer_nodes = graph_node_counts(build("gpt", n_layer=2, **TINY), torch.zeros(1, TINY["seq_len"], dtype=torch.long))[0]
     chunk_nodes = 2 * layer_nodes + end_nodes  # the head's stage, the slower
     send = max((slope - chunk_nodes * node_s - 2 * action_s) / 2, 0.0)
-    split = max(((steps["zb-h1", 8] - steps["1f1b", 8]) / 8 - action_s) / chunk_nodes, 0.0)
-    return send, split
+    per_microbatch = (steps["zb-h1", 8] - steps["1f1b", 8]) / 8 - action_s
+    return send, max(per_microbatch / chunk_nodes, 0.0), max(per_microbatch - 2 * split_layer, 0.0)
 
 
 def tp_all_reduce_in_step_seconds(u1: float, layer: float, repeats: int) -> float:
@@ -294,9 +301,10 @@ def _optimizer_per_param(repeats: int) -> float:
     return statistics.median(times) / sum(p.numel() for p in params)
 
 
-ONE_RANK_BASIS = ("_u1", "_layer", "_t11")
+ONE_RANK_BASIS = ("_u1", "_layer", "_t11", "_split_layer")
 """What ``measure_forked`` needs from ``measure``'s steps (kept in its figures, dropped from the profile):
-a microbatch of the 1-layer tiny GPT, a layer's forward and backward, a 1-layer 1-microbatch step."""
+a microbatch of the 1-layer tiny GPT, a layer's forward and backward, a 1-layer 1-microbatch step, what
+splitting a layer's backward into B and W adds on one rank (1 and 3 layers, 4 microbatches, ZB-H1)."""
 
 
 def measure(repeats: int = 20) -> RuntimeFigures:
@@ -304,8 +312,9 @@ def measure(repeats: int = 20) -> RuntimeFigures:
     docstring); CPU, one thread. The 2-rank figures are ``measure_forked``'s, 0 here."""
     from autopar.reference.models import build  # noqa: PLC0415
 
-    runs = [(L, m, "none") for L in (1, 3) for m in (1, 4)] + [(3, 4, "layer")]
+    runs = [(L, m, "none") for L in (1, 3) for m in (1, 4)] + [(3, 4, "layer"), (1, 4, "split"), (3, 4, "split")]
     timed = _step_seconds(runs, max(1, repeats // 3))
+    split_layer = max((timed[3, 4, "split"] - timed[1, 4, "split"] - timed[3, 4, "none"] + timed[1, 4, "none"]) / 8, 0.0)
     T = {(L, m): timed[L, m, "none"] for L in (1, 3) for m in (1, 4)}
     rc = timed[3, 4, "layer"]
     u1, u3 = (T[1, 4] - T[1, 1]) / 3, (T[3, 4] - T[3, 1]) / 3
@@ -318,16 +327,17 @@ def measure(repeats: int = 20) -> RuntimeFigures:
     return {"step_s": max(T[1, 1] - u1, 0.0), "action_s": action,
             "node_s": node, "checkpoint_s": max((rc - T[3, 4]) / 12 - layer / 3, 0.0),
             "optimizer_per_param_s": _optimizer_per_param(repeats), "layer_nodes": layer_nodes,
-            "end_nodes": end_nodes, "send_s": 0.0, "split_node_s": 0.0, "tp_collective_s": 0.0, "world_step_s": 0.0,
-            "distopt_step_s": 0.0,
-            "_u1": u1, "_layer": layer, "_t11": T[1, 1]}
+            "end_nodes": end_nodes, "send_s": 0.0, "split_node_s": 0.0, "split_pipeline_s": 0.0, "tp_collective_s": 0.0,
+            "world_step_s": 0.0, "distopt_step_s": 0.0,
+            "_u1": u1, "_layer": layer, "_t11": T[1, 1], "_split_layer": split_layer}
 
 
 def measure_forked(one: RuntimeFigures, repeats: int = 20) -> RuntimeFigures:
     """The figures that take 2 ranks (forked from this process), given ``measure``'s: a pipeline send, a
     split backward per node, a tensor-parallel collective in a step, a multi-rank step."""
-    send, split = pipeline_seconds(one["node_s"], one["action_s"], int(one["end_nodes"]), repeats)
-    return {"send_s": send, "split_node_s": split,
+    send, split, split_pipeline = pipeline_seconds(one["node_s"], one["action_s"], int(one["end_nodes"]),
+                                                   one["_split_layer"], repeats)
+    return {"send_s": send, "split_node_s": split, "split_pipeline_s": split_pipeline,
             "tp_collective_s": tp_all_reduce_in_step_seconds(one["_u1"], one["_layer"], repeats),
             "world_step_s": world_step_seconds(one["_t11"], repeats),
             "distopt_step_s": distributed_optimizer_seconds(repeats)}
@@ -337,7 +347,7 @@ def measure_in_subprocess(repeats: int = 20, forked: dict | None = None, layers:
     """In a child process outside any process group, one thread (as a rank trains): ``measure``, or with
     ``forked`` (``measure``'s figures) ``measure_forked`` (its ranks forked from the child); ``layers``:
     also the model's layers (``tune_layers.measure_layers``' arguments; t = 1 alone, t > 1 when
-    forked), returned under ``"layers"``."""
+    forked) and its data-parallel side (forked), returned under ``"model"``."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
@@ -354,5 +364,5 @@ if __name__ == "__main__":
     if wanted:
         from autopar.cli.tune_layers import measure_layers  # noqa: PLC0415
 
-        figures["layers"] = measure_layers(forked=base is not None, **wanted)
+        figures["model"] = measure_layers(forked=base is not None, **wanted)
     print(json.dumps(figures))

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from autopar.planning.cost.hardware import PROFILES, MeasuredLayer, RuntimeOverheads
+from autopar.planning.cost.hardware import PROFILES, MeasuredDataParallel, MeasuredLayer, RuntimeOverheads
 from autopar.planning.cost.hardware_profile import (
     GemmFigure,
     HardwareProfile,
@@ -31,7 +31,7 @@ from autopar.planning.errors import ProfileFieldError
 SPEC = ModelSpec(layers=4, hidden=64, heads=4, seq_len=32, vocab=256, fused_attention=True, dropout=False,
                  graph_nodes=(3, 20, 6))
 RUNTIME = dict(step_s=3e-4, action_s=1e-4, node_s=2e-5, checkpoint_s=6e-4, optimizer_per_param_s=4e-9, send_s=5e-4, distopt_step_s=8e-4,
-               split_node_s=3e-5, tp_collective_s=9e-4, world_step_s=1.2e-3, layer_nodes=20, end_nodes=6)
+               split_node_s=3e-5, split_pipeline_s=6e-4, tp_collective_s=9e-4, world_step_s=1.2e-3, layer_nodes=20, end_nodes=6)
 
 
 def _profile(layers: tuple[MeasuredLayer, ...] = (), runtime: dict | None = None) -> HardwareProfile:
@@ -86,6 +86,26 @@ def test_a_layer_is_scaled_only_by_a_measurement_of_the_same_layer_and_layout():
     assert layer_scale(SPEC, PROFILES["dgx-a100-80gb"], 1, 2) == 1.0  # a preset measures none
 
 
+def test_recomputation_and_the_split_backward_are_priced_as_measured():
+    priced = _priced(1)
+    f_priced = _dense_layer(SPEC, to_hardware(_profile()), 1, 1, False, False, 1)[0].total
+    measured = MeasuredLayer(SPEC.layer_signature, 20, micro_batch=1, tp=1, sequence_parallel=False, seconds=priced,
+                             recompute_seconds=2e-3, split_seconds=4e-4)
+    hw = to_hardware(_profile((measured,)))
+    assert f_priced + RUNTIME["checkpoint_s"] != pytest.approx(2e-3)  # the measurement is not the price
+    cluster = Cluster(2, hw, 8)
+    base = Layout(t=1, p=2, d=1, b=1, recompute="none", fused_kernels=False, precision=RUNTIME_FP32)
+    plain = estimate(SPEC, cluster, base)
+    L = plain.chunk_layers
+    # each recomputed layer adds its measured replay (its region's bookkeeping in it)
+    rc = estimate(SPEC, cluster, dataclasses.replace(base, recompute="layer"))
+    assert rc.t_chunk_b - plain.t_chunk_b == pytest.approx(L * 2e-3, rel=1e-9)
+    # a split backward: W's action, each layer's measured split and the stage's own per-microbatch cost
+    zb = estimate(SPEC, cluster, dataclasses.replace(base, schedule="zb-h1"))
+    assert zb.t_chunk_b - plain.t_chunk_b == pytest.approx(
+        RUNTIME["action_s"] + L * 4e-4 + RUNTIME["split_pipeline_s"], rel=1e-9)
+
+
 def test_measured_layers_round_trip_and_are_checked(tmp_path):
     layers = (MeasuredLayer("h64 a4 kv4 f256 s32 gelu fused-attn no-dropout causal", 20, 1, 2, True, 4.5e-3),)
     path = tmp_path / "hw.json"
@@ -132,3 +152,31 @@ def test_a_multi_rank_step_costs_its_own_collectives():
     assert estimate(SPEC, Cluster(1, hw, 8), one).t_step == pytest.approx(RUNTIME["step_s"])
     assert estimate(SPEC, Cluster(2, hw, 8), two).t_step == pytest.approx(RUNTIME["step_s"] + RUNTIME["world_step_s"])
     assert RuntimeOverheads(**RUNTIME).world_step_s == RUNTIME["world_step_s"]
+
+
+def test_the_models_data_parallel_side_scales_the_priced_reduction_and_distributed_optimizer(tmp_path):
+    lay = Layout(t=1, p=1, d=2, b=1, recompute="none", fused_kernels=False, dp_overlap=True, precision=RUNTIME_FP32)
+    plain_hw = to_hardware(_profile())
+    ref_plain = estimate(SPEC, Cluster(2, plain_hw, 8), lay)
+    ref_do = estimate(SPEC, Cluster(2, plain_hw, 8), dataclasses.replace(lay, distributed_optimizer=True))
+    P = max(params_per_stage(SPEC, 1, 1))
+    # measured on a model of these very parameters: the reduction 1.5x its price, the distributed optimizer's
+    # step (reduce-scatter, inner step, all-gather) 2x
+    measured = MeasuredDataParallel(SPEC.layer_signature, 20, params=P, sync_seconds=1.5 * ref_plain.t_dp_exposed,
+                                    optimizer_seconds=ref_plain.t_optimizer,
+                                    distopt_seconds=2 * (ref_do.t_dp_exposed + ref_do.t_optimizer))
+    hw = to_hardware(dataclasses.replace(_profile(), data_parallel=(measured,)))
+    plain = estimate(SPEC, Cluster(2, hw, 8), lay)
+    assert plain.data_parallel_scale == pytest.approx(1.5)
+    assert plain.t_dp_exposed == pytest.approx(1.5 * ref_plain.t_dp_exposed)
+    assert plain.t_optimizer == pytest.approx(ref_plain.t_optimizer)  # AdamW is priced as measured already
+    do = estimate(SPEC, Cluster(2, hw, 8), dataclasses.replace(lay, distributed_optimizer=True))
+    assert do.data_parallel_scale == pytest.approx(2.0)
+    assert do.t_dp_exposed + do.t_optimizer == pytest.approx(2 * (ref_do.t_dp_exposed + ref_do.t_optimizer))
+    # another model, one replica, or no runtime figures: priced as before
+    other = dataclasses.replace(SPEC, hidden=128)
+    assert estimate(other, Cluster(2, hw, 8), lay).data_parallel_scale == 1.0
+    assert estimate(SPEC, Cluster(2, hw, 8), dataclasses.replace(lay, d=1, p=2)).data_parallel_scale == 1.0
+    write_profile(dataclasses.replace(_profile(), data_parallel=(measured,)), tmp_path / "hw.json")
+    assert load_profile(tmp_path / "hw.json").data_parallel == (measured,)
+

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.planning.errors import PlanError
 
-__all__ = ["Efficiency", "Hardware", "MeasuredGemm", "MeasuredLayer", "MeasuredLink", "RuntimeOverheads", "PLACEMENTS", "LINK_OPS",
+__all__ = ["Efficiency", "Hardware", "MeasuredDataParallel", "MeasuredGemm", "MeasuredLayer", "MeasuredLink", "RuntimeOverheads", "PLACEMENTS", "LINK_OPS",
            "PROFILES", "get_hardware"]
 
 GB = 1e9
@@ -84,6 +84,10 @@ class RuntimeOverheads:
     """Seconds a backward split into B and W (ZB-H1, ZB-V) costs per forward graph node of its chunk beside
     W's action (the autograd graph's walk, the retained graph, the store's slots), measured on a 2-stage
     engine; 0 when tuned on one rank."""
+    split_pipeline_s: float
+    """Seconds a backward split into B and W costs a pipeline stage per microbatch beside its layers' own
+    split (what the tiny GPT's 2 ranks pay over its one rank's: W's place in the stages' exchange), the
+    part ``split_node_s`` holds beside ``MeasuredLayer.split_seconds``; 0 when tuned on one rank."""
     tp_collective_s: float
     """Seconds of a tensor-parallel collective's latency inside a step, measured on the all-reduces of a
     t = 2 engine (the exchange, the peer's late arrival, the wake-up): it replaces the lone call's fitted
@@ -129,6 +133,30 @@ class MeasuredLayer:
     split_seconds: float = 0.0
     """What splitting its backward into B and W (the zero-bubble schedules) adds, beside W's action; 0 when
     not measured (measured at t = 1)."""
+
+
+@dataclass(frozen=True)
+class MeasuredDataParallel:
+    """The data-parallel side of a step of a model, timed on autopar's engine by ``autopar tune``
+    (``cli/tune_layers.py``): the model of 2 layers, 2 replicas, 1 microbatch, with PyTorch's AdamW and
+    with the engine's distributed optimizer."""
+
+    signature: str
+    """The model's layer, as ``models.layer_signature`` names it."""
+    nodes: int
+    """Forward graph nodes of its layer (0: not known)."""
+    params: int
+    """Parameters each replica held (the whole 2-layer model)."""
+    sync_seconds: float
+    """The gradient reduction in a step of the plain engine (``GradientSync``: flattening, the all-reduce,
+    averaging, copying back)."""
+    optimizer_seconds: float
+    """PyTorch's AdamW step over those parameters, and clearing the gradients."""
+    distopt_seconds: float
+    """What the distributed optimizer costs a step in place of those two: its step (reduce-scatter,
+    the inner step on 1/2 of the parameters, all-gather, waits) less nothing of the compute: the
+    distributed engine's step and optimizer step less the plain engine's step less its reduction and
+    optimizer."""
 
 
 PLACEMENTS: tuple[str, ...] = ("intra", "inter")
@@ -228,6 +256,9 @@ class Hardware:
     layers: tuple[MeasuredLayer, ...] = ()
     """Layers of the model ``autopar tune`` was given, measured on the engine (a tuned profile on a CPU):
     ``op_times.layer_times`` scales the priced layer of a matching model to them. Empty otherwise."""
+    data_parallel: tuple[MeasuredDataParallel, ...] = ()
+    """The data-parallel side of the model ``autopar tune`` was given, measured on the engine: scales the
+    priced gradient reduction and distributed optimizer of a matching model (``step_estimate``)."""
     tune_command: str = ""
     """The ``autopar tune`` flags that measured this profile (the model, the micro-batch, the output
     file), for the error that asks for a group size it lacks. Empty for a preset."""

@@ -45,6 +45,7 @@ from autopar.planning.cost.hardware import (
     PROFILES,
     Efficiency,
     Hardware,
+    MeasuredDataParallel,
     MeasuredGemm,
     MeasuredLayer,
     MeasuredLink,
@@ -59,7 +60,7 @@ __all__ = ["PROFILE_VERSION", "VERSION_KEY", "GemmFigure", "LinkFigure", "Hardwa
 
 PROFILE_VERSION = 3
 """The format version this autopar writes and reads (3: the model's layers measured on the engine,
-``layers``, a multi-rank step's own cost, ``runtime.world_step_s``, and the distributed optimizer's,
+``layers``, its data-parallel side, ``data_parallel``, a multi-rank step's own cost, ``runtime.world_step_s``, and the distributed optimizer's,
 ``runtime.distopt_step_s``; 2 added the runtime's own
 overheads, ``runtime``, and the runtime's tensor-parallel all-reduce, ``tp_all_reduce``)."""
 
@@ -127,6 +128,8 @@ class HardwareProfile:
     sm_count: int = 1
     layers: tuple[MeasuredLayer, ...] = ()
     """The model's layers timed on the engine (``cli/tune_layers.py``); empty when not measured."""
+    data_parallel: tuple[MeasuredDataParallel, ...] = ()
+    """The model's data-parallel side timed on the engine; empty when not measured."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each number came from, in words, by section."""
     tune_flags: str = ""
@@ -154,6 +157,7 @@ class HardwareProfile:
             "compiled_call_s": self.compiled_call_s,
             "runtime": None if self.runtime is None else dict(self.runtime),
             "layers": [dataclasses.asdict(x) for x in self.layers],
+            "data_parallel": [dataclasses.asdict(x) for x in self.data_parallel],
             "collectives": [{"op": c.op, "ranks": c.ranks, "placement": c.placement, "alpha_s": c.alpha_s,
                              "beta_bytes_per_s": c.beta_bytes_per_s, "sizes_bytes": list(c.sizes_bytes),
                              "seconds": list(c.seconds)} for c in self.collectives],
@@ -241,7 +245,7 @@ def _link(d: dict, i: int, path: str) -> LinkFigure:
 
 
 RUNTIME_FIELDS: tuple[str, ...] = ("step_s", "action_s", "node_s", "checkpoint_s", "optimizer_per_param_s",
-                                    "send_s", "split_node_s", "tp_collective_s", "world_step_s", "distopt_step_s",
+                                    "send_s", "split_node_s", "split_pipeline_s", "tp_collective_s", "world_step_s", "distopt_step_s",
                                     "layer_nodes",
                                     "end_nodes")
 """The fields of a profile's ``runtime`` section (``hardware.RuntimeOverheads``)."""
@@ -267,6 +271,15 @@ def _layer(d: dict, i: int, path: str) -> MeasuredLayer:
                                                          f"{w}recompute_seconds", path),
                          split_seconds=_non_negative(_get(d, "split_seconds", float, w, path), f"{w}split_seconds",
                                                      path))
+
+
+def _data_parallel(d: dict, i: int, path: str) -> MeasuredDataParallel:
+    w = f"data_parallel[{i}]."
+    return MeasuredDataParallel(
+        signature=_get(d, "signature", str, w, path), nodes=_get(d, "nodes", int, w, path),
+        params=_get(d, "params", int, w, path),
+        **{k: _positive(_get(d, k, float, w, path), f"{w}{k}", path)
+           for k in ("sync_seconds", "optimizer_seconds", "distopt_seconds")})
 
 
 def profile_from_json(data: Any, path: str = "<json>") -> HardwareProfile:
@@ -296,6 +309,8 @@ def profile_from_json(data: Any, path: str = "<json>") -> HardwareProfile:
         eager_op_s=float(_get(data, "eager_op_s", float, "", path)),
         compiled_call_s=None if compiled is None else float(compiled), runtime=runtime,
         layers=tuple(_layer(x, i, path) for i, x in enumerate(_get(data, "layers", list, "", path))),
+        data_parallel=tuple(_data_parallel(x, i, path)
+                            for i, x in enumerate(_get(data, "data_parallel", list, "", path))),
         collectives=tuple(_link(c, i, path) for i, c in enumerate(_get(data, "collectives", list, "", path))),
         sources=dict(data.get("sources", {})), tune_flags=data.get("tune_flags", ""),
         created=data.get("created", ""), torch=data.get("torch", ""),
@@ -365,7 +380,7 @@ def to_hardware(profile: HardwareProfile, name: str = "tuned", dtype: str | None
         gemms=gemms, links=links, tuned=True,
         runtime=None if profile.runtime is None else RuntimeOverheads(
             **{k: (int(v) if k.endswith("nodes") else float(v)) for k, v in profile.runtime.items()}),
-        layers=profile.layers, byte_scale=scale, links_measured_at=(intra or inter or 1.0, inter or intra or 1.0),
+        layers=profile.layers, data_parallel=profile.data_parallel, byte_scale=scale, links_measured_at=(intra or inter or 1.0, inter or intra or 1.0),
         tune_command=profile.tune_flags or f"--model <the model> --out {name}",
     )
 

@@ -132,6 +132,9 @@ class Estimate:
     t_step: float = 0.0
     """The runtime's own cost of a step beside its actions (``RuntimeOverheads.step_s``, and
     ``world_step_s`` across ranks); 0 on a preset."""
+    data_parallel_scale: float = 1.0
+    """What the priced gradient reduction (and distributed optimizer) was multiplied by to match the model's
+    data-parallel side ``autopar tune`` measured (``_data_parallel_scale``); 1 when not measured."""
     layer_scale: float = 1.0
     """What the priced layer was multiplied by to match the layer ``autopar tune`` measured for this
     model (``op_times.layer_scale``); 1 when the profile has none for it."""
@@ -226,6 +229,10 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     t_opt = _optimizer_time(hw, owned)
     if lay.distopt and lay.dcp > 1 and hw.runtime is not None:  # the distributed optimizer's own step
         t_opt += hw.runtime.distopt_step_s
+    k_dp = _data_parallel_scale(spec, hw, lay)  # the model's own, measured by autopar tune
+    t_dp, t_dp_exposed = t_dp * k_dp, t_dp_exposed * k_dp
+    if lay.distopt and lay.dcp > 1:
+        t_opt *= k_dp
     t_step = _runtime_step(hw, lay)
     breakdown = _breakdown(chunk, lay, m, c, t_pipe, t_dp_exposed + t_emb, t_opt) | {"runtime_step": t_step}
     peaks = sim.peak_in_flight if sim is not None else None  # a property that walks every stage's list
@@ -239,7 +246,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
         memory=memory_per_gpu(spec, lay, m, inflight),
         flops=iteration_flops(spec, cluster.global_batch, lay.recompute is Recompute.LAYER),
         sim=sim, runtime_errors=unrunnable,
-        layer_scale=layer_scale(spec, hw, lay.b, lay.t, lay.sp, lay.fused_kernels, lay.cp),
+        layer_scale=layer_scale(spec, hw, lay.b, lay.t, lay.sp, lay.fused_kernels, lay.cp), data_parallel_scale=k_dp,
     )
 
 
@@ -284,7 +291,8 @@ class _Chunk:
             layer_nodes = spec.graph_nodes[1] if spec.graph_nodes else rt.layer_nodes
             split_layer = measured_split(*args) if split else None  # splitting B from W
             split_cost = (0.0 if not split else rt.split_node_s * L * layer_nodes if split_layer is None
-                          else split_layer * (L - M) + rt.split_node_s * M * layer_nodes)
+                          else split_layer * (L - M) + rt.split_node_s * M * layer_nodes
+                          + (rt.split_pipeline_s if lay.p > 1 else 0.0))
             regions = L if replay is None else M  # a measured replay has its region's bookkeeping
             bwd += PhaseTime(runtime=rc * regions * rt.checkpoint_s + rt.action_s * (2 if split else 1) + split_cost)
             fwd += PhaseTime(runtime=rt.action_s)
@@ -438,6 +446,29 @@ def _counted(nbytes: int, hw: Hardware) -> float:
     on a profile priced in fp32 (``Hardware.byte_scale``) half of them, and never less than the cost
     model's 2-byte unit (a tensor on an fp32 profile is fp32, whatever the layout's precision)."""
     return max(nbytes * hw.byte_scale, FP16)
+
+
+def _data_parallel_scale(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
+    """What the priced gradient reduction (and the distributed optimizer's step with it) is multiplied by
+    to match the model's data-parallel side ``autopar tune`` measured (``Hardware.data_parallel``: the
+    same layer signature and node count where known): measured over priced for the measured model (2
+    replicas, one chunk, its parameters); 1 without a measurement, at d = 1, or under expert or context
+    parallelism (not what was measured)."""
+    if lay.dcp == 1 or lay.ep > 1 or lay.cp > 1 or not hw.data_parallel or hw.runtime is None:
+        return 1.0
+    nodes = spec.graph_nodes[1] if spec.graph_nodes else 0
+    found = [x for x in hw.data_parallel if x.signature == spec.layer_signature
+             and (not x.nodes or not nodes or x.nodes == nodes)]
+    if not found:
+        return 1.0
+    x = found[0]
+    ref = Layout(t=1, p=1, d=2, b=lay.b, v=1, recompute="none", dp_overlap=True, distributed_optimizer=lay.distopt,
+                 fused_kernels=lay.fused_kernels, precision=lay.precision)
+    if lay.distopt:
+        priced = (_dp_sharded(hw, ref, x.params, 0.0)[1] + _optimizer_time(hw, x.params / 2)
+                  + hw.runtime.distopt_step_s)
+        return x.distopt_seconds / priced
+    return x.sync_seconds / _dp_allreduce(hw, ref, x.params, 0.0)[1]
 
 
 def _dp_allreduce(hw: Hardware, lay: Layout, P_max: int, t_B: float, P_exp: int = 0) -> tuple[float, float]:
