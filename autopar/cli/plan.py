@@ -72,6 +72,21 @@ def _plan_json(args: argparse.Namespace, plan: Plan, other: Estimate | None,
     return out
 
 
+def measured_note(spec, hw, best) -> str:
+    """What of a tuned profile's measurements of a model (``layers``, ``data_parallel``) priced the best
+    layout, or why none did; "" when the profile has none."""
+    if not hw.layers and not hw.data_parallel:
+        return ""
+    if best.layer_scale == 1.0 and best.data_parallel_scale == 1.0:
+        measured = sorted({x.signature for x in (*hw.layers, *hw.data_parallel)})
+        return (f"the profile measured the layer of {', '.join(measured)}, not this model's ({spec.layer_signature}) "
+                f"at this layout: its layer is priced from its kernels (`autopar tune` with this model measures it)")
+    parts = [f"its layer x{best.layer_scale:.3g}"] if best.layer_scale != 1.0 else []
+    if best.data_parallel_scale != 1.0:
+        parts.append(f"its gradient reduction x{best.data_parallel_scale:.3g}")
+    return "priced with this model's own measurements from `autopar tune`: " + ", ".join(parts) + " the priced"
+
+
 def run_plan(args: argparse.Namespace, console: Console) -> int:
     """``autopar plan``: 0 when a layout fits, 1 when none does."""
     spec = model_spec(args)
@@ -95,6 +110,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
                       highlight=False)
     for line in plan.notes():
         console.print(line, highlight=False)
+    note = measured_note(spec, cl.hardware, plan.best)
+    if note:
+        console.print(note, highlight=False)
     if by_cp:
         console.print(context_table(by_cp), crop=False)
     why = plan.why()

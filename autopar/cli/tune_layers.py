@@ -11,7 +11,7 @@ have), ``autopar tune`` times that model's layer on the engine itself, as the ra
 - for each micro-batch of ``--micro-batch`` and twice it, and each tensor-parallel degree t that
   divides the ranks (and the heads), with and without sequence parallelism when t > 1;
 - the model built with 2 and with 4 layers (``LAYER_COUNTS``), compiled for t ranks, ``MICROBATCHES`` microbatches a
-  step, as is, with every layer recomputed, and (t = 1) with each backward split into B and W
+  step, as is, and (t = 1) with every layer recomputed and with each backward split into B and W
   (``MODES``), the engines stepped in turns after warm-up steps; a layer's forward and backward is
   (T(4) - T(2)) / (2 MICROBATCHES), the embedding, the head, the step's and the actions' costs
   cancelling; what recomputing it and splitting its backward add, the same differences less the
@@ -106,16 +106,17 @@ def _program(make: Callable[[int], torch.nn.Module], layers: int, x: torch.Tenso
                                schedule="zb-h1" if mode == "split" else "1f1b")
 
 
-def _alternate(engines: dict, x: torch.Tensor, budget_s: float, sync: Callable[[], None] = lambda: None) -> dict:
-    """Key -> median step of each engine, stepped in turns (3 warm-up steps, then rounds of 2 steps
-    each until ``budget_s`` has passed, 6 rounds at least)."""
-    for engine in engines.values():
+def _alternate(engines: dict, budget_s: float, sync: Callable[[], None] = lambda: None) -> dict:
+    """Key -> median step of each engine of ``engines`` (key -> (engine, its batch)), stepped in turns
+    (3 warm-up steps, then rounds of 2 steps each until ``budget_s`` has passed, 6 rounds at least): every
+    configuration measured under the same conditions, a slow moment of the machine falling on all."""
+    for engine, x in engines.values():
         for _ in range(3):
             engine.train_step(x, x)
     times: dict = {k: [] for k in engines}
     start, rounds = time.perf_counter(), 0
     while rounds < 6 or (time.perf_counter() - start < budget_s and rounds < 60):
-        for key, engine in engines.items():
+        for key, (engine, x) in engines.items():
             for _ in range(2):
                 sync()
                 t0 = time.perf_counter()
@@ -127,7 +128,7 @@ def _alternate(engines: dict, x: torch.Tensor, budget_s: float, sync: Callable[[
 
 def _per_layer(steps: dict, modes: tuple[str, ...]) -> dict[str, float]:
     """Mode -> a layer's seconds: ``seconds`` (plain), ``recompute_seconds`` and ``split_seconds`` (what
-    each adds to the plain layer), from the steps at the two depths."""
+    each adds to the plain layer), from the steps at the two depths (``steps``: (depth, mode) -> seconds)."""
     lo, hi = LAYER_COUNTS
     layer = {m: (steps[hi, m] - steps[lo, m]) / ((hi - lo) * MICROBATCHES) for m in modes}
     out = {"seconds": max(layer["plain"], 0.0)}
@@ -136,42 +137,54 @@ def _per_layer(steps: dict, modes: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+def _by_config(steps: dict, modes: tuple[str, ...]) -> dict[tuple, dict[str, float]]:
+    """(b, sp) -> ``_per_layer`` of the steps keyed (b, sp, depth, mode)."""
+    configs = sorted({(b, sp) for b, sp, _, _ in steps})
+    return {(b, sp): _per_layer({(n, m): steps[b, sp, n, m] for n in LAYER_COUNTS for m in modes}, modes)
+            for b, sp in configs}
+
+
 def measure_one_rank(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, micro_batches: list[int],
                      budget_s: float) -> dict[int, dict[str, float]]:
-    """Micro-batch -> a layer's figures (``_per_layer``) at t = 1, in this process."""
-    out = {}
+    """Micro-batch -> a layer's figures (``_per_layer``) at t = 1, in this process: every micro-batch's
+    engines stepped in turns together."""
+    engines = {}
     for b in micro_batches:
         x = _batch(b, seq, vocab)
-        engines = {(n, m): _program(make, n, x, b, 1, False, m).materialize() for n in LAYER_COUNTS for m in MODES}
-        out[b] = _per_layer(_alternate(engines, x, budget_s), MODES)
-    return out
+        engines |= {(b, False, n, m): (_program(make, n, x, b, 1, False, m).materialize(), x)
+                    for n in LAYER_COUNTS for m in MODES}
+    return {b: figures for (b, _), figures in _by_config(_alternate(engines, budget_s * len(micro_batches)),
+                                                         MODES).items()}
 
 
-_FORKED: dict = {}  # the programs the forked ranks step (forked with them: spawn(inherit=True))
+_FORKED: dict = {}  # the programs the forked ranks step, with their batches (forked with them: spawn(inherit=True))
 
 
-def _rank_steps(x: torch.Tensor, budget_s: float) -> dict:
+def _rank_steps(budget_s: float) -> dict:
     import torch.distributed as dist  # noqa: PLC0415
 
     torch.set_num_threads(1)
-    engines = {key: program.materialize() for key, program in _FORKED.items()}
-    return _alternate(engines, x, budget_s, sync=dist.barrier)
+    engines = {key: (program.materialize(), x) for key, (program, x) in _FORKED.items()}
+    return _alternate(engines, budget_s, sync=dist.barrier)
 
 
-def measure_ranks(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, b: int, t: int, sp: bool,
-                  budget_s: float) -> dict[str, float]:
-    """A layer's figures (``_per_layer``, without the split) on one of t tensor-parallel ranks forked from
-    this process (the slower rank's steps)."""
+def measure_ranks(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, t: int,
+                  configs: list[tuple[int, bool]], budget_s: float) -> dict[tuple, dict[str, float]]:
+    """(b, sp) -> a layer's forward and backward (``_per_layer``'s ``seconds``) on one of t tensor-parallel
+    ranks forked from this process (the slower rank's steps), every configuration's engines stepped in
+    turns in one launch. Recomputation and the split are left to t = 1's figures: their differences of
+    differences drown in the collectives' waits here."""
     import autopar  # noqa: PLC0415
 
-    modes = ("plain", "recompute")
-    x = _batch(b, seq, vocab)
-    _FORKED.update({(n, m): _program(make, n, x, b, t, sp, m) for n in LAYER_COUNTS for m in modes})
+    modes = ("plain",)
+    for b, sp in configs:
+        x = _batch(b, seq, vocab)
+        _FORKED.update({(b, sp, n, m): (_program(make, n, x, b, t, sp, m), x) for n in LAYER_COUNTS for m in modes})
     try:
-        ranks = autopar.spawn(_rank_steps, t, (x, budget_s), inherit=True)
+        ranks = autopar.spawn(_rank_steps, t, (budget_s * len(configs),), inherit=True)
     finally:
         _FORKED.clear()
-    return _per_layer({key: max(r[key] for r in ranks) for key in ranks[0]}, modes)
+    return _by_config({key: max(r[key] for r in ranks) for key in ranks[0]}, modes)
 
 
 def _data_parallel_steps(x: torch.Tensor, budget_s: float) -> dict:
@@ -281,7 +294,10 @@ def measure_layers(flags: str, micro_batch: int, world: int, forked: bool, quick
     budget = 3.0 if quick else 8.0
     dp = []
     if forked:  # t > 1: each collective's wait moves with the ranks' scheduling, so twice the steps
-        timed = {(b, t, sp): measure_ranks(make, seq, vocab, b, t, sp, 2 * budget) for b, t, sp in runs if t > 1}
+        timed = {}
+        for t in sorted({t for _, t, _ in runs if t > 1}):
+            got = measure_ranks(make, seq, vocab, t, [(b, sp) for b, t_, sp in runs if t_ == t], 2 * budget)
+            timed |= {(b, t, sp): figures for (b, sp), figures in got.items()}
         if world >= 2:
             dp = [dict(signature=signature, nodes=nodes,
                        **measure_data_parallel(make, seq, vocab, micro_batch, budget))]

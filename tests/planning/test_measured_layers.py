@@ -180,3 +180,33 @@ def test_the_models_data_parallel_side_scales_the_priced_reduction_and_distribut
     write_profile(dataclasses.replace(_profile(), data_parallel=(measured,)), tmp_path / "hw.json")
     assert load_profile(tmp_path / "hw.json").data_parallel == (measured,)
 
+
+
+def test_the_plan_says_what_of_the_models_measurements_priced_it():
+    from autopar.cli.plan import measured_note
+
+    priced = _priced(2)
+    measured = MeasuredLayer(SPEC.layer_signature, 20, micro_batch=2, tp=1, sequence_parallel=False, seconds=1.25 * priced)
+    hw = to_hardware(_profile((measured,)))
+    lay = Layout(t=1, p=2, d=1, b=2, recompute="none", fused_kernels=False, precision=RUNTIME_FP32)
+    est = estimate(SPEC, Cluster(2, hw, 8), lay)
+    assert measured_note(SPEC, hw, est) == "priced with this model's own measurements from `autopar tune`: its layer x1.25 the priced"
+    other = dataclasses.replace(SPEC, hidden=128)
+    note = measured_note(other, hw, estimate(other, Cluster(2, hw, 8), lay))
+    assert note.startswith(f"the profile measured the layer of {SPEC.layer_signature}, not this model's "
+                           f"({other.layer_signature})")
+    assert measured_note(SPEC, to_hardware(_profile()), est) == ""
+
+
+def test_recomputation_at_t_carries_the_ratio_measured_at_t_1():
+    hw0 = to_hardware(_profile())
+    f1 = _dense_layer(SPEC, hw0, 1, 1, False, False, 1)[0].total + RUNTIME["checkpoint_s"]
+    f2 = _dense_layer(SPEC, hw0, 1, 2, False, False, 1)[0].total + RUNTIME["checkpoint_s"]
+    layers = (MeasuredLayer(SPEC.layer_signature, 20, 1, 1, False, seconds=_priced(1), recompute_seconds=1.3 * f1),
+              MeasuredLayer(SPEC.layer_signature, 20, 1, 2, False, seconds=_priced(1, 2)))
+    from autopar.planning.cost.op_times import measured_recompute
+
+    hw = to_hardware(_profile(layers))
+    assert measured_recompute(SPEC, hw, 1, 1).total == pytest.approx(1.3 * f1)
+    assert measured_recompute(SPEC, hw, 1, 2).total == pytest.approx(1.3 * f2)
+    assert measured_recompute(SPEC, hw0, 1, 2) is None

@@ -235,13 +235,18 @@ def layer_scale(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel
 def measured_recompute(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
                        fused: bool = False, cp: int = 1) -> PhaseTime | None:
     """What recomputing one dense layer adds to its backward, from the layer ``autopar tune`` measured
-    recomputed (``MeasuredLayer.recompute_seconds``): the priced replay (its forward and a checkpointed
-    region's bookkeeping) scaled by measured over priced at the measured micro-batch; None without one."""
+    recomputed (``MeasuredLayer.recompute_seconds``, at this t or else at t = 1): the priced replay (its
+    forward and a checkpointed region's bookkeeping) scaled by measured over priced at the measured
+    micro-batch and t; None without one."""
     near = measured_layer(spec, hw, b, t, sequence_parallel, fused, cp)
-    if near is None or not near.recompute_seconds or hw.runtime is None:
+    if near is None or hw.runtime is None:
         return None
+    if not near.recompute_seconds:  # measured at t = 1 only: its ratio carries to t
+        near = measured_layer(spec, hw, b, 1, False, fused, cp)
+        if near is None or not near.recompute_seconds:
+            return None
     region = PhaseTime(runtime=hw.runtime.checkpoint_s)
-    priced = _dense_layer(spec, hw, near.micro_batch, t, sequence_parallel, fused, cp)[0] + region
+    priced = _dense_layer(spec, hw, near.micro_batch, near.tp, near.sequence_parallel, fused, cp)[0] + region
     here = _dense_layer(spec, hw, b, t, sequence_parallel, fused, cp)[0] + region
     return here * (near.recompute_seconds / priced.total)
 

@@ -186,6 +186,7 @@ class Estimate:
             "bubble": self.bubble, "comm_s": self.comm_time, "memory_gib": self.memory.total / 2**30,
             "fits": self.fits, "runnable": self.runnable, "runtime_errors": list(self.runtime_errors),
             "breakdown_s": dict(self.breakdown), "simulated": self.simulated,
+            "layer_scale": self.layer_scale, "data_parallel_scale": self.data_parallel_scale,
             "memory_breakdown_gib": {k: getattr(self.memory, k) / 2**30
                                      for k in ("weights", "grads", "optimizer", "buffers", "activations")},
         }
