@@ -188,9 +188,9 @@ def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world
                         f"multi-rank step {runtime['world_step_s'] * 1e6:.3g} us, distributed optimizer "
                         f"{runtime['distopt_step_s'] * 1e6:.3g} us, AdamW "
                         f"{runtime['optimizer_per_param_s'] * 1e9:.3g} ns per parameter")
-    _say(rank, console, "the model's layer, forward and backward (recomputed: +, split: +): " + (", ".join(
-        f"b={x.micro_batch} t={x.tp}{' sp' if x.sequence_parallel else ''} {x.seconds * 1e3:.3g} ms "
-        f"(+{x.recompute_seconds * 1e3:.2g}" + (f", +{x.split_seconds * 1e3:.2g})" if x.tp == 1 else ")")
+    _say(rank, console, "the model's layer, forward and backward (at t = 1, recomputed: +, split: +): " + (", ".join(
+        f"b={x.micro_batch} t={x.tp}{' sp' if x.sequence_parallel else ''} {x.seconds * 1e3:.3g} ms"
+        + (f" (+{x.recompute_seconds * 1e3:.2g}, +{x.split_seconds * 1e3:.2g})" if x.tp == 1 else "")
         for x in layers) if layers else "not measured (give --hf-config, or the dimensions of a GPT or Llama "
                                         "without experts)"))
     for x in data_parallel:

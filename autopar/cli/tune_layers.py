@@ -194,23 +194,10 @@ def _data_parallel_steps(x: torch.Tensor, budget_s: float) -> dict:
     parameters held."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from autopar.runtime.optim.gradient_sync import GradientSync  # noqa: PLC0415
+    from autopar.cli.tune_runtime import gradient_sync_clock  # noqa: PLC0415
 
     torch.set_num_threads(1)
-    in_sync = [0.0]
-    start, end = GradientSync.start, GradientSync.end_step
-
-    def timed(method):
-        def run(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                in_sync[0] += time.perf_counter() - t0
-        return run
-
-    GradientSync.start, GradientSync.end_step = timed(start), timed(end)
-    try:
+    with gradient_sync_clock() as in_sync:
         plain, sharded = _FORKED["dp"].materialize(), _FORKED["dp"].materialize()
         adamw = torch.optim.AdamW(list(plain.parameters()), lr=1e-4)
         distopt = sharded.distributed_optimizer(torch.optim.AdamW, lr=1e-4)
@@ -237,8 +224,6 @@ def _data_parallel_steps(x: torch.Tensor, budget_s: float) -> dict:
                 for k, v in (("step", t2 - t0), ("sync", sync), ("optimizer", t2 - t1), ("distopt", t4 - t3)):
                     got[k].append(v)
             i += 1
-    finally:
-        GradientSync.start, GradientSync.end_step = start, end
     out = {k: statistics.median(v) for k, v in got.items()}
     return out | {"params": sum(p.numel() for p in plain.parameters())}
 

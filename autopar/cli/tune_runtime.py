@@ -44,6 +44,7 @@ ranks forked from it while the other ranks wait.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -111,6 +112,32 @@ def _step_seconds(runs: dict, repeats: int, rounds: int = 3) -> dict:
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
+@contextlib.contextmanager
+def gradient_sync_clock():
+    """While in the block, the seconds this process spends in the data-parallel gradient reduction
+    (``GradientSync.start`` and ``end_step``, the class patched) add up on the one-element list it
+    yields, which the caller resets."""
+    from autopar.runtime.optim.gradient_sync import GradientSync  # noqa: PLC0415
+
+    spent = [0.0]
+    start, end = GradientSync.start, GradientSync.end_step
+
+    def timed(method):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return run
+
+    GradientSync.start, GradientSync.end_step = timed(start), timed(end)
+    try:
+        yield spent
+    finally:
+        GradientSync.start, GradientSync.end_step = start, end
+
+
 _PROGRAMS: dict = {}  # the 2-rank programs the forked ranks step (forked with them: spawn(inherit=True))
 
 
@@ -124,49 +151,36 @@ def _two_rank_steps(batches: dict, repeats: int, rounds: int = 3) -> dict:
     import torch.distributed as dist  # noqa: PLC0415
 
     from autopar.core.comm import group  # noqa: PLC0415
-    from autopar.runtime.optim.gradient_sync import GradientSync  # noqa: PLC0415
 
     calls = [0]
-    in_sync = [0.0]
     exchange = group._recursive_doubling
-    sync_start, sync_end = GradientSync.start, GradientSync.end_step
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return exchange(*args, **kwargs)
 
-    def timed(method):
-        def run(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                in_sync[0] += time.perf_counter() - t0
-        return run
-
     group._recursive_doubling = counted  # this forked rank's own module: counts what the chunks run
-    GradientSync.start, GradientSync.end_step = timed(sync_start), timed(sync_end)  # the gradient reduction
     try:
-        engines = {key: program.materialize() for key, program in _PROGRAMS.items()}
-        times: dict = {key: [] for key in engines}
-        exchanges: dict = {key: 0 for key in engines}
-        syncs: dict = {key: [] for key in engines}
-        for key, engine in engines.items():
-            for _ in range(3):
-                engine.train_step(batches[key], batches[key])
-        for _ in range(rounds):
+        with gradient_sync_clock() as in_sync:
+            engines = {key: program.materialize() for key, program in _PROGRAMS.items()}
+            times: dict = {key: [] for key in engines}
+            exchanges: dict = {key: 0 for key in engines}
+            syncs: dict = {key: [] for key in engines}
             for key, engine in engines.items():
-                for _ in range(repeats):
-                    dist.barrier()
-                    calls[0], in_sync[0] = 0, 0.0
-                    t0 = time.perf_counter()
+                for _ in range(3):
                     engine.train_step(batches[key], batches[key])
-                    times[key].append(time.perf_counter() - t0)
-                    exchanges[key] = calls[0]
-                    syncs[key].append(in_sync[0])
+            for _ in range(rounds):
+                for key, engine in engines.items():
+                    for _ in range(repeats):
+                        dist.barrier()
+                        calls[0], in_sync[0] = 0, 0.0
+                        t0 = time.perf_counter()
+                        engine.train_step(batches[key], batches[key])
+                        times[key].append(time.perf_counter() - t0)
+                        exchanges[key] = calls[0]
+                        syncs[key].append(in_sync[0])
     finally:
         group._recursive_doubling = exchange
-        GradientSync.start, GradientSync.end_step = sync_start, sync_end
     return {key: (statistics.median(ts), exchanges[key], statistics.median(syncs[key])) for key, ts in times.items()}
 
 
@@ -353,7 +367,10 @@ def measure_in_subprocess(repeats: int = 20, forked: dict | None = None, layers:
                         "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
     out = subprocess.run([sys.executable, "-m", "autopar.cli.tune_runtime", str(repeats), json.dumps(forked),
                           json.dumps(layers)],
-                         env=env, check=True, capture_output=True, text=True)
+                         env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"autopar tune: measuring the runtime {'on forked ranks ' if forked else ''}failed "
+                         f"(exit {out.returncode}); its output ends:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
