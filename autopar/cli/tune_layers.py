@@ -194,7 +194,7 @@ def _data_parallel_steps(x: torch.Tensor, budget_s: float) -> dict:
     parameters held."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from autopar.cli.tune_runtime import gradient_sync_clock  # noqa: PLC0415
+    from autopar.cli.tune_clock import gradient_sync_clock  # noqa: PLC0415
 
     torch.set_num_threads(1)
     with gradient_sync_clock() as in_sync:

@@ -44,7 +44,6 @@ ranks forked from it while the other ranks wait.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -112,32 +111,6 @@ def _step_seconds(runs: dict, repeats: int, rounds: int = 3) -> dict:
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
-@contextlib.contextmanager
-def gradient_sync_clock():
-    """While in the block, the seconds this process spends in the data-parallel gradient reduction
-    (``GradientSync.start`` and ``end_step``, the class patched) add up on the one-element list it
-    yields, which the caller resets."""
-    from autopar.runtime.optim.gradient_sync import GradientSync  # noqa: PLC0415
-
-    spent = [0.0]
-    start, end = GradientSync.start, GradientSync.end_step
-
-    def timed(method):
-        def run(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - t0
-        return run
-
-    GradientSync.start, GradientSync.end_step = timed(start), timed(end)
-    try:
-        yield spent
-    finally:
-        GradientSync.start, GradientSync.end_step = start, end
-
-
 _PROGRAMS: dict = {}  # the 2-rank programs the forked ranks step (forked with them: spawn(inherit=True))
 
 
@@ -151,6 +124,7 @@ def _two_rank_steps(batches: dict, repeats: int, rounds: int = 3) -> dict:
     import torch.distributed as dist  # noqa: PLC0415
 
     from autopar.core.comm import group  # noqa: PLC0415
+    from autopar.cli.tune_clock import gradient_sync_clock  # noqa: PLC0415
 
     calls = [0]
     exchange = group._recursive_doubling

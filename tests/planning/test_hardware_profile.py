@@ -197,10 +197,18 @@ def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, cap
     assert set(prof.runtime) == set(RUNTIME) and prof.runtime["node_s"] > 0 and prof.runtime["layer_nodes"] > 0
     assert prof.runtime["optimizer_per_param_s"] > 0 and prof.runtime["world_step_s"] >= 0
     # the model's own layer, timed on the engine: micro-batch 1 and 2, t = 1, and t = 2 with and without
-    # sequence parallelism; named as the planner names the reference GPT of those dimensions
-    assert sorted((x.micro_batch, x.tp, x.sequence_parallel) for x in prof.layers) == [
-        (1, 1, False), (1, 2, False), (1, 2, True), (2, 1, False), (2, 2, False), (2, 2, True)]
+    # sequence parallelism (a configuration whose two depths' difference came out negative on a loaded
+    # machine is left to the priced layer); named as the planner names the reference GPT of those dimensions
+    got = {(x.micro_batch, x.tp, x.sequence_parallel) for x in prof.layers}
+    assert {(1, 1, False), (2, 1, False)} <= got <= {(b, t, sp) for b in (1, 2) for t, sp in ((1, False), (2, False), (2, True))}
     assert all(x.seconds > 0 and x.nodes > 0 for x in prof.layers)
+    assert all(x.recompute_seconds >= 0 and x.split_seconds >= 0 for x in prof.layers if x.tp == 1)
+    # and its data-parallel side over the 2 ranks: the 2-layer reference GPT's parameters on each replica
+    from autopar.reference.models import build
+
+    (dp,) = prof.data_parallel
+    gpt = build("gpt", vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=64)
+    assert dp.params == sum(p.numel() for p in gpt.parameters()) and dp.sync_seconds > 0
     assert {x.signature for x in prof.layers} == {"h64 a4 kv4 f256 s64 gelu fused-attn no-dropout causal"}
     plan = _plan_json(capsys, str(out))
     assert plan["hardware"] == str(out) and math.isfinite(plan["iteration_s"]) and plan["breakdown_s"]["dp"] > 0
