@@ -210,3 +210,20 @@ def test_recomputation_at_t_carries_the_ratio_measured_at_t_1():
     assert measured_recompute(SPEC, hw, 1, 1).total == pytest.approx(1.3 * f1)
     assert measured_recompute(SPEC, hw, 1, 2).total == pytest.approx(1.3 * f2)
     assert measured_recompute(SPEC, hw0, 1, 2) is None
+
+
+def test_the_tune_measures_the_layer_of_a_model_it_can_build_at_each_degree_the_heads_allow():
+    from autopar.cli.arguments import build_parser
+    from autopar.cli.tune_layers import layer_runs, model_builder, spec_of
+
+    # t = 4 divides the 4 ranks and the 8 heads but not the 2 key/value heads
+    assert layer_runs(1, 8, 2, 4) == [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True), (2, 2, False),
+                                      (2, 2, True)]
+    parse = lambda *flags: build_parser().parse_args(["tune", *flags])  # noqa: E731
+    assert model_builder(parse("--model", "gpt-1.7b")) is None  # a preset of the paper: nothing to build
+    assert model_builder(parse("--layers", "2", "--hidden", "32", "--heads", "4", "--experts", "4")) is None
+    make, seq, vocab = model_builder(parse("--layers", "8", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
+                                           "--gated-mlp", "--seq-len", "16", "--vocab", "64"))
+    assert (seq, vocab) == (16, 64)
+    spec = spec_of(make, seq)  # the reference Llama of those dimensions, at 2 layers
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv, spec.gated_mlp) == (2, 32, 4, 2, True)
