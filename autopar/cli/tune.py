@@ -173,11 +173,12 @@ def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world
         if rank == 0:
             forked = measure_in_subprocess(repeats, forked=runtime, layers=wanted)
             more = forked.pop("model", {"layers": [], "data_parallel": []})
-            found = {k: found[k] + more[k] for k in found}
+            found = {k: found[k] + more[k] if k != "skipped" else found[k] for k in found}
             runtime |= forked
         dist.barrier()
     for key in ONE_RANK_BASIS:
         runtime.pop(key)
+    skipped = found.pop("skipped", None)
     layers = tuple(MeasuredLayer(**x) for x in found["layers"])
     data_parallel = tuple(MeasuredDataParallel(**x) for x in found["data_parallel"])
     _say(rank, console, f"runtime: step {runtime['step_s'] * 1e6:.3g} us, action {runtime['action_s'] * 1e6:.3g} us, "
@@ -191,8 +192,8 @@ def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world
     _say(rank, console, "the model's layer, forward and backward (at t = 1, recomputed: +, split: +): " + (", ".join(
         f"b={x.micro_batch} t={x.tp}{' sp' if x.sequence_parallel else ''} {x.seconds * 1e3:.3g} ms"
         + (f" (+{x.recompute_seconds * 1e3:.2g}, +{x.split_seconds * 1e3:.2g})" if x.tp == 1 else "")
-        for x in layers) if layers else "not measured (give --hf-config, or the dimensions of a GPT or Llama "
-                                        "without experts)"))
+        for x in layers) if layers else f"not measured ({skipped}): its layer is priced from its kernels" if skipped
+        else "not measured (give --hf-config, or the dimensions of a GPT or Llama without experts)"))
     for x in data_parallel:
         _say(rank, console, f"the model's data-parallel side ({x.params / 1e6:.3g}M parameters, 2 replicas): gradient "
                             f"reduction {x.sync_seconds * 1e3:.3g} ms, AdamW {x.optimizer_seconds * 1e3:.3g} ms, "

@@ -259,7 +259,8 @@ def measure_layers(flags: str, micro_batch: int, world: int, forked: bool, quick
     """``{"layers": [...], "data_parallel": [...]}``: the entries this process measures for the model of
     the tune ``flags``: its layer at t = 1 here, or with ``forked`` (rank 0's child, the other ranks
     waiting) its layer at each t > 1 on t ranks forked from it and its data-parallel side on 2 (when
-    the world has 2 ranks or more). Empty lists when the flags describe no model autopar can build."""
+    the world has 2 ranks or more). Empty lists when the flags describe no model autopar can build, and
+    with ``"skipped"`` (why) when the model cannot be built at 2 layers or compiled."""
     import shlex  # noqa: PLC0415
 
     from autopar.cli.arguments import build_parser  # noqa: PLC0415
@@ -270,7 +271,11 @@ def measure_layers(flags: str, micro_batch: int, world: int, forked: bool, quick
     if built is None:
         return {"layers": [], "data_parallel": []}
     make, seq, vocab = built
-    spec = spec_of(make, seq)
+    try:  # a config that cannot be rebuilt at another depth, or a model the compiler refuses
+        spec = spec_of(make, seq)
+        _program(make, LAYER_COUNTS[0], _batch(micro_batch, seq, vocab), micro_batch, 1, False, "plain")
+    except (AutoparError, ValueError, TypeError, KeyError) as e:
+        return {"layers": [], "data_parallel": [], "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     signature, nodes = spec.layer_signature, spec.graph_nodes[1] if spec.graph_nodes else 0
     runs = layer_runs(micro_batch, spec.heads, spec.kv, world)
     budget = 3.0 if quick else 8.0
