@@ -197,10 +197,11 @@ def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, cap
     assert set(prof.runtime) == set(RUNTIME) and prof.runtime["node_s"] > 0 and prof.runtime["layer_nodes"] > 0
     assert prof.runtime["optimizer_per_param_s"] > 0 and prof.runtime["world_step_s"] >= 0
     # the model's own layer, timed on the engine: micro-batch 1 and 2, t = 1, and t = 2 with and without
-    # sequence parallelism (a configuration whose two depths' difference came out negative on a loaded
-    # machine is left to the priced layer); named as the planner names the reference GPT of those dimensions
+    # sequence parallelism, named as the planner names the reference GPT of those dimensions. This layer
+    # costs a fraction of a millisecond: on a loaded machine the difference of two depths' steps can come
+    # out negative, and that configuration is left to the priced layer, so only the set's bounds are fixed
     got = {(x.micro_batch, x.tp, x.sequence_parallel) for x in prof.layers}
-    assert {(1, 1, False), (2, 1, False)} <= got <= {(b, t, sp) for b in (1, 2) for t, sp in ((1, False), (2, False), (2, True))}
+    assert got and got <= {(b, t, sp) for b in (1, 2) for t, sp in ((1, False), (2, False), (2, True))}
     assert all(x.seconds > 0 and x.nodes > 0 for x in prof.layers)
     assert all(x.recompute_seconds >= 0 and x.split_seconds >= 0 for x in prof.layers if x.tp == 1)
     # and its data-parallel side over the 2 ranks: the 2-layer reference GPT's parameters on each replica
