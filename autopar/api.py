@@ -31,6 +31,7 @@ from autopar.core.config import ParallelConfig
 from autopar.core.errors import AutoparError
 from autopar.planning.cost.hardware import Hardware
 from autopar.planning.cost.layout import Cluster, Layout
+from autopar.planning.cost.op_times import measured_this_layer
 from autopar.planning.search.planner import Plan, SearchSpace, search
 from autopar.runtime.engine import RankEngine
 from autopar.runtime.launch import launched_world
@@ -172,7 +173,10 @@ def plan(model, example_inputs, gpus: int, global_batch: int, hardware: str | Ha
     ``search`` ranks the layouts for ``gpus`` GPUs of ``hardware`` (a preset's name, the path of a
     profile ``autopar tune`` wrote, or a ``Hardware``) and a global batch
     of ``global_batch`` sequences of the example inputs' length. ``Plan.spec`` says
-    what was read."""
-    space = space if space is not None else SearchSpace()
+    what was read. Without ``space`` every layout is searched, with fused kernels (compiled chunks),
+    or op by op (eager chunks) where the profile measured this model's own layer on them."""
     spec = spec_from_model(model, example_inputs, example_targets, loss_fn)
-    return search(spec, Cluster.of(gpus, hardware, global_batch), space, top=top, reference=reference)
+    cluster = Cluster.of(gpus, hardware, global_batch)
+    if space is None:
+        space = SearchSpace(fused_kernels=not measured_this_layer(spec, cluster.hardware))
+    return search(spec, cluster, space, top=top, reference=reference)

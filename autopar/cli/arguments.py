@@ -135,10 +135,11 @@ def add_model_args(ap: argparse.ArgumentParser, required_cluster: bool = True) -
     lay.add_argument("--expert-dispatch", choices=("allgather", "alltoall", "search"), default="search",
                      help="how routed tokens reach their experts with ep > 1: 'allgather' (all-gather and "
                           "reduce-scatter of the expert group's rows), 'alltoall', or 'search' both (default)")
-    lay.add_argument("--kernels", choices=("fused", "op-by-op"), default="fused",
-                     help="what the chunks run between the GEMMs: 'fused' element-wise kernels (default: "
-                          "Megatron's fused kernels, autopar with compile=True) or 'op-by-op' (autopar's eager "
-                          "chunks: each element-wise op its own pass)")
+    lay.add_argument("--kernels", choices=("fused", "op-by-op"), default=None,
+                     help="what the chunks run between the GEMMs: 'fused' element-wise kernels (Megatron's "
+                          "fused kernels, autopar with compile=True) or 'op-by-op' (autopar's eager chunks: "
+                          "each element-wise op its own pass). Default: 'op-by-op' with a --hardware profile in "
+                          "which `autopar tune` measured this model's layer (on the eager chunks), else 'fused'")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ from autopar.planning.cost.hardware import Hardware
 from autopar.planning.cost.hardware_profile import resolve_hardware
 from autopar.planning.cost.layout import Cluster, Layout
 from autopar.planning.cost.models import ModelSpec
+from autopar.planning.cost.op_times import measured_this_layer
 from autopar.planning.cost.step_estimate import Estimate
 from autopar.planning.search.planner import SearchSpace, search
 
@@ -65,8 +66,11 @@ _DISPATCH_FLAG: dict[str, tuple[str, ...]] = {"allgather": ("allgather",), "allt
 """``--expert-dispatch`` -> the dispatchers the planner tries with ep > 1."""
 
 
-def search_space(args: argparse.Namespace) -> SearchSpace:
-    """The layouts the flags allow."""
+def search_space(args: argparse.Namespace, spec: ModelSpec | None = None, hw: Hardware | None = None) -> SearchSpace:
+    """The layouts the flags allow. Without ``--kernels``: fused kernels (Megatron's, autopar compiled),
+    or op by op (autopar's eager chunks) where ``hw`` measured ``spec``'s layer on them."""
+    kernels = getattr(args, "kernels", None) or (
+        "op-by-op" if spec is not None and hw is not None and measured_this_layer(spec, hw) else "fused")
     one = (lambda x: None if x is None else (x,))
     return SearchSpace(
         t=one(args.tp), p=one(args.pp), v=one(args.vp), b=one(args.micro_batch),
@@ -78,7 +82,7 @@ def search_space(args: argparse.Namespace) -> SearchSpace:
         divisible_layers=not args.uneven_layers,
         sequence_parallel=FEATURE_FLAG[args.sequence_parallel],
         distributed_optimizer=FEATURE_FLAG[args.distributed_optimizer],
-        fused_kernels=getattr(args, "kernels", "fused") == "fused",
+        fused_kernels=kernels == "fused",
         ep=one(getattr(args, "ep", None)),
         cp=_context_degrees(args),
         expert_dispatch=_DISPATCH_FLAG[getattr(args, "expert_dispatch", "search")],

@@ -16,7 +16,7 @@ from autopar.planning.drawing.tables import PIPED_WIDTH, compact_table
 from autopar.planning.measured.comparison import Comparison
 from autopar.planning.search.planner import Plan
 
-__all__ = ["make_console", "plan_row", "plan_table", "shows_context_parallelism", "context_table", "breakdown_table",
+__all__ = ["make_console", "plan_units", "plan_row", "plan_table", "shows_context_parallelism", "context_table", "breakdown_table",
            "ops_table", "explain_rows", "explain_table", "measured_table", "costs_table"]
 
 GiB = 2**30
@@ -39,9 +39,27 @@ def make_console(width: int | None = None) -> Console:
     return console
 
 
-def plan_row(e: Estimate, experts: bool = False, context: bool = False) -> list[str]:
+def plan_units(shown: list[Estimate]) -> dict[str, tuple[str, float]]:
+    """The plan table's time, throughput and memory columns in units its rows read in: seconds, TFLOP/s
+    and GiB for a cluster's plan; ms, GFLOP/s and MiB where every row shown is below one of those
+    (two CPU ranks of a tuned profile). Header -> (the header shown, the value's multiplier)."""
+    small = lambda values, limit: bool(values) and max(values) < limit  # noqa: E731
+    out = {"iter s": ("iter s", 1.0), "comm s": ("comm s", 1.0), "TFLOP/s": ("TFLOP/s", 1.0), "GiB": ("GiB", 1 / GiB)}
+    if small([e.t_iter for e in shown], 1.0):
+        out |= {"iter s": ("iter ms", 1e3), "comm s": ("comm ms", 1e3)}
+    if small([e.tflops_per_gpu for e in shown], 1.0):
+        out["TFLOP/s"] = ("GFLOP/s", 1e3)
+    if small([e.memory.total for e in shown], GiB):
+        out["GiB"] = ("MiB", 1 / 2**20)
+    return out
+
+
+def plan_row(e: Estimate, experts: bool = False, context: bool = False,
+             units: dict[str, tuple[str, float]] | None = None) -> list[str]:
     """One ranked layout's cells after its rank (``PLAN_COLUMNS[1:]``; with ``context`` the cp column
-    after t; with ``experts`` the ep column after d: ``4 a2a``, ``2 ag``, or ``1``)."""
+    after t; with ``experts`` the ep column after d: ``4 a2a``, ``2 ag``, or ``1``), in ``units``
+    (``plan_units``; default seconds, TFLOP/s, GiB)."""
+    k = {h: scale for h, (_, scale) in (units or plan_units([])).items()}
     lay = e.layout
     sched = _SCHEDULE_LABELS[lay.schedule] if lay.p > 1 else "-"
     ep = [f"{lay.ep} {'a2a' if lay.expert_dispatch == 'alltoall' else 'ag'}" if lay.ep > 1 else "1"] if experts else []
@@ -49,8 +67,8 @@ def plan_row(e: Estimate, experts: bool = False, context: bool = False) -> list[
     return [str(lay.t), *cp, str(lay.p), str(lay.d), *ep, str(lay.v), str(lay.b), str(e.m),
             sched + ("*" if e.simulated else "") + ("" if e.runnable else "!"), str(lay.recompute),
             "on" if lay.sp else "-", "on" if lay.distopt else "-",
-            f"{e.t_iter:.3f}", f"{e.tflops_per_gpu:.1f}", f"{e.frac_peak:.1%}", f"{e.memory.total / GiB:.1f}",
-            f"{e.bubble:.1%}", f"{e.comm_time:.3f}"]
+            f"{e.t_iter * k['iter s']:.3f}", f"{e.tflops_per_gpu * k['TFLOP/s']:.1f}", f"{e.frac_peak:.1%}",
+            f"{e.memory.total * k['GiB']:.1f}", f"{e.bubble:.1%}", f"{e.comm_time * k['comm s']:.3f}"]
 
 
 def shows_context_parallelism(plan: Plan, top: int) -> bool:
@@ -64,13 +82,14 @@ def plan_table(plan: Plan, top: int) -> Table:
     """The ``top`` ranked layouts, and the paper's layout when there is one."""
     hw = plan.cluster.hardware
     moe, context = plan.spec.is_moe, shows_context_parallelism(plan, top)
-    rows = [[str(k), *plan_row(e, moe, context)] for k, e in enumerate(plan.ranked[:top], 1)]
+    units = plan_units(plan.ranked[:top] + ([plan.reference] if plan.reference is not None else []))
+    rows = [[str(k), *plan_row(e, moe, context, units)] for k, e in enumerate(plan.ranked[:top], 1)]
     styles: list[str | None] = [None] * len(rows)
     if plan.reference is not None:
-        rows.append(["paper", *plan_row(plan.reference, moe, context)])
+        rows.append(["paper", *plan_row(plan.reference, moe, context, units)])
         styles.append("yellow")
-    columns = PLAN_COLUMNS[:2] + (("cp",) if context else ()) + PLAN_COLUMNS[2:4] + (("ep",) if moe else ()) \
-        + PLAN_COLUMNS[4:]
+    headers = tuple(units.get(h, (h, 1.0))[0] for h in PLAN_COLUMNS)
+    columns = headers[:2] + (("cp",) if context else ()) + headers[2:4] + (("ep",) if moe else ()) + headers[4:]
     experts = ("; ep: expert-parallel degree and dispatcher (ag = all-gather/reduce-scatter, a2a = all-to-all), "
                "whose exchanges comm includes" if moe else "")
     experts += ("; cp: context-parallel degree (the sequence split over cp ranks, ring attention), whose exposed "
@@ -78,11 +97,12 @@ def plan_table(plan: Plan, top: int) -> Table:
     return compact_table(
         f"{plan.spec.label} on {plan.cluster.gpus} x {hw.gpu} ({hw.name}), global batch "
         f"{plan.cluster.global_batch}: {plan.evaluated} layouts in {plan.seconds:.2f} s", columns, rows,
-        caption="ranked by predicted iteration time (s); sched: schedule (interl. = interleaved 1F1B, * = simulated, "
+        caption=f"ranked by predicted iteration time ({units['iter s'][0].split()[1]}); sched: schedule (interl. = interleaved 1F1B, * = simulated, "
                 "! = priced but not runnable: the schedule's rules, listed below); recomp: recomputation; SP: "
-                "sequence parallelism; DO: distributed optimizer; TFLOP/s per GPU count the FLOPs executed "
-                "(recomputation included, as the paper counts); peak: of the GPU's peak; GiB per GPU; comm: "
-                "exposed tensor-parallel, pipeline and data-parallel communication (s)" + experts,
+                f"sequence parallelism; DO: distributed optimizer; {units['TFLOP/s'][0]} per GPU count the FLOPs "
+                f"executed (recomputation included, as the paper counts); peak: of the GPU's peak; "
+                f"{units['GiB'][0]} per GPU; comm: exposed tensor-parallel, pipeline and data-parallel "
+                f"communication ({units['comm s'][0].split()[1]})" + experts,
         left=("sched", "recomp", "SP", "DO") + (("ep",) if moe else ()), styles=styles)
 
 

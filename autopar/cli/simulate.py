@@ -110,7 +110,7 @@ def _model_timelines(args: argparse.Namespace, spec: ModelSpec,
     if args.gpus is None or args.batch is None:
         raise SystemExit("autopar simulate: a model needs --gpus and --batch")
     cl = cluster(args)
-    space = search_space(args)
+    space = search_space(args, spec, cl.hardware)
     if all(x is not None for x in (args.tp, args.pp, args.micro_batch)):
         lay = fixed_layout(args, space)
     else:

@@ -63,6 +63,28 @@ def tune_flags(argv: list[str]) -> str:
     return shlex.join(out)
 
 
+def model_flags(argv: list[str]) -> str:
+    """The model's flags among the tune's (``--hf-config``, ``--layers``, ``--seq-len``, ...): what ``autopar
+    plan`` needs to price the model this profile measured."""
+    from autopar.cli.arguments import add_model_flags  # noqa: PLC0415
+
+    model = argparse.ArgumentParser(add_help=False)
+    add_model_flags(model)
+    actions = model._option_string_actions
+    args = argv[argv.index("tune") + 1:] if "tune" in argv else argv
+    out, i = [], 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        action = actions.get(name)
+        if action is None:
+            i += 1
+            continue
+        takes = 0 if "=" in args[i] or action.nargs == 0 else 1
+        out += args[i:i + 1 + takes]
+        i += 1 + takes
+    return shlex.join(out)
+
+
 def _say(rank: int, console: Console, text: str) -> None:
     if rank == 0:
         console.print(f"autopar tune: {text}", highlight=False)
@@ -150,8 +172,10 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__)
     write_profile(profile, args.out)
     console.print(_table(profile, to_hardware(profile, name=args.out)), crop=False)
+    model = model_flags(argv)
     _say(rank, console, f"wrote {args.out} in {time.perf_counter() - start:.1f} s; price with it: "
-                        f"`autopar plan --hardware {args.out} ...`")
+                        f"`autopar plan --hardware {shlex.quote(args.out)} {model + ' ' if model else ''}--gpus N "
+                        f"--batch B`")
     return 0
 
 

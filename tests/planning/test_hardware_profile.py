@@ -175,6 +175,15 @@ def test_hardware_flag_refuses_an_unknown_name(capsys):
     assert "neither a preset" in capsys.readouterr().err
 
 
+def test_the_tune_names_the_plan_command_of_the_model_it_measured():
+    from autopar.cli.tune import model_flags
+
+    argv = ["tune", "--nproc", "2", "--quick", "--dtypes", "fp32", *MODEL_FLAGS, "--gated-mlp", "--out", "hw.json"]
+    assert model_flags(argv) == " ".join([*MODEL_FLAGS, "--gated-mlp"])  # not --quick, --dtypes, --out
+    assert model_flags(["tune", "--hf-config=cfg", "--seq-len", "64", "--micro-batch", "2"]) == "--hf-config=cfg --seq-len 64"
+    assert model_flags(["tune", "--quick"]) == ""
+
+
 @pytest.mark.multiprocess
 def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, capsys):
     out = tmp_path / "tuned.json"

@@ -83,6 +83,10 @@ def test_a_layer_is_scaled_only_by_a_measurement_of_the_same_layer_and_layout():
     assert layer_scale(dataclasses.replace(SPEC, gated_mlp=True), hw, 1, 2) == 1.0  # another layer
     assert layer_scale(dataclasses.replace(SPEC, graph_nodes=(3, 35, 6)), hw, 1, 2) == 1.0  # same sizes, other code
     assert layer_scale(dataclasses.replace(SPEC, graph_nodes=None), hw, 1, 2) == pytest.approx(2.0)  # nodes unknown
+    # the same model traced another way (on the meta device a constant or two folds): within 10% of 20
+    # (the priced layer has 2 nodes' overhead less: the scale is a little above 2)
+    assert layer_scale(dataclasses.replace(SPEC, graph_nodes=(3, 18, 6)), hw, 1, 2) == pytest.approx(2.0, rel=0.05)
+    assert layer_scale(dataclasses.replace(SPEC, graph_nodes=(3, 17, 6)), hw, 1, 2) == 1.0
     assert layer_scale(SPEC, PROFILES["dgx-a100-80gb"], 1, 2) == 1.0  # a preset measures none
 
 
@@ -190,12 +194,34 @@ def test_the_plan_says_what_of_the_models_measurements_priced_it():
     hw = to_hardware(_profile((measured,)))
     lay = Layout(t=1, p=2, d=1, b=2, recompute="none", fused_kernels=False, precision=RUNTIME_FP32)
     est = estimate(SPEC, Cluster(2, hw, 8), lay)
-    assert measured_note(SPEC, hw, est) == "priced with this model's own measurements from `autopar tune`: its layer x1.25 the priced"
+    assert measured_note(SPEC, hw, est) == ("priced with this model's own measurements from `autopar tune` "
+                                            "(measured over priced from the kernels): its layer x1.25")
     other = dataclasses.replace(SPEC, hidden=128)
     note = measured_note(other, hw, estimate(other, Cluster(2, hw, 8), lay))
     assert note.startswith(f"the profile measured the layer of {SPEC.layer_signature}, not this model's "
-                           f"({other.layer_signature})")
+                           f"({other.layer_signature}, 20 graph nodes)")
+    # this model's layer, but not as the layout runs it: each reason named, with what prices it instead
+    fused = measured_note(SPEC, hw, estimate(SPEC, Cluster(2, hw, 8), dataclasses.replace(lay, fused_kernels=True)))
+    assert "fused kernels" in fused and "--kernels op-by-op" in fused
+    at2 = measured_note(SPEC, hw, estimate(SPEC, Cluster(2, hw, 8), dataclasses.replace(lay, t=2, p=1)))
+    assert "measured it at t=1, not at t=2" in at2 and "autopar tune --nproc 2" in at2
     assert measured_note(SPEC, to_hardware(_profile()), est) == ""
+
+
+def test_a_plan_prices_the_eager_chunks_where_the_profile_measured_the_models_layer_on_them():
+    from autopar.cli.arguments import build_parser
+    from autopar.cli.layout_args import search_space
+
+    measured = MeasuredLayer(SPEC.layer_signature, 20, micro_batch=1, tp=1, sequence_parallel=False,
+                             seconds=_priced(1))
+    hw, plain = to_hardware(_profile((measured,))), to_hardware(_profile())
+    args = build_parser().parse_args(["plan", "--layers", "4", "--hidden", "64", "--heads", "4", "--gpus", "2",
+                                      "--batch", "8"])
+    assert search_space(args, SPEC, hw).fused_kernels is False  # the measured kernels
+    assert search_space(args, SPEC, plain).fused_kernels is True  # nothing measured: Megatron's fused kernels
+    assert search_space(args, dataclasses.replace(SPEC, hidden=128), hw).fused_kernels is True  # another model's
+    args.kernels = "fused"
+    assert search_space(args, SPEC, hw).fused_kernels is True  # the flag decides when given
 
 
 def test_recomputation_at_t_carries_the_ratio_measured_at_t_1():

@@ -35,7 +35,7 @@ from autopar.planning.cost.transformer import embedding_ops, head_ops, layer_ops
 from autopar.planning.errors import PlanError
 
 __all__ = ["GEMM_TILES", "tile_fill", "gemm_efficiency", "measured_gemm_rate", "op_time", "PhaseTime", "phase_time", "layer_times",
-           "measured_layer", "layer_scale", "measured_recompute", "measured_split",
+           "NODE_TOLERANCE", "measures_layer_of", "measured_this_layer", "measured_layer", "layer_scale", "measured_recompute", "measured_split",
            "CP_KINDS", "ring_hop_time"]
 
 CP_KINDS: tuple[str, ...] = ("cp_ring", "cp_ring_grad")
@@ -202,6 +202,26 @@ def phase_time(ops: tuple[Op, ...], hw: Hardware, t: int, ep: int = 1, cp: int =
     return PhaseTime(g, m, c, x_ep, x_cp)
 
 
+NODE_TOLERANCE = 0.1
+"""How far a measured layer's graph node count may be from the model's (a share of it): the same model
+traced on the meta device (``autopar plan --hf-config``) can show a constant or two fewer than traced
+with its weights (``autopar tune``, the engine), a node of another layer kind tens more."""
+
+
+def measures_layer_of(signature: str, nodes: int, spec: ModelSpec) -> bool:
+    """Whether a measurement of a layer of ``signature`` and ``nodes`` graph nodes (0: not known) is of
+    ``spec``'s layer: the same ``ModelSpec.layer_signature``, node counts within ``NODE_TOLERANCE``."""
+    ours = spec.graph_nodes[1] if spec.graph_nodes else 0
+    return signature == spec.layer_signature and (not nodes or not ours
+                                                  or abs(nodes - ours) <= NODE_TOLERANCE * max(nodes, ours))
+
+
+def measured_this_layer(spec: ModelSpec, hw: Hardware) -> bool:
+    """Whether ``autopar tune`` measured ``spec``'s own layer in ``hw`` (on autopar's eager chunks: a plan
+    that prices them, op by op, uses it)."""
+    return any(measures_layer_of(x.signature, x.nodes, spec) for x in hw.layers)
+
+
 def measured_layer(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
                    fused: bool = False, cp: int = 1) -> MeasuredLayer | None:
     """The layer ``autopar tune`` measured for this model (``Hardware.layers``) that prices its layer at
@@ -212,9 +232,8 @@ def measured_layer(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_paral
     if fused or cp > 1 or not hw.layers:
         return None
     sp = sequence_parallel and t > 1
-    nodes = spec.graph_nodes[1] if spec.graph_nodes else 0
-    found = [x for x in hw.layers if x.signature == spec.layer_signature and x.tp == t
-             and x.sequence_parallel == sp and (not x.nodes or not nodes or x.nodes == nodes)]
+    found = [x for x in hw.layers if measures_layer_of(x.signature, x.nodes, spec) and x.tp == t
+             and x.sequence_parallel == sp]
     return min(found, key=lambda x: (abs(math.log(x.micro_batch / b)), x.micro_batch)) if found else None
 
 

@@ -47,7 +47,8 @@ from autopar.planning.cost.network import (
     tp_half_time,
 )
 from autopar.planning.cost.op_costs import FP16
-from autopar.planning.cost.op_times import PhaseTime, layer_scale, layer_times, measured_recompute, measured_split
+from autopar.planning.cost.op_times import (PhaseTime, layer_scale, layer_times, measured_recompute, measured_split,
+                                           measures_layer_of)
 from autopar.planning.cost.pipeline_timeline import eager_timeline
 from autopar.planning.cost.transformer import iteration_flops
 from autopar.planning.cost.zero_bubble_costs import weight_grad_times, zero_bubble_idle
@@ -457,9 +458,7 @@ def _data_parallel_scale(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
     parallelism (not what was measured)."""
     if lay.dcp == 1 or lay.ep > 1 or lay.cp > 1 or not hw.data_parallel or hw.runtime is None:
         return 1.0
-    nodes = spec.graph_nodes[1] if spec.graph_nodes else 0
-    found = [x for x in hw.data_parallel if x.signature == spec.layer_signature
-             and (not x.nodes or not nodes or x.nodes == nodes)]
+    found = [x for x in hw.data_parallel if measures_layer_of(x.signature, x.nodes, spec)]
     if not found:
         return 1.0
     x = found[0]

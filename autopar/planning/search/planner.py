@@ -40,6 +40,7 @@ from autopar.planning.cost.memory import memory_per_gpu
 from autopar.planning.cost.models import ModelSpec, params_per_stage
 from autopar.planning.cost.step_estimate import Estimate, estimate
 from autopar.planning.errors import PlanError
+from autopar.planning.quantities import binary_unit, count, nbytes, rate, seconds
 from autopar.planning.search.sensitivity import flip_lines, memory_margin_line
 from autopar.planning.search.versus import term_lines
 
@@ -482,8 +483,8 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
     if part == "p2p":
         return f"{2 * a.m * la.v} vs {2 * b.m * lb.v} blocking sends per stage of b s h/t"
     if part == "dp":
-        pa = max(params_per_stage(a.spec, la.t, la.p, la.ep)) / 1e9
-        pb = max(params_per_stage(b.spec, lb.t, lb.p, lb.ep)) / 1e9
+        pa = max(params_per_stage(a.spec, la.t, la.p, la.ep))
+        pb = max(params_per_stage(b.spec, lb.t, lb.p, lb.ep))
         G = a.cluster.hardware.gpus_per_node
         ka, kb = min(la.d, max(1, G // la.t)), min(lb.d, max(1, G // lb.t))
         over = "" if la.dp_overlap == lb.dp_overlap else (
@@ -492,7 +493,7 @@ def _reason(part: str, a: Estimate, b: Estimate) -> str:
         zero = "" if la.distopt == lb.distopt else (
             f"; distributed optimizer {'on' if la.distopt else 'off'} vs {'on' if lb.distopt else 'off'} "
             f"(reduce-scatter overlapping the backward + all-gather after the step, the all-reduce's bytes)")
-        return (f"{pa:.2f}B vs {pb:.2f}B gradients per GPU over d={la.d} vs {lb.d}, "
+        return (f"{count(pa)} vs {count(pb)} gradients per GPU over d={la.d} vs {lb.d}, "
                 f"a DP group has {ka} vs {kb} GPUs (NICs) per node{over}{zero}")
     if part == "optimizer":
         shard = "" if la.distopt == lb.distopt else (
@@ -507,8 +508,8 @@ def why_differs(best: Estimate, ref: Estimate, label: str = "the reference") -> 
         return [f"the best layout is {label} layout ({ref.layout.short})"]
     gain = ref.t_iter / best.t_iter - 1
     lines = [f"best {best.layout.short} is predicted {gain:+.1%} faster than {label} "
-             f"{ref.layout.short}: {best.t_iter:.2f} s vs {ref.t_iter:.2f} s per iteration, "
-             f"{best.tflops_per_gpu:.1f} vs {ref.tflops_per_gpu:.1f} TFLOP/s per GPU"]
+             f"{ref.layout.short}: {seconds(best.t_iter)} vs {seconds(ref.t_iter)} per iteration, "
+             f"{rate(best.tflops_per_gpu * 1e12, 'FLOP')} vs {rate(ref.tflops_per_gpu * 1e12, 'FLOP')} per GPU"]
     if best.layout.recompute != ref.layout.recompute:
         lines.append("  (TFLOP/s count the FLOPs each layout executes: without recomputation "
                      "there are a quarter fewer, so compare iteration times)")
@@ -517,39 +518,39 @@ def why_differs(best: Estimate, ref: Estimate, label: str = "the reference") -> 
         if abs(dl) < 0.003 * ref.t_iter:
             continue
         reason = _reason(k, best, ref)
-        lines.append(f"  {_PARTS[k]}: {best.breakdown[k]:.3f} s vs {ref.breakdown[k]:.3f} s "
+        lines.append(f"  {_PARTS[k]}: {seconds(best.breakdown[k])} vs {seconds(ref.breakdown[k])} "
                      f"({-dl / ref.t_iter:+.1%} of {label}'s iteration)" + (f"; {reason}" if reason else ""))
-    gib = 2**30
-    usable = best.cluster.hardware.usable_bytes / gib
-    lines.append(f"  memory per GPU: {best.memory.total / gib:.1f} GiB vs {ref.memory.total / gib:.1f} GiB "
-                 f"({usable:.1f} GiB usable)")
+    usable = best.cluster.hardware.usable_bytes
+    lines.append(f"  memory per GPU: {nbytes(best.memory.total)} vs {nbytes(ref.memory.total)} "
+                 f"({nbytes(usable)} usable)")
     lines += feature_lines(best, ref, label)
-    return lines + ["  the terms side by side (seconds per iteration):"] + term_lines(best, ref, "best", "other")
+    return lines + ["  the terms side by side (per iteration):"] + term_lines(best, ref, "best", "other")
 
 
 def feature_lines(best: Estimate, ref: Estimate, label: str) -> list[str]:
     """How sequence parallelism and the distributed optimizer change ``best``'s memory, when
-    ``best`` and ``ref`` differ in them: the formula and its saving in GiB."""
-    lines, gib, lay = [], 2**30, best.layout
+    ``best`` and ``ref`` differ in them: the formula and its saving in bytes."""
+    lines, lay = [], best.layout
     if lay.sp != ref.layout.sp and lay.t > 1:
         other = memory_per_gpu(best.spec, replace(lay, sequence_parallel=not lay.sequence_parallel), best.m)
         lines.append(f"  sequence parallelism {'on' if lay.sp else 'off'} (vs {label}): activations "
                      f"s b h (34 + 5 a s/h)/t instead of s b h (10 + 24/t + 5 a s/(h t)): "
-                     f"{best.memory.activations / gib:.1f} GiB vs {other.activations / gib:.1f} GiB")
+                     f"{nbytes(best.memory.activations)} vs {nbytes(other.activations)}")
     if lay.distopt != ref.layout.distopt and lay.d > 1:
         other = memory_per_gpu(best.spec, replace(lay, distributed_optimizer=not lay.distributed_optimizer), best.m)
         lines.append(f"  distributed optimizer {'on' if lay.distopt else 'off'} (vs {label}): optimizer state "
-                     f"12/d instead of 12 bytes per parameter (d={lay.d}): {best.memory.optimizer / gib:.1f} GiB vs "
-                     f"{other.optimizer / gib:.1f} GiB")
+                     f"12/d instead of 12 bytes per parameter (d={lay.d}): {nbytes(best.memory.optimizer)} vs "
+                     f"{nbytes(other.optimizer)}")
     return lines
 
 
 def memory_line(e: Estimate) -> str:
     """``73.0 GiB (weights 6.6 + grads 6.6 + optimizer 39.8 + DDP buckets 6.6 + ...)``."""
-    m, gib = e.memory, 2**30
+    m = e.memory
     parts = [("weights", m.weights), ("grads", m.grads), ("optimizer", m.optimizer),
              ("DDP buckets", m.buffers)]
     act = ("fp32 grad copy of the step" if m.step_copy > 0 and m.activations == m.step_copy else "activations",
            m.activations)
-    body = " + ".join(f"{k} {v / gib:.1f}" for k, v in parts + [act] if v > 0)
-    return f"{m.total / gib:.1f} GiB ({body})"
+    scale, unit = binary_unit(max(m.total, 2**30))  # GiB, or the unit of a total below one
+    body = " + ".join(f"{k} {v / scale:.1f}" for k, v in parts + [act] if v > 0)
+    return f"{m.total / scale:.1f} {unit} ({body})"

@@ -24,6 +24,7 @@ from typing import Callable
 from autopar.planning.cost.hardware import Hardware
 from autopar.planning.cost.layout import Cluster
 from autopar.planning.cost.step_estimate import Estimate, estimate
+from autopar.planning.quantities import rate
 
 __all__ = ["Knob", "KNOBS", "FlipPoint", "flip_points", "flip_lines", "memory_margin_line"]
 
@@ -50,19 +51,19 @@ class Knob:
 KNOBS: tuple[Knob, ...] = (
     Knob("gemm", "GEMM throughput",
          lambda hw, f: hw.with_efficiency(gemm=hw.eff.gemm * f),
-         lambda hw: f"{hw.eff.gemm * hw.peak_flops / 1e12:.0f} TFLOP/s for a large GEMM",
+         lambda hw: f"{rate(hw.eff.gemm * hw.peak_flops, 'FLOP')} for a large GEMM",
          lambda hw: 1.0 / hw.eff.gemm),
     Knob("hbm", "memory-bound kernel bandwidth",
          lambda hw, f: hw.with_efficiency(hbm=hw.eff.hbm * f),
-         lambda hw: f"{hw.eff.hbm * hw.hbm_bw / 1e9:.0f} GB/s",
+         lambda hw: rate(hw.eff.hbm * hw.hbm_bw, "B"),
          lambda hw: 1.0 / hw.eff.hbm),
     Knob("nvlink", "NVLink bus bandwidth (tensor-parallel all-reduces, scatter/gather)",
          lambda hw, f: replace(hw, nvlink_bw=hw.nvlink_bw * f),
-         lambda hw: f"{hw.nvlink_bw * hw.nvlink_efficiency / 1e9:.0f} GB/s",
+         lambda hw: rate(hw.nvlink_bw * hw.nvlink_efficiency, "B"),
          lambda hw: 1.0 / hw.nvlink_efficiency),
     Knob("ib", "InfiniBand bandwidth per NIC (pipeline sends, data-parallel all-reduce)",
          lambda hw, f: replace(hw, ib_bw=hw.ib_bw * f),
-         lambda hw: f"{hw.ib_bw * hw.ib_efficiency / 1e9:.1f} GB/s",
+         lambda hw: rate(hw.ib_bw * hw.ib_efficiency, "B"),
          lambda hw: 1.0 / hw.ib_efficiency),
 )
 

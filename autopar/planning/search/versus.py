@@ -56,13 +56,16 @@ def term_rows(a: Estimate, b: Estimate) -> list[TermRow]:
 
 
 def term_lines(a: Estimate, b: Estimate, label_a: str = "A", label_b: str = "B") -> list[str]:
-    """``term_rows`` as an aligned text table: seconds of each layout, their difference and its
-    share of b's iteration, the layouts named in the header."""
+    """``term_rows`` as an aligned text table: seconds of each layout (milliseconds when both iterations
+    take less than a second), their difference and its share of b's iteration, the layouts named in the
+    header."""
     rows = term_rows(a, b)
     width = max(len(r.term) for r in rows)
+    unit, k = ("ms", 1e3) if max(a.t_iter, b.t_iter) < 1.0 else ("s", 1.0)
     lines = [f"  {label_a}: {a.layout.short}", f"  {label_b}: {b.layout.short}",
-             f"  {'term (s)':<{width}}  {label_a:>9}  {label_b:>9}  {label_a + ' - ' + label_b:>9}  {'of ' + label_b:>7}"]
+             f"  {f'term ({unit})':<{width}}  {label_a:>9}  {label_b:>9}  {label_a + ' - ' + label_b:>9}  "
+             f"{'of ' + label_b:>7}"]
     for r in rows:
-        lines.append(f"  {r.term:<{width}}  {r.a:9.3f}  {r.b:9.3f}  {r.difference:+9.3f}  "
+        lines.append(f"  {r.term:<{width}}  {r.a * k:9.3f}  {r.b * k:9.3f}  {r.difference * k:+9.3f}  "
                      f"{r.difference / b.t_iter:+7.1%}")
     return lines
