@@ -34,6 +34,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.flops import node_bytes
 from autopar.core.graph import TracedModel, module_path, source_line
 from autopar.core.tensor_placement import Replicate, Shard
+from autopar.planning.cost.hardware import Hardware
 from autopar.schedules import Schedule
 from passes.async_tp import AsyncTPPlan
 from passes.layers import LayerInfo, layer_of_node, layer_of_param
@@ -382,9 +383,12 @@ class Program:
                 body.append(f"# ---- chunk {c.index} ({layers}) ----{_module_code(c.module)}")
         return "\n".join(lines) + "\n" + "\n".join(body)
 
-    def summary(self) -> str:
-        """Human-readable plan: layout, sharded parameters, collectives, fallbacks."""
-        return render_summary(self)
+    def summary(self, hardware: str | Hardware | None = None, distributed_optimizer: bool = False) -> str:
+        """Human-readable plan: layout, sharded parameters, collectives, fallbacks; with ``hardware`` (a
+        preset's name, the path of a profile ``autopar tune`` wrote, or a ``Hardware``) also the step the
+        cost model predicts for this program there, where it goes and its memory per rank
+        (``predicted_cost``; ``distributed_optimizer``: priced with the ranks' distributed optimizer)."""
+        return render_summary(self, hardware=hardware, distributed_optimizer=distributed_optimizer)
 
     def __post_init__(self):
         if self.batch_roles is None:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.compiler.context_report import context_lines
+from autopar.compiler.example_batch import example_seq_len
 from autopar.compiler.expert_report import expert_lines
 from autopar.compiler.overlap_report import overlap_lines
 from autopar.compiler.sequence_report import sequence_parallel_lines
@@ -58,7 +59,7 @@ def memory_per_rank(program: Program) -> list[dict[str, float]]:
     ``distributed_optimizer`` say which the program uses (``program.config``'s, off when absent).
     """
     p, t, d = program.pp, program.tp, program.config.data_parallel * program.config.cp  # distopt shards over dp x cp
-    seq = _seq_len(program)
+    seq = example_seq_len(program)
     out = []
     for stage in range(p):
         params, weights, optimizer = 0, 0.0, 0.0
@@ -83,12 +84,6 @@ def memory_per_rank(program: Program) -> list[dict[str, float]]:
 
 DISTRIBUTED_STATE_BYTES = 12
 """The distributed optimizer's state per parameter before sharding: an fp32 master and Adam's m and v."""
-
-
-def _seq_len(program: Program) -> int:
-    """The example microbatch's sequence length (the first input's last dim)."""
-    phs = [n for n in program.traced.gm.graph.nodes if n.op == "placeholder" and n.name in program.traced.input_names]
-    return int(phs[0].meta["val"].shape[-1]) if phs and phs[0].meta["val"].dim() >= 2 else 0
 
 
 def _sequence_share(chunk, seq: int) -> float:
@@ -117,10 +112,14 @@ def predicted_bubble(program: Program, sends: Sends = Sends.POSTED) -> float:
     return float(run.bubble)
 
 
-def render_summary(program: Program, width: int = PIPED_WIDTH) -> str:
+def render_summary(program: Program, width: int = PIPED_WIDTH, hardware=None, distributed_optimizer: bool = False) -> str:
     """The plan as text ``width`` columns wide: header, stages and memory, parameters,
     collectives, and whatever runs slower than it could (fallbacks, weights left whole, linears
-    left replicated). Numbers and names are never cut or wrapped (``planning/drawing/tables.py``)."""
+    left replicated); with ``hardware``, last, the step predicted there (``predicted_cost``). Numbers
+    and names are never cut or wrapped (``planning/drawing/tables.py``)."""
+    from autopar.compiler.predicted_cost import predicted_lines  # noqa: PLC0415  (the cost model, when asked)
+
+    predicted = predicted_lines(program, hardware, distributed_optimizer) if hardware is not None else []
     console = Console(record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None)
     console.print(_header(program))
     if program.layers.count:
@@ -146,6 +145,8 @@ def render_summary(program: Program, width: int = PIPED_WIDTH) -> str:
     for table in (_unsplit_weights_table(program), _rejected_table(program)):
         if table is not None:
             console.print(table)
+    for line in predicted:
+        console.print(line, highlight=False, markup=False)
     return console.export_text()
 
 

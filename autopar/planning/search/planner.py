@@ -551,6 +551,6 @@ def memory_line(e: Estimate) -> str:
              ("DDP buckets", m.buffers)]
     act = ("fp32 grad copy of the step" if m.step_copy > 0 and m.activations == m.step_copy else "activations",
            m.activations)
-    scale, unit = binary_unit(max(m.total, 2**30))  # GiB, or the unit of a total below one
+    scale, unit = binary_unit(m.total)  # GiB, or the unit of a total below one
     body = " + ".join(f"{k} {v / scale:.1f}" for k, v in parts + [act] if v > 0)
     return f"{m.total / scale:.1f} {unit} ({body})"
