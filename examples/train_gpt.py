@@ -198,8 +198,16 @@ def train(args, program: autopar.ParallelProgram | None = None):
             if step == start and args.compile != "none" and dist.get_rank() == 0:
                 bar.console.print(f"compiling each chunk with {args.compile} at its first run "
                                   "(Inductor: tens of seconds per chunk on CPU ranks)...")
-            if step == args.crash_at_step and autopar.restart_count() == 0 and dist.get_rank() == dist.get_world_size() - 1:
-                os._exit(17)  # the fault drill: this rank dies at this step of the first start, as a lost node would
+            if step == args.crash_at_step and autopar.restart_count() == 0:
+                # the fault drill: the last rank dies at this step of the first start, as a lost node would,
+                # once the checkpoint in flight has landed on every rank (so that the restart resumes from it
+                # whatever the machine's load; a real fault can lose the one in flight, and resumes from the
+                # one before)
+                if pending is not None:
+                    pending.wait()
+                    pending = None
+                if dist.get_rank() == dist.get_world_size() - 1:
+                    os._exit(17)
             out["losses"].append(engine.train_step(*data.batch(step)))
             if step == start and args.compile != "none" and dist.get_rank() == 0:
                 for (mode, chunk), report in sorted(engine.compiled().items()):
