@@ -320,9 +320,16 @@ def measure(repeats: int = 20) -> RuntimeFigures:
             "_u1": u1, "_layer": layer, "_t11": T[1, 1], "_split_layer": split_layer}
 
 
+FORKED_REPEATS = 2
+"""How many times ``measure``'s steps ``measure_forked`` takes: a 2-rank step waits for its peer, and
+its figures (differences of such steps) jitter twice as much as one rank's."""
+
+
 def measure_forked(one: RuntimeFigures, repeats: int = 20) -> RuntimeFigures:
     """The figures that take 2 ranks (forked from this process), given ``measure``'s: a pipeline send, a
-    split backward per node, a tensor-parallel collective in a step, a multi-rank step."""
+    split backward per node, a tensor-parallel collective in a step, a multi-rank step; each over
+    ``FORKED_REPEATS`` x ``repeats`` steps."""
+    repeats *= FORKED_REPEATS
     send, split, split_pipeline = pipeline_seconds(one["node_s"], one["action_s"], int(one["end_nodes"]),
                                                    one["_split_layer"], repeats)
     return {"send_s": send, "split_node_s": split, "split_pipeline_s": split_pipeline,
