@@ -39,6 +39,7 @@ from autopar.planning.cost.hardware_profile import (
 )
 from autopar.planning.cost.network import inter_node_bw, intra_node_bw
 from autopar.planning.cost.tune_plan import divisors, model_gemm_shapes, tune_groups
+from autopar.planning.quantities import seconds
 
 __all__ = ["run_tune", "tune_flags"]
 
@@ -208,13 +209,11 @@ def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world
     skipped = found.pop("skipped", None)
     layers = tuple(MeasuredLayer(**x) for x in found["layers"])
     data_parallel = tuple(MeasuredDataParallel(**x) for x in found["data_parallel"])
-    _say(rank, console, f"runtime: step {runtime['step_s'] * 1e6:.3g} us, action {runtime['action_s'] * 1e6:.3g} us, "
-                        f"graph node {runtime['node_s'] * 1e6:.3g} us, checkpointed region "
-                        f"{runtime['checkpoint_s'] * 1e6:.3g} us, pipeline send {runtime['send_s'] * 1e6:.3g} us, "
-                        f"split backward {runtime['split_node_s'] * 1e6:.3g} us per node, "
-                        f"tensor-parallel collective in a step {runtime['tp_collective_s'] * 1e6:.3g} us, "
-                        f"multi-rank step {runtime['world_step_s'] * 1e6:.3g} us, distributed optimizer "
-                        f"{runtime['distopt_step_s'] * 1e6:.3g} us, AdamW "
+    r = {k: seconds(v) for k, v in runtime.items() if k.endswith("_s")}
+    _say(rank, console, f"runtime: step {r['step_s']}, action {r['action_s']}, graph node {r['node_s']}, checkpointed "
+                        f"region {r['checkpoint_s']}, pipeline send {r['send_s']}, split backward {r['split_node_s']} "
+                        f"per node, tensor-parallel collective in a step {r['tp_collective_s']}, multi-rank step "
+                        f"{r['world_step_s']}, distributed optimizer {r['distopt_step_s']}, AdamW "
                         f"{runtime['optimizer_per_param_s'] * 1e9:.3g} ns per parameter")
     _say(rank, console, "the model's layer, forward and backward (at t = 1, recomputed: +, split: +): " + (", ".join(
         f"b={x.micro_batch} t={x.tp}{' sp' if x.sequence_parallel else ''} {x.seconds * 1e3:.3g} ms"
