@@ -21,6 +21,7 @@ from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, microbatch_errors
 from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.pipeline_timeline import runtime_schedule
 from autopar.planning.cost.step_timelines import estimate_with_timeline, runtime_step
+from autopar.planning.quantities import rate, seconds
 from autopar.planning.search.planner import search
 from autopar.schedules import Sends, SimResult, generate, simulate
 
@@ -122,10 +123,11 @@ def _model_timelines(args: argparse.Namespace, spec: ModelSpec,
     runtime = runtime_step(est)
     lowered = runtime.timeline
     title = f"{spec.label}, {lay.short}, {cl.gpus} GPUs, batch {cl.global_batch}"
-    notes = [f"lowered schedule (autopar's runtime): pipeline {lowered.step_time:.4g} s, bubble "
-             f"{lowered.bubble:.1%}, iteration {runtime.t_iter:.4g} s, {runtime.tflops_per_gpu:.1f} TFLOP/s/GPU",
-             f"eager sends (the planner's model, Megatron-LM-like): pipeline {eager.step_time:.4g} s, bubble "
-             f"{eager.bubble:.1%}, iteration {est.t_iter:.4g} s, {est.tflops_per_gpu:.1f} TFLOP/s/GPU",
+    notes = [f"lowered schedule (autopar's runtime): pipeline {seconds(lowered.step_time, 4)}, bubble "
+             f"{lowered.bubble:.1%}, iteration {seconds(runtime.t_iter, 4)}, {rate(runtime.tflops_per_gpu * 1e12, 'FLOP', 4)}"
+             "/GPU",
+             f"eager sends (the planner's model, Megatron-LM-like): pipeline {seconds(eager.step_time, 4)}, bubble "
+             f"{eager.bubble:.1%}, iteration {seconds(est.t_iter, 4)}, {rate(est.tflops_per_gpu * 1e12, 'FLOP', 4)}/GPU",
              f"per chunk and microbatch: forward {est.t_chunk_f * 1e3:.3g} ms, backward (+recompute) "
              f"{est.t_chunk_b * 1e3:.3g} ms" + (f" (W: {est.t_chunk_w * 1e3:.3g} ms)" if split else "")
              + f", one send {est.t_p2p * 1e3:.3g} ms; drawn: "

@@ -29,14 +29,14 @@ def si(value: float, unit: str, digits: int = 3) -> str:
     return f"{_digits(value / scale, digits)} {prefix}{unit}"
 
 
-def seconds(value: float) -> str:
+def seconds(value: float, digits: int = 3) -> str:
     """A time: ``0.0312`` -> ``31.2 ms``, ``12.5`` -> ``12.5 s``."""
-    return si(value, "s")
+    return si(value, "s", digits)
 
 
-def rate(value: float, unit: str) -> str:
+def rate(value: float, unit: str, digits: int = 3) -> str:
     """A throughput or bandwidth in ``unit`` per second: ``rate(8e8, "B")`` -> ``800 MB/s``."""
-    return si(value, f"{unit}/s")
+    return si(value, f"{unit}/s", digits)
 
 
 _COUNTS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k"), (1.0, ""))
