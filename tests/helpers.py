@@ -29,9 +29,9 @@ import autopar
 from autopar.reference.models import build
 from autopar.reference.parity import single_device_run
 
-__all__ = ["seeded", "token_batches", "parallelize_on", "compiled", "tiny_gpt_program", "reference_run", "spawn_ranks",
-           "assert_ranks_match", "assert_same_grads", "assert_bitwise_equal", "meta_model_from",
-           "write_contract_checkpoint", "dcp_tensors"]
+__all__ = ["seeded", "token_batches", "parallelize_on", "compiled", "tiny_gpt_program", "reference_run",
+           "spawn_ranks", "layout_world", "layout_chunks", "assert_ranks_match", "assert_same_grads",
+           "assert_bitwise_equal", "meta_model_from", "write_contract_checkpoint", "dcp_tensors"]
 
 Batches = list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
 
@@ -133,6 +133,17 @@ def spawn_ranks(worker: Callable, world: int, *args, timeout_s: float = 900) -> 
     results = autopar.spawn(worker, world, args, timeout_s=timeout_s, inherit=True)
     assert len(results) == world, f"{len(results)} results from {world} ranks"
     return results
+
+
+def layout_world(layout: dict) -> int:
+    """The ranks a layout of ``parallelize`` keywords fills: tp x cp x pp x dp (each 1 when not given)."""
+    return layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+
+
+def layout_chunks(layout: dict) -> int:
+    """The parts one step's global batch is cut into under a layout: dp x microbatches (each 1 when not
+    given), what ``chunked_one_device_steps`` runs the one-device reference in."""
+    return layout.get("dp", 1) * layout.get("microbatches", 1)
 
 
 def on_rank0(value):

@@ -16,8 +16,8 @@ from rich.console import Console
 from autopar.cli.layout_args import cluster, search_space, versus_estimate
 from autopar.cli.model_args import model_spec
 from autopar.cli.render import breakdown_table, context_table, explain_rows, explain_table, ops_table, plan_table
-from autopar.planning.cost.op_times import measured_this_layer, measures_layer_of
 from autopar.planning.cost.step_estimate import Estimate
+from autopar.planning.search.measured_note import measured_note
 from autopar.planning.search.planner import Plan, best_by_context_degree, search
 from autopar.planning.search.sensitivity import flip_points
 from autopar.planning.search.versus import term_lines, term_rows
@@ -71,41 +71,6 @@ def _plan_json(args: argparse.Namespace, plan: Plan, other: Estimate | None,
     if args.explain and plan.ranked:
         out["explain"] = [dict(zip(("name", "what", "formula", "value"), r)) for r in explain_rows(plan.best)]
     return out
-
-
-def measured_note(spec, hw, best) -> str:
-    """What of a tuned profile's measurements of a model (``layers``, ``data_parallel``) priced the best
-    layout, or why none did; "" when the profile has none."""
-    if not hw.layers and not hw.data_parallel:
-        return ""
-    parts = [f"its layer x{best.layer_scale:.3g}"] if best.layer_scale != 1.0 else []
-    if best.data_parallel_scale != 1.0:
-        parts.append(f"its gradient reduction x{best.data_parallel_scale:.3g}")
-    if parts:
-        return ("priced with this model's own measurements from `autopar tune` (measured over priced from the "
-                "kernels): " + ", ".join(parts))
-    if not measured_this_layer(spec, hw):
-        measured = sorted({(x.signature, x.nodes) for x in (*hw.layers, *hw.data_parallel)})
-        ours = spec.graph_nodes[1] if spec.graph_nodes else 0
-        what = ", ".join(sig + (f" ({nodes} graph nodes)" if sig == spec.layer_signature else "")
-                         for sig, nodes in measured)
-        return (f"the profile measured the layer of {what}, not this model's ({spec.layer_signature}"
-                + (f", {ours} graph nodes" if ours else "") + "): its layer is priced from its kernels "
-                "(`autopar tune` with this model's flags measures it)")
-    lay = best.layout
-    runs = sorted({(x.tp, x.sequence_parallel) for x in hw.layers if measures_layer_of(x.signature, x.nodes, spec)})
-    if lay.fused_kernels:
-        why = ("the best layout is priced with fused kernels (--kernels fused: compiled chunks), the measurement "
-               "ran autopar's eager chunks (--kernels op-by-op prices them with it)")
-    elif lay.cp > 1:
-        why = f"the best layout splits the sequence (cp={lay.cp}), which the tune does not measure"
-    else:
-        said = ", ".join(f"t={t}" + (" with sequence parallelism" if sp else "") for t, sp in runs)
-        why = (f"the tune measured it at {said}, not at t={lay.t}"
-               + (" with sequence parallelism" if lay.sp else "") + f" (`autopar tune --nproc {lay.t}` or more "
-               "ranks measures that degree)")
-    return f"the profile measured this model's layer, but not as the best layout runs it: {why}; its layer is " \
-           "priced from its kernels"
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:

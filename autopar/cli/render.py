@@ -16,8 +16,8 @@ from autopar.planning.drawing.tables import PIPED_WIDTH, compact_table
 from autopar.planning.measured.comparison import Comparison
 from autopar.planning.search.planner import Plan
 
-__all__ = ["make_console", "plan_units", "plan_row", "plan_table", "shows_context_parallelism", "context_table", "breakdown_table",
-           "ops_table", "explain_rows", "explain_table", "measured_table", "costs_table"]
+__all__ = ["make_console", "plan_units", "plan_row", "plan_table", "shows_context_parallelism", "context_table",
+           "breakdown_table", "ops_table", "explain_rows", "explain_table", "measured_table", "costs_table"]
 
 GiB = 2**30
 
@@ -89,6 +89,7 @@ def plan_table(plan: Plan, top: int) -> Table:
         rows.append(["paper", *plan_row(plan.reference, moe, context, units)])
         styles.append("yellow")
     headers = tuple(units.get(h, (h, 1.0))[0] for h in PLAN_COLUMNS)
+    time_unit = units["iter s"][0].split()[-1]  # "s" or "ms"
     columns = headers[:2] + (("cp",) if context else ()) + headers[2:4] + (("ep",) if moe else ()) + headers[4:]
     experts = ("; ep: expert-parallel degree and dispatcher (ag = all-gather/reduce-scatter, a2a = all-to-all), "
                "whose exchanges comm includes" if moe else "")
@@ -97,12 +98,13 @@ def plan_table(plan: Plan, top: int) -> Table:
     return compact_table(
         f"{plan.spec.label} on {plan.cluster.gpus} x {hw.gpu} ({hw.name}), global batch "
         f"{plan.cluster.global_batch}: {plan.evaluated} layouts in {plan.seconds:.2f} s", columns, rows,
-        caption=f"ranked by predicted iteration time ({units['iter s'][0].split()[1]}); sched: schedule (interl. = interleaved 1F1B, * = simulated, "
+        caption=f"ranked by predicted iteration time ({time_unit}); sched: schedule (interl. = interleaved 1F1B, "
+                "* = simulated, "
                 "! = priced but not runnable: the schedule's rules, listed below); recomp: recomputation; SP: "
                 f"sequence parallelism; DO: distributed optimizer; {units['TFLOP/s'][0]} per GPU count the FLOPs "
                 f"executed (recomputation included, as the paper counts); peak: of the GPU's peak; "
                 f"{units['GiB'][0]} per GPU; comm: exposed tensor-parallel, pipeline and data-parallel "
-                f"communication ({units['comm s'][0].split()[1]})" + experts,
+                f"communication ({time_unit})" + experts,
         left=("sched", "recomp", "SP", "DO") + (("ep",) if moe else ()), styles=styles)
 
 

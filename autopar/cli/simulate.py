@@ -124,10 +124,11 @@ def _model_timelines(args: argparse.Namespace, spec: ModelSpec,
     lowered = runtime.timeline
     title = f"{spec.label}, {lay.short}, {cl.gpus} GPUs, batch {cl.global_batch}"
     notes = [f"lowered schedule (autopar's runtime): pipeline {seconds(lowered.step_time, 4)}, bubble "
-             f"{lowered.bubble:.1%}, iteration {seconds(runtime.t_iter, 4)}, {rate(runtime.tflops_per_gpu * 1e12, 'FLOP', 4)}"
-             "/GPU",
+             f"{lowered.bubble:.1%}, iteration {seconds(runtime.t_iter, 4)}, "
+             f"{rate(runtime.tflops_per_gpu * 1e12, 'FLOP', 4)}/GPU",
              f"eager sends (the planner's model, Megatron-LM-like): pipeline {seconds(eager.step_time, 4)}, bubble "
-             f"{eager.bubble:.1%}, iteration {seconds(est.t_iter, 4)}, {rate(est.tflops_per_gpu * 1e12, 'FLOP', 4)}/GPU",
+             f"{eager.bubble:.1%}, iteration {seconds(est.t_iter, 4)}, "
+             f"{rate(est.tflops_per_gpu * 1e12, 'FLOP', 4)}/GPU",
              f"per chunk and microbatch: forward {est.t_chunk_f * 1e3:.3g} ms, backward (+recompute) "
              f"{est.t_chunk_b * 1e3:.3g} ms" + (f" (W: {est.t_chunk_w * 1e3:.3g} ms)" if split else "")
              + f", one send {est.t_p2p * 1e3:.3g} ms; drawn: "

@@ -189,9 +189,9 @@ def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world
 
     from autopar.cli.tune_runtime import ONE_RANK_BASIS, measure_in_subprocess  # noqa: PLC0415
 
-    # steps per engine in the runtime's measurements: each figure is a difference of medians of steps a few
-    # hundred microseconds apart, which at 10 moved by half from one tune to the next; at 30 (90) it
-    # stays within ~10%, for 5 (20) seconds more
+    # steps per engine in the runtime's measurements (the 2-rank ones take FORKED_REPEATS x as many): each
+    # figure is a difference of medians of steps a few hundred microseconds apart; at 10 they moved by half
+    # from one tune to the next, at 90 two tunes agreed within ~10%
     repeats = 30 if args.quick else 90
     wanted = dict(flags=tune_flags(argv), micro_batch=args.micro_batch, world=world, quick=args.quick)
     runtime = measure_in_subprocess(repeats, layers=wanted)

@@ -4,9 +4,9 @@ The program's layout (its degrees, chunks per stage, schedule, microbatches, rec
 parallelism, compiled or eager chunks, precision) and its model's dimensions (read from its traced
 graph, as ``autopar.plan`` reads them) are priced on a preset or on a profile ``autopar tune`` wrote,
 as the planner prices a layout: the step, where it goes, the fullest stage's memory per rank, and which
-of the profile's measurements of this model priced it. The distributed optimizer is the ranks' choice
-at run time (``engine.distributed_optimizer``), so it is a question to the pricing, not a fact of the
-program.
+of the profile's measurements of this model priced it (``measured_note``, as ``autopar plan`` says it).
+The distributed optimizer is the ranks' choice at run time (``engine.distributed_optimizer``), so it is
+a question to the pricing, not a fact of the program.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from autopar.planning.cost.layout import PRICED_RECOMPUTE, Cluster, Layout, layo
 from autopar.planning.cost.precision import runtime_precision
 from autopar.planning.cost.step_estimate import Estimate, estimate
 from autopar.planning.quantities import nbytes, rate, seconds
+from autopar.planning.search.measured_note import measured_note
 from autopar.planning.search.planner import memory_line
 
 Program = Any
@@ -72,7 +73,8 @@ def predicted_lines(program: Program, hardware: str | Hardware, distributed_opti
     b = est.breakdown
     runtime = b.get("runtime", 0.0) + b.get("runtime_step", 0.0)
     lines = [f"predicted on {est.cluster.gpus} x {hw.gpu} ({hw.name}):",
-             f"  {lay.short}, global batch {est.cluster.global_batch} = {lay.b} x {est.m} microbatches x {lay.d} replicas",
+             f"  {lay.short}, global batch {est.cluster.global_batch} = {lay.b} x {est.m} microbatches x {lay.d} "
+             "replicas",
              f"  step {seconds(est.t_iter)}, {rate(est.tflops_per_gpu * 1e12, 'FLOP')} per rank",
              f"  pipeline {seconds(est.t_pipeline)} (bubble {est.bubble:.1%}), gradient reduction exposed "
              f"{seconds(est.t_dp_exposed)}, optimizer {seconds(est.t_optimizer)}",
@@ -80,13 +82,8 @@ def predicted_lines(program: Program, hardware: str | Hardware, distributed_opti
                 "regions, the step)"] if runtime else []),
              f"  memory per rank (fullest stage): {memory_line(est)}",
              f"  usable per rank: {nbytes(hw.usable_bytes)}" + ("" if est.fits else ": does not fit")]
-    if est.layer_scale != 1.0 or est.data_parallel_scale != 1.0:
-        scaled = [f"its layer x{est.layer_scale:.3g}"] if est.layer_scale != 1.0 else []
-        scaled += [f"its gradient reduction x{est.data_parallel_scale:.3g}"] if est.data_parallel_scale != 1.0 else []
-        lines.append("  this model's own measurements from `autopar tune` priced it: " + ", ".join(scaled)
-                     + " (measured over priced)")
-    elif hw.tuned and hw.layers:
-        lines.append("  the profile's measured layers are not of this model or layout: its layer is priced from "
-                     "its kernels (`autopar plan --hardware ...` says why)")
+    note = measured_note(est.spec, hw, est, layout="this program")
+    if note:
+        lines.append(f"  {note}")
     lines += [f"  not as priced: {e}" for e in errors]
     return lines

@@ -112,11 +112,12 @@ def predicted_bubble(program: Program, sends: Sends = Sends.POSTED) -> float:
     return float(run.bubble)
 
 
-def render_summary(program: Program, width: int = PIPED_WIDTH, hardware=None, distributed_optimizer: bool = False) -> str:
+def render_summary(program: Program, width: int = PIPED_WIDTH, hardware: Any = None,
+                   distributed_optimizer: bool = False) -> str:
     """The plan as text ``width`` columns wide: header, stages and memory, parameters,
     collectives, and whatever runs slower than it could (fallbacks, weights left whole, linears
-    left replicated); with ``hardware``, last, the step predicted there (``predicted_cost``). Numbers
-    and names are never cut or wrapped (``planning/drawing/tables.py``)."""
+    left replicated); with ``hardware`` (``Program.summary``'s), last, the step predicted there
+    (``predicted_cost``). Numbers and names are never cut or wrapped (``planning/drawing/tables.py``)."""
     from autopar.compiler.predicted_cost import predicted_lines  # noqa: PLC0415  (the cost model, when asked)
 
     predicted = predicted_lines(program, hardware, distributed_optimizer) if hardware is not None else []

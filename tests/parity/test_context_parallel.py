@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import transformers as T
 from families import train_steps
-from helpers import assert_ranks_match, parallelize_on, spawn_ranks, token_batches
+from helpers import (assert_ranks_match, layout_chunks, layout_world, parallelize_on, spawn_ranks,
+                     token_batches)
 
 from autopar.reference.models import build
 from autopar.reference.parity import assert_parity
@@ -72,17 +73,10 @@ DISTRIBUTED = {"bert cp2 dp2"}
 CLIP = 0.05
 
 
-def _world(layout: dict) -> int:
-    return layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1) * layout["cp"]
-
-
-def _chunks(layout: dict) -> int:
-    return layout.get("dp", 1) * layout.get("microbatches", 1)
-
-
 def _program(label: str):
     name, layers, layout = CASES[label]
-    return parallelize_on(_model(name, layers), _data(), ROWS // _chunks(layout), world_size=_world(layout), **layout)
+    return parallelize_on(_model(name, layers), _data(), ROWS // layout_chunks(layout), world_size=layout_world(layout),
+                          **layout)
 
 
 def _distributed_steps(engine, data):
@@ -167,8 +161,8 @@ def cp_runs(tmp_path_factory):
         _program(label)
     _kept_program(4)
     _loading_program(4)
-    two = [label for label, (_, _, layout) in CASES.items() if _world(layout) == 2]
-    four = [label for label, (_, _, layout) in CASES.items() if _world(layout) == 4]
+    two = [label for label, (_, _, layout) in CASES.items() if layout_world(layout) == 2]
+    four = [label for label, (_, _, layout) in CASES.items() if layout_world(layout) == 4]
     runs = {"root": root}
     for res in (spawn_ranks(_train, 2, two, root), spawn_ranks(_four_ranks, 4, four, root)):
         runs.update({label: [r[label] for r in res] for label in res[0] if label not in _EXTRA})

@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from families import train_steps
-from helpers import assert_ranks_match, chunked_one_device_steps, parallelize_on, spawn_ranks, token_batches
+from helpers import (assert_ranks_match, chunked_one_device_steps, layout_chunks, layout_world, parallelize_on,
+                     spawn_ranks, token_batches)
 
 import autopar
 
@@ -146,17 +147,10 @@ CASES = {
 }
 
 
-def _world(layout: dict) -> int:
-    return layout.get("tp", 1) * layout.get("pp", 1) * layout["dp"]
-
-
-def _chunks(layout: dict) -> int:
-    return layout["dp"] * layout.get("microbatches", 1)
-
-
 def _program(label: str):
     kind, layout = CASES[label]
-    return parallelize_on(_model(kind), _data(), ROWS // _chunks(layout), world_size=_world(layout), **layout)
+    return parallelize_on(_model(kind), _data(), ROWS // layout_chunks(layout), world_size=layout_world(layout),
+                          **layout)
 
 
 def _train(labels: list[str]) -> dict:
@@ -186,7 +180,7 @@ def _reference(label: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """One device, the model as written: each global batch cut into the layout's chunks, each chunk's
     loss / chunks backpropagated, then AdamW."""
     kind, layout = CASES[label]
-    return chunked_one_device_steps(_model(kind), _data(), _chunks(layout), LR,
+    return chunked_one_device_steps(_model(kind), _data(), layout_chunks(layout), LR,
                                     lambda out, y: F.cross_entropy(out.flatten(0, -2), y.flatten()))
 
 
@@ -195,8 +189,8 @@ def runs():
     for label in CASES:
         _program(label)  # compiled here first: the ranks inherit it
     out = {}
-    for world in sorted({_world(layout) for _, layout in CASES.values()}):
-        labels = [label for label, (_, layout) in CASES.items() if _world(layout) == world]
+    for world in sorted({layout_world(layout) for _, layout in CASES.values()}):
+        labels = [label for label, (_, layout) in CASES.items() if layout_world(layout) == world]
         results = spawn_ranks(_train, world, labels)
         out.update({label: [r[label] for r in results] for label in labels})
     return out

@@ -39,7 +39,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from families import train_steps
-from helpers import assert_ranks_match, chunked_one_device_steps, parallelize_on, spawn_ranks, token_batches
+from helpers import (assert_ranks_match, chunked_one_device_steps, layout_chunks, layout_world, parallelize_on,
+                     spawn_ranks, token_batches)
 
 from autopar.core.grouped_mm import grouped_mm
 from autopar.reference.models import MoE, MoEConfig, build, moe_outputs
@@ -113,19 +114,11 @@ acts): the expert weights' part of the norm is summed over the expert group (wit
 groups run over tp, counted once per tp group)."""
 
 
-def _world(layout: dict) -> int:
-    return layout.get("tp", 1) * layout.get("pp", 1) * layout["dp"]
-
-
-def _chunks(layout: dict) -> int:
-    return layout["dp"] * layout.get("microbatches", 1)
-
-
 def _program(label: str):
     name, layers, layout = CASES[label]
     model = _model(name, layers)
-    return parallelize_on(model, _data(), ROWS // _chunks(layout), world_size=_world(layout), **_losses(name, model),
-                          **layout)
+    return parallelize_on(model, _data(), ROWS // layout_chunks(layout), world_size=layout_world(layout),
+                          **_losses(name, model), **layout)
 
 
 def _train(labels: list[str]) -> dict:
@@ -160,7 +153,7 @@ def _chunked_reference(label: str) -> tuple[list[float], list[dict[str, torch.Te
     replica's rows, then its microbatches), each chunk's loss / chunks backpropagated, then AdamW.
     Computed once per (model, chunks, precision)."""
     name, layers, layout = CASES[label]
-    key = (name, layers, _chunks(layout), layout.get("precision", "fp32"), CLIP.get(label))
+    key = (name, layers, layout_chunks(layout), layout.get("precision", "fp32"), CLIP.get(label))
     if key not in _REFERENCES:
         _REFERENCES[key] = _train_one_device(name, layers, layout, CLIP.get(label))
     return _REFERENCES[key]
@@ -171,7 +164,7 @@ def _train_one_device(name: str, layers: int, layout: dict,
     model = _model(name, layers)
     loss_fn = _losses(name, model).get("loss_fn")
     return chunked_one_device_steps(
-        model, _data(), _chunks(layout), LR, clip=clip, bf16=layout.get("precision") == "bf16",
+        model, _data(), layout_chunks(layout), LR, clip=clip, bf16=layout.get("precision") == "bf16",
         loss_of=loss_fn or (lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, -2), y.flatten())))
 
 
@@ -181,8 +174,8 @@ def ep_runs():
     each program compiled here first (the ranks inherit it)."""
     programs = {label: _program(label) for label in CASES}
     runs = {}
-    for world in sorted({_world(layout) for _, _, layout in CASES.values()}):
-        labels = [label for label, (_, _, layout) in CASES.items() if _world(layout) == world]
+    for world in sorted({layout_world(layout) for _, _, layout in CASES.values()}):
+        labels = [label for label, (_, _, layout) in CASES.items() if layout_world(layout) == world]
         runs.update(_by_label(spawn_ranks(_train, world, labels)))
     return programs, runs
 
@@ -223,7 +216,7 @@ def test_eval_step_under_ep(ep_runs):
         name, layers, layout = CASES[label]
         model = _model(name, layers).eval()
         (x,), (y,) = _data()[0]
-        chunks = _chunks(layout)
+        chunks = layout_chunks(layout)
         rows = ROWS // chunks
         bf16 = layout.get("precision") == "bf16"
         loss_fn = _losses(name, model).get("loss_fn")

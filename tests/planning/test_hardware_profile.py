@@ -180,7 +180,8 @@ def test_the_tune_names_the_plan_command_of_the_model_it_measured():
 
     argv = ["tune", "--nproc", "2", "--quick", "--dtypes", "fp32", *MODEL_FLAGS, "--gated-mlp", "--out", "hw.json"]
     assert model_flags(argv) == " ".join([*MODEL_FLAGS, "--gated-mlp"])  # not --quick, --dtypes, --out
-    assert model_flags(["tune", "--hf-config=cfg", "--seq-len", "64", "--micro-batch", "2"]) == "--hf-config=cfg --seq-len 64"
+    flags = ["tune", "--hf-config=cfg", "--seq-len", "64", "--micro-batch", "2"]
+    assert model_flags(flags) == "--hf-config=cfg --seq-len 64"
     assert model_flags(["tune", "--quick"]) == ""
 
 

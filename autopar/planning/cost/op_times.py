@@ -35,7 +35,8 @@ from autopar.planning.cost.transformer import embedding_ops, head_ops, layer_ops
 from autopar.planning.errors import PlanError
 
 __all__ = ["GEMM_TILES", "tile_fill", "gemm_efficiency", "measured_gemm_rate", "op_time", "PhaseTime", "phase_time", "layer_times",
-           "NODE_TOLERANCE", "measures_layer_of", "measured_this_layer", "measured_layer", "layer_scale", "measured_recompute", "measured_split",
+           "NODE_TOLERANCE", "measures_layer_of", "measured_this_layer", "measured_layer", "layer_scale",
+           "measured_recompute", "measured_split",
            "CP_KINDS", "ring_hop_time"]
 
 CP_KINDS: tuple[str, ...] = ("cp_ring", "cp_ring_grad")
