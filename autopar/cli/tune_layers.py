@@ -106,16 +106,29 @@ def _program(make: Callable[[int], torch.nn.Module], layers: int, x: torch.Tenso
                                schedule="zb-h1" if mode == "split" else "1f1b")
 
 
-def _alternate(engines: dict, budget_s: float, sync: Callable[[], None] = lambda: None) -> dict:
+def _all_agree(keep: bool) -> bool:
+    """Whether every rank of the default group would go on (each rank's own clock decides its ``keep``):
+    ranks that stepped a different number of times would leave one waiting in a collective for a peer
+    that has exited."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    flag = torch.tensor([int(keep)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _alternate(engines: dict, budget_s: float, sync: Callable[[], None] = lambda: None,
+               agree: Callable[[bool], bool] = lambda keep: keep) -> dict:
     """Key -> median step of each engine of ``engines`` (key -> (engine, its batch)), stepped in turns
     (3 warm-up steps, then rounds of 2 steps each until ``budget_s`` has passed, 6 rounds at least): every
-    configuration measured under the same conditions, a slow moment of the machine falling on all."""
+    configuration measured under the same conditions, a slow moment of the machine falling on all.
+    Forked ranks pass ``agree=_all_agree``: they stop on the same round."""
     for engine, x in engines.values():
         for _ in range(3):
             engine.train_step(x, x)
     times: dict = {k: [] for k in engines}
     start, rounds = time.perf_counter(), 0
-    while rounds < 6 or (time.perf_counter() - start < budget_s and rounds < 60):
+    while rounds < 6 or agree(time.perf_counter() - start < budget_s and rounds < 60):
         for key, (engine, x) in engines.items():
             for _ in range(2):
                 sync()
@@ -165,7 +178,7 @@ def _rank_steps(budget_s: float) -> dict:
 
     torch.set_num_threads(1)
     engines = {key: (program.materialize(), x) for key, (program, x) in _FORKED.items()}
-    return _alternate(engines, budget_s, sync=dist.barrier)
+    return _alternate(engines, budget_s, sync=dist.barrier, agree=_all_agree)
 
 
 def measure_ranks(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, t: int,
@@ -203,7 +216,7 @@ def _data_parallel_steps(x: torch.Tensor, budget_s: float) -> dict:
         distopt = sharded.distributed_optimizer(torch.optim.AdamW, lr=1e-4)
         got: dict = {k: [] for k in ("step", "sync", "optimizer", "distopt")}
         t_start, i = time.perf_counter(), 0
-        while i < 9 or (time.perf_counter() - t_start < budget_s and i < 200):
+        while i < 9 or _all_agree(time.perf_counter() - t_start < budget_s and i < 200):
             dist.barrier()
             in_sync[0] = 0.0
             t0 = time.perf_counter()

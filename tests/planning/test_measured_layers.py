@@ -253,3 +253,37 @@ def test_the_tune_measures_the_layer_of_a_model_it_can_build_at_each_degree_the_
     assert (seq, vocab) == (16, 64)
     spec = spec_of(make, seq)  # the reference Llama of those dimensions, at 2 layers
     assert (spec.layers, spec.hidden, spec.heads, spec.kv, spec.gated_mlp) == (2, 32, 4, 2, True)
+
+
+class _CountingEngine:
+    """An engine whose step sleeps ``step_s`` and counts itself."""
+
+    def __init__(self, step_s: float):
+        self.step_s, self.steps = step_s, 0
+
+    def train_step(self, x, y):
+        import time
+
+        time.sleep(self.step_s)
+        self.steps += 1
+
+
+def _steps_on_a_rank_with_its_own_budget() -> int:
+    import torch.distributed as dist
+
+    from autopar.cli.tune_layers import _all_agree, _alternate
+
+    engine = _CountingEngine(0.002)
+    budget_s = 0.0 if dist.get_rank() == 0 else 0.3  # rank 0's clock says stop at once, rank 1's goes on
+    _alternate({"e": (engine, None)}, budget_s, sync=dist.barrier, agree=_all_agree)
+    dist.barrier()
+    return engine.steps
+
+
+@pytest.mark.multiprocess
+def test_forked_tune_ranks_stop_on_the_same_round_whatever_their_clocks_say():
+    import autopar
+
+    # before the ranks agreed, rank 0 returned after its 6 rounds and rank 1 waited in a barrier for it
+    steps = autopar.spawn(_steps_on_a_rank_with_its_own_budget, 2, timeout_s=60)
+    assert steps == [3 + 6 * 2, 3 + 6 * 2]  # 3 warm-up steps, then the 6 rounds of 2 both ranks take
