@@ -4,9 +4,8 @@ The recompute pass wraps chunks or layers in it at compile time; the runtime
 runs them. Under ``torch.utils.checkpoint`` (non-reentrant) only the wrapped
 module's inputs stay alive between the forward and the backward; the
 recomputed forward replays the same ops, collectives included, under the same
-RNG and autocast state. The bytes kept are reported to the innermost
-``count_kept_bytes()`` block (a context variable, so engines in one process
-never see each other's counts).
+RNG and autocast state. What it keeps is counted where autograd saves it (the
+engine's saved-tensor hooks).
 
 Traced by ``torch.compile`` (compiled chunks) the region is a checkpoint
 inside the compiled graph: its backward recomputes it, and the bytes kept are
@@ -19,38 +18,13 @@ same inputs kept, the same replay, but replayed once for both halves.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from autopar.core.saved_tensors import recording_store
 
-__all__ = ["Checkpointed", "KeptBytes", "count_kept_bytes"]
-
-
-class KeptBytes:
-    """Bytes of inputs that checkpointed regions kept during one ``count_kept_bytes`` block."""
-
-    def __init__(self) -> None:
-        self.nbytes = 0
-
-
-_COUNTER: contextvars.ContextVar[KeptBytes | None] = contextvars.ContextVar("autopar_kept_bytes", default=None)
-
-
-@contextlib.contextmanager
-def count_kept_bytes() -> Iterator[KeptBytes]:
-    """Count the bytes the checkpointed regions run inside this block keep for their backward."""
-    kept = KeptBytes()
-    token = _COUNTER.set(kept)
-    try:
-        yield kept
-    finally:
-        _COUNTER.reset(token)
+__all__ = ["Checkpointed"]
 
 
 class Checkpointed(nn.Module):
@@ -62,13 +36,8 @@ class Checkpointed(nn.Module):
         self.label = label
 
     def forward(self, *args):
-        if torch.compiler.is_compiling():  # traced whole: the compiled backward recomputes the region, and
-            # what it keeps is counted where autograd saves it (the engine's saved-tensor hooks)
+        if torch.compiler.is_compiling():  # traced whole: the compiled backward recomputes the region
             return checkpoint(self.inner, *args, use_reentrant=False)
-        kept = _COUNTER.get()
-        if kept is not None and torch.is_grad_enabled():
-            kept.nbytes += sum(a.numel() * a.element_size() for a in args
-                               if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter))
         store = recording_store()
         if store is not None and torch.is_grad_enabled():
             return store.checkpoint(self.inner, *args)

@@ -31,7 +31,6 @@ import torch
 from helpers import compiled, spawn_ranks
 
 import autopar
-from autopar.core.comm import keeping_gathered_slices
 from autopar.compiler.model_spec import spec_from_model
 from autopar.planning.cost.layout import Layout
 from autopar.planning.cost.memory import Memory, stage_memory
@@ -74,36 +73,6 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _count_kept_by_storage(engine) -> None:
-    """Make the engine's ``peak_activation_bytes`` count what its chunks keep by storage.
-
-    The engine's own count adds a tensor each time an op saves it, and adds the inputs of
-    checkpointed regions (``count_kept_bytes``) although the non-reentrant checkpoint saves them
-    through the same saved-tensor hooks; this wraps its ``compute.run_chunk`` (instrumentation, on the
-    instance) to count each saved storage once, plus the chunk's outputs (held until its backward)."""
-    run_eval = engine.compute.run_chunk
-
-    def run_chunk(st, key, args):
-        if not st.training:
-            return run_eval(st, key, args)
-        storages: dict[int, int] = {}
-
-        def pack(t: torch.Tensor):
-            if t.data_ptr() not in st.param_ptrs:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), engine.compute.autocast(), \
-                keeping_gathered_slices(), engine.random_stream.active():
-            outs = engine.runnables[key[0]](*args)
-        for o in outs:
-            storages.setdefault(o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
-        st.saved[key] = sum(storages.values())
-        return outs
-
-    engine.compute.run_chunk = run_chunk
-
-
 def _example(name: str, b: int) -> tuple[torch.Generator, torch.Tensor]:
     """The generator the measurement draws from and its first draw: ``b`` sequences (inputs and shifted targets)."""
     gen = torch.Generator().manual_seed(1)
@@ -124,7 +93,6 @@ def _measure(index: int) -> dict:
     gen, _ = _example(name, b)
     program = _predicted_program(index)
     engine = program.materialize()
-    _count_kept_by_storage(engine)
     if distributed:
         optimizer = engine.distributed_optimizer(torch.optim.AdamW, lr=1e-3)
     else:
