@@ -26,7 +26,8 @@ from rich.table import Table
 
 from autopar.cli.model_args import model_spec
 from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, wire_factor
-from autopar.planning.cost.hardware import PROFILES, Hardware, MeasuredDataParallel, MeasuredLayer
+from autopar.planning.cost.hardware import (PIPELINE_LAYERS, PIPELINE_MICROBATCHES, PROFILES, Hardware,
+                                            MeasuredDataParallel, MeasuredLayer, MeasuredPipeline)
 from autopar.planning.cost.hardware_profile import (
     DTYPE_BYTES,
     GemmFigure,
@@ -152,9 +153,9 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
     _say(rank, console, f"copy {memory_bw / 1e9:.3g} GB/s, eager op {eager * 1e6:.3g} us"
                         + (f", compiled call {compiled * 1e6:.3g} us" if compiled is not None else ""))
 
-    runtime, layers, data_parallel = None, (), ()
+    runtime, layers, data_parallel, pipeline = None, (), (), ()
     if device.type == "cpu":  # the engine's own overheads and the model's layer, on the engine itself
-        runtime, layers, data_parallel = _measure_runtime(args, argv, rank, world, console)
+        runtime, layers, data_parallel, pipeline = _measure_runtime(args, argv, rank, world, console)
     if world > 1:
         dist.barrier()
     links = _time_collectives(rank, world, per_node, device, args.quick, console) if world > 1 else []
@@ -168,7 +169,7 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
         device_kind=facts["kind"], device_name=facts["name"], devices_per_node=per_node, nodes=world // per_node,
         memory_bytes=facts["memory_bytes"], sm_count=facts["sm_count"], gemm=tuple(gemm), memory_bw=memory_bw,
         eager_op_s=eager, compiled_call_s=compiled, runtime=runtime, layers=layers,
-        data_parallel=data_parallel, collectives=tuple(links),
+        data_parallel=data_parallel, pipeline=pipeline, collectives=tuple(links),
         sources=_sources(device, copy_bytes, budget, backend, world), tune_flags=tune_flags(argv),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__)
     write_profile(profile, args.out)
@@ -181,7 +182,8 @@ def run_tune(args: argparse.Namespace, console: Console, argv: list[str]) -> int
 
 
 def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world: int,
-                     console: Console) -> tuple[dict, tuple[MeasuredLayer, ...], tuple[MeasuredDataParallel, ...]]:
+                     console: Console) -> tuple[dict, tuple[MeasuredLayer, ...], tuple[MeasuredDataParallel, ...],
+                                                tuple[MeasuredPipeline, ...]]:
     """The runtime's section and the model's layers (``cli/tune_runtime.py``, ``cli/tune_layers.py``): what
     one rank measures, every rank at once, each in a child process of its own; then, the others waiting
     at a barrier, what takes 2 ranks or t, forked from rank 0's child (the machine otherwise idle)."""
@@ -195,12 +197,12 @@ def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world
     repeats = 30 if args.quick else 90
     wanted = dict(flags=tune_flags(argv), micro_batch=args.micro_batch, world=world, quick=args.quick)
     runtime = measure_in_subprocess(repeats, layers=wanted)
-    found = runtime.pop("model", {"layers": [], "data_parallel": []})
+    found = runtime.pop("model", {"layers": [], "data_parallel": [], "pipeline": []})
     if world > 1:
-        dist.barrier()
+        runtime, found["layers"] = _median_over_ranks(runtime, found["layers"], world)
         if rank == 0:
             forked = measure_in_subprocess(repeats, forked=runtime, layers=wanted)
-            more = forked.pop("model", {"layers": [], "data_parallel": []})
+            more = forked.pop("model", {"layers": [], "data_parallel": [], "pipeline": []})
             found = {k: found[k] + more[k] if k != "skipped" else found[k] for k in found}
             runtime |= forked
         dist.barrier()
@@ -209,6 +211,7 @@ def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world
     skipped = found.pop("skipped", None)
     layers = tuple(MeasuredLayer(**x) for x in found["layers"])
     data_parallel = tuple(MeasuredDataParallel(**x) for x in found["data_parallel"])
+    pipeline = tuple(MeasuredPipeline(**x) for x in found["pipeline"])
     r = {k: seconds(v) for k, v in runtime.items() if k.endswith("_s")}
     _say(rank, console, f"runtime: step {r['step_s']}, action {r['action_s']}, graph node {r['node_s']}, checkpointed "
                         f"region {r['checkpoint_s']}, pipeline send {r['send_s']}, split backward {r['split_node_s']} "
@@ -224,7 +227,34 @@ def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world
         _say(rank, console, f"the model's data-parallel side ({x.params / 1e6:.3g}M parameters, 2 replicas): gradient "
                             f"reduction {x.sync_seconds * 1e3:.3g} ms, AdamW {x.optimizer_seconds * 1e3:.3g} ms, "
                             f"the distributed optimizer in their place {x.distopt_seconds * 1e3:.3g} ms")
-    return runtime, layers, data_parallel
+    for x in pipeline:
+        _say(rank, console, f"the model's pipeline ({PIPELINE_LAYERS} layers over 2 stages, b={x.micro_batch}): "
+                            f"a microbatch adds {x.one_f_one_b_seconds * 1e3:.3g} ms to 1F1B, "
+                            f"{x.interleaved_seconds * 1e3:.3g} ms to interleaved 1F1B (v = 2), "
+                            f"{x.zb_h1_seconds * 1e3:.3g} ms to ZB-H1, {x.zbv_seconds * 1e3:.3g} ms to ZB-V")
+    return runtime, layers, data_parallel, pipeline
+
+
+def _median_over_ranks(runtime: dict, layers: list[dict], world: int) -> tuple[dict, list[dict]]:
+    """Every rank's one-rank figures (each measured them at once, in its own child), each the median over
+    the ranks: one rank's slow moment (a difference of differences of its steps, such as a layer's
+    recomputation, moved by 2x on one rank in one tune) is outvoted at 3 ranks and halved at 2. A layer
+    that a rank left out (its difference came out at or below 0) is the median of the others'."""
+    import statistics  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (runtime, layers))
+    merged = {k: statistics.median(r[k] for r, _ in gathered) if isinstance(v, float) else v
+              for k, v in runtime.items()}
+    by_key: dict = {}
+    for _, rank_layers in gathered:
+        for x in rank_layers:
+            by_key.setdefault(tuple(x[k] for k in ("signature", "nodes", "micro_batch", "tp", "sequence_parallel")),
+                              []).append(x)
+    figures = ("seconds", "recompute_seconds", "split_seconds")
+    return merged, [xs[0] | {k: statistics.median(x[k] for x in xs) for k in figures} for xs in by_key.values()]
 
 
 def _time_collectives(rank: int, world: int, per_node: int, device, quick: bool, console: Console) -> list[LinkFigure]:
@@ -258,12 +288,19 @@ def _sources(device, copy_bytes: int, budget: float, backend: str, world: int) -
         "compiled_call_s": "a call of torch.compile(lambda x: x * 2 + 1) on 8 elements, median (--compiled)",
         "runtime": ("the engine stepping a tiny reference GPT on one rank (cli/tune_runtime.py): "
                     "medians of steps at 1 and 3 layers, 1 and 4 microbatches, recomputed or not; AdamW on 2^20 "
-                    "fp32 parameters, per parameter; every rank at once, rank 0's figures; world_step_s: the tiny "
-                    "GPT data parallel over 2 ranks, its step less its gradient reduction less its one-rank step"),
+                    "fp32 parameters, per parameter; every rank at once, each figure the median over the ranks; "
+                    "world_step_s: the tiny GPT data parallel over 2 ranks, its step less its gradient reduction "
+                    "less its one-rank step"),
         "layers": (f"the model of the flags built with {' and '.join(map(str, LAYER_COUNTS))} layers, compiled for t "
                    f"ranks, {MICROBATCHES} microbatches a step, the two engines stepped in turns (cli/tune_layers.py); "
                    f"a layer = the steps' difference over the layers and microbatches; t = 1 on every rank at once, "
-                   f"rank 0's figures"),
+                   f"each figure the median over the ranks"),
+        "data_parallel": ("the model of the flags at 2 layers over 2 data-parallel ranks, 1 microbatch: PyTorch's "
+                          "AdamW and the engine's distributed optimizer stepped in turns (cli/tune_layers.py)"),
+        "pipeline": (f"the model of the flags at {PIPELINE_LAYERS} layers over 2 pipeline stages, 1F1B, interleaved "
+                     f"1F1B (v = 2), ZB-H1 and ZB-V at {' and '.join(map(str, PIPELINE_MICROBATCHES))} microbatches, "
+                     f"stepped in turns (cli/tune_layers.py); a microbatch = the two steps' difference over the "
+                     f"microbatches, the slower stage's steps"),
         "collectives": (f"{backend} over {world} ranks: per size the median of {COLLECTIVE_ROUNDS} rounds of "
                         f"back-to-back calls (rank 0's clock); tp_all_reduce the runtime's tensor-parallel "
                         f"all-reduce (pairwise exchanges on gloo); p2p half a send/recv round trip; alpha and beta "

@@ -33,8 +33,10 @@ from collections.abc import Callable
 
 import torch
 
+from autopar.planning.cost.hardware import PIPELINE_LAYERS, PIPELINE_MICROBATCHES
+
 __all__ = ["MICROBATCHES", "LayerRun", "model_builder", "layer_runs", "measure_one_rank", "measure_ranks", "spec_of",
-           "measure_layers"]
+           "measure_layers", "measure_pipeline", "PIPELINE_SCHEDULES"]
 
 MICROBATCHES = 4
 """Microbatches a measured step runs: each adds its layers' forward and backward, so the difference of
@@ -259,6 +261,41 @@ def measure_data_parallel(make: Callable[[int], torch.nn.Module], seq: int, voca
             "distopt_seconds": max(got["distopt"] - compute, 1e-9)}
 
 
+PIPELINE_SCHEDULES = (("1f1b", 1, "one_f_one_b"), ("interleaved", 2, "interleaved"), ("zb-h1", 1, "zb_h1"),
+                      ("zbv", 2, "zbv"))
+"""(schedule, v, the ``MeasuredPipeline`` field's stem) of each measured pipeline step."""
+
+
+def measure_pipeline(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, b: int,
+                     budget_s: float) -> dict | None:
+    """The model of ``PIPELINE_LAYERS`` layers over 2 pipeline stages forked from this process, in each
+    schedule of ``PIPELINE_SCHEDULES`` at each of ``PIPELINE_MICROBATCHES`` microbatches of ``b``, the
+    engines stepped in turns: ``MeasuredPipeline``'s figures (what a microbatch adds to each, the slower
+    stage's steps); None when the compiler refuses the model at one of those layouts."""
+    import autopar  # noqa: PLC0415
+    from autopar.core.errors import AutoparError  # noqa: PLC0415
+
+    lo, hi = PIPELINE_MICROBATCHES
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (hi * b, seq), generator=g)
+    try:
+        for schedule, v, _ in PIPELINE_SCHEDULES:
+            for m in PIPELINE_MICROBATCHES:
+                _FORKED[schedule, m] = (autopar.parallelize(make(PIPELINE_LAYERS), example_inputs=(x[:b],),
+                                                            example_targets=x[:b], world_size=2, pp=2,
+                                                            schedule=schedule, virtual_stages=v, microbatches=m,
+                                                            recompute="none"), x[:m * b])
+        ranks = autopar.spawn(_rank_steps, 2, (budget_s * len(_FORKED),), inherit=True)
+    except AutoparError:
+        return None
+    finally:
+        _FORKED.clear()
+    step = {key: max(r[key] for r in ranks) for key in ranks[0]}
+    got = {f"{stem}_seconds": (step[schedule, hi] - step[schedule, lo]) / (hi - lo)
+           for schedule, _, stem in PIPELINE_SCHEDULES}
+    return {"micro_batch": b, **got} if min(got.values()) > 0 else None  # 6 microbatches lost in the noise
+
+
 def spec_of(make: Callable[[int], torch.nn.Module], seq: int):
     """The planner's ``ModelSpec`` of the model ``make`` builds (at 2 layers), read from its traced graph as
     the planner reads it: its ``layer_signature``, graph node counts, heads."""
@@ -269,11 +306,11 @@ def spec_of(make: Callable[[int], torch.nn.Module], seq: int):
 
 
 def measure_layers(flags: str, micro_batch: int, world: int, forked: bool, quick: bool) -> dict:
-    """``{"layers": [...], "data_parallel": [...]}``: the entries this process measures for the model of
-    the tune ``flags``: its layer at t = 1 here, or with ``forked`` (rank 0's child, the other ranks
-    waiting) its layer at each t > 1 on t ranks forked from it and its data-parallel side on 2 (when
-    the world has 2 ranks or more). Empty lists when the flags describe no model autopar can build, and
-    with ``"skipped"`` (why) when the model cannot be built at 2 layers or compiled."""
+    """``{"layers": [...], "data_parallel": [...], "pipeline": [...]}``: the entries this process measures
+    for the model of the tune ``flags``: its layer at t = 1 here, or with ``forked`` (rank 0's child, the
+    other ranks waiting) its layer at each t > 1 on t ranks forked from it, and its data-parallel side and
+    pipeline on 2 (when the world has 2 ranks or more). Empty lists when the flags describe no model autopar
+    can build, and with ``"skipped"`` (why) when the model cannot be built at 2 layers or compiled."""
     import shlex  # noqa: PLC0415
 
     from autopar.cli.arguments import build_parser  # noqa: PLC0415
@@ -282,17 +319,18 @@ def measure_layers(flags: str, micro_batch: int, world: int, forked: bool, quick
     args = build_parser().parse_args(["tune", *shlex.split(flags)])
     built = model_builder(args)
     if built is None:
-        return {"layers": [], "data_parallel": []}
+        return {"layers": [], "data_parallel": [], "pipeline": []}
     make, seq, vocab = built
     try:  # a config that cannot be rebuilt at another depth, or a model the compiler refuses
         spec = spec_of(make, seq)
         _program(make, LAYER_COUNTS[0], _batch(micro_batch, seq, vocab), micro_batch, 1, False, "plain")
     except (AutoparError, ValueError, TypeError, KeyError) as e:
-        return {"layers": [], "data_parallel": [], "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        return {"layers": [], "data_parallel": [], "pipeline": [],
+                "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     signature, nodes = spec.layer_signature, spec.graph_nodes[1] if spec.graph_nodes else 0
     runs = layer_runs(micro_batch, spec.heads, spec.kv, world)
     budget = 3.0 if quick else 8.0
-    dp = []
+    dp, pipeline = [], []
     if forked:  # t > 1: each collective's wait moves with the ranks' scheduling, so twice the steps
         timed = {}
         for t in sorted({t for _, t, _ in runs if t > 1}):
@@ -304,9 +342,11 @@ def measure_layers(flags: str, micro_batch: int, world: int, forked: bool, quick
         if world >= 2:
             dp = [dict(signature=signature, nodes=nodes,
                        **measure_data_parallel(make, seq, vocab, micro_batch, budget))]
+            got = measure_pipeline(make, seq, vocab, micro_batch, budget)
+            pipeline = [dict(signature=signature, nodes=nodes, **got)] if got else []
     else:
         one = measure_one_rank(make, seq, vocab, sorted({b for b, t, _ in runs if t == 1}), budget)
         timed = {(b, 1, False): figures for b, figures in one.items()}
     return {"layers": [dict(signature=signature, nodes=nodes, micro_batch=b, tp=t, sequence_parallel=sp, **figures)
                        for (b, t, sp), figures in timed.items() if figures["seconds"] > 0],
-            "data_parallel": dp}
+            "data_parallel": dp, "pipeline": pipeline}

@@ -193,8 +193,8 @@ def pipeline_seconds(node_s: float, action_s: float, end_nodes: int, split_layer
     receive, their waits). ZB-H1 at 8 microbatches runs the same work with each backward split into B
     and W: what it adds per microbatch over 1F1B, less W's action, over the chunk's forward nodes, is
     the split's cost per node (the autograd graph's walk, its retained graph, the store's slots); less the
-  chunk's 2 layers' own split (measured on one rank: ZB-H1 runs there without a bubble), what a split
-  backward costs a pipeline stage per microbatch beside its layers' (``split_pipeline_s``). The
+    chunk's 2 layers' own split (measured on one rank: ZB-H1 runs there without a bubble), what a split
+    backward costs a pipeline stage per microbatch beside its layers' (``split_pipeline_s``). The
     three engines are stepped in turns, in one launch."""
     from autopar.reference.models import build  # noqa: PLC0415
 

@@ -65,7 +65,7 @@ def test_round_trip_keeps_every_number(tmp_path):
     prof = _profile()
     path = tmp_path / "hw.json"
     write_profile(prof, path)
-    assert json.loads(path.read_text())[VERSION_KEY] == 3
+    assert json.loads(path.read_text())[VERSION_KEY] == 4
     assert load_profile(path) == prof
     hw = load_hardware(str(path))
     assert hw.name == str(path) and hw.tuned and hw.gpus_per_node == 2
@@ -94,7 +94,7 @@ def test_another_version_is_refused_with_the_command_to_measure_again(tmp_path):
     data = _profile().as_json() | {VERSION_KEY: 1}
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ProfileVersionError, match=r"is version 1; this autopar reads version 3: measure again with "
+    with pytest.raises(ProfileVersionError, match=r"is version 1; this autopar reads version 4: measure again with "
                                                   r"`autopar tune --layers 2 --hidden 64"):
         load_profile(path)
     path.write_text(json.dumps({"gemm": []}))
@@ -220,6 +220,10 @@ def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, cap
     (dp,) = prof.data_parallel
     gpt = build("gpt", vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=64)
     assert dp.params == sum(p.numel() for p in gpt.parameters()) and dp.sync_seconds > 0
+    # and its pipeline over the 2 ranks, each schedule at micro-batch 1: 6 more microbatches take longer
+    (pipe,) = prof.pipeline
+    assert pipe.micro_batch == 1 and min(pipe.one_f_one_b_seconds, pipe.interleaved_seconds, pipe.zb_h1_seconds,
+                                         pipe.zbv_seconds) > 0
     assert {x.signature for x in prof.layers} == {"h64 a4 kv4 f256 s64 gelu fused-attn no-dropout causal"}
     plan = _plan_json(capsys, str(out))
     assert plan["hardware"] == str(out) and math.isfinite(plan["iteration_s"]) and plan["breakdown_s"]["dp"] > 0

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from autopar.planning.cost.hardware import PROFILES, MeasuredDataParallel, MeasuredLayer, RuntimeOverheads
+from autopar.planning.cost.hardware import (PROFILES, MeasuredDataParallel, MeasuredLayer, MeasuredPipeline,
+                                            RuntimeOverheads)
 from autopar.planning.cost.hardware_profile import (
     GemmFigure,
     HardwareProfile,
@@ -24,7 +25,8 @@ from autopar.planning.cost.models import ModelSpec, get_model, params_per_stage
 from autopar.planning.cost.network import allreduce_time, dp_link
 from autopar.planning.cost.op_times import _dense_layer, layer_scale, layer_times
 from autopar.planning.cost.precision import RUNTIME_FP32
-from autopar.planning.cost.step_estimate import DDP_BUCKET_BYTES, GRAD_SYNC_PASSES_ALLREDUCE, estimate
+from autopar.planning.cost.step_estimate import (DDP_BUCKET_BYTES, GRAD_SYNC_PASSES_ALLREDUCE, estimate,
+                                                 interleaved_send_extra, split_pipeline_seconds)
 from autopar.planning.cost.tune_plan import model_gemm_shapes
 from autopar.planning.errors import ProfileFieldError
 
@@ -184,6 +186,65 @@ def test_the_models_data_parallel_side_scales_the_priced_reduction_and_distribut
     write_profile(dataclasses.replace(_profile(), data_parallel=(measured,)), tmp_path / "hw.json")
     assert load_profile(tmp_path / "hw.json").data_parallel == (measured,)
 
+
+
+def _microbatch(hw, schedule: str, v: int, b: int = 1) -> float:
+    """What a microbatch adds to the priced step of SPEC at 4 layers over 2 stages (as the tune measures it)."""
+    spec = dataclasses.replace(SPEC, layers=4)
+
+    def step(m: int) -> float:
+        lay = Layout(t=1, p=2, d=1, b=b, v=v, schedule=schedule, recompute="none", fused_kernels=False,
+                     precision=RUNTIME_FP32)
+        return estimate(spec, Cluster(2, hw, m * b), lay, simulate=True).t_iter
+    return (step(8) - step(2)) / 6
+
+
+def test_the_models_pipeline_prices_its_schedules_exchange(tmp_path):
+    layers = (MeasuredLayer(SPEC.layer_signature, 20, 1, 1, False, seconds=_priced(1), split_seconds=2e-4),)
+    base = dataclasses.replace(_profile(layers), runtime=RUNTIME | {"split_pipeline_s": 0.0})
+    plain = to_hardware(base)
+    # a pipeline measured as the cost model would price it with each interleaved send 0.8 ms dearer and a
+    # split backward's pipeline part 0.5 ms a chunk (ZB-H1) and 0.3 ms (ZB-V)
+    dearer = to_hardware(dataclasses.replace(base, runtime=RUNTIME | {"send_s": RUNTIME["send_s"] + 8e-4}))
+    measured = MeasuredPipeline(
+        SPEC.layer_signature, 20, micro_batch=1, one_f_one_b_seconds=_microbatch(plain, "1f1b", 1),
+        interleaved_seconds=_microbatch(dearer, "interleaved", 2),
+        zb_h1_seconds=_microbatch(to_hardware(dataclasses.replace(base, runtime=RUNTIME | {"split_pipeline_s": 5e-4})),
+                                  "zb-h1", 1),
+        zbv_seconds=_microbatch(to_hardware(dataclasses.replace(base, runtime=RUNTIME | {"split_pipeline_s": 3e-4})),
+                                "zbv", 2))
+    hw = to_hardware(dataclasses.replace(_profile(layers), pipeline=(measured,)))  # its own split_pipeline_s: 6e-4
+    one = Layout(t=1, p=2, d=1, b=1, recompute="none", fused_kernels=False, precision=RUNTIME_FP32)
+    interleaved = dataclasses.replace(one, v=2, schedule="interleaved")
+    assert interleaved_send_extra(SPEC, hw, interleaved) == pytest.approx(8e-4, rel=1e-6)
+    assert split_pipeline_seconds(SPEC, hw, dataclasses.replace(one, schedule="zb-h1")) == pytest.approx(5e-4, rel=1e-6)
+    zbv = dataclasses.replace(one, v=2, schedule="zbv")
+    assert split_pipeline_seconds(SPEC, hw, zbv) == pytest.approx(3e-4, rel=1e-6)
+    # priced into the layouts: each interleaved send, at the nearest measured micro-batch too
+    send = estimate(SPEC, Cluster(2, plain, 8), one).t_p2p
+    est = estimate(SPEC, Cluster(2, hw, 8), interleaved)
+    assert est.t_p2p == pytest.approx(send + 8e-4, rel=1e-6)
+    b2 = dataclasses.replace(interleaved, b=2)
+    assert estimate(SPEC, Cluster(2, hw, 8), b2).t_p2p == pytest.approx(
+        estimate(SPEC, Cluster(2, plain, 8), b2).t_p2p + 8e-4, rel=1e-6)
+    from autopar.cli.plan import measured_note
+
+    assert "each interleaved send +800 us beyond a 1F1B send's" in measured_note(SPEC, hw, est)
+    assert measured_note(SPEC, hw, estimate(SPEC, Cluster(2, hw, 8), zbv)).endswith(
+        "a split backward's pipeline part 300 us a chunk")
+    # 1F1B, another model, a profile without the measurement: as before
+    assert estimate(SPEC, Cluster(2, hw, 8), one).t_p2p == pytest.approx(send)
+    other = dataclasses.replace(SPEC, hidden=128)
+    assert interleaved_send_extra(other, hw, interleaved) == 0.0
+    assert split_pipeline_seconds(other, hw, zbv) == RUNTIME["split_pipeline_s"]
+    assert split_pipeline_seconds(SPEC, to_hardware(_profile(layers)), zbv) == RUNTIME["split_pipeline_s"]
+    write_profile(dataclasses.replace(_profile(), pipeline=(measured,)), tmp_path / "hw.json")
+    assert load_profile(tmp_path / "hw.json").pipeline == (measured,)
+    data = json.loads((tmp_path / "hw.json").read_text())
+    data["pipeline"][0]["zbv_seconds"] = -1.0
+    (tmp_path / "hw.json").write_text(json.dumps(data))
+    with pytest.raises(ProfileFieldError, match=r"pipeline\[0\]\.zbv_seconds must be positive"):
+        load_profile(tmp_path / "hw.json")
 
 
 def test_the_plan_says_what_of_the_models_measurements_priced_it():

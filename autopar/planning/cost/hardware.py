@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, replace
 
 from autopar.planning.errors import PlanError
 
-__all__ = ["Efficiency", "Hardware", "MeasuredDataParallel", "MeasuredGemm", "MeasuredLayer", "MeasuredLink", "RuntimeOverheads", "PLACEMENTS", "LINK_OPS",
+__all__ = ["Efficiency", "Hardware", "MeasuredDataParallel", "MeasuredGemm", "MeasuredLayer", "MeasuredLink",
+           "MeasuredPipeline", "PIPELINE_LAYERS", "PIPELINE_MICROBATCHES", "RuntimeOverheads", "PLACEMENTS", "LINK_OPS",
            "PROFILES", "get_hardware"]
 
 GB = 1e9
@@ -159,6 +160,37 @@ class MeasuredDataParallel:
     optimizer."""
 
 
+PIPELINE_LAYERS = 4
+"""Layers of the model whose pipeline ``autopar tune`` measures (``MeasuredPipeline``)."""
+
+PIPELINE_MICROBATCHES = (2, 8)
+"""The microbatch counts of the measured pipeline steps: their difference, over 6, is what a microbatch adds."""
+
+
+@dataclass(frozen=True)
+class MeasuredPipeline:
+    """A model's pipeline, timed on autopar's engine by ``autopar tune`` (``cli/tune_layers.py``): the model
+    of ``PIPELINE_LAYERS`` layers over 2 stages, 1F1B (2 layers a stage), interleaved 1F1B (v = 2, 1 layer a
+    chunk), ZB-H1 and ZB-V, each at ``PIPELINE_MICROBATCHES`` microbatches. A microbatch adds the same
+    layers' work to each; what it adds besides differs by the schedule's actions, sends and split backward,
+    which the cost model prices from the tiny GPT's figures (``RuntimeOverheads``) and this measures on the
+    model itself (``step_estimate.measured_pipeline_figure``)."""
+
+    signature: str
+    """The model's layer, as ``models.layer_signature`` names it."""
+    nodes: int
+    """Forward graph nodes of its layer (0: not known)."""
+    micro_batch: int
+    one_f_one_b_seconds: float
+    """What a microbatch adds to the 1F1B step: (T(8) - T(2)) / 6, the slower stage's step."""
+    interleaved_seconds: float
+    """What a microbatch adds to the interleaved step (v = 2), likewise."""
+    zb_h1_seconds: float
+    """What a microbatch adds to the ZB-H1 step, likewise."""
+    zbv_seconds: float
+    """What a microbatch adds to the ZB-V step (v = 2), likewise."""
+
+
 PLACEMENTS: tuple[str, ...] = ("intra", "inter")
 """Where a group's ranks sit: all in one node (``intra``), or spread over nodes (``inter``)."""
 
@@ -259,6 +291,9 @@ class Hardware:
     data_parallel: tuple[MeasuredDataParallel, ...] = ()
     """The data-parallel side of the model ``autopar tune`` was given, measured on the engine: scales the
     priced gradient reduction and distributed optimizer of a matching model (``step_estimate``)."""
+    pipeline: tuple[MeasuredPipeline, ...] = ()
+    """The pipeline sends of the model ``autopar tune`` was given, measured on the engine: price a matching
+    model's send in an interleaved step (``step_estimate``)."""
     tune_command: str = ""
     """The ``autopar tune`` flags that measured this profile (the model, the micro-batch, the output
     file), for the error that asks for a group size it lacks. Empty for a preset."""

@@ -3,7 +3,7 @@ measured, read back as the planner's ``Hardware``.
 
 The file (``docs/hardware-profile.md`` lists every field)::
 
-    {"autopar_hardware_profile": 3,
+    {"autopar_hardware_profile": 4,
      "device": {"kind": "cuda", "name": "NVIDIA H200", "per_node": 8, "nodes": 2, "memory_bytes": ..., "sm_count": 132},
      "gemm": [{"dtype": "bf16", "name": "fc1 t=1", "batch": 1, "m": 2048, "n": 4096, "k": 1024,
                "flops_per_s": ..., "seconds": ...}, ...],
@@ -12,6 +12,8 @@ The file (``docs/hardware-profile.md`` lists every field)::
      "layers": [{"signature": "h128 a4 kv4 f512 s64", "nodes": 20, "micro_batch": 1, "tp": 1,
                  "sequence_parallel": false, "seconds": ..., "recompute_seconds": ..., "split_seconds": ...},
                 ...],
+     "data_parallel": [{"signature": ..., "params": ..., "sync_seconds": ..., ...}],
+     "pipeline": [{"signature": ..., "micro_batch": 1, "one_f_one_b_seconds": ..., "interleaved_seconds": ...}],
      "collectives": [{"op": "all_reduce", "ranks": 2, "placement": "intra", "alpha_s": ..., "beta_bytes_per_s": ...,
                       "sizes_bytes": [...], "seconds": [...]}, ...],
      "sources": {"gemm": "torch.matmul, median of ...", ...},
@@ -46,6 +48,7 @@ from autopar.planning.cost.hardware import (
     Efficiency,
     Hardware,
     MeasuredDataParallel,
+    MeasuredPipeline,
     MeasuredGemm,
     MeasuredLayer,
     MeasuredLink,
@@ -58,11 +61,11 @@ __all__ = ["PROFILE_VERSION", "VERSION_KEY", "GemmFigure", "LinkFigure", "Hardwa
            "load_profile", "write_profile", "to_hardware", "load_hardware", "resolve_hardware", "nearest_preset",
            "DTYPE_BYTES"]
 
-PROFILE_VERSION = 3
-"""The format version this autopar writes and reads (3: the model's layers measured on the engine,
-``layers``, its data-parallel side, ``data_parallel``, a multi-rank step's own cost, ``runtime.world_step_s``, and the distributed optimizer's,
-``runtime.distopt_step_s``; 2 added the runtime's own
-overheads, ``runtime``, and the runtime's tensor-parallel all-reduce, ``tp_all_reduce``)."""
+PROFILE_VERSION = 4
+"""The format version this autopar writes and reads (4: the model's pipeline, ``pipeline``; 3: the model's
+layers measured on the engine, ``layers``, its data-parallel side, ``data_parallel``, a multi-rank step's own
+cost, ``runtime.world_step_s``, and the distributed optimizer's, ``runtime.distopt_step_s``; 2 added the
+runtime's own overheads, ``runtime``, and the runtime's tensor-parallel all-reduce, ``tp_all_reduce``)."""
 
 VERSION_KEY = "autopar_hardware_profile"
 """The key holding the version: it also marks a JSON file as a profile."""
@@ -130,6 +133,8 @@ class HardwareProfile:
     """The model's layers timed on the engine (``cli/tune_layers.py``); empty when not measured."""
     data_parallel: tuple[MeasuredDataParallel, ...] = ()
     """The model's data-parallel side timed on the engine; empty when not measured."""
+    pipeline: tuple[MeasuredPipeline, ...] = ()
+    """The model's pipeline sends timed on the engine; empty when not measured."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each number came from, in words, by section."""
     tune_flags: str = ""
@@ -158,6 +163,7 @@ class HardwareProfile:
             "runtime": None if self.runtime is None else dict(self.runtime),
             "layers": [dataclasses.asdict(x) for x in self.layers],
             "data_parallel": [dataclasses.asdict(x) for x in self.data_parallel],
+            "pipeline": [dataclasses.asdict(x) for x in self.pipeline],
             "collectives": [{"op": c.op, "ranks": c.ranks, "placement": c.placement, "alpha_s": c.alpha_s,
                              "beta_bytes_per_s": c.beta_bytes_per_s, "sizes_bytes": list(c.sizes_bytes),
                              "seconds": list(c.seconds)} for c in self.collectives],
@@ -282,6 +288,15 @@ def _data_parallel(d: dict, i: int, path: str) -> MeasuredDataParallel:
            for k in ("sync_seconds", "optimizer_seconds", "distopt_seconds")})
 
 
+def _pipeline(d: dict, i: int, path: str) -> MeasuredPipeline:
+    w = f"pipeline[{i}]."
+    return MeasuredPipeline(
+        signature=_get(d, "signature", str, w, path), nodes=_get(d, "nodes", int, w, path),
+        micro_batch=_get(d, "micro_batch", int, w, path),
+        **{k: _positive(_get(d, k, float, w, path), f"{w}{k}", path)
+           for k in ("one_f_one_b_seconds", "interleaved_seconds", "zb_h1_seconds", "zbv_seconds")})
+
+
 def profile_from_json(data: Any, path: str = "<json>") -> HardwareProfile:
     """The profile in ``data`` (a parsed JSON file), every field checked."""
     if not isinstance(data, dict) or VERSION_KEY not in data:
@@ -311,6 +326,7 @@ def profile_from_json(data: Any, path: str = "<json>") -> HardwareProfile:
         layers=tuple(_layer(x, i, path) for i, x in enumerate(_get(data, "layers", list, "", path))),
         data_parallel=tuple(_data_parallel(x, i, path)
                             for i, x in enumerate(_get(data, "data_parallel", list, "", path))),
+        pipeline=tuple(_pipeline(x, i, path) for i, x in enumerate(_get(data, "pipeline", list, "", path))),
         collectives=tuple(_link(c, i, path) for i, c in enumerate(_get(data, "collectives", list, "", path))),
         sources=dict(data.get("sources", {})), tune_flags=data.get("tune_flags", ""),
         created=data.get("created", ""), torch=data.get("torch", ""),
@@ -380,7 +396,8 @@ def to_hardware(profile: HardwareProfile, name: str = "tuned", dtype: str | None
         gemms=gemms, links=links, tuned=True,
         runtime=None if profile.runtime is None else RuntimeOverheads(
             **{k: (int(v) if k.endswith("nodes") else float(v)) for k, v in profile.runtime.items()}),
-        layers=profile.layers, data_parallel=profile.data_parallel, byte_scale=scale, links_measured_at=(intra or inter or 1.0, inter or intra or 1.0),
+        layers=profile.layers, data_parallel=profile.data_parallel, pipeline=profile.pipeline, byte_scale=scale,
+        links_measured_at=(intra or inter or 1.0, inter or intra or 1.0),
         tune_command=profile.tune_flags or f"--model <the model> --out {name}",
     )
 

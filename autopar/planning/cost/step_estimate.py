@@ -23,11 +23,12 @@ for throughput are the model's, independent of cp.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from autopar.core.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, Recompute
-from autopar.planning.cost.hardware import Hardware
+from autopar.planning.cost.hardware import PIPELINE_LAYERS, PIPELINE_MICROBATCHES, Hardware, MeasuredPipeline
 from autopar.planning.cost.layout import Cluster, Layout, layout_errors, runtime_errors
 from autopar.planning.cost.memory import Memory, memory_per_gpu
 from autopar.planning.cost.models import (
@@ -56,8 +57,8 @@ from autopar.planning.errors import PlanError
 from autopar.schedules import SimResult
 from autopar.schedules.chunk_placement import placement_of, stage_of_chunk
 
-__all__ = ["Estimate", "estimate", "OPTIMIZER_STEP_TRAFFIC_PER_PARAM", "DDP_BUCKET_BYTES",
-           "SIMULATION_LIMIT"]
+__all__ = ["Estimate", "estimate", "interleaved_send_extra", "split_pipeline_seconds", "measured_pipeline_figure",
+           "MEASURED_SCHEDULES", "OPTIMIZER_STEP_TRAFFIC_PER_PARAM", "DDP_BUCKET_BYTES", "SIMULATION_LIMIT"]
 
 OPTIMIZER_STEP_TRAFFIC_PER_PARAM = 52
 """HBM bytes the optimizer step moves per local parameter: its time, not its memory (the
@@ -294,7 +295,7 @@ class _Chunk:
             split_layer = measured_split(*args) if split else None  # splitting B from W
             split_cost = (0.0 if not split else rt.split_node_s * L * layer_nodes if split_layer is None
                           else split_layer * (L - M) + rt.split_node_s * M * layer_nodes
-                          + (rt.split_pipeline_s if lay.p > 1 else 0.0))
+                          + split_pipeline_seconds(spec, hw, lay))
             regions = L if replay is None else M  # a measured replay has its region's bookkeeping
             bwd += PhaseTime(runtime=rc * regions * rt.checkpoint_s + rt.action_s * (2 if split else 1) + split_cost)
             fwd += PhaseTime(runtime=rt.action_s)
@@ -369,10 +370,93 @@ def _send_time(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
     t = lay.t
     bw, lat = stage_link(hw, t * lay.cp, lay.d, lay.p)
     msg = FP16 * lay.b * spec.seq_len // lay.cp * spec.hidden
-    runtime = hw.runtime.send_s if hw.runtime is not None else 0.0  # the runtime's own, beside the bytes
+    # the runtime's own, beside the bytes
+    runtime = max(hw.runtime.send_s + interleaved_send_extra(spec, hw, lay), 0.0) if hw.runtime is not None else 0.0
     if lay.scatter_gather and t > 1:
         return p2p_time(msg / t, bw, lat) + tp_half_time(msg, t, hw) + runtime
     return p2p_time(msg, bw, lat) + runtime
+
+
+MEASURED_SCHEDULES: dict[str, tuple[str, int, str]] = {
+    "interleaved": ("interleaved_seconds", 2, "send_s"), "zb-h1": ("zb_h1_seconds", 1, "split_pipeline_s"),
+    "zbv": ("zbv_seconds", 2, "split_pipeline_s")}
+"""Schedule -> (the ``MeasuredPipeline`` field of its measured microbatch, its v there, the runtime figure
+the measurement prices for it: a send's, or a split backward's on a pipeline)."""
+
+
+def interleaved_send_extra(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
+    """What a send costs an interleaved step (v > 1 chunks a stage, round-robin) beyond ``runtime.send_s``, for
+    a model whose pipeline ``autopar tune`` measured (``measured_pipeline_figure``); 0 otherwise. On 2 CPU
+    ranks sharing 2 cores a gloo send or receive posted while the peer computes blocks for 1-5 ms now and
+    then, once or twice a step, and interleaved 1F1B posts 3 times as many of them as 1F1B."""
+    if lay.schedule != "interleaved" or lay.v == 1:
+        return 0.0
+    extra = measured_pipeline_figure(spec, hw, lay)
+    return 0.0 if extra is None else extra
+
+
+def split_pipeline_seconds(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
+    """What a backward split into B and W costs a chunk's backward on a pipeline beside its layers' own split:
+    for a model whose pipeline ``autopar tune`` measured in this schedule, ``measured_pipeline_figure``; else
+    the tiny GPT's ``runtime.split_pipeline_s`` (ZB-H1 over 2 ranks, a difference of differences of its
+    steps, 0.7 to 1.8 ms from one tune to the next); 0 without a pipeline."""
+    if lay.p == 1 or hw.runtime is None:
+        return 0.0
+    figure = measured_pipeline_figure(spec, hw, lay)
+    return hw.runtime.split_pipeline_s if figure is None else figure
+
+
+def measured_pipeline_figure(spec: ModelSpec, hw: Hardware, lay: Layout) -> float | None:
+    """For ``lay``'s schedule, the value of its runtime figure (``MEASURED_SCHEDULES``: what its sends cost
+    beyond ``send_s``, or a split backward's pipeline part) at which the cost model prices a microbatch of
+    the model's measured pipeline (``Hardware.pipeline``: the same layer, the nearest micro-batch; 4 layers
+    over 2 stages) beyond a 1F1B microbatch as measured: the priced step is piecewise linear in the
+    figure, and a few secant steps from 0 and 1 ms find it. None when the profile did not measure it
+    (another model, another schedule) or the figure does not move the priced step."""
+    if lay.schedule not in MEASURED_SCHEDULES or hw.runtime is None or not hw.pipeline:
+        return None
+    found = [x for x in hw.pipeline if measures_layer_of(x.signature, x.nodes, spec)]
+    if not found:
+        return None
+    x = min(found, key=lambda x: (abs(x.micro_batch - lay.b), x.micro_batch))
+    return _fitted_figure(spec, hw, x, lay.schedule, lay.precision)
+
+
+@lru_cache(maxsize=256)
+def _fitted_figure(spec: ModelSpec, hw: Hardware, x: MeasuredPipeline, schedule: str, precision) -> float | None:
+    """``measured_pipeline_figure`` for the measurement ``x`` (every layout of the schedule prices with it)."""
+    name, v, knob = MEASURED_SCHEDULES[schedule]
+    measured = replace(spec, layers=PIPELINE_LAYERS)
+
+    def beyond_1f1b(value: float) -> float:
+        rt = replace(hw.runtime, split_pipeline_s=0.0)
+        bare = replace(hw, pipeline=(), runtime=rt)
+        at = replace(bare, runtime=replace(rt, **{knob: getattr(rt, knob) + value}))
+        return (_priced_microbatch(measured, at, schedule, v, x.micro_batch, precision)
+                - _priced_microbatch(measured, bare, "1f1b", 1, x.micro_batch, precision))
+    target = getattr(x, name) - x.one_f_one_b_seconds
+    (k0, f0), (k1, f1) = (0.0, beyond_1f1b(0.0)), (1e-3, beyond_1f1b(1e-3))
+    for _ in range(4):  # secant steps: exact once both points lie on the piece that holds the answer
+        if f1 == f0:
+            return None  # the figure does not reach this schedule's step
+        k0, f0, k1 = k1, f1, k1 + (target - f1) * (k1 - k0) / (f1 - f0)
+        f1 = beyond_1f1b(k1)
+        if abs(f1 - target) < 1e-9:
+            break
+    return k1
+
+
+@lru_cache(maxsize=256)
+def _priced_microbatch(spec: ModelSpec, hw: Hardware, schedule: str, v: int, b: int, precision) -> float:
+    """What a microbatch adds to the priced step of ``spec`` over 2 stages (eager chunks, no recomputation,
+    simulated), from ``PIPELINE_MICROBATCHES``' two counts, as the tune measures it."""
+    lo, hi = PIPELINE_MICROBATCHES
+
+    def step(m: int) -> float:
+        lay = Layout(t=1, p=2, d=1, b=b, v=v, schedule=schedule, recompute="none", fused_kernels=False,
+                     precision=precision)
+        return estimate(spec, Cluster(2, hw, m * b), lay, simulate=True).t_iter
+    return (step(hi) - step(lo)) / (hi - lo)
 
 
 def _pipeline(lay: Layout, m: int, chunk: _Chunk, c: float, simulate: bool) -> tuple[float, float, SimResult | None]:

@@ -8,31 +8,39 @@ from __future__ import annotations
 from autopar.planning.cost.hardware import Hardware
 from autopar.planning.cost.models import ModelSpec
 from autopar.planning.cost.op_times import measured_this_layer, measures_layer_of
-from autopar.planning.cost.step_estimate import Estimate
+from autopar.core.config import SPLIT_BACKWARD_SCHEDULES
+from autopar.planning.cost.step_estimate import Estimate, interleaved_send_extra, measured_pipeline_figure
+from autopar.planning.quantities import seconds
 
 __all__ = ["measured_note"]
 
 
 def measured_note(spec: ModelSpec, hw: Hardware, best: Estimate, layout: str = "the best layout") -> str:
-    """What of a tuned profile's measurements of a model (``layers``, ``data_parallel``) priced ``best``
-    (called ``layout`` in the text), or why none did; "" when the profile has none."""
-    if not hw.layers and not hw.data_parallel:
+    """What of a tuned profile's measurements of a model (``layers``, ``data_parallel``, ``pipeline``) priced
+    ``best`` (called ``layout`` in the text), or why none did; "" when the profile has none."""
+    if not hw.layers and not hw.data_parallel and not hw.pipeline:
         return ""
     parts = [f"its layer x{best.layer_scale:.3g}"] if best.layer_scale != 1.0 else []
     if best.data_parallel_scale != 1.0:
         parts.append(f"its gradient reduction x{best.data_parallel_scale:.3g}")
+    lay = best.layout
+    extra = interleaved_send_extra(spec, hw, lay)
+    if extra:
+        parts.append(f"each interleaved send {'+' if extra > 0 else '-'}{seconds(abs(extra))} beyond a 1F1B send's")
+    split = measured_pipeline_figure(spec, hw, lay) if lay.schedule in SPLIT_BACKWARD_SCHEDULES and lay.p > 1 else None
+    if split is not None:
+        parts.append(f"a split backward's pipeline part {seconds(split)} a chunk")
     if parts:
         return ("priced with this model's own measurements from `autopar tune` (measured over priced from the "
                 "kernels): " + ", ".join(parts))
     if not measured_this_layer(spec, hw):
-        measured = sorted({(x.signature, x.nodes) for x in (*hw.layers, *hw.data_parallel)})
+        measured = sorted({(x.signature, x.nodes) for x in (*hw.layers, *hw.data_parallel, *hw.pipeline)})
         ours = spec.graph_nodes[1] if spec.graph_nodes else 0
         what = ", ".join(sig + (f" ({nodes} graph nodes)" if sig == spec.layer_signature else "")
                          for sig, nodes in measured)
         return (f"the profile measured the layer of {what}, not this model's ({spec.layer_signature}"
                 + (f", {ours} graph nodes" if ours else "") + "): its layer is priced from its kernels "
                 "(`autopar tune` with this model's flags measures it)")
-    lay = best.layout
     runs = sorted({(x.tp, x.sequence_parallel) for x in hw.layers if measures_layer_of(x.signature, x.nodes, spec)})
     if lay.fused_kernels:
         why = (f"{layout} is priced with fused kernels (--kernels fused: compiled chunks), the measurement "
