@@ -257,7 +257,9 @@ def measured_recompute(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_p
     """What recomputing one dense layer adds to its backward, from the layer ``autopar tune`` measured
     recomputed (``MeasuredLayer.recompute_seconds``, at this t or else at t = 1): the priced replay (its
     forward and a checkpointed region's bookkeeping) scaled by measured over priced at the measured
-    micro-batch and t; None without one."""
+    micro-batch and t. A ratio measured at another t (t = 1, no collectives) scales the replay's
+    computation only: its tensor-parallel collectives are priced as the forward's (scaled by t = 1's
+    ratio they came out 2-3 ms a layer dear at t = 2 with sequence parallelism). None without one."""
     near = measured_layer(spec, hw, b, t, sequence_parallel, fused, cp)
     if near is None or hw.runtime is None:
         return None
@@ -268,7 +270,11 @@ def measured_recompute(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_p
     region = PhaseTime(runtime=hw.runtime.checkpoint_s)
     priced = _dense_layer(spec, hw, near.micro_batch, near.tp, near.sequence_parallel, fused, cp)[0] + region
     here = _dense_layer(spec, hw, b, t, sequence_parallel, fused, cp)[0] + region
-    return here * (near.recompute_seconds / priced.total)
+    ratio = near.recompute_seconds / priced.total
+    if (near.tp, near.sequence_parallel) == (t, sequence_parallel):
+        return here * ratio
+    comm = PhaseTime(comm=here.comm)
+    return (here + comm * -1.0) * ratio + comm
 
 
 def measured_split(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
