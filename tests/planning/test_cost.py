@@ -206,7 +206,7 @@ def test_layout_from_config():
 
 def test_optimizer_state_and_step_traffic_are_two_numbers():
     """16 bytes of state per parameter (weights, gradients, then Adam's 12); the step moves 52."""
-    from autopar.planning.cost.step_estimate import OPTIMIZER_STEP_TRAFFIC_PER_PARAM
+    from autopar.planning.cost.data_parallel_cost import OPTIMIZER_STEP_TRAFFIC_PER_PARAM
 
     spec, lay = get_model("gpt-1.7b"), Layout(t=1, p=1, d=32, b=16)
     P = params_per_stage(spec, 1, 1)[0]
@@ -301,8 +301,8 @@ def test_cost_module_re_exports_the_model():
     each the very object of the file that defines it."""
     import importlib
 
-    homes = ("calibration", "step_estimate", "step_timelines", "formulas", "layout", "memory", "models", "network",
-             "op_costs", "op_times", "ring_costs", "transformer")
+    homes = ("calibration", "step_estimate", "data_parallel_cost", "step_timelines", "formulas", "layout", "memory",
+             "models", "network", "op_costs", "op_times", "ring_costs", "transformer")
     defined = {}
     for home in homes:
         mod = importlib.import_module(f"autopar.planning.cost.{home}")

@@ -25,8 +25,8 @@ from autopar.planning.cost.models import ModelSpec, get_model, params_per_stage
 from autopar.planning.cost.network import allreduce_time, dp_link
 from autopar.planning.cost.op_times import _dense_layer, layer_scale, layer_times
 from autopar.planning.cost.precision import RUNTIME_FP32
-from autopar.planning.cost.step_estimate import (DDP_BUCKET_BYTES, GRAD_SYNC_PASSES_ALLREDUCE, estimate,
-                                                 interleaved_send_extra, split_pipeline_seconds)
+from autopar.planning.cost.data_parallel_cost import DDP_BUCKET_BYTES, GRAD_SYNC_PASSES_ALLREDUCE
+from autopar.planning.cost.step_estimate import estimate, interleaved_send_extra, split_pipeline_seconds
 from autopar.planning.cost.tune_plan import model_gemm_shapes
 from autopar.planning.errors import ProfileFieldError
 

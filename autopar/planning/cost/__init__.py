@@ -15,6 +15,8 @@ One file per job:
 - ``zero_bubble_costs.py``: the zero-bubble schedules' B/W split, idle time and held memory;
 - ``pipeline_timeline.py``: a layout's per-chunk costs run through the schedule simulator;
 - ``step_estimate.py``: ``estimate``, one iteration's time, throughput and memory;
+- ``data_parallel_cost.py``: the gradient reduction over the replicas, the part the backward leaves exposed,
+  and the optimizer step;
 - ``step_timelines.py``: one layout's step as the planner's and as the runtime's timeline;
 - ``calibration.py``: the paper's runs and the fit of the two free constants;
 - ``formulas.py``: the paper's closed forms in sympy, and ``explain`` (the only user of sympy).
@@ -31,8 +33,8 @@ from typing import Any
 
 _HOMES: dict[str, tuple[str, ...]] = {
     "calibration": ("PAPER_RUNS", "PaperRun", "fit_efficiency"),
-    "step_estimate": ("DDP_BUCKET_BYTES", "OPTIMIZER_STEP_TRAFFIC_PER_PARAM", "SIMULATION_LIMIT", "Estimate",
-                 "estimate"),
+    "step_estimate": ("SIMULATION_LIMIT", "Estimate", "estimate"),
+    "data_parallel_cost": ("DDP_BUCKET_BYTES", "OPTIMIZER_STEP_TRAFFIC_PER_PARAM"),
     "step_timelines": ("estimate_with_timeline",),
     "formulas": ("FORMULAS", "Explained", "explain"),
     "layout": ("Cluster", "Layout", "layout_errors"),

@@ -15,7 +15,7 @@ leave exposed (``ring_costs.ring_exposed_time``), over ``network.cp_ring_link``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from autopar.core.collectives import ALL_GATHER, REDUCE_SCATTER
@@ -273,8 +273,7 @@ def measured_recompute(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_p
     ratio = near.recompute_seconds / priced.total
     if (near.tp, near.sequence_parallel) == (t, sequence_parallel):
         return here * ratio
-    comm = PhaseTime(comm=here.comm)
-    return (here + comm * -1.0) * ratio + comm
+    return replace(here, comm=0.0) * ratio + PhaseTime(comm=here.comm)
 
 
 def measured_split(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
