@@ -240,12 +240,19 @@ def _median_over_ranks(runtime: dict, layers: list[dict], world: int) -> tuple[d
     the ranks: one rank's slow moment (a difference of differences of its steps, such as a layer's
     recomputation, moved by 2x on one rank in one tune) is outvoted at 3 ranks and halved at 2. A layer
     that a rank left out (its difference came out at or below 0) is the median of the others'."""
-    import statistics  # noqa: PLC0415
-
     import torch.distributed as dist  # noqa: PLC0415
 
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (runtime, layers))
+    return median_of_ranks(gathered)
+
+
+def median_of_ranks(gathered: list[tuple[dict, list[dict]]]) -> tuple[dict, list[dict]]:
+    """``_median_over_ranks`` of each rank's (runtime figures, layers): every float the median over the
+    ranks (rank 0's other values), every layer's figures the median over the ranks that measured it."""
+    import statistics  # noqa: PLC0415
+
+    runtime = gathered[0][0]
     merged = {k: statistics.median(r[k] for r, _ in gathered) if isinstance(v, float) else v
               for k, v in runtime.items()}
     by_key: dict = {}

@@ -185,6 +185,24 @@ def test_the_tune_names_the_plan_command_of_the_model_it_measured():
     assert model_flags(["tune", "--quick"]) == ""
 
 
+def test_the_tune_writes_each_one_rank_figure_as_the_median_over_the_ranks():
+    from autopar.cli.tune import median_of_ranks
+
+    layer = dict(signature="h64", nodes=20, micro_batch=1, tp=1, sequence_parallel=False)
+    gathered = [({"node_s": 2e-5, "layer_nodes": 20}, [layer | dict(seconds=1e-3, recompute_seconds=3.4e-3,
+                                                                      split_seconds=2e-4)]),
+                ({"node_s": 3e-5, "layer_nodes": 20}, [layer | dict(seconds=2e-3, recompute_seconds=1.6e-3,
+                                                                      split_seconds=4e-4),
+                                                       layer | dict(micro_batch=2, seconds=5e-3, recompute_seconds=0.0,
+                                                                    split_seconds=0.0)]),
+                ({"node_s": 2.2e-5, "layer_nodes": 20}, [layer | dict(seconds=1.5e-3, recompute_seconds=1.7e-3,
+                                                                        split_seconds=3e-4)])]
+    runtime, layers = median_of_ranks(gathered)
+    assert runtime == {"node_s": 2.2e-5, "layer_nodes": 20}  # one rank's outlier outvoted
+    assert layers == [layer | dict(seconds=1.5e-3, recompute_seconds=1.7e-3, split_seconds=3e-4),
+                      layer | dict(micro_batch=2, seconds=5e-3, recompute_seconds=0.0, split_seconds=0.0)]
+
+
 @pytest.mark.multiprocess
 def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, capsys):
     out = tmp_path / "tuned.json"
