@@ -38,9 +38,11 @@ def first_batch():
 
 
 def stop_here(pid_file: str) -> None:
-    """This process stops (every thread of it) until another continues it with SIGCONT."""
-    with open(pid_file, "w") as f:
+    """This process stops (every thread of it) until another continues it with SIGCONT. The pid file
+    appears whole (written aside, then renamed), so a reader never finds it empty."""
+    with open(pid_file + ".part", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(pid_file + ".part", pid_file)
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
@@ -55,8 +57,19 @@ def timed(call: Callable[[], object]) -> tuple[Exception | None, float]:
     return error, time.monotonic() - start
 
 
-def continue_stopped(pid_file: str) -> None:
-    """SIGCONT to the rank that stopped itself (once its pid is written)."""
-    while not os.path.exists(pid_file):
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T in /proc), so a SIGCONT now cannot come before its SIGSTOP."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def continue_stopped(pid_file: str, within_s: float = 60.0) -> None:
+    """SIGCONT to the rank that stopped itself, once its pid is written and it has stopped (a rank slower
+    to get there than the other's timeout would otherwise be continued before it stops, and stay stopped)."""
+    end = time.monotonic() + within_s
+    while not os.path.exists(pid_file) and time.monotonic() < end:
         time.sleep(0.01)
-    os.kill(int(open(pid_file).read()), signal.SIGCONT)
+    pid = int(open(pid_file).read())
+    while not _stopped(pid) and time.monotonic() < end:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGCONT)

@@ -160,12 +160,19 @@ def join_from_env(timeout_s: float = 1800.0) -> bool:
 
 
 def _leave_together() -> None:
-    """A barrier before the ranks leave (a rank exiting early closes its peers' connections), bounded
-    under gloo, once an engine ran, by its failure timeout (``AUTOPAR_FAILURE_TIMEOUT``): a rank that
-    stopped answering after the engine's last call fails the others here, named by gloo's monitored
-    barrier, instead of holding them for the group's timeout. The board's module is asked only if an
-    engine loaded it."""
+    """A barrier before the ranks leave: a rank that leaves early closes its peers' connections, and rank 0
+    takes the process group's store with it while a slower peer may still need it (a new connection
+    to it, such as an engine's failure board makes, would wait the group's whole timeout). Bounded under
+    gloo, once an engine ran, by its failure timeout (``AUTOPAR_FAILURE_TIMEOUT``): a rank that stopped
+    answering after the engine's last call fails the others here, named by gloo's monitored barrier,
+    instead of holding them for the group's timeout. Skipped where a failure stopped this rank's
+    communication: its groups are closed, and the store's host waits at exit until its peers read the
+    failure. The board's module is asked only if an engine loaded it."""
+    if not dist.is_initialized():  # the function ended the group itself
+        return
     board = sys.modules.get("autopar.runtime.engine.failure_board")
+    if board is not None and board.communication_stopped():
+        return
     if board is not None and str(dist.get_backend()) == "gloo" and dist.get_world_size() > 1:
         dist.monitored_barrier(timeout=timedelta(seconds=board.failure_timeout()))
     else:
@@ -213,6 +220,7 @@ def _worker(rank: int, world: int, port: int, backend: str, threads: int, timeou
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         out = fn(*args)
+        _leave_together()
         # plain pickle bytes: tensors pickled by value (not in shared memory), so they outlive this process
         results.put((rank, True, pickle.dumps(out), None))
     except BaseException as e:  # noqa: BLE001 - reported to the parent with the traceback

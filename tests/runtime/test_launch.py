@@ -163,3 +163,30 @@ def test_inheriting_nccl_ranks_is_refused_before_any_start():
 
     with pytest.raises(LaunchError, match=r"inherit=True\) forks CPU ranks; nccl ranks start fresh"):
         spawn(print, 2, inherit=True, backend="nccl")
+
+
+def _board_made_late(delay_s: float) -> float:
+    """Rank 1 makes an engine's failure board (a connection of its own to rank 0's store) ``delay_s`` after
+    rank 0 has returned: the seconds its first store round trip took."""
+    import torch.distributed as dist
+
+    from autopar.runtime.engine.failure_board import FailureBoard
+
+    if dist.get_rank() == 0:
+        return 0.0
+    time.sleep(delay_s)
+    start = time.monotonic()
+    board = FailureBoard("autopar/failure/late", dist.get_world_size())
+    board.beat("late")
+    assert board.heartbeats()[1][1] == "late"
+    return time.monotonic() - start
+
+
+def test_the_store_outlives_a_rank_that_finished_first():
+    """Rank 0 serves the process group's store: the ranks leave together, so one that is still working
+    when rank 0's function returned reaches the store (without the barrier, the late connection waits
+    the group's whole timeout and the spawn fails)."""
+    import autopar
+
+    took = autopar.spawn(_board_made_late, 2, (1.0,), timeout_s=30, inherit=True)[1]
+    assert took < 3.0, took

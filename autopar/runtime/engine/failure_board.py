@@ -71,13 +71,15 @@ from autopar.core.mesh import forget_groups
 from autopar.runtime.engine.errors import EngineUsageError
 
 __all__ = ["Failure", "FailureBoard", "EngineFailedError", "stop_communication", "failure_timeout", "close_watches",
-           "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
+           "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "communication_stopped"]
 
 TIMEOUT_ENV = "AUTOPAR_FAILURE_TIMEOUT"
 """Environment variable: the default ``engine.failure_timeout_s``, in seconds."""
 DEFAULT_TIMEOUT_S = 300.0
 _CLOSE_TAG = 2**30 + 611
 """The tag of the receive that times out on purpose (no engine message uses it)."""
+_STOPPED: list = []
+"""The process groups ``stop_communication`` closed or aborted (held, so an id is never reused)."""
 _READERS: list[tuple["FailureBoard", str, float]] = []
 """(board, key of its readers' count, seconds) of the failures this process's store holds: waited for at exit."""
 
@@ -155,6 +157,7 @@ def stop_communication() -> None:
         return
     forget_groups()
     c10d = dist.distributed_c10d
+    _STOPPED.extend(c10d._world.pg_map)
     backends = {}
     for pg in list(c10d._world.pg_map):
         try:
@@ -170,6 +173,12 @@ def stop_communication() -> None:
     for pg, backend in backends.items():
         if backend == "gloo":
             _close_gloo_group(pg)
+
+
+def communication_stopped() -> bool:
+    """``stop_communication`` ran in this process on the current default group: its collectives fail."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    return world is not None and any(pg is world for pg in _STOPPED)
 
 
 def _close_gloo_group(pg) -> None:
@@ -196,10 +205,11 @@ would report it (a TCPStore client's read has no timeout of its own then: the co
 nothing comes)."""
 
 
-def _own_client():
-    """A connection of this process's own to the default group's store (the group's connection stays
-    free for everything else, and one of the board's calls left hanging holds only this one)."""
-    store = dist.distributed_c10d._get_default_store()
+def _own_client(store):
+    """A connection of this process's own to ``store``, the default group's (the group's connection stays
+    free for everything else, and one of the board's calls left hanging holds only this one). Made on the
+    board's calls thread: a clone connects anew, and a store whose host is gone would hold the connect for
+    the group's whole timeout."""
     try:
         store = store.clone()
         store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
@@ -211,23 +221,26 @@ def _own_client():
 class _StoreCalls:
     """The board's store calls, made one at a time on a daemon thread of their own and each waited for
     at most ``timeout_s``: a call that does not return by then is left behind (its thread stays blocked
-    on a store that no longer answers) and the board stops calling the store."""
+    on a store that no longer answers) and the board stops calling the store. The thread connects to the
+    store at its first call (``connect()``), within that call's bound."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, connect: Callable[[], object]) -> None:
         self.timeout_s = timeout_s
+        self._connect = connect
+        self._client = None
         self.silent = False
         """A call timed out: the store's host stopped answering."""
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def call(self, fn: Callable, *args):
-        """``fn(*args)`` on the calls' thread: its value, or its exception; ``TimeoutError`` after
-        ``timeout_s`` (or as soon as another call timed out)."""
+    def call(self, method: str, *args):
+        """The store's ``method(*args)`` on the calls' thread: its value, or its exception;
+        ``TimeoutError`` after ``timeout_s`` (or as soon as another call timed out)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="autopar-failure-store", daemon=True)
             self._thread.start()
         done, box = threading.Event(), []
-        self._jobs.put((fn, args, box, done))
+        self._jobs.put((method, args, box, done))
         end = time.monotonic() + self.timeout_s
         while not done.wait(0.05):
             if self.silent or time.monotonic() > end:
@@ -240,9 +253,11 @@ class _StoreCalls:
 
     def _run(self) -> None:
         while True:
-            fn, args, box, done = self._jobs.get()
+            method, args, box, done = self._jobs.get()
             try:
-                box.append((True, fn(*args)))
+                if self._client is None:
+                    self._client = self._connect()
+                box.append((True, getattr(self._client, method)(*args)))
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 box.append((False, e))
             done.set()
@@ -258,9 +273,10 @@ class FailureBoard:
     def __init__(self, key: str, world: int) -> None:
         self.key = key
         """The store key: per engine (a token rank 0 drew when the engine was made)."""
-        self.store = _own_client() if world > 1 and dist.is_initialized() else None
+        self.shared = world > 1 and dist.is_initialized()
+        """Peers share this board through the default group's store (else a failure stays this rank's)."""
         self.world = world
-        self.hosts_store = self.store is not None and dist.get_rank() == 0
+        self.hosts_store = self.shared and dist.get_rank() == 0
         """Rank 0: the process that serves the store (``MASTER_ADDR``'s port)."""
         self.poll_s = 0.2 * max(1.0, world / 64)
         """How often a watch reads the board (less often in large worlds: one store serves all)."""
@@ -271,28 +287,25 @@ class FailureBoard:
         self._stopped = False
         self._lock = threading.Lock()
         self._watch: Watch | None = None
-        self._calls = _StoreCalls(STORE_TIMEOUT_S)
+        default = dist.distributed_c10d._get_default_store() if self.shared else None
+        self._calls = _StoreCalls(STORE_TIMEOUT_S, lambda: _own_client(default))
         self.store_silent = False
         """A store call timed out or failed: rank 0, which serves the store, stopped answering; later
         calls are skipped (each would wait ``STORE_TIMEOUT_S`` again)."""
-
-    @property
-    def shared(self) -> bool:
-        return self.store is not None
 
     @property
     def stopped(self) -> bool:
         """This rank's communication was stopped for a failure (its own, a peer's, or a timeout)."""
         return self._stopped
 
-    def _call(self, fn, *args):
-        """``fn(*args)`` on the store, unless it stopped answering (then, and on a timeout, raise
+    def _call(self, method: str, *args):
+        """The store's ``method(*args)``, unless it stopped answering (then, and on a timeout, raise
         ``_StoreSilent``)."""
         if self.store_silent or self._calls.silent:
             self.store_silent = True
             raise _StoreSilent()
         try:
-            return self._calls.call(fn, *args)
+            return self._calls.call(method, *args)
         except Exception:
             self.store_silent = True
             raise _StoreSilent() from None
@@ -301,21 +314,21 @@ class FailureBoard:
         """Publish ``failure`` unless one is published already; returns the one published (the root)."""
         if self.root is not None:
             return self.root
-        if self.store is None:
+        if not self.shared:
             return failure
         try:
-            self.root = Failure.from_json(self._call(self.store.compare_set, self.key, "", failure.to_json()))
+            self.root = Failure.from_json(self._call("compare_set", self.key, "", failure.to_json()))
         except Exception:  # noqa: BLE001 - the store's host is gone: this rank's failure is all there is
             self.root = failure
         return self.root
 
     def read(self) -> Failure | None:
         """The failure published for this engine, if any (one store round trip)."""
-        if self.root is not None or self.store is None:
+        if self.root is not None or not self.shared:
             return self.root
         try:
-            if self._call(self.store.check, [self.key]):
-                self.root = Failure.from_json(self._call(self.store.get, self.key))
+            if self._call("check", [self.key]):
+                self.root = Failure.from_json(self._call("get", self.key))
         except Exception:  # noqa: BLE001 - the store's host is gone: nothing more can be learnt
             pass
         return self.root
@@ -328,10 +341,10 @@ class FailureBoard:
                 return
             self._stopped = True
             stop_communication()
-        if self.store is None:
+        if not self.shared:
             return
         try:
-            self._call(self.store.add, self.key + "/read", 1)
+            self._call("add", self.key + "/read", 1)
         except Exception:  # noqa: BLE001 - the store's host is gone
             return
         if self.hosts_store:
@@ -357,10 +370,10 @@ class FailureBoard:
 
     def beat(self, doing: str) -> None:
         """This rank's heartbeat: now (wall clock) and what it runs."""
-        if self.store is None:
+        if not self.shared:
             return
         try:
-            self._call(self.store.set, f"{self.key}/beat/{dist.get_rank()}", json.dumps([time.time(), doing]))
+            self._call("set", f"{self.key}/beat/{dist.get_rank()}", json.dumps([time.time(), doing]))
         except Exception:  # noqa: BLE001 - the store's host is gone: the failure path says so
             pass
 
@@ -371,17 +384,17 @@ class FailureBoard:
         now = time.time()
         for rank in range(self.world):
             key = f"{self.key}/beat/{rank}"
-            if not self._call(self.store.check, [key]):
+            if not self._call("check", [key]):
                 out[rank] = None
                 continue
-            at, doing = json.loads(self._call(self.store.get, key))
+            at, doing = json.loads(self._call("get", key))
             out[rank] = (max(0.0, now - at), doing)
         return out
 
     def silent_peers(self, me: int) -> list[int]:
         """The ranks other than ``me`` whose heartbeat is older than ``silent_s`` (or never came); [0]
         when the store's host does not answer. One store round trip per rank."""
-        if self.store is None:
+        if not self.shared:
             return []
         try:
             beats = self.heartbeats()
@@ -401,7 +414,7 @@ class FailureBoard:
     def silence(self, me: int, coords: Callable[[int], tuple[int, int, int]]) -> str:
         """What the heartbeats say when a wait timed out on rank ``me``: the ranks that stopped
         answering and what each last ran; else (every rank answers) what each runs now."""
-        if self.store is None:
+        if not self.shared:
             return ""
         try:
             beats = self.heartbeats()
@@ -446,7 +459,7 @@ def _wait_for_readers() -> None:
         expected, asked = board.world, time.monotonic()
         while time.monotonic() < end:
             try:
-                if board._call(board.store.add, key, 0) >= expected:
+                if board._call("add", key, 0) >= expected:
                     break
                 if time.monotonic() - asked > board.silent_s:  # the ranks that stopped answering read nothing
                     expected, asked = board.world - len(board.silent_peers(dist.get_rank())), time.monotonic()
