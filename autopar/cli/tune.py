@@ -218,9 +218,12 @@ def _measure_runtime(args: argparse.Namespace, argv: list[str], rank: int, world
                         f"per node, tensor-parallel collective in a step {r['tp_collective_s']}, multi-rank step "
                         f"{r['world_step_s']}, distributed optimizer {r['distopt_step_s']}, AdamW "
                         f"{runtime['optimizer_per_param_s'] * 1e9:.3g} ns per parameter")
-    _say(rank, console, "the model's layer, forward and backward (at t = 1, recomputed: +, split: +): " + (", ".join(
+    _say(rank, console, "the model's layer, forward and backward (at t = 1, recomputed: +, split: +; at t > 1 the "
+                        "steps it is fitted to): " + (", ".join(
         f"b={x.micro_batch} t={x.tp}{' sp' if x.sequence_parallel else ''} {x.seconds * 1e3:.3g} ms"
         + (f" (+{x.recompute_seconds * 1e3:.2g}, +{x.split_seconds * 1e3:.2g})" if x.tp == 1 else "")
+        + (f" (steps at {'/'.join(str(n) for n, _ in x.steps)} layers: "
+           f"{'/'.join(f'{t * 1e3:.4g}' for _, t in x.steps)} ms)" if x.steps else "")
         for x in layers) if layers else f"not measured ({skipped}): its layer is priced from its kernels" if skipped
         else "not measured (give --hf-config, or the dimensions of a GPT or Llama without experts)"))
     for x in data_parallel:

@@ -187,7 +187,8 @@ def measure_ranks(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, 
                   configs: list[tuple[int, bool]], budget_s: float) -> dict[tuple, dict[str, float]]:
     """(b, sp) -> a layer's forward and backward (``_per_layer``'s ``seconds``) on one of t tensor-parallel
     ranks forked from this process (the slower rank's steps), every configuration's engines stepped in
-    turns in one launch. Recomputation and the split are left to t = 1's figures: their differences of
+    turns in one launch, with the steps themselves (``steps``: [layers, seconds] at each depth, and
+    ``microbatches``), which the cost model fits the layer to. Recomputation and the split are left to t = 1's figures: their differences of
     differences drown in the collectives' waits here."""
     import autopar  # noqa: PLC0415
 
@@ -199,7 +200,10 @@ def measure_ranks(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, 
         ranks = autopar.spawn(_rank_steps, t, (budget_s * len(configs),), inherit=True)
     finally:
         _FORKED.clear()
-    return _by_config({key: max(r[key] for r in ranks) for key in ranks[0]}, modes)
+    slower = {key: max(r[key] for r in ranks) for key in ranks[0]}
+    return {(b, sp): figures | {"steps": [[n, slower[b, sp, n, "plain"]] for n in LAYER_COUNTS],
+                                "microbatches": MICROBATCHES}
+            for (b, sp), figures in _by_config(slower, modes).items()}
 
 
 def _data_parallel_steps(x: torch.Tensor, budget_s: float) -> dict:

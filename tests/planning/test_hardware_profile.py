@@ -65,7 +65,7 @@ def test_round_trip_keeps_every_number(tmp_path):
     prof = _profile()
     path = tmp_path / "hw.json"
     write_profile(prof, path)
-    assert json.loads(path.read_text())[VERSION_KEY] == 4
+    assert json.loads(path.read_text())[VERSION_KEY] == 5
     assert load_profile(path) == prof
     hw = load_hardware(str(path))
     assert hw.name == str(path) and hw.tuned and hw.gpus_per_node == 2
@@ -94,7 +94,7 @@ def test_another_version_is_refused_with_the_command_to_measure_again(tmp_path):
     data = _profile().as_json() | {VERSION_KEY: 1}
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ProfileVersionError, match=r"is version 1; this autopar reads version 4: measure again with "
+    with pytest.raises(ProfileVersionError, match=r"is version 1; this autopar reads version 5: measure again with "
                                                   r"`autopar tune --layers 2 --hidden 64"):
         load_profile(path)
     path.write_text(json.dumps({"gemm": []}))
@@ -232,6 +232,10 @@ def test_tune_on_two_gloo_ranks_writes_a_profile_the_planner_reads(tmp_path, cap
     assert got and got <= {(b, t, sp) for b in (1, 2) for t, sp in ((1, False), (2, False), (2, True))}
     assert all(x.seconds > 0 and x.nodes > 0 for x in prof.layers)
     assert all(x.recompute_seconds >= 0 and x.split_seconds >= 0 for x in prof.layers if x.tp == 1)
+    # at t = 2 the steps themselves too (the cost model fits the layer to them): each depth, 4 microbatches
+    assert all([n for n, _ in x.steps] == [2, 4] and x.microbatches == 4 and min(t for _, t in x.steps) > 0
+               for x in prof.layers if x.tp == 2)
+    assert all(not x.steps for x in prof.layers if x.tp == 1)
     # and its data-parallel side over the 2 ranks: the 2-layer reference GPT's parameters on each replica
     from autopar.reference.models import build
 

@@ -26,7 +26,8 @@ from autopar.planning.cost.network import allreduce_time, dp_link
 from autopar.planning.cost.op_times import _dense_layer, layer_scale, layer_times
 from autopar.planning.cost.precision import RUNTIME_FP32
 from autopar.planning.cost.data_parallel_cost import DDP_BUCKET_BYTES, GRAD_SYNC_PASSES_ALLREDUCE
-from autopar.planning.cost.step_estimate import estimate, interleaved_send_extra, split_pipeline_seconds
+from autopar.planning.cost.step_estimate import (estimate, fitted_layers, interleaved_send_extra,
+                                                 split_pipeline_seconds)
 from autopar.planning.cost.tune_plan import model_gemm_shapes
 from autopar.planning.errors import ProfileFieldError
 
@@ -112,12 +113,53 @@ def test_recomputation_and_the_split_backward_are_priced_as_measured():
         RUNTIME["action_s"] + L * 4e-4 + RUNTIME["split_pipeline_s"], rel=1e-9)
 
 
+def _train_step(hw, depth: int, b: int = 1, microbatches: int = 4) -> float:
+    """The priced ``train_step`` of the model at ``depth`` on 2 tensor-parallel ranks, one stage."""
+    lay = Layout(t=2, p=1, d=1, b=b, schedule="1f1b", recompute="none", fused_kernels=False, precision=RUNTIME_FP32)
+    est = estimate(dataclasses.replace(SPEC, layers=depth), Cluster(2, hw, b * microbatches), lay)
+    return est.t_pipeline + est.t_step
+
+
+def test_a_layer_at_t_2_is_priced_to_match_the_steps_the_tune_measured():
+    """The layer's seconds come from the steps themselves (least squares over the depths, the rest of each
+    step priced), not from their difference: a planted layer of 7 ms is found from steps made with it, whatever
+    the difference said."""
+    truth = MeasuredLayer(SPEC.layer_signature, 20, micro_batch=1, tp=2, sequence_parallel=False, seconds=7e-3)
+    steps = tuple((n, _train_step(to_hardware(_profile((truth,))), n)) for n in (2, 4))
+    assert steps[1][1] - steps[0][1] == pytest.approx(2 * 4 * 7e-3)  # each of the 4 microbatches: 2 more layers
+    measured = dataclasses.replace(truth, seconds=5e-3, steps=steps, microbatches=4)  # the difference said 5 ms
+    hw = to_hardware(_profile((measured,)))
+    fitted = fitted_layers(SPEC, hw, RUNTIME_FP32)
+    assert fitted.layers[0].seconds == pytest.approx(7e-3, rel=1e-9) and not fitted.layers[0].steps
+    assert _train_step(hw, 4) == pytest.approx(steps[1][1], rel=1e-9)  # the measured step, priced as measured
+    from autopar.cli.plan import measured_note
+
+    lay = Layout(t=2, p=1, d=1, b=1, recompute="none", fused_kernels=False, precision=RUNTIME_FP32)
+    assert "(fitted to the steps measured at t=2)" in measured_note(SPEC, hw, estimate(SPEC, Cluster(2, hw, 4), lay))
+    # steps that do not lie on a line: the least-squares layer, 8 and 16 layer passes weighed by their count
+    off = tuple((n, t + (2e-3 if n == 2 else -2e-3)) for n, t in steps)
+    hw_off = to_hardware(_profile((dataclasses.replace(measured, steps=off),)))
+    assert fitted_layers(SPEC, hw_off, RUNTIME_FP32).layers[0].seconds == pytest.approx(
+        7e-3 + (8 * 2e-3 - 16 * 2e-3) / (8 ** 2 + 16 ** 2), rel=1e-9)
+    # without steps (t = 1, an older tune's entries), or of another model's layer: the seconds as measured
+    assert fitted_layers(SPEC, to_hardware(_profile((truth,))), RUNTIME_FP32).layers[0].seconds == 7e-3
+    other = dataclasses.replace(SPEC, gated_mlp=True)
+    assert fitted_layers(other, hw, RUNTIME_FP32).layers[0].seconds == 5e-3
+
+
 def test_measured_layers_round_trip_and_are_checked(tmp_path):
-    layers = (MeasuredLayer("h64 a4 kv4 f256 s32 gelu fused-attn no-dropout causal", 20, 1, 2, True, 4.5e-3),)
+    layers = (MeasuredLayer("h64 a4 kv4 f256 s32 gelu fused-attn no-dropout causal", 20, 1, 2, True, 4.5e-3,
+                            steps=[[2, 0.09], [4, 0.15]], microbatches=4),)
+    assert layers[0].steps == ((2, 0.09), (4, 0.15))  # hashable, as the cost model's caches need
     path = tmp_path / "hw.json"
     write_profile(_profile(layers), path)
     assert load_profile(path).layers == layers
     data = json.loads(path.read_text())
+    data["layers"][0]["steps"] = [[2, 0.09], [4, -1.0]]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileFieldError, match=r"layers\[0\]\.steps holds \[4, -1\.0\], not a \[layers, seconds\] pair"):
+        load_profile(path)
+    data["layers"][0]["steps"] = [[2, 0.09], [4, 0.15]]
     data["layers"][0]["sequence_parallel"] = "yes"
     path.write_text(json.dumps(data))
     with pytest.raises(ProfileFieldError, match=r"layers\[0\]\.sequence_parallel is 'yes', not a bool"):

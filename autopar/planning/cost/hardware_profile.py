@@ -61,7 +61,7 @@ __all__ = ["PROFILE_VERSION", "VERSION_KEY", "GemmFigure", "LinkFigure", "Hardwa
            "load_profile", "write_profile", "to_hardware", "load_hardware", "resolve_hardware", "nearest_preset",
            "DTYPE_BYTES"]
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 """The format version this autopar writes and reads (4: the model's pipeline, ``pipeline``; 3: the model's
 layers measured on the engine, ``layers``, its data-parallel side, ``data_parallel``, a multi-rank step's own
 cost, ``runtime.world_step_s``, and the distributed optimizer's, ``runtime.distopt_step_s``; 2 added the
@@ -276,7 +276,21 @@ def _layer(d: dict, i: int, path: str) -> MeasuredLayer:
                          recompute_seconds=_non_negative(_get(d, "recompute_seconds", float, w, path),
                                                          f"{w}recompute_seconds", path),
                          split_seconds=_non_negative(_get(d, "split_seconds", float, w, path), f"{w}split_seconds",
-                                                     path))
+                                                     path),
+                         steps=_steps(_get(d, "steps", list, w, path), f"{w}steps", path),
+                         microbatches=_get(d, "microbatches", int, w, path))
+
+
+def _steps(value: list, name: str, path: str) -> tuple[tuple[int, float], ...]:
+    """A layer's measured steps: [layers, seconds] pairs, positive."""
+    pairs = []
+    for pair in value:
+        if (not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], int)
+                or not isinstance(pair[1], (int, float)) or isinstance(pair[1], bool) or not pair[1] > 0):
+            raise ProfileFieldError(f"hardware profile {path}: {name} holds {pair!r}, not a [layers, seconds] pair "
+                                    f"of a positive step time")
+        pairs.append((pair[0], float(pair[1])))
+    return tuple(pairs)
 
 
 def _data_parallel(d: dict, i: int, path: str) -> MeasuredDataParallel:

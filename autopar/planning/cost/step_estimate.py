@@ -12,7 +12,8 @@ as such (``transformer._Experts``: their row exchange over the expert group is `
 routed experts' gradients are all-reduced over the d/ep replicas holding the same experts. The
 zero-bubble schedules (ZB-H1, ZB-V) split each chunk's backward into B and W and have their own idle
 time (``zero_bubble_costs.py``). Where ``autopar tune`` measured the model's own pipeline, each
-schedule's sends or split backward are priced to match it (``measured_pipeline_figure``).
+schedule's sends or split backward are priced to match it (``measured_pipeline_figure``); where it
+measured the model's steps at t > 1, the layer is priced to match them (``fitted_layers``).
 
 Context parallelism (``Layout.cp``): every chunk's work is on s/cp tokens per sequence, the ring
 attention's transfers it does not hide are ``cp_comm`` (``op_times.phase_time``), a pipeline send
@@ -29,7 +30,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from autopar.core.config import SPLIT_BACKWARD_SCHEDULES, Recompute
-from autopar.planning.cost.hardware import PIPELINE_LAYERS, PIPELINE_MICROBATCHES, Hardware, MeasuredPipeline
+from autopar.planning.cost.hardware import (PIPELINE_LAYERS, PIPELINE_MICROBATCHES, Hardware, MeasuredLayer,
+                                            MeasuredPipeline)
 from autopar.planning.cost.layout import Cluster, Layout, layout_errors, runtime_errors
 from autopar.planning.cost.memory import Memory, memory_per_gpu
 from autopar.planning.cost.models import (
@@ -57,7 +59,7 @@ from autopar.schedules import SimResult
 from autopar.schedules.chunk_placement import placement_of, stage_of_chunk
 
 __all__ = ["Estimate", "estimate", "interleaved_send_extra", "split_pipeline_seconds", "measured_pipeline_figure",
-           "MEASURED_SCHEDULES", "SIMULATION_LIMIT"]
+           "fitted_layers", "MEASURED_SCHEDULES", "SIMULATION_LIMIT"]
 
 SIMULATION_LIMIT = 60_000
 """Most F/B actions (2 p v m) ``estimate(simulate=True)`` runs through the schedule
@@ -198,7 +200,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, simulate: bool = Fa
     if errs:
         raise PlanError(f"invalid layout {lay.short} for {spec.label} on {cluster.gpus} GPUs:\n  - "
                         + "\n  - ".join(errs))
-    hw = cluster.hardware
+    hw = fitted_layers(spec, cluster.hardware, lay.precision)
     unrunnable = tuple(runtime_errors(cluster, lay, spec))
     simulate = simulate and not unrunnable  # the schedule cannot be generated
     m = cluster.global_batch // (lay.d * lay.b)
@@ -376,6 +378,45 @@ def split_pipeline_seconds(spec: ModelSpec, hw: Hardware, lay: Layout) -> float:
         return 0.0
     figure = measured_pipeline_figure(spec, hw, lay)
     return hw.runtime.split_pipeline_s if figure is None else figure
+
+
+@lru_cache(maxsize=256)
+def fitted_layers(spec: ModelSpec, hw: Hardware, precision) -> Hardware:
+    """``hw`` with each of the model's layers measured at t > 1 with its steps (``MeasuredLayer.steps``)
+    priced from those steps: the layer's seconds s that minimise the squared misfit of the priced steps,
+    C_n + k_n s at each depth n (k_n the layer passes of the step, C_n its priced rest: embedding, head,
+    loss, the runtime's per-action and per-step costs). The priced step is linear in s (one stage, no
+    bubble), so two prices per depth give k_n and C_n. A single step carries its noise once; the
+    difference of two steps (``seconds``) carries both steps' noise on a quarter of their size. ``hw``
+    itself when it has no such layer."""
+    if not any(x.steps and x.tp > 1 and measures_layer_of(x.signature, x.nodes, spec) for x in hw.layers):
+        return hw
+    bare = replace(hw, layers=tuple(replace(x, steps=()) for x in hw.layers))
+    layers = []
+    for x in hw.layers:
+        if x.steps and x.tp > 1 and measures_layer_of(x.signature, x.nodes, spec):
+            x = replace(x, steps=(), seconds=_fitted_seconds(spec, bare, x, precision))
+        layers.append(x)
+    return replace(bare, layers=tuple(layers))
+
+
+def _fitted_seconds(spec: ModelSpec, bare: Hardware, x: MeasuredLayer, precision) -> float:
+    """``fitted_layers``' least-squares seconds of the layer ``x`` (steps left out of ``bare`` and ``x``)."""
+    lay = Layout(t=x.tp, p=1, d=1, b=x.micro_batch, schedule="1f1b", recompute="none",
+                 sequence_parallel=x.sequence_parallel, fused_kernels=False, precision=precision)
+    plain = replace(x, steps=())
+
+    def train_step(depth: int, seconds: float) -> float:
+        at = replace(bare, layers=tuple(replace(y, seconds=seconds) if y == plain else y for y in bare.layers))
+        est = estimate(replace(spec, layers=depth), Cluster(x.tp, at, x.micro_batch * x.microbatches), lay)
+        return est.t_pipeline + est.t_step
+    num = den = 0.0
+    for depth, measured in x.steps:
+        p0, p1 = train_step(depth, x.seconds), train_step(depth, 2 * x.seconds)
+        k = (p1 - p0) / x.seconds
+        num, den = num + k * (measured - (p0 - k * x.seconds)), den + k * k
+    fit = num / den if den > 0 else 0.0
+    return fit if fit > 0 else x.seconds
 
 
 def measured_pipeline_figure(spec: ModelSpec, hw: Hardware, lay: Layout) -> float | None:
