@@ -328,19 +328,31 @@ def test_a_plan_prices_the_eager_chunks_where_the_profile_measured_the_models_la
 
 
 def test_recomputation_at_t_carries_the_ratio_measured_at_t_1():
-    hw0 = to_hardware(_profile())
-    f1 = _dense_layer(SPEC, hw0, 1, 1, False, False, 1)[0].total + RUNTIME["checkpoint_s"]
-    f2 = _dense_layer(SPEC, hw0, 1, 2, False, False, 1)[0].total + RUNTIME["checkpoint_s"]
-    comm2 = _dense_layer(SPEC, hw0, 1, 2, False, False, 1)[0].comm  # the forward's all-reduces at t = 2
-    layers = (MeasuredLayer(SPEC.layer_signature, 20, 1, 1, False, seconds=_priced(1), recompute_seconds=1.3 * f1),
-              MeasuredLayer(SPEC.layer_signature, 20, 1, 2, False, seconds=_priced(1, 2)))
-    from autopar.planning.cost.op_times import measured_recompute
+    from autopar.planning.cost.op_times import _replay, measured_recompute
+    from autopar.planning.cost.transformer import layer_ops, replay_ops
 
+    hw0 = to_hardware(_profile())
+    region = RUNTIME["checkpoint_s"]
+    f1 = _replay(SPEC, hw0, 1, 1, False, False, 1).total + region
+    layers = (MeasuredLayer(SPEC.layer_signature, 20, 1, 1, False, seconds=_priced(1), recompute_seconds=1.3 * f1),
+              MeasuredLayer(SPEC.layer_signature, 20, 1, 2, False, seconds=1.4 * _priced(1, 2)),
+              MeasuredLayer(SPEC.layer_signature, 20, 1, 2, True, seconds=1.2 * _priced(1, 2, True)))
     hw = to_hardware(_profile(layers))
     assert measured_recompute(SPEC, hw, 1, 1).total == pytest.approx(1.3 * f1)
-    # at t = 2 the ratio scales the replay's computation; its collectives cost what the forward's do
-    assert comm2 > 0
-    assert measured_recompute(SPEC, hw, 1, 2).total == pytest.approx(1.3 * (f2 - comm2) + comm2)
+    # at t = 2 the replay keeps t = 1's measured over priced relative to the layer's there (1.3 / 1) and takes
+    # the layer's own at t = 2; it replays one reduction a layer, the MLP's left out by the checkpoint's early
+    # stop, and under sequence parallelism no all-gather (the replay's stands in for the backward's re-gather)
+    assert layer_scale(SPEC, hw, 1, 1) == pytest.approx(1.0)
+    for sp, k in ((False, 1.4), (True, 1.2)):
+        assert [op.kind for op in replay_ops(SPEC, 1, 2, sp) if op.kind.startswith("tp_")] == [
+            "tp_reduce_scatter" if sp else "tp_allreduce"]
+        here = _replay(SPEC, hw0, 1, 2, sp, False, 1)
+        assert here.comm > 0 and layer_scale(SPEC, hw, 1, 2, sp) == pytest.approx(k)
+        assert measured_recompute(SPEC, hw, 1, 2, sp).total == pytest.approx(1.3 * k * (here.total + region))
+        assert measured_recompute(SPEC, hw, 1, 2, sp).comm == pytest.approx(1.3 * k * here.comm)
+    # the replay is the forward less its tail: the MLP's reduction and the residual add after it
+    forward = [op.name for op in layer_ops(SPEC, 1, 2).forward]
+    assert [op.name for op in replay_ops(SPEC, 1, 2)] == forward[:-2]
     assert measured_recompute(SPEC, hw0, 1, 2) is None
 
 

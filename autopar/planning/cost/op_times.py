@@ -15,7 +15,7 @@ leave exposed (``ring_costs.ring_exposed_time``), over ``network.cp_ring_link``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.core.collectives import ALL_GATHER, REDUCE_SCATTER
@@ -31,7 +31,7 @@ from autopar.planning.cost.network import (
 )
 from autopar.planning.cost.op_costs import Op
 from autopar.planning.cost.ring_costs import ring_exposed_time
-from autopar.planning.cost.transformer import embedding_ops, head_ops, layer_ops
+from autopar.planning.cost.transformer import embedding_ops, head_ops, layer_ops, replay_ops
 from autopar.planning.errors import PlanError
 
 __all__ = ["GEMM_TILES", "tile_fill", "gemm_efficiency", "measured_gemm_rate", "op_time", "PhaseTime", "phase_time", "layer_times",
@@ -255,11 +255,11 @@ def layer_scale(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel
 def measured_recompute(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,
                        fused: bool = False, cp: int = 1) -> PhaseTime | None:
     """What recomputing one dense layer adds to its backward, from the layer ``autopar tune`` measured
-    recomputed (``MeasuredLayer.recompute_seconds``, at this t or else at t = 1): the priced replay (its
-    forward and a checkpointed region's bookkeeping) scaled by measured over priced at the measured
-    micro-batch and t. A ratio measured at another t (t = 1, no collectives) scales the replay's
-    computation only: its tensor-parallel collectives are priced as the forward's (scaled by t = 1's
-    ratio they came out 2-3 ms a layer dear at t = 2 with sequence parallelism). None without one."""
+    recomputed (``MeasuredLayer.recompute_seconds``, at this t or else at t = 1): the priced replay
+    (``transformer.replay_ops``, a checkpointed region's bookkeeping and its nodes' forward share) scaled
+    by measured over priced at the measured micro-batch and t. Measured at t = 1 only, the replay keeps
+    t = 1's measured-over-priced relative to the layer's there, and takes the layer's own at this t
+    (``layer_scale``: its collectives' waits included): r_1 / k_1 x k_t. None without one."""
     near = measured_layer(spec, hw, b, t, sequence_parallel, fused, cp)
     if near is None or hw.runtime is None:
         return None
@@ -268,12 +268,20 @@ def measured_recompute(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_p
         if near is None or not near.recompute_seconds:
             return None
     region = PhaseTime(runtime=hw.runtime.checkpoint_s)
-    priced = _dense_layer(spec, hw, near.micro_batch, near.tp, near.sequence_parallel, fused, cp)[0] + region
-    here = _dense_layer(spec, hw, b, t, sequence_parallel, fused, cp)[0] + region
+    priced = _replay(spec, hw, near.micro_batch, near.tp, near.sequence_parallel, fused, cp) + region
+    here = _replay(spec, hw, b, t, sequence_parallel, fused, cp) + region
     ratio = near.recompute_seconds / priced.total
     if (near.tp, near.sequence_parallel) == (t, sequence_parallel):
         return here * ratio
-    return replace(here, comm=0.0) * ratio + PhaseTime(comm=here.comm)
+    k_near = layer_scale(spec, hw, near.micro_batch, near.tp, near.sequence_parallel, fused, cp)
+    return here * (ratio / k_near * layer_scale(spec, hw, b, t, sequence_parallel, fused, cp))
+
+
+def _replay(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool, fused: bool,
+            cp: int) -> PhaseTime:
+    """A dense layer's priced replay: its ops (``replay_ops``) and its nodes' forward overhead."""
+    return (phase_time(replay_ops(spec, b, t, sequence_parallel, fused, cp), hw, t, 1, cp, spec.causal)
+            + node_overheads(spec, hw)["layer_f"])
 
 
 def measured_split(spec: ModelSpec, hw: Hardware, b: int, t: int, sequence_parallel: bool = False,

@@ -54,7 +54,7 @@ from autopar.planning.cost.op_costs import (
 from autopar.planning.cost.ring_costs import ring_traffic
 from autopar.planning.errors import PlanError
 
-__all__ = ["PhaseOps", "ExpertRows", "expert_rows", "layer_ops", "op_by_op", "embedding_ops", "head_ops", "graph_flops",
+__all__ = ["PhaseOps", "ExpertRows", "expert_rows", "layer_ops", "replay_ops", "op_by_op", "embedding_ops", "head_ops", "graph_flops",
            "paper_flops", "iteration_flops"]
 
 
@@ -243,6 +243,24 @@ def layer_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False, 
     experts = _Experts.of(spec, layer, t, ep, dispatch) if moe and spec.is_moe else None
     fwd, bwd = tuple(_layer_forward(layer, experts)), tuple(_layer_backward(layer, experts))
     return PhaseOps(fwd, bwd) if fused else PhaseOps(op_by_op(fwd), op_by_op(bwd))
+
+
+def replay_ops(spec: ModelSpec, b: int, t: int, sequence_parallel: bool = False, fused: bool = True,
+               cp: int = 1) -> tuple[Op, ...]:
+    """What recomputing one dense layer under autopar's runtime runs again in its backward, net: the
+    layer's forward (``layer_ops``) up to its last op that saves a tensor for the backward, since
+    PyTorch's non-reentrant checkpoint stops its replay there (the MLP's reduction and the residual add
+    after it are not run again, as ``compiler/tp_traffic.py`` finds on the graph); and under sequence
+    parallelism no all-gather net: the replay gathers as the forward did, and inside the checkpointed
+    region the consumers keep the gathered value itself, so the backward makes none of the re-gathers
+    of kept slices it makes otherwise (``core/comm/kept_slices.py``). A layer at t = 2 replays one
+    reduction: an all-reduce, or with sequence parallelism a reduce-scatter (the engine's counts,
+    tests/runtime/test_replayed_collectives.py)."""
+    layer = _Layer.of(spec, b, t, sequence_parallel, cp)
+    fwd = _layer_forward(layer)
+    tail = len(layer.allreduce) + 1 if layer.tp else 1  # the trailing reduction and residual add
+    ops = [op for op in fwd[:-tail] if op.kind != "tp_allgather"]
+    return tuple(ops) if fused else tuple(op_by_op(ops))
 
 
 @dataclass(frozen=True)
