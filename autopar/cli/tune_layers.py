@@ -188,8 +188,8 @@ def measure_ranks(make: Callable[[int], torch.nn.Module], seq: int, vocab: int, 
     """(b, sp) -> a layer's forward and backward (``_per_layer``'s ``seconds``) on one of t tensor-parallel
     ranks forked from this process (the slower rank's steps), every configuration's engines stepped in
     turns in one launch, with the steps themselves (``steps``: [layers, seconds] at each depth, and
-    ``microbatches``), which the cost model fits the layer to. Recomputation and the split are left to t = 1's figures: their differences of
-    differences drown in the collectives' waits here."""
+    ``microbatches``), which the cost model fits the layer to. Recomputation and the split are left to
+    t = 1's figures: their differences of differences drown in the collectives' waits here."""
     import autopar  # noqa: PLC0415
 
     modes = ("plain",)

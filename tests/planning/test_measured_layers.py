@@ -157,7 +157,8 @@ def test_measured_layers_round_trip_and_are_checked(tmp_path):
     data = json.loads(path.read_text())
     data["layers"][0]["steps"] = [[2, 0.09], [4, -1.0]]
     path.write_text(json.dumps(data))
-    with pytest.raises(ProfileFieldError, match=r"layers\[0\]\.steps holds \[4, -1\.0\], not a \[layers, seconds\] pair"):
+    with pytest.raises(ProfileFieldError,
+                       match=r"layers\[0\]\.steps holds \[4, -1\.0\], not a \[layers, seconds\] pair"):
         load_profile(path)
     data["layers"][0]["steps"] = [[2, 0.09], [4, 0.15]]
     data["layers"][0]["sequence_parallel"] = "yes"

@@ -62,7 +62,8 @@ def test_a_recomputed_layer_replays_one_reduction():
     finally:
         _PROGRAMS.clear()
     passes = LAYERS * MICROBATCHES
-    extra = {sp: collections.Counter(counts[sp, "layer"]) - collections.Counter(counts[sp, "none"]) for sp in (False, True)}
+    extra = {sp: collections.Counter(counts[sp, "layer"]) - collections.Counter(counts[sp, "none"])
+             for sp in (False, True)}
     assert extra[False] == {"batch_isend_irecv": passes}  # the attention's all-reduce, once a layer pass
     assert extra[True] == {"reduce_scatter_single": passes}  # the attention's reduce-scatter; no all-gather net
     assert collections.Counter(counts[True, "none"]) - collections.Counter(counts[True, "layer"]) == {}

@@ -54,8 +54,8 @@ from autopar.planning.cost.op_costs import (
 from autopar.planning.cost.ring_costs import ring_traffic
 from autopar.planning.errors import PlanError
 
-__all__ = ["PhaseOps", "ExpertRows", "expert_rows", "layer_ops", "replay_ops", "op_by_op", "embedding_ops", "head_ops", "graph_flops",
-           "paper_flops", "iteration_flops"]
+__all__ = ["PhaseOps", "ExpertRows", "expert_rows", "layer_ops", "replay_ops", "op_by_op", "embedding_ops", "head_ops",
+           "graph_flops", "paper_flops", "iteration_flops"]
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ def measured_note(spec: ModelSpec, hw: Hardware, best: Estimate, layout: str = "
     if not hw.layers and not hw.data_parallel and not hw.pipeline:
         return ""
     lay = best.layout
-    fitted = any(x.steps and (x.tp, x.sequence_parallel) == (lay.t, lay.sp) and measures_layer_of(x.signature, x.nodes, spec)
-                 for x in hw.layers) and not lay.fused_kernels and lay.cp == 1
-    parts = ([f"its layer x{best.layer_scale:.3g}" + (f" (fitted to the steps measured at t={lay.t})" if fitted else "")]
-             if best.layer_scale != 1.0 else [])
+    fitted = not lay.fused_kernels and lay.cp == 1 and any(
+        x.steps and (x.tp, x.sequence_parallel) == (lay.t, lay.sp) and measures_layer_of(x.signature, x.nodes, spec)
+        for x in hw.layers)
+    how = f" (fitted to the steps measured at t={lay.t})" if fitted else ""
+    parts = [f"its layer x{best.layer_scale:.3g}{how}"] if best.layer_scale != 1.0 else []
     if best.data_parallel_scale != 1.0:
         parts.append(f"its gradient reduction x{best.data_parallel_scale:.3g}")
     extra = interleaved_send_extra(spec, hw, lay)
