@@ -13,9 +13,10 @@ The model families themselves live in ``families.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ from autopar.reference.parity import single_device_run
 
 __all__ = ["seeded", "token_batches", "parallelize_on", "compiled", "tiny_gpt_program", "reference_run",
            "spawn_ranks", "layout_world", "layout_chunks", "assert_ranks_match", "assert_same_grads",
-           "assert_bitwise_equal", "meta_model_from", "write_contract_checkpoint", "dcp_tensors"]
+           "assert_bitwise_equal", "meta_model_from", "write_contract_checkpoint", "dcp_tensors", "calls_into_dist"]
 
 Batches = list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
 
@@ -266,3 +267,24 @@ def dcp_tensors(step_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Te
         warnings.simplefilter("ignore")
         dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir), no_dist=True)
     return state
+
+
+@contextlib.contextmanager
+def calls_into_dist(names: Sequence[str], seen: Callable[[str, tuple, dict], None]) -> Iterator[None]:
+    """Within the block, each call of ``torch.distributed``'s functions ``names`` (those this torch has) is
+    shown to ``seen(name, args, kwargs)``, then made: how a test counts the collectives a rank really runs
+    (``core/comm`` calls them through the module, so the wrappers see every one)."""
+    real = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def watched(name: str) -> Callable:
+        def call(*args, **kwargs):
+            seen(name, args, kwargs)
+            return real[name](*args, **kwargs)
+        return call
+    for name in real:
+        setattr(dist, name, watched(name))
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)

@@ -303,8 +303,9 @@ def _sources(device, copy_bytes: int, budget: float, backend: str, world: int) -
                     "less its one-rank step"),
         "layers": (f"the model of the flags built with {' and '.join(map(str, LAYER_COUNTS))} layers, compiled for t "
                    f"ranks, {MICROBATCHES} microbatches a step, the two engines stepped in turns (cli/tune_layers.py); "
-                   f"a layer = the steps' difference over the layers and microbatches; t = 1 on every rank at once, "
-                   f"each figure the median over the ranks"),
+                   f"a layer = the steps' difference over the layers and microbatches (at t > 1 the steps are kept, "
+                   f"and the cost model fits the layer to them); t = 1 on every rank at once, each figure the median "
+                   f"over the ranks"),
         "data_parallel": ("the model of the flags at 2 layers over 2 data-parallel ranks, 1 microbatch: PyTorch's "
                           "AdamW and the engine's distributed optimizer stepped in turns (cli/tune_layers.py)"),
         "pipeline": (f"the model of the flags at {PIPELINE_LAYERS} layers over 2 pipeline stages, 1F1B, interleaved "

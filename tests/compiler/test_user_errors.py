@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from families import SEQ, batches
-from helpers import compiled, spawn_ranks
+from helpers import calls_into_dist, compiled, spawn_ranks
 
 import autopar
 from autopar.reference.models import ModelConfig, build
@@ -215,38 +215,32 @@ class _TPBytes:
     sent), an all-gather its gathered size."""
 
     def __init__(self, group):
-        import torch.distributed as dist
-
-        self.dist, self.group, self.nbytes = dist, group, 0
-        self.real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "batch_isend_irecv")}
+        self.group, self.nbytes = group, 0
+        self._calls = calls_into_dist(("all_reduce", "all_gather", "batch_isend_irecv"), self._seen)
 
     def __enter__(self):
-        dist, real = self.dist, self.real
+        self._calls.__enter__()
+        return self
 
-        def all_reduce(tensor, *args, group=None, **kwargs):
-            self._count(group, tensor.numel() * tensor.element_size())
-            return real["all_reduce"](tensor, *args, group=group, **kwargs)
+    def _seen(self, name: str, args: tuple, kwargs: dict) -> None:
+        import torch.distributed as dist
 
-        def all_gather(tensors, tensor, group=None, **kwargs):
-            self._count(group, tensor.numel() * tensor.element_size() * len(tensors))
-            return real["all_gather"](tensors, tensor, group=group, **kwargs)
-
-        def batch_isend_irecv(ops):
-            for op in ops:
+        if name == "all_reduce":
+            self._count(kwargs.get("group"), args[0].numel() * args[0].element_size())
+        elif name == "all_gather":
+            tensors, tensor = args[:2]
+            self._count(kwargs.get("group"), tensor.numel() * tensor.element_size() * len(tensors))
+        else:  # batch_isend_irecv: the buffers sent
+            for op in args[0]:
                 if op.op is dist.isend:
                     self._count(op.group, op.tensor.numel() * op.tensor.element_size())
-            return real["batch_isend_irecv"](ops)
-
-        dist.all_reduce, dist.all_gather, dist.batch_isend_irecv = all_reduce, all_gather, batch_isend_irecv
-        return self
 
     def _count(self, group, nbytes: int) -> None:
         if group is self.group:
             self.nbytes += nbytes
 
     def __exit__(self, *exc):
-        for name, fn in self.real.items():
-            setattr(self.dist, name, fn)
+        self._calls.__exit__(*exc)
 
 
 RECOMPUTE = ("none", "layer", "chunk")

@@ -160,7 +160,11 @@ def test_measured_layers_round_trip_and_are_checked(tmp_path):
     with pytest.raises(ProfileFieldError,
                        match=r"layers\[0\]\.steps holds \[4, -1\.0\], not a \[layers, seconds\] pair"):
         load_profile(path)
-    data["layers"][0]["steps"] = [[2, 0.09], [4, 0.15]]
+    data["layers"][0] |= {"steps": [[2, 0.09], [4, 0.15]], "microbatches": 0}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileFieldError, match=r"layers\[0\]\.microbatches is 0, but layers\[0\]\.steps holds"):
+        load_profile(path)
+    data["layers"][0]["microbatches"] = 4
     data["layers"][0]["sequence_parallel"] = "yes"
     path.write_text(json.dumps(data))
     with pytest.raises(ProfileFieldError, match=r"layers\[0\]\.sequence_parallel is 'yes', not a bool"):

@@ -14,8 +14,7 @@ import collections
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import spawn_ranks, tiny_gpt_program
+from helpers import calls_into_dist, spawn_ranks, tiny_gpt_program
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,20 +30,8 @@ def _counted_step(key) -> dict[str, int]:
     x = torch.randint(0, 64, (2 * MICROBATCHES, 8), generator=torch.Generator().manual_seed(0))  # microbatches of 2
     engine.train_step(x, x)  # the first step's one-time exchanges left out
     counts: collections.Counter = collections.Counter()
-    originals = {name: getattr(dist, name) for name in COUNTED if hasattr(dist, name)}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-    for name in originals:
-        setattr(dist, name, counting(name))
-    try:
+    with calls_into_dist(COUNTED, lambda name, args, kwargs: counts.update([name])):
         engine.train_step(x, x)
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     return dict(counts)
 
 

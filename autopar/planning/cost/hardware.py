@@ -302,8 +302,8 @@ class Hardware:
     """The data-parallel side of the model ``autopar tune`` was given, measured on the engine: scales the
     priced gradient reduction and distributed optimizer of a matching model (``step_estimate``)."""
     pipeline: tuple[MeasuredPipeline, ...] = ()
-    """The pipeline sends of the model ``autopar tune`` was given, measured on the engine: price a matching
-    model's send in an interleaved step (``step_estimate``)."""
+    """The pipeline of the model ``autopar tune`` was given, measured on the engine in each schedule: prices a
+    matching model's interleaved sends and a split backward's pipeline part (``step_estimate``)."""
     tune_command: str = ""
     """The ``autopar tune`` flags that measured this profile (the model, the micro-batch, the output
     file), for the error that asks for a group size it lacks. Empty for a preset."""

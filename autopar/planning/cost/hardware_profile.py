@@ -3,15 +3,15 @@ measured, read back as the planner's ``Hardware``.
 
 The file (``docs/hardware-profile.md`` lists every field)::
 
-    {"autopar_hardware_profile": 4,
+    {"autopar_hardware_profile": 5,
      "device": {"kind": "cuda", "name": "NVIDIA H200", "per_node": 8, "nodes": 2, "memory_bytes": ..., "sm_count": 132},
      "gemm": [{"dtype": "bf16", "name": "fc1 t=1", "batch": 1, "m": 2048, "n": 4096, "k": 1024,
                "flops_per_s": ..., "seconds": ...}, ...],
      "memory_bw_bytes_per_s": ..., "eager_op_s": ..., "compiled_call_s": null,
      "runtime": {"step_s": ..., "node_s": ..., ...} or null,
      "layers": [{"signature": "h128 a4 kv4 f512 s64", "nodes": 20, "micro_batch": 1, "tp": 1,
-                 "sequence_parallel": false, "seconds": ..., "recompute_seconds": ..., "split_seconds": ...},
-                ...],
+                 "sequence_parallel": false, "seconds": ..., "recompute_seconds": ..., "split_seconds": ...,
+                 "steps": [], "microbatches": 0}, ...],
      "data_parallel": [{"signature": ..., "params": ..., "sync_seconds": ..., ...}],
      "pipeline": [{"signature": ..., "micro_batch": 1, "one_f_one_b_seconds": ..., "interleaved_seconds": ...}],
      "collectives": [{"op": "all_reduce", "ranks": 2, "placement": "intra", "alpha_s": ..., "beta_bytes_per_s": ...,
@@ -62,7 +62,8 @@ __all__ = ["PROFILE_VERSION", "VERSION_KEY", "GemmFigure", "LinkFigure", "Hardwa
            "DTYPE_BYTES"]
 
 PROFILE_VERSION = 5
-"""The format version this autopar writes and reads (4: the model's pipeline, ``pipeline``; 3: the model's
+"""The format version this autopar writes and reads (5: the steps a layer at t > 1 is fitted to,
+``layers[].steps``; 4: the model's pipeline, ``pipeline``; 3: the model's
 layers measured on the engine, ``layers``, its data-parallel side, ``data_parallel``, a multi-rank step's own
 cost, ``runtime.world_step_s``, and the distributed optimizer's, ``runtime.distopt_step_s``; 2 added the
 runtime's own overheads, ``runtime``, and the runtime's tensor-parallel all-reduce, ``tp_all_reduce``)."""
@@ -134,7 +135,7 @@ class HardwareProfile:
     data_parallel: tuple[MeasuredDataParallel, ...] = ()
     """The model's data-parallel side timed on the engine; empty when not measured."""
     pipeline: tuple[MeasuredPipeline, ...] = ()
-    """The model's pipeline sends timed on the engine; empty when not measured."""
+    """The model's pipeline timed on the engine, in each schedule; empty when not measured."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each number came from, in words, by section."""
     tune_flags: str = ""
@@ -278,7 +279,16 @@ def _layer(d: dict, i: int, path: str) -> MeasuredLayer:
                          split_seconds=_non_negative(_get(d, "split_seconds", float, w, path), f"{w}split_seconds",
                                                      path),
                          steps=_steps(_get(d, "steps", list, w, path), f"{w}steps", path),
-                         microbatches=_get(d, "microbatches", int, w, path))
+                         microbatches=_microbatches(d, w, path))
+
+
+def _microbatches(d: dict, where: str, path: str) -> int:
+    """A layer's ``microbatches``: at least 1 where it has steps (they are steps of that many)."""
+    value = _get(d, "microbatches", int, where, path)
+    if d.get("steps") and value < 1:
+        raise ProfileFieldError(f"hardware profile {path}: {where}microbatches is {value}, but {where}steps holds "
+                                f"steps: say how many microbatches each ran (autopar tune writes 4)")
+    return value
 
 
 def _steps(value: list, name: str, path: str) -> tuple[tuple[int, float], ...]:

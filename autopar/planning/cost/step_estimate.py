@@ -389,15 +389,13 @@ def fitted_layers(spec: ModelSpec, hw: Hardware, precision) -> Hardware:
     bubble), so two prices per depth give k_n and C_n. A single step carries its noise once; the
     difference of two steps (``seconds``) carries both steps' noise on a quarter of their size. ``hw``
     itself when it has no such layer."""
-    if not any(x.steps and x.tp > 1 and measures_layer_of(x.signature, x.nodes, spec) for x in hw.layers):
+    def fitted(x: MeasuredLayer) -> bool:
+        return bool(x.steps) and x.tp > 1 and measures_layer_of(x.signature, x.nodes, spec)
+    if not any(map(fitted, hw.layers)):
         return hw
     bare = replace(hw, layers=tuple(replace(x, steps=()) for x in hw.layers))
-    layers = []
-    for x in hw.layers:
-        if x.steps and x.tp > 1 and measures_layer_of(x.signature, x.nodes, spec):
-            x = replace(x, steps=(), seconds=_fitted_seconds(spec, bare, x, precision))
-        layers.append(x)
-    return replace(bare, layers=tuple(layers))
+    return replace(bare, layers=tuple(replace(x, steps=(), seconds=_fitted_seconds(spec, bare, x, precision))
+                                      if fitted(x) else replace(x, steps=()) for x in hw.layers))
 
 
 def _fitted_seconds(spec: ModelSpec, bare: Hardware, x: MeasuredLayer, precision) -> float:
